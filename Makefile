@@ -1,0 +1,42 @@
+# One entry point for a fresh machine: `make test` installs, starts the real services, runs the suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test test-fast install services-up services-down services-status lint typecheck clean
+
+test: install services-up
+	$(PY) -m pytest
+
+# Unit tests only: no services needed.
+test-fast: install
+	$(PY) -m pytest -m unit
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt setuptools wheel
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+services-up: install
+	$(PY) scripts/services.py up
+
+services-down:
+	$(PYTHON) scripts/services.py down
+
+services-status:
+	$(PYTHON) scripts/services.py status
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+clean: services-down
+	rm -rf .local $(VENV)

@@ -1,0 +1,1 @@
+"""The relay sidecar: promotes committed outbox records to Kafka with Kafka transactions."""

@@ -1,0 +1,471 @@
+"""Start, stop and describe the real local stack: PostgreSQL, a KRaft Kafka broker, Spark's jars.
+
+Usage: scripts/services up|down|status|env|spark-jars
+
+Everything lives under `.local/` (ignored by git): binaries' data, resolved jars, logs, pid files.
+`up` is idempotent: what exists is reused and what runs is left running, so a second call returns in
+seconds. Only the standard library is used, so this runs before the project's virtualenv exists.
+
+Ports (loopback only) move with OUTBOX_PG_PORT, OUTBOX_KAFKA_PORT, OUTBOX_KAFKA_CONTROLLER_PORT.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCAL = ROOT / ".local"
+HOST = "127.0.0.1"
+PG_PORT = int(os.environ.get("OUTBOX_PG_PORT", "55432"))
+KAFKA_PORT = int(os.environ.get("OUTBOX_KAFKA_PORT", "59092"))
+CONTROLLER_PORT = int(os.environ.get("OUTBOX_KAFKA_CONTROLLER_PORT", "59093"))
+
+PG_DIR = LOCAL / "postgres"
+PG_DATA = PG_DIR / "data"
+PG_LOG = PG_DIR / "postgres.log"
+KAFKA_DIR = LOCAL / "kafka"
+KAFKA_LIBS = KAFKA_DIR / "libs"
+KAFKA_DATA = KAFKA_DIR / "data"
+KAFKA_LOGS = KAFKA_DIR / "logs"
+KAFKA_PID = KAFKA_DIR / "kafka.pid"
+SPARK_JARS = LOCAL / "spark-jars"
+JVM_POMS = ROOT / "scripts" / "jvm"
+
+# Settings the design needs: commit timestamps order rows by commit (property 4), logical WAL
+# keeps logical decoding open as an option. fsync stays on: crash tests must mean something.
+PG_SETTINGS = {
+    "listen_addresses": HOST,
+    "port": str(PG_PORT),
+    "unix_socket_directories": "",
+    "track_commit_timestamp": "on",
+    "wal_level": "logical",
+    "max_connections": "300",
+    "max_replication_slots": "10",
+    "max_wal_senders": "10",
+    "shared_buffers": "256MB",
+    "log_min_duration_statement": "-1",
+    "logging_collector": "off",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[services] {msg}", flush=True)
+
+
+def fail(msg: str) -> None:
+    print(f"[services] error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) == 0
+
+
+def wait_until(what: str, check, timeout: float, log_file: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.25)
+    tail = ""
+    if log_file and log_file.exists():
+        tail = "\n" + "\n".join(log_file.read_text(errors="replace").splitlines()[-30:])
+    fail(f"{what} did not answer within {timeout:.0f}s{tail}")
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, check=True, text=True, **kw)
+
+
+# --- PostgreSQL -------------------------------------------------------------------------------
+
+
+def pg_bindir() -> Path | None:
+    candidates = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name)
+    )
+    if candidates:
+        return Path(candidates[-1])
+    initdb = shutil.which("initdb")
+    return Path(initdb).parent if initdb else None
+
+
+def install_postgres() -> Path:
+    bindir = pg_bindir()
+    if bindir and (bindir / "postgres").exists():
+        return bindir
+    log("PostgreSQL is not installed: installing it from Debian's packages")
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    if sudo and not shutil.which("sudo"):
+        fail("PostgreSQL is missing and installing it needs root: run `apt-get install postgresql`")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    run([*sudo, "apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL)
+    run(
+        [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "postgresql"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    bindir = pg_bindir()
+    if not bindir:
+        fail("PostgreSQL was installed but no initdb was found under /usr/lib/postgresql")
+    return bindir  # type: ignore[return-value]
+
+
+def pg_user_prefix() -> list[str]:
+    """Postgres refuses to run as root; as root we run it as the `postgres` system user."""
+    if os.geteuid() != 0:
+        return []
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "postgres"])
+    return ["runuser", "-u", "postgres", "--"]
+
+
+def pg_running() -> bool:
+    return port_open(PG_PORT)
+
+
+def pg_ready(bindir: Path) -> bool:
+    r = subprocess.run(
+        [str(bindir / "pg_isready"), "-h", HOST, "-p", str(PG_PORT), "-U", "postgres"],
+        capture_output=True,
+    )
+    return r.returncode == 0
+
+
+def postgres_up() -> None:
+    bindir = install_postgres()
+    prefix = pg_user_prefix()
+    if pg_running() and pg_ready(bindir):
+        log(f"postgres already running on {HOST}:{PG_PORT}")
+        return
+    PG_DIR.mkdir(parents=True, exist_ok=True)
+    if prefix:
+        # the postgres user must reach its data directory through the checkout
+        for parent in [PG_DIR, *PG_DIR.parents]:
+            if parent == Path("/"):
+                break
+            mode = parent.stat().st_mode
+            if not mode & 0o001:
+                parent.chmod(mode | 0o001)
+        shutil.chown(PG_DIR, "postgres", "postgres")
+    if not (PG_DATA / "PG_VERSION").exists():
+        log(f"creating a PostgreSQL cluster in {PG_DATA}")
+        run(
+            [
+                *prefix,
+                str(bindir / "initdb"),
+                "-D",
+                str(PG_DATA),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--locale=C.UTF-8",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+    opts = " ".join(f"-c {k}={v!s}" if v else f"-c {k}=''" for k, v in PG_SETTINGS.items())
+    run(
+        [
+            *prefix,
+            str(bindir / "pg_ctl"),
+            "-D",
+            str(PG_DATA),
+            "-l",
+            str(PG_LOG),
+            "-o",
+            opts,
+            "-w",
+            "-t",
+            "60",
+            "start",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    wait_until("postgres", lambda: pg_ready(bindir), 60, PG_LOG)
+    log(f"postgres ready on {HOST}:{PG_PORT} (log: {PG_LOG})")
+
+
+def postgres_down() -> None:
+    bindir = pg_bindir()
+    if not bindir or not (PG_DATA / "postmaster.pid").exists():
+        return
+    subprocess.run(
+        [*pg_user_prefix(), str(bindir / "pg_ctl"), "-D", str(PG_DATA), "-m", "fast", "-w", "stop"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    log("postgres stopped")
+
+
+# --- Kafka ------------------------------------------------------------------------------------
+
+
+def mvn_copy(pom: Path, dest: Path, *props: str) -> None:
+    if not shutil.which("mvn"):
+        fail("Maven (mvn) is needed to resolve the Kafka and Spark jars; install Maven and Java 17")
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"resolving jars for {pom.parent.name} with Maven into {dest}")
+    result = subprocess.run(
+        [
+            "mvn",
+            "-B",
+            "-q",
+            "-f",
+            str(pom),
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={tmp}",
+            "-DincludeScope=runtime",
+            *props,
+        ],
+        text=True,
+        capture_output=True,
+    )
+    if result.returncode != 0:
+        fail(f"Maven could not resolve {pom}:\n{result.stdout[-4000:]}{result.stderr[-2000:]}")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)  # only a complete set of jars ever appears under dest
+
+
+def kafka_jars() -> None:
+    stamp = KAFKA_LIBS / ".pom"
+    pom = JVM_POMS / "kafka" / "pom.xml"
+    if stamp.exists() and stamp.read_text() == pom.read_text():
+        return
+    mvn_copy(pom, KAFKA_LIBS)
+    stamp.write_text(pom.read_text())
+
+
+def kafka_properties() -> str:
+    return "\n".join(
+        [
+            "process.roles=broker,controller",
+            "node.id=1",
+            f"controller.quorum.voters=1@{HOST}:{CONTROLLER_PORT}",
+            f"listeners=PLAINTEXT://{HOST}:{KAFKA_PORT},CONTROLLER://{HOST}:{CONTROLLER_PORT}",
+            f"advertised.listeners=PLAINTEXT://{HOST}:{KAFKA_PORT}",
+            "controller.listener.names=CONTROLLER",
+            "inter.broker.listener.name=PLAINTEXT",
+            "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            f"log.dirs={KAFKA_DATA}",
+            "num.partitions=1",
+            # One broker: internal topics at replication factor 1, or transactions never start.
+            "offsets.topic.replication.factor=1",
+            "offsets.topic.num.partitions=5",
+            "transaction.state.log.replication.factor=1",
+            "transaction.state.log.min.isr=1",
+            "transaction.state.log.num.partitions=5",
+            "share.coordinator.state.topic.replication.factor=1",
+            "share.coordinator.state.topic.min.isr=1",
+            "min.insync.replicas=1",
+            "group.initial.rebalance.delay.ms=0",
+            # Topics are created on purpose (tests, the relay); a typo must not create one.
+            "auto.create.topics.enable=false",
+            "delete.topic.enable=true",
+            "transaction.abort.timed.out.transaction.cleanup.interval.ms=10000",
+            "",
+        ]
+    )
+
+
+LOG4J2 = """\
+status = warn
+appender.file.type = File
+appender.file.name = FILE
+appender.file.fileName = {logs}/server.log
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.file.ref = FILE
+logger.kafka.name = kafka
+logger.kafka.level = INFO
+logger.state.name = state.change.logger
+logger.state.level = WARN
+"""
+
+
+def kafka_pid() -> int | None:
+    try:
+        pid = int(KAFKA_PID.read_text())
+        os.kill(pid, 0)
+        return pid
+    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+        return None
+
+
+def kafka_answers() -> bool:
+    """True once the broker answers a Kafka request, not merely accepts TCP connections."""
+    if not port_open(KAFKA_PORT):
+        return False
+    try:
+        from confluent_kafka.admin import AdminClient
+    except ImportError:  # before the virtualenv exists a listening port has to do
+        return True
+    admin = AdminClient({"bootstrap.servers": f"{HOST}:{KAFKA_PORT}"})
+    try:
+        return bool(admin.list_topics(timeout=2).brokers)
+    except Exception:
+        return False
+
+
+def java_cmd(main: str, *args: str, heap: str = "256m") -> list[str]:
+    return [
+        "java",
+        f"-Xmx{heap}",
+        "-cp",
+        f"{KAFKA_LIBS}/*",
+        f"-Dlog4j2.configurationFile={KAFKA_DIR / 'log4j2.properties'}",
+        main,
+        *args,
+    ]
+
+
+def kafka_up() -> None:
+    if kafka_pid() and kafka_answers():
+        log(f"kafka already running on {HOST}:{KAFKA_PORT}")
+        return
+    if port_open(KAFKA_PORT):
+        fail(f"port {KAFKA_PORT} is taken by another process; set OUTBOX_KAFKA_PORT")
+    if not shutil.which("java"):
+        fail("Java 17+ is needed to run the Kafka broker")
+    kafka_jars()
+    KAFKA_LOGS.mkdir(parents=True, exist_ok=True)
+    props = KAFKA_DIR / "server.properties"
+    props.write_text(kafka_properties())
+    (KAFKA_DIR / "log4j2.properties").write_text(LOG4J2.format(logs=KAFKA_LOGS))
+    if not (KAFKA_DATA / "meta.properties").exists():
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        log(f"formatting KRaft storage in {KAFKA_DATA}")
+        run(
+            java_cmd("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)),
+            stdout=subprocess.DEVNULL,
+        )
+    out = (KAFKA_LOGS / "stdout.log").open("ab")
+    proc = subprocess.Popen(
+        java_cmd("kafka.Kafka", str(props), heap="1g"),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # outlives this script and the test session that started it
+    )
+    KAFKA_PID.write_text(str(proc.pid))
+    wait_until(
+        "kafka",
+        lambda: proc.poll() is None and kafka_answers(),
+        120,
+        KAFKA_LOGS / "server.log" if proc.poll() is None else KAFKA_LOGS / "stdout.log",
+    )
+    log(f"kafka ready on {HOST}:{KAFKA_PORT} (logs: {KAFKA_LOGS})")
+
+
+def kafka_down() -> None:
+    pid = kafka_pid()
+    if pid is None:
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and kafka_pid():
+        time.sleep(0.25)
+    if kafka_pid():
+        os.kill(pid, signal.SIGKILL)
+    KAFKA_PID.unlink(missing_ok=True)
+    log("kafka stopped")
+
+
+# --- Spark connector jars ---------------------------------------------------------------------
+
+
+def pyspark_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("pyspark")
+    except Exception:
+        return None
+
+
+def spark_jars() -> list[Path]:
+    """The spark-sql-kafka connector for the installed PySpark, and the PostgreSQL JDBC driver."""
+    spark_version = pyspark_version()
+    if spark_version is None:
+        return []
+    dest = SPARK_JARS / spark_version
+    if not (dest / ".complete").exists():
+        mvn_copy(JVM_POMS / "spark" / "pom.xml", dest, f"-Dspark.version={spark_version}")
+        (dest / ".complete").touch()
+    return sorted(dest.glob("*.jar"))
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+def env_lines() -> list[str]:
+    jars = ",".join(str(p) for p in spark_jars())
+    return [
+        f"OUTBOX_TEST_PG_DSN=postgresql://postgres@{HOST}:{PG_PORT}/postgres",
+        f"OUTBOX_TEST_KAFKA_BOOTSTRAP={HOST}:{KAFKA_PORT}",
+        f"OUTBOX_SPARK_JARS={jars}",
+    ]
+
+
+def up() -> None:
+    postgres_up()
+    kafka_up()
+    jars = spark_jars()
+    if jars:
+        log(f"spark connector jars ready ({len(jars)} jars in {jars[0].parent})")
+    else:
+        log("pyspark is not installed here: skipped the Spark connector jars")
+
+
+def status() -> int:
+    bindir = pg_bindir()
+    pg = bool(bindir) and pg_running() and pg_ready(bindir)  # type: ignore[arg-type]
+    kafka = kafka_pid() is not None and kafka_answers()
+    print(f"postgres  {'up' if pg else 'down':4}  {HOST}:{PG_PORT}  log {PG_LOG}")
+    print(f"kafka     {'up' if kafka else 'down':4}  {HOST}:{KAFKA_PORT}  logs {KAFKA_LOGS}")
+    return 0 if pg and kafka else 1
+
+
+def main(argv: list[str]) -> int:
+    cmd = argv[1] if len(argv) > 1 else "help"
+    if cmd == "up":
+        up()
+        for line in env_lines():
+            print(line)
+        return 0
+    if cmd == "down":
+        kafka_down()
+        postgres_down()
+        return 0
+    if cmd == "status":
+        return status()
+    if cmd == "spark-jars":  # only the jars, for machines whose services come from elsewhere
+        print(env_lines()[-1])
+        return 0
+    if cmd == "env":
+        for line in env_lines():
+            print(f"export {line}")
+        return 0
+    print(__doc__)
+    return 0 if cmd in ("help", "-h", "--help") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = [
+    "tests.fixtures.services",
+    "tests.fixtures.postgres",
+    "tests.fixtures.kafka",
+    "tests.fixtures.spark",
+]
+
+_LAYERS = {"unit", "integration", "spark", "acceptance"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its layer from its folder, so `pytest -m unit` runs the fast subset."""
+    tests_dir = Path(__file__).parent
+    for item in items:
+        layer = item.path.relative_to(tests_dir).parts[0]
+        if layer in _LAYERS:
+            item.add_marker(getattr(pytest.mark, layer))
+        if layer == "spark":
+            # py4j leaves its gateway sockets to the garbage collector; not ours to fix.
+            item.add_marker(
+                pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+            )

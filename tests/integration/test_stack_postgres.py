@@ -1,0 +1,40 @@
+"""Postgres runs with the settings the relay's ordering relies on (design properties 3 and 4)."""
+
+from __future__ import annotations
+
+import psycopg
+
+
+def test_settings_the_design_needs(pg_conn: psycopg.Connection) -> None:
+    assert pg_conn.execute("SHOW track_commit_timestamp").fetchone() == ("on",)
+    assert pg_conn.execute("SHOW wal_level").fetchone() == ("logical",)
+
+
+def test_xact_id_and_commit_timestamp_round_trip(pg_conn: psycopg.Connection) -> None:
+    pg_conn.execute("CREATE TABLE probe (id int PRIMARY KEY)")
+    pg_conn.commit()
+
+    before = pg_conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+    pg_conn.commit()
+    with pg_conn.transaction():
+        pg_conn.execute("INSERT INTO probe VALUES (1)")
+        xid8 = pg_conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]  # type: ignore[index]
+    row = pg_conn.execute(
+        """SELECT xmin::text::bigint, pg_xact_commit_timestamp(xmin),
+                  pg_snapshot_xmin(pg_current_snapshot())::text::bigint
+           FROM probe"""
+    ).fetchone()
+    assert row is not None
+    row_xid, committed_at, horizon = row
+    assert row_xid == xid8 % 2**32  # xmin is the 32-bit xid of the 64-bit xact id
+    assert committed_at is not None
+    assert committed_at >= before
+    assert horizon > xid8  # the writer has ended, so its xid is below the horizon
+
+
+def test_each_test_gets_its_own_database(pg_conn: psycopg.Connection, pg_template: str) -> None:
+    name = pg_conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
+    assert name.startswith("outbox_test_")
+    assert name != pg_template
+    probe_tables = "SELECT count(*) FROM pg_tables WHERE tablename = 'probe'"
+    assert pg_conn.execute(probe_tables).fetchone() == (0,)

@@ -1,0 +1,53 @@
+"""PySpark's real Kafka source reads only committed transactions with read_committed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from confluent_kafka import Producer
+
+from tests.fixtures.kafka import TIMEOUT_S
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def test_structured_streaming_reads_committed_records(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    tmp_path,
+) -> None:
+    topic = topic_factory(partitions=2)
+    for values, commit in ((["c1", "c2"], True), (["aborted"], False), (["c3"], True)):
+        transactional_producer.begin_transaction()
+        for v in values:
+            transactional_producer.produce(topic, key=v.encode(), value=v.encode())
+        if commit:
+            transactional_producer.commit_transaction(TIMEOUT_S)
+        else:
+            transactional_producer.flush(TIMEOUT_S)
+            transactional_producer.abort_transaction(TIMEOUT_S)
+
+    stream = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", kafka_bootstrap)
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+        .option("kafka.isolation.level", "read_committed")
+        .load()
+    )
+    query = (
+        stream.selectExpr("CAST(value AS STRING) AS value")
+        .writeStream.format("memory")
+        .queryName("smoke_" + topic.replace(".", "_").replace("-", "_"))
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert query.awaitTermination(120), "the availableNow query did not finish"
+    assert query.exception() is None
+    rows = spark.sql(f"SELECT value FROM {query.name}").collect()
+    assert sorted(r.value for r in rows) == ["c1", "c2", "c3"]
