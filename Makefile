@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast install services-up services-down services-status lint typecheck clean
+.PHONY: test test-fast bench install services-up services-down services-status lint typecheck clean
 
 test: install services-up
 	$(PY) -m pytest
@@ -13,6 +13,9 @@ test: install services-up
 # Unit tests only: no services needed.
 test-fast: install
 	$(PY) -m pytest -m unit
+
+bench: install services-up
+	$(PY) -m bench.publish
 
 install: $(STAMP)
 

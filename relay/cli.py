@@ -1,14 +1,64 @@
 """`outboxctl`: the command line of the outbox sidecar.
 
-Subcommands are added by the parts that own them (migrations, relay, checker, reconciliation).
+Subcommands are added by the parts that own them (migrations now; relay, checker, reconciliation
+as they arrive). The database comes from `--dsn` or the OUTBOX_DATABASE_URL environment variable.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import version
+
+import psycopg
+
+from outbox import OutboxError, migrate
+from outbox import sql as outbox_sql
+from outbox.migrations import current_version, latest_version
+
+
+def _dsn(args: argparse.Namespace) -> str:
+    dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
+    if not dsn:
+        raise SystemExit("outboxctl: no database: pass --dsn or set OUTBOX_DATABASE_URL")
+    return str(dsn)
+
+
+def _cmd_migrate(args: argparse.Namespace) -> int:
+    report = migrate(_dsn(args), schema=args.schema)
+    if args.json:
+        print(
+            json.dumps(
+                {"schema": report.schema, "applied": report.applied, "version": report.version}
+            )
+        )
+    elif report.applied:
+        print(f"schema {report.schema}: applied {list(report.applied)}, now at {report.version}")
+    else:
+        print(f"schema {report.schema}: already at {report.version}, nothing to do")
+    return 0
+
+
+def _cmd_schema_version(args: argparse.Namespace) -> int:
+    with psycopg.connect(_dsn(args)) as conn:
+        at = current_version(conn, args.schema)
+    latest = latest_version()
+    if args.json:
+        print(json.dumps({"schema": args.schema, "version": at, "latest": latest}))
+    else:
+        print(
+            f"schema {args.schema}: at {at if at is not None else 'nothing (not migrated)'}, "
+            f"library knows {latest}"
+        )
+    return 0 if at == latest else 1
+
+
+def _cmd_grants(args: argparse.Namespace) -> int:
+    print(outbox_sql.grants_sql(args.schema, args.writer_role, args.relay_role).as_string(None))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,7 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {version('kafka-outbox-sidecar')}"
     )
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--dsn", help="Postgres connection string (default: $OUTBOX_DATABASE_URL)")
+    common.add_argument("--schema", default="outbox", help="schema of the outbox tables")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("migrate", parents=[common], help="create or upgrade the outbox schema")
+    p.set_defaults(func=_cmd_migrate)
+    p = sub.add_parser("schema-version", parents=[common], help="show the schema's version")
+    p.set_defaults(func=_cmd_schema_version)
+    p = sub.add_parser(
+        "grants", parents=[common], help="print least-privilege GRANTs for your roles"
+    )
+    p.add_argument("--writer-role", required=True, help="the application's role")
+    p.add_argument("--relay-role", required=True, help="the sidecar's role")
+    p.set_defaults(func=_cmd_grants)
     return parser
 
 
@@ -28,7 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return 0
+    try:
+        return int(args.func(args))
+    except (OutboxError, psycopg.Error) as exc:
+        print(f"outboxctl {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

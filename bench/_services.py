@@ -1,0 +1,50 @@
+"""A scratch database on the local services for a benchmark run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import outbox
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def service_env() -> dict[str, str]:
+    """Addresses from the environment, else from `scripts/services.py up` (which starts them)."""
+    if os.environ.get("OUTBOX_TEST_PG_DSN") and os.environ.get("OUTBOX_TEST_KAFKA_BOOTSTRAP"):
+        return {k: v for k, v in os.environ.items() if k.startswith("OUTBOX_")}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "services.py"), "up"],
+        check=True,
+        text=True,
+        capture_output=True,
+    ).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if line.startswith("OUTBOX_"))
+
+
+@contextmanager
+def scratch_database() -> Iterator[str]:
+    """A fresh, migrated database; dropped afterwards."""
+    admin_dsn = service_env()["OUTBOX_TEST_PG_DSN"]
+    name = f"outbox_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    params = conninfo_to_dict(admin_dsn)
+    params["dbname"] = name
+    dsn = make_conninfo(**params)  # type: ignore[arg-type]
+    try:
+        outbox.migrate(dsn)
+        yield dsn
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))

@@ -1,0 +1,185 @@
+"""The asyncio API over psycopg 3 `AsyncConnection` / `AsyncCursor`: the twin of `Outbox`.
+
+Each method behaves exactly as its namesake in `outbox._sync.Outbox`; the docstrings there hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
+from inspect import isawaitable
+from typing import Any
+
+import psycopg
+
+from outbox import _core
+from outbox._core import OutboxConfig, State, Transition, Written
+from outbox._errors import OutboxUsageError
+from outbox._local import LocalTransactionResult, parse_status, require_idle
+from outbox._records import Headers, Record, check_immunity_interval, require_records
+from outbox._session import database_errors, require_transaction
+from outbox._txid import new_tx_id
+from outbox.checkback import TransactionStatus
+
+logger = logging.getLogger(__name__)
+
+AsyncConnectionOrCursor = psycopg.AsyncConnection[Any] | psycopg.AsyncCursor[Any]
+
+
+async def _run(
+    target: AsyncConnectionOrCursor, op: _core.Operation, *, in_transaction: bool
+) -> Any:
+    conn = target.connection if isinstance(target, psycopg.AsyncCursor) else target
+    if not isinstance(conn, psycopg.AsyncConnection):
+        raise OutboxUsageError(
+            f"expected a psycopg AsyncConnection or AsyncCursor, got {type(target).__name__}: "
+            "use Outbox for sync connections"
+        )
+    query, params = next(op)
+    if in_transaction:
+        require_transaction(conn)
+    cur = target if isinstance(target, psycopg.AsyncCursor) else conn.cursor()
+    with database_errors():
+        while True:
+            await cur.execute(query, params)
+            rows = await cur.fetchall() if cur.description else []
+            try:
+                query, params = op.send(rows)
+            except StopIteration as done:
+                return done.value
+
+
+class AsyncOutbox:
+    """`Outbox` for asyncio: same methods, awaited."""
+
+    def __init__(self, config: OutboxConfig | None = None, **settings: Any) -> None:
+        self.config = config or OutboxConfig(**settings)
+
+    async def publish(
+        self,
+        conn: AsyncConnectionOrCursor,
+        topic: str,
+        value: Any,
+        *,
+        key: Any = None,
+        headers: Headers | None = None,
+        partition: int | None = None,
+        tx_id: str | None = None,
+        producer_group: str | None = None,
+    ) -> int:
+        record = Record(topic, value, key, headers, partition)
+        written = await self.publish_many(
+            conn, [record], tx_id=tx_id, producer_group=producer_group
+        )
+        return written.ids[0]
+
+    async def publish_many(
+        self,
+        conn: AsyncConnectionOrCursor,
+        records: Sequence[Record],
+        *,
+        tx_id: str | None = None,
+        producer_group: str | None = None,
+    ) -> Written:
+        require_records(records)
+        op = _core.insert(
+            self.config, records, state=State.COMMITTED, tx_id=tx_id, producer_group=producer_group
+        )
+        return await _run(conn, op, in_transaction=True)  # type: ignore[no-any-return]
+
+    async def prepare(
+        self,
+        conn: AsyncConnectionOrCursor,
+        topic: str,
+        value: Any,
+        *,
+        key: Any = None,
+        headers: Headers | None = None,
+        partition: int | None = None,
+        tx_id: str | None = None,
+        producer_group: str | None = None,
+        check_immunity: timedelta | float | None = None,
+    ) -> Written:
+        record = Record(topic, value, key, headers, partition)
+        return await self.prepare_many(
+            conn,
+            [record],
+            tx_id=tx_id,
+            producer_group=producer_group,
+            check_immunity=check_immunity,
+        )
+
+    async def prepare_many(
+        self,
+        conn: AsyncConnectionOrCursor,
+        records: Sequence[Record],
+        *,
+        tx_id: str | None = None,
+        producer_group: str | None = None,
+        check_immunity: timedelta | float | None = None,
+    ) -> Written:
+        require_records(records)
+        op = _core.insert(
+            self.config,
+            records,
+            state=State.PREPARED,
+            tx_id=tx_id or new_tx_id(),
+            producer_group=producer_group,
+            check_immunity=check_immunity_interval(check_immunity),
+        )
+        return await _run(conn, op, in_transaction=True)  # type: ignore[no-any-return]
+
+    async def commit(
+        self, conn: AsyncConnectionOrCursor, tx_id: str, *, producer_group: str | None = None
+    ) -> Transition:
+        op = _core.end(self.config, tx_id, State.COMMITTED, producer_group)
+        return await _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
+
+    async def rollback(
+        self, conn: AsyncConnectionOrCursor, tx_id: str, *, producer_group: str | None = None
+    ) -> Transition:
+        op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group)
+        return await _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
+
+    async def send_in_transaction(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        records: Sequence[Record],
+        local_transaction: Callable[[Written], Awaitable[TransactionStatus | str]]
+        | Callable[[Written], TransactionStatus | str],
+        *,
+        tx_id: str | None = None,
+        producer_group: str | None = None,
+        check_immunity: timedelta | float | None = None,
+    ) -> LocalTransactionResult:
+        """As `Outbox.send_in_transaction`; `local_transaction` may be sync or async."""
+        require_idle(conn)
+        async with conn.transaction():
+            written = await self.prepare_many(
+                conn,
+                records,
+                tx_id=tx_id,
+                producer_group=producer_group,
+                check_immunity=check_immunity,
+            )
+        answer = local_transaction(written)
+        status = parse_status(await answer if isawaitable(answer) else answer)
+        state = State.PREPARED
+        try:
+            if status is not TransactionStatus.UNKNOWN:
+                end = self.commit if status is TransactionStatus.COMMIT else self.rollback
+                async with conn.transaction():
+                    state = (
+                        await end(conn, written.tx_id, producer_group=written.producer_group)
+                    ).state
+        except Exception:
+            logger.warning(
+                "could not end tx %s (%s) after the local transaction said %s; "
+                "it stays prepared for the checker",
+                written.tx_id,
+                written.producer_group,
+                status.value,
+                exc_info=True,
+            )
+        return LocalTransactionResult(written, status, state)

@@ -1,0 +1,236 @@
+"""The outbox operations, written once for the sync and the async API.
+
+Each operation is a generator that yields `(query, params)` and receives the rows the query returned
+(the "sans-IO" style psycopg itself uses), so `_sync.py` and `_async.py` only drive them. All
+validation happens before the first yield: a rejected call sends no SQL at all.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any
+
+from psycopg.types.json import Jsonb
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from outbox import sql as queries
+from outbox._errors import (
+    DuplicateTransactionError,
+    IllegalTransitionError,
+    UnknownTransactionError,
+)
+from outbox._records import (
+    DEFAULT_MAX_RECORD_BYTES,
+    Record,
+    Serializer,
+    check_producer_group,
+    check_tx_id,
+    default_serializer,
+    encode_record,
+)
+
+Rows = list[tuple[Any, ...]]
+Query = tuple[bytes, dict[str, Any]]
+Operation = Generator[Query, Rows, Any]
+
+_SCHEMA_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]{0,62}")
+
+
+class State(StrEnum):
+    """States of an outbox record (see the state machine in the design)."""
+
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+    ROLLED_BACK = "rolled_back"
+    DISCARDED = "discarded"
+    DELIVERED = "delivered"
+    PARKED = "parked"
+
+
+def wakeup_channel(schema: str) -> str:
+    """The NOTIFY channel the relay listens on for this schema."""
+    return f"{schema}_wakeup"
+
+
+class OutboxConfig(BaseModel):
+    """How an application writes to the outbox. Validated once, when built."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    schema_name: str = Field(
+        default="outbox", description="Postgres schema holding the outbox tables."
+    )
+    producer_group: str = Field(
+        default="default",
+        description="Names this application to the checker; maps to its endpoint.",
+    )
+    max_record_bytes: int = Field(
+        default=DEFAULT_MAX_RECORD_BYTES,
+        gt=0,
+        description="Largest key + value + headers accepted.",
+    )
+    notify: bool = Field(
+        default=True, description="NOTIFY the relay at commit so it wakes at once."
+    )
+    key_serializer: Serializer = default_serializer
+    value_serializer: Serializer = default_serializer
+
+    @field_validator("schema_name")
+    @classmethod
+    def _schema_is_identifier(cls, v: str) -> str:
+        if not _SCHEMA_NAME.fullmatch(v):
+            raise ValueError(f"{v!r} is not a plain identifier of at most 63 characters")
+        return v
+
+    @field_validator("producer_group")
+    @classmethod
+    def _group_is_valid(cls, v: str) -> str:
+        return check_producer_group(v)
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What a publish or prepare wrote: the records' ids in the order given, and their tx id."""
+
+    tx_id: str
+    ids: tuple[int, ...]
+    producer_group: str
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """The outcome of commit() or rollback().
+
+    `changed` is False when the transaction was already in the asked state (a repeated commit or
+    rollback is harmless); `ids` are the records this call moved.
+    """
+
+    producer_group: str
+    tx_id: str
+    state: State
+    changed: bool
+    ids: tuple[int, ...]
+
+
+def insert(
+    cfg: OutboxConfig,
+    records: Sequence[Record],
+    *,
+    state: State,
+    tx_id: str | None,
+    producer_group: str | None,
+    check_immunity: timedelta | None = None,
+) -> Operation:
+    group = (
+        check_producer_group(producer_group) if producer_group is not None else cfg.producer_group
+    )
+    if tx_id is not None:
+        check_tx_id(tx_id)
+    encoded = [
+        encode_record(
+            r,
+            key_serializer=cfg.key_serializer,
+            value_serializer=cfg.value_serializer,
+            max_record_bytes=cfg.max_record_bytes,
+            position=i if len(records) > 1 else None,
+        )
+        for i, r in enumerate(records)
+    ]
+    schema = cfg.schema_name
+    if tx_id is not None:
+        # A caller-given tx id belongs to one database transaction only.
+        params = {"producer_group": group, "tx_id": tx_id}
+        yield queries.query("lock_tx_id", schema), params
+        rows = yield queries.query("tx_id_used_elsewhere", schema), params
+        if rows[0][0]:
+            raise DuplicateTransactionError(
+                f"tx id {tx_id!r} of producer group {group!r} is already used by another "
+                "database transaction; give each transaction its own tx id",
+                producer_group=group,
+                tx_id=tx_id,
+            )
+    common = {
+        "producer_group": group,
+        "tx_id": tx_id,
+        "state": state.value,
+        "check_immunity": check_immunity,
+        "notify": cfg.notify and state is State.COMMITTED,
+        "channel": wakeup_channel(schema),
+    }
+    if len(encoded) == 1:
+        one = encoded[0]
+        rows = yield (
+            queries.query("insert_record", schema),
+            {
+                **common,
+                "topic": one.topic,
+                "key": one.key,
+                "value": one.value,
+                "headers": Jsonb(one.headers),
+                "partition": one.partition,
+            },
+        )
+    else:
+        rows = yield (
+            queries.query("insert_records", schema),
+            {
+                **common,
+                "topics": [e.topic for e in encoded],
+                "keys": [e.key for e in encoded],
+                "values": [e.value for e in encoded],
+                "headers": [Jsonb(e.headers) for e in encoded],
+                "partitions": [e.partition for e in encoded],
+            },
+        )
+    return Written(tx_id=rows[0][1], ids=tuple(r[0] for r in rows), producer_group=group)
+
+
+# For each target, the states that count as "already there" (a repeat is harmless).
+_ALREADY = {
+    State.COMMITTED: {State.COMMITTED.value, State.DELIVERED.value, State.PARKED.value},
+    State.ROLLED_BACK: {State.ROLLED_BACK.value},
+}
+
+
+def end(cfg: OutboxConfig, tx_id: str, to_state: State, producer_group: str | None) -> Operation:
+    """Compare-and-set prepared -> committed / rolled_back for every record of the transaction."""
+    group = (
+        check_producer_group(producer_group) if producer_group is not None else cfg.producer_group
+    )
+    check_tx_id(tx_id)
+    params = {"producer_group": group, "tx_id": tx_id}
+    schema = cfg.schema_name
+    rows = yield (
+        queries.query("end_transaction", schema),
+        {
+            **params,
+            "to_state": to_state.value,
+            "notify": cfg.notify and to_state is State.COMMITTED,
+            "channel": wakeup_channel(schema),
+        },
+    )
+    if rows:
+        return Transition(group, tx_id, to_state, changed=True, ids=tuple(r[0] for r in rows))
+    states = yield queries.query("transaction_states", schema), params
+    current = tuple(str(s) for s, _count in states)
+    if not current:
+        raise UnknownTransactionError(
+            f"no records of tx id {tx_id!r} in producer group {group!r}: never prepared, "
+            "or delivered and removed already",
+            producer_group=group,
+            tx_id=tx_id,
+        )
+    if set(current) <= _ALREADY[to_state]:
+        return Transition(group, tx_id, to_state, changed=False, ids=())
+    verb = "commit" if to_state is State.COMMITTED else "roll back"
+    raise IllegalTransitionError(
+        f"cannot {verb} tx id {tx_id!r} of producer group {group!r}: its records are "
+        f"{', '.join(current)}, and only prepared records can change",
+        producer_group=group,
+        tx_id=tx_id,
+        current_states=current,
+    )

@@ -1,0 +1,95 @@
+"""Errors of the outbox library: one root, grouped by what the caller does about them.
+
+    OutboxError
+    ├── InvalidRecordError          bad input: fix the call; nothing was written
+    │   ├── InvalidTopicError
+    │   ├── InvalidHeaderError
+    │   ├── RecordTooLargeError
+    │   ├── InvalidProducerGroupError
+    │   ├── InvalidTxIdError
+    │   └── SerializationError
+    ├── OutboxUsageError            the API was used in a way that cannot keep its guarantees
+    ├── TransactionStateError       a state change the state machine does not allow; nothing changed
+    │   ├── UnknownTransactionError
+    │   ├── IllegalTransitionError
+    │   └── DuplicateTransactionError
+    ├── SchemaError                 the database schema is missing or newer than this library
+    └── OutboxDatabaseError         the database failed; psycopg's error is the __cause__
+
+Validation happens before any SQL is sent, so after an InvalidRecordError, an OutboxUsageError or
+a TransactionStateError the caller's transaction is still usable. After an OutboxDatabaseError it
+is whatever Postgres left it (usually aborted: roll back).
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Root of every error this library raises."""
+
+
+class InvalidRecordError(OutboxError, ValueError):
+    """A record (or its transaction id, group, headers) is not acceptable. Nothing was written."""
+
+
+class InvalidTopicError(InvalidRecordError):
+    pass
+
+
+class InvalidHeaderError(InvalidRecordError):
+    pass
+
+
+class RecordTooLargeError(InvalidRecordError):
+    pass
+
+
+class InvalidProducerGroupError(InvalidRecordError):
+    pass
+
+
+class InvalidTxIdError(InvalidRecordError):
+    pass
+
+
+class SerializationError(InvalidRecordError):
+    pass
+
+
+class OutboxUsageError(OutboxError):
+    """The call cannot keep the outbox's guarantees as made (e.g. no transaction is open)."""
+
+
+class TransactionStateError(OutboxError):
+    """The transaction is not in a state that allows this change. Nothing was changed."""
+
+    def __init__(self, message: str, *, producer_group: str, tx_id: str) -> None:
+        super().__init__(message)
+        self.producer_group = producer_group
+        self.tx_id = tx_id
+
+
+class UnknownTransactionError(TransactionStateError):
+    """No record of this (producer group, tx id) is in the outbox."""
+
+
+class IllegalTransitionError(TransactionStateError):
+    """E.g. commit after rollback, rollback after delivery."""
+
+    def __init__(
+        self, message: str, *, producer_group: str, tx_id: str, current_states: tuple[str, ...]
+    ) -> None:
+        super().__init__(message, producer_group=producer_group, tx_id=tx_id)
+        self.current_states = current_states
+
+
+class DuplicateTransactionError(TransactionStateError):
+    """The caller-given tx id is already used by another database transaction."""
+
+
+class SchemaError(OutboxError):
+    pass
+
+
+class OutboxDatabaseError(OutboxError):
+    """Postgres reported an error; the original psycopg exception is chained as __cause__."""

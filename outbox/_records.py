@@ -1,0 +1,250 @@
+"""Records as the caller gives them, and their validation into what the database stores.
+
+Everything here runs before any SQL is sent: a record that fails never touches the database, and
+the caller's transaction stays usable.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBytes,
+    StrictInt,
+    StrictStr,
+)
+from pydantic import ValidationError as PydanticValidationError
+
+from outbox._errors import (
+    InvalidHeaderError,
+    InvalidProducerGroupError,
+    InvalidRecordError,
+    InvalidTopicError,
+    InvalidTxIdError,
+    OutboxUsageError,
+    RecordTooLargeError,
+    SerializationError,
+)
+
+HeaderValue = bytes | str | None
+Headers = Mapping[str, HeaderValue] | Sequence[tuple[str, HeaderValue]]
+Serializer = Callable[[Any], bytes | None]
+
+# Kafka's own rules (kafka.common.internals.Topic): legal characters, at most 249 of them.
+_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+_PRODUCER_GROUP = re.compile(r"[a-zA-Z0-9._-]{1,128}")
+_TX_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+# The relay adds these to every record it delivers; a caller must not forge them.
+RESERVED_HEADER_PREFIX = "outbox-"
+# Kafka's default max.request.size / message.max.bytes, in round numbers.
+DEFAULT_MAX_RECORD_BYTES = 1_048_576
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One record for `publish_many` / `prepare_many`.
+
+    `value` and `key` may be bytes (sent as they are), str (UTF-8), None (a null value is a Kafka
+    tombstone) or anything the serializer accepts (JSON by default). Header values are bytes, str
+    (UTF-8) or None; names repeat as Kafka allows. `partition` pins the Kafka partition.
+    """
+
+    topic: str
+    value: Any
+    key: Any = None
+    headers: Headers | None = None
+    partition: int | None = None
+
+
+def check_topic(topic: object) -> str:
+    if not isinstance(topic, str):
+        raise InvalidTopicError(f"topic must be a str, got {type(topic).__name__}")
+    if topic in (".", ".."):
+        raise InvalidTopicError(f"topic {topic!r} is not allowed by Kafka")
+    if not _TOPIC.fullmatch(topic):
+        raise InvalidTopicError(
+            f"topic {topic[:60]!r} is invalid: Kafka allows 1 to 249 characters of "
+            "[a-zA-Z0-9._-]" + (f" (it has {len(topic)})" if len(topic) > 249 else "")
+        )
+    return topic
+
+
+def check_producer_group(group: object) -> str:
+    if not isinstance(group, str) or not _PRODUCER_GROUP.fullmatch(group):
+        raise InvalidProducerGroupError(
+            f"producer group {group!r} is invalid: use 1 to 128 characters of [a-zA-Z0-9._-]"
+        )
+    return group
+
+
+def check_tx_id(tx_id: object) -> str:
+    if not isinstance(tx_id, str) or not _TX_ID.fullmatch(tx_id):
+        raise InvalidTxIdError(
+            f"tx id {tx_id!r} is invalid: use 1 to 128 printable ASCII characters, no spaces"
+        )
+    return tx_id
+
+
+def check_immunity_interval(immunity: object) -> timedelta | None:
+    if immunity is None:
+        return None
+    if isinstance(immunity, bool) or not isinstance(immunity, timedelta | int | float):
+        raise InvalidRecordError(
+            f"check_immunity must be a timedelta or seconds, got {type(immunity).__name__}"
+        )
+    value = immunity if isinstance(immunity, timedelta) else timedelta(seconds=immunity)
+    if value < timedelta(0):
+        raise InvalidRecordError(f"check_immunity must not be negative, got {value}")
+    return value
+
+
+def default_serializer(obj: Any) -> bytes | None:
+    """bytes as they are, str as UTF-8, None as null, anything else as compact JSON."""
+    if obj is None or isinstance(obj, bytes):
+        return obj
+    if isinstance(obj, bytearray | memoryview):
+        return bytes(obj)
+    if isinstance(obj, str):
+        return obj.encode()
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _header_name(name: str) -> str:
+    if not name:
+        raise ValueError("header name must not be empty")
+    if name.lower().startswith(RESERVED_HEADER_PREFIX):
+        raise ValueError(f"header name {name!r} is reserved: the relay sets outbox-* headers")
+    return name
+
+
+class _Header(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    name: Annotated[StrictStr, AfterValidator(_header_name)]
+    value: StrictBytes | StrictStr | None
+
+
+class _HeaderList(BaseModel):
+    items: list[_Header]
+
+
+class _Placement(BaseModel):
+    partition: Annotated[StrictInt, Field(ge=0)] | None
+
+
+def _headers_to_rows(headers: Headers | None) -> list[list[str | None]]:
+    """Validated headers as the stored JSON: [[name, base64 value or null], ...]."""
+    given: object = headers  # checked at run time: callers may pass anything
+    if given is None:
+        return []
+    if isinstance(given, Mapping):
+        pairs: list[Any] = list(given.items())
+    elif isinstance(given, Sequence) and not isinstance(given, str | bytes):
+        pairs = list(given)
+    else:
+        raise InvalidHeaderError(
+            f"headers must be a mapping or a sequence of (name, value) pairs, "
+            f"got {type(given).__name__}"
+        )
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
+            raise InvalidHeaderError(f"header #{i} must be a (name, value) pair, got {pair!r}")
+    try:
+        parsed = _HeaderList.model_validate({"items": [{"name": n, "value": v} for n, v in pairs]})
+    except PydanticValidationError as exc:
+        err = exc.errors()[0]
+        index, field = err["loc"][1], err["loc"][2]
+        raise InvalidHeaderError(
+            f"header #{index} ({pairs[int(index)][0]!r}): {field}: {err['msg']}"
+        ) from None
+    rows: list[list[str | None]] = []
+    for h in parsed.items:
+        raw = h.value.encode() if isinstance(h.value, str) else h.value
+        rows.append([h.name, None if raw is None else base64.b64encode(raw).decode("ascii")])
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRecord:
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list[list[str | None]]
+    partition: int | None
+
+
+def encode_record(
+    record: Record,
+    *,
+    key_serializer: Serializer,
+    value_serializer: Serializer,
+    max_record_bytes: int,
+    position: int | None = None,
+) -> EncodedRecord:
+    """Validate and serialize one record; the errors say which record of a batch is wrong."""
+    where = "" if position is None else f"record #{position}: "
+    try:
+        topic = check_topic(record.topic)
+        try:
+            partition = _Placement(partition=record.partition).partition
+        except PydanticValidationError:
+            raise InvalidRecordError(
+                f"partition must be a non-negative int or None, got {record.partition!r}"
+            ) from None
+        headers = _headers_to_rows(record.headers)
+        key = _serialize("key", record.key, key_serializer)
+        value = _serialize("value", record.value, value_serializer)
+    except InvalidRecordError as exc:
+        raise type(exc)(f"{where}{exc}") from exc.__cause__
+    size = len(key or b"") + len(value or b"") + _headers_size(record.headers)
+    if size > max_record_bytes:
+        raise RecordTooLargeError(
+            f"{where}record for topic {topic!r} is {size} bytes (key + value + headers), "
+            f"over the limit of {max_record_bytes} bytes"
+        )
+    return EncodedRecord(topic, key, value, headers, partition)
+
+
+def _serialize(what: str, obj: Any, serializer: Serializer) -> bytes | None:
+    try:
+        data = serializer(obj)
+    except Exception as exc:
+        raise SerializationError(
+            f"{what} of type {type(obj).__name__} could not be serialized: {exc}"
+        ) from exc
+    if data is not None and not isinstance(data, bytes):
+        raise SerializationError(
+            f"the {what} serializer returned {type(data).__name__}, expected bytes or None"
+        )
+    return data
+
+
+def _headers_size(headers: Headers | None) -> int:
+    if not headers:
+        return 0
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    total = 0
+    for name, value in pairs:
+        total += len(name.encode())
+        if value is not None:
+            total += len(value.encode() if isinstance(value, str) else value)
+    return total
+
+
+def require_records(records: Sequence[Record]) -> None:
+    if not records:
+        raise OutboxUsageError("no records given: a batch needs at least one record")
+    for i, record in enumerate(records):
+        if not isinstance(record, Record):
+            raise OutboxUsageError(
+                f"record #{i} is a {type(record).__name__}, expected outbox.Record"
+            )

@@ -1,0 +1,216 @@
+"""The synchronous API over psycopg 3 `Connection` / `Cursor`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from outbox import _core
+from outbox._core import OutboxConfig, State, Transition, Written
+from outbox._errors import OutboxUsageError
+from outbox._local import (
+    LocalTransactionResult,
+    parse_status,
+    require_idle,
+)
+from outbox._records import Headers, Record, check_immunity_interval, require_records
+from outbox._session import database_errors, require_transaction
+from outbox._txid import new_tx_id
+from outbox.checkback import TransactionStatus
+
+logger = logging.getLogger(__name__)
+
+ConnectionOrCursor = psycopg.Connection[Any] | psycopg.Cursor[Any]
+
+
+def _run(target: ConnectionOrCursor, op: _core.Operation, *, in_transaction: bool) -> Any:
+    conn = target.connection if isinstance(target, psycopg.Cursor) else target
+    if not isinstance(conn, psycopg.Connection):
+        raise OutboxUsageError(
+            f"expected a psycopg Connection or Cursor, got {type(target).__name__}"
+            + (
+                ": use AsyncOutbox for async connections"
+                if "Async" in type(target).__name__
+                else ""
+            )
+        )
+    query, params = next(op)  # validation runs here, before anything is sent
+    if in_transaction:
+        require_transaction(conn)
+    cur = target if isinstance(target, psycopg.Cursor) else conn.cursor()
+    with database_errors():
+        while True:
+            cur.execute(query, params)
+            rows = cur.fetchall() if cur.description else []
+            try:
+                query, params = op.send(rows)
+            except StopIteration as done:
+                return done.value
+
+
+class Outbox:
+    """Writes outbox records inside the caller's transaction.
+
+    No method opens, commits or rolls back a transaction (except `send_in_transaction`, whose job
+    it is): what you write is committed or rolled back with your own business rows.
+    """
+
+    def __init__(self, config: OutboxConfig | None = None, **settings: Any) -> None:
+        self.config = config or OutboxConfig(**settings)
+
+    def publish(
+        self,
+        conn: ConnectionOrCursor,
+        topic: str,
+        value: Any,
+        *,
+        key: Any = None,
+        headers: Headers | None = None,
+        partition: int | None = None,
+        tx_id: str | None = None,
+        producer_group: str | None = None,
+    ) -> int:
+        """Insert one committed record in the caller's open transaction; return its id.
+
+        If the caller's transaction rolls back, the record is gone with it; if it commits, the
+        relay delivers the record exactly once. Without a `tx_id`, every record written in the
+        same database transaction shares one tx id and goes out in one Kafka transaction.
+        """
+        record = Record(topic, value, key, headers, partition)
+        written = self.publish_many(conn, [record], tx_id=tx_id, producer_group=producer_group)
+        return written.ids[0]
+
+    def publish_many(
+        self,
+        conn: ConnectionOrCursor,
+        records: Sequence[Record],
+        *,
+        tx_id: str | None = None,
+        producer_group: str | None = None,
+    ) -> Written:
+        """Insert several committed records in one statement, in the caller's transaction."""
+        require_records(records)
+        op = _core.insert(
+            self.config, records, state=State.COMMITTED, tx_id=tx_id, producer_group=producer_group
+        )
+        return _run(conn, op, in_transaction=True)  # type: ignore[no-any-return]
+
+    def prepare(
+        self,
+        conn: ConnectionOrCursor,
+        topic: str,
+        value: Any,
+        *,
+        key: Any = None,
+        headers: Headers | None = None,
+        partition: int | None = None,
+        tx_id: str | None = None,
+        producer_group: str | None = None,
+        check_immunity: timedelta | float | None = None,
+    ) -> Written:
+        """Insert one half (prepared) record in the caller's transaction.
+
+        The relay does not deliver it until `commit(conn, tx_id)`; `rollback` drops it; if neither
+        comes, the checker asks the producer group's endpoint after `check_immunity`.
+        Without a `tx_id` a new one is generated (UUIDv7 text, see `outbox._txid`).
+        """
+        record = Record(topic, value, key, headers, partition)
+        return self.prepare_many(
+            conn,
+            [record],
+            tx_id=tx_id,
+            producer_group=producer_group,
+            check_immunity=check_immunity,
+        )
+
+    def prepare_many(
+        self,
+        conn: ConnectionOrCursor,
+        records: Sequence[Record],
+        *,
+        tx_id: str | None = None,
+        producer_group: str | None = None,
+        check_immunity: timedelta | float | None = None,
+    ) -> Written:
+        """Insert several half records of one transaction; they change state together."""
+        require_records(records)
+        op = _core.insert(
+            self.config,
+            records,
+            state=State.PREPARED,
+            tx_id=tx_id or new_tx_id(),
+            producer_group=producer_group,
+            check_immunity=check_immunity_interval(check_immunity),
+        )
+        return _run(conn, op, in_transaction=True)  # type: ignore[no-any-return]
+
+    def commit(
+        self, conn: ConnectionOrCursor, tx_id: str, *, producer_group: str | None = None
+    ) -> Transition:
+        """prepared -> committed for every record of `tx_id`; a repeated commit changes nothing.
+
+        Raises UnknownTransactionError or IllegalTransitionError (e.g. after a rollback).
+        """
+        op = _core.end(self.config, tx_id, State.COMMITTED, producer_group)
+        return _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
+
+    def rollback(
+        self, conn: ConnectionOrCursor, tx_id: str, *, producer_group: str | None = None
+    ) -> Transition:
+        """prepared -> rolled_back for every record of `tx_id`; a repeat changes nothing."""
+        op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group)
+        return _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
+
+    def send_in_transaction(
+        self,
+        conn: psycopg.Connection[Any],
+        records: Sequence[Record],
+        local_transaction: Callable[[Written], TransactionStatus | str],
+        *,
+        tx_id: str | None = None,
+        producer_group: str | None = None,
+        check_immunity: timedelta | float | None = None,
+    ) -> LocalTransactionResult:
+        """RocketMQ's sendMessageInTransaction for a local transaction on another resource.
+
+        1. The records are prepared and committed on their own (so they survive a crash).
+        2. `local_transaction(written)` runs the work elsewhere and returns COMMIT, ROLLBACK or
+           UNKNOWN.
+        3. COMMIT commits the records, ROLLBACK rolls them back, UNKNOWN leaves them prepared.
+
+        If `local_transaction` raises, the records stay prepared and the exception propagates.
+        If step 3 fails (the database is unreachable), the records stay prepared and the result
+        says so instead of raising: the local work is done, so retrying it would do it twice.
+        Records left prepared are settled by the checker, which asks the producer group's
+        endpoint after `check_immunity`. `conn` must have no transaction open.
+        """
+        require_idle(conn)
+        with conn.transaction():
+            written = self.prepare_many(
+                conn,
+                records,
+                tx_id=tx_id,
+                producer_group=producer_group,
+                check_immunity=check_immunity,
+            )
+        status = parse_status(local_transaction(written))
+        state = State.PREPARED
+        try:
+            if status is not TransactionStatus.UNKNOWN:
+                end = self.commit if status is TransactionStatus.COMMIT else self.rollback
+                with conn.transaction():
+                    state = end(conn, written.tx_id, producer_group=written.producer_group).state
+        except Exception:
+            logger.warning(
+                "could not end tx %s (%s) after the local transaction said %s; "
+                "it stays prepared for the checker",
+                written.tx_id,
+                written.producer_group,
+                status.value,
+                exc_info=True,
+            )
+        return LocalTransactionResult(written, status, state)

@@ -1,0 +1,102 @@
+"""Schema migrations: safe to run from many pods at once (one applies, the others wait).
+
+A fresh database gets `schema.sql` in one step and every migration recorded as applied; a database
+at an older version gets the missing migrations in order. Everything happens in one transaction
+under an advisory lock, so a failure leaves the schema as it was, and a concurrent `migrate`
+waits for the lock, then finds nothing left to do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox import sql as queries
+from outbox._core import OutboxConfig
+from outbox._errors import SchemaError
+
+logger = logging.getLogger(__name__)
+
+# Arbitrary, fixed: the advisory lock every migrating process takes (per schema, see below).
+_LOCK_NAMESPACE = 74_110
+
+
+@dataclass(frozen=True)
+class MigrationReport:
+    schema: str
+    applied: tuple[int, ...]  # versions applied by this call
+    version: int  # version the schema is at now
+
+
+def latest_version() -> int:
+    return queries.migrations()[-1].version
+
+
+def migrate(
+    conninfo_or_conn: str | psycopg.Connection[Any], schema: str = "outbox"
+) -> MigrationReport:
+    """Bring `schema` to the newest version.
+
+    Takes a DSN, or a connection with no transaction open (the migration commits).
+    """
+    schema = OutboxConfig(schema_name=schema).schema_name  # validates the identifier
+    if isinstance(conninfo_or_conn, str):
+        with psycopg.connect(conninfo_or_conn) as conn:
+            return _migrate(conn, schema)
+    return _migrate(conninfo_or_conn, schema)
+
+
+def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
+    ident = sql.Identifier(schema)
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_LOCK_NAMESPACE, schema))
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {}.schema_migration ("
+                " version integer PRIMARY KEY, name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            ).format(ident)
+        )
+        done = {
+            row[0]
+            for row in conn.execute(
+                sql.SQL("SELECT version FROM {}.schema_migration").format(ident)
+            )
+        }
+        known = {m.version for m in queries.migrations()}
+        if done - known:
+            raise SchemaError(
+                f"schema {schema!r} has migrations {sorted(done - known)} that this library does "
+                f"not know (it knows up to {latest_version()}): upgrade the library"
+            )
+        pending = [m for m in queries.migrations() if m.version not in done]
+        if not done:
+            conn.execute(queries.schema_sql(schema))
+        else:
+            for m in pending:
+                logger.info("applying migration %04d_%s to schema %s", m.version, m.name, schema)
+                conn.execute(m.sql_for(schema))
+        for m in pending:
+            conn.execute(
+                sql.SQL("INSERT INTO {}.schema_migration (version, name) VALUES (%s, %s)").format(
+                    ident
+                ),
+                (m.version, m.name),
+            )
+    return MigrationReport(schema, tuple(m.version for m in pending), latest_version())
+
+
+def current_version(conn: psycopg.Connection[Any], schema: str = "outbox") -> int | None:
+    """The newest applied migration, or None where the schema was never migrated."""
+    row = conn.execute("SELECT to_regclass(%s)", (f"{schema}.schema_migration",)).fetchone()
+    if row is None or row[0] is None:
+        return None
+    got = conn.execute(
+        sql.SQL("SELECT max(version) FROM {}.schema_migration").format(sql.Identifier(schema))
+    ).fetchone()
+    return None if got is None else got[0]

@@ -1,0 +1,99 @@
+-- The whole schema at the newest migration: what a fresh install applies in one step.
+-- tests/integration/test_migrations.py keeps it equal to applying every migration in order.
+-- `{schema}` is replaced by the configured schema name (quoted as an identifier).
+
+CREATE TABLE {schema}.outbox_record (
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    producer_group  text        NOT NULL,
+    tx_id           text        NOT NULL,
+    topic           text        NOT NULL,
+    key             bytea,
+    value           bytea,
+    -- Kafka headers in order, duplicates allowed: [[name, base64 value or null], ...]
+    headers         jsonb       NOT NULL DEFAULT '[]'::jsonb,
+    partition       integer,
+    -- stable hash of the key (of the tx id for keyless records): shards are key_hash mod N
+    key_hash        bigint      NOT NULL,
+    state           text        NOT NULL,
+    -- the writer's transaction: the relay promotes only rows below the xid horizon
+    writer_xid      xid8        NOT NULL DEFAULT pg_current_xact_id(),
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    state_changed_at timestamptz NOT NULL DEFAULT now(),
+    -- check-back bookkeeping for prepared records
+    check_immunity  interval,
+    check_count     integer     NOT NULL DEFAULT 0,
+    next_check_at   timestamptz,
+    last_checked_at timestamptz,
+    -- why the record was parked or discarded
+    reason          text,
+    CONSTRAINT outbox_record_state_valid
+        CHECK (state IN ('prepared', 'committed', 'rolled_back', 'discarded', 'delivered', 'parked')),
+    CONSTRAINT outbox_record_topic_valid
+        CHECK (char_length(topic) BETWEEN 1 AND 249
+               AND topic ~ '^[a-zA-Z0-9._-]+$'
+               AND topic NOT IN ('.', '..')),
+    CONSTRAINT outbox_record_producer_group_valid
+        CHECK (char_length(producer_group) BETWEEN 1 AND 128
+               AND producer_group ~ '^[a-zA-Z0-9._-]+$'),
+    CONSTRAINT outbox_record_tx_id_valid
+        CHECK (char_length(tx_id) BETWEEN 1 AND 128),
+    CONSTRAINT outbox_record_headers_is_array
+        CHECK (jsonb_typeof(headers) = 'array'),
+    CONSTRAINT outbox_record_partition_valid
+        CHECK (partition IS NULL OR partition >= 0),
+    CONSTRAINT outbox_record_check_count_valid
+        CHECK (check_count >= 0),
+    CONSTRAINT outbox_record_check_immunity_valid
+        CHECK (check_immunity IS NULL OR check_immunity >= interval '0'),
+    CONSTRAINT outbox_record_reason_when_parked
+        CHECK (state NOT IN ('parked', 'discarded') OR reason IS NOT NULL)
+);
+
+-- The relay's claim: committed rows in writer order within a shard.
+CREATE INDEX outbox_record_committed_idx
+    ON {schema}.outbox_record (writer_xid, id) WHERE state = 'committed';
+-- The checker's scan: prepared rows by due time.
+CREATE INDEX outbox_record_prepared_due_idx
+    ON {schema}.outbox_record (next_check_at, id) WHERE state = 'prepared';
+-- commit()/rollback() and duplicate detection find a transaction's rows.
+CREATE INDEX outbox_record_tx_idx
+    ON {schema}.outbox_record (producer_group, tx_id);
+
+-- Shards of the outbox, each owned by one relay at a time through a lease.
+CREATE TABLE {schema}.shard_lease (
+    shard           integer     PRIMARY KEY,
+    owner           text,
+    -- bumped on every change of owner: a stale owner's conditional writes match nothing
+    epoch           bigint      NOT NULL DEFAULT 0,
+    lease_until     timestamptz,
+    heartbeat_at    timestamptz,
+    CONSTRAINT shard_lease_shard_valid CHECK (shard >= 0),
+    CONSTRAINT shard_lease_owner_has_expiry CHECK (owner IS NULL OR lease_until IS NOT NULL)
+);
+
+-- Transactions discarded after too many checks or too long prepared, and parked poison records:
+-- what went to the dead-letter topic, and whether that publish is done.
+CREATE TABLE {schema}.dead_letter (
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    record_id       bigint      NOT NULL,
+    producer_group  text        NOT NULL,
+    tx_id           text        NOT NULL,
+    topic           text        NOT NULL,
+    reason          text        NOT NULL,
+    dead_letter_topic text      NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    published_at    timestamptz,
+    CONSTRAINT dead_letter_record_unique UNIQUE (record_id)
+);
+
+-- Who did what by hand or by policy (re-arm, manual resolve, discard).
+CREATE TABLE {schema}.audit_log (
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at              timestamptz NOT NULL DEFAULT now(),
+    actor           text        NOT NULL,
+    action          text        NOT NULL,
+    producer_group  text,
+    tx_id           text,
+    detail          jsonb       NOT NULL DEFAULT jsonb_build_object(),
+    CONSTRAINT audit_log_action_valid CHECK (char_length(action) BETWEEN 1 AND 64)
+);

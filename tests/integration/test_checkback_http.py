@@ -1,0 +1,224 @@
+"""The check handler behind a real HTTP server on loopback. No database or broker needed."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from email.message import Message
+
+import pytest
+
+from outbox.checkback import (
+    HEADER_ID,
+    HEADER_SIGNATURE,
+    CheckHandler,
+    CheckRecord,
+    CheckRequest,
+    RunningServer,
+    Signer,
+    TransactionStatus,
+    Verifier,
+    build_request,
+    serve,
+    verify_response,
+)
+
+SECRET = "whsec_" + base64.b64encode(b"s" * 32).decode()
+TIMEOUT_S = 10
+MAX_BODY = 4096
+
+# No proxy from the environment may sit between the test and a loopback server.
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class Resolver:
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def __call__(self, request: CheckRequest) -> TransactionStatus:
+        self.asked.append(request.tx_id)
+        rolled_back = request.tx_id.startswith("rb")
+        return TransactionStatus.ROLLBACK if rolled_back else TransactionStatus.COMMIT
+
+
+@pytest.fixture
+def resolver() -> Resolver:
+    return Resolver()
+
+
+@pytest.fixture
+def server(resolver: Resolver) -> Iterator[RunningServer]:
+    with serve(CheckHandler(resolver, [SECRET], max_body_bytes=MAX_BODY)) as running:
+        yield running
+
+
+def check_request(tx_id: str = "tx-1") -> CheckRequest:
+    return CheckRequest(
+        producer_group="orders",
+        tx_id=tx_id,
+        check_count=1,
+        first_prepared_at=datetime(2024, 5, 1, tzinfo=UTC),
+        records=[CheckRecord(id=1, topic="orders.created", key=b"42", headers={})],
+    )
+
+
+def post(url: str, headers: dict[str, str], body: bytes) -> tuple[int, Message, bytes]:
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with _opener.open(request, timeout=TIMEOUT_S) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, error.headers, error.read()
+
+
+def test_good_request_gets_verifiable_answer(server: RunningServer, resolver: Resolver) -> None:
+    assert server.url == f"http://127.0.0.1:{server.port}/outbox/check"
+    headers, body = build_request(Signer(SECRET), check_request("rb-7"))
+    status, answer_headers, answer_body = post(server.url, headers, body)
+    assert status == 200
+    answer = verify_response(
+        Verifier([SECRET]),
+        headers[HEADER_ID],
+        dict(answer_headers.items()),
+        answer_body,
+        tx_id="rb-7",
+    )
+    assert answer.status is TransactionStatus.ROLLBACK
+    assert resolver.asked == ["rb-7"]
+
+
+def test_forged_request_is_401(server: RunningServer, resolver: Resolver) -> None:
+    forger = Signer("whsec_" + base64.b64encode(b"f" * 32).decode())
+    headers, body = build_request(forger, check_request())
+    status, _, error = post(server.url, headers, body)
+    assert status == 401
+    assert json.loads(error)["error"] == "signature_invalid"
+    assert resolver.asked == []
+
+
+def test_replayed_request_is_401(server: RunningServer, resolver: Resolver) -> None:
+    headers, body = build_request(Signer(SECRET), check_request())
+    assert post(server.url, headers, body)[0] == 200
+    status, answer_headers, error = post(server.url, headers, body)
+    assert status == 401
+    assert json.loads(error)["error"] == "replayed_message"
+    assert HEADER_SIGNATURE not in answer_headers
+    assert resolver.asked == ["tx-1"]
+
+
+def test_malformed_request_is_400(server: RunningServer, resolver: Resolver) -> None:
+    body = b'{"protocol": 1, "tx_id": "tx-1"}'
+    headers = Signer(SECRET).sign("msg_bad", int(datetime.now(UTC).timestamp()), body)
+    status, _, error = post(server.url, headers, body)
+    assert status == 400
+    assert "producer_group: Field required" in json.loads(error)["detail"]
+    assert resolver.asked == []
+
+
+def raw_exchange(
+    server: RunningServer, method: str, path: str, headers: dict[str, str], body: bytes = b""
+) -> tuple[int, dict[str, str], bytes]:
+    """One request with full control over framing (urllib always adds Content-Length)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        conn.endheaders(body or None)
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def test_missing_content_length_is_411(server: RunningServer) -> None:
+    status, headers, body = raw_exchange(server, "POST", "/outbox/check", {})
+    assert status == 411
+    assert json.loads(body)["error"] == "length_required"
+    assert headers["connection"] == "close"
+
+
+def test_chunked_body_is_411(server: RunningServer) -> None:
+    chunked = {"transfer-encoding": "chunked"}
+    status, _, _ = raw_exchange(server, "POST", "/outbox/check", chunked, b"2\r\n{}\r\n0\r\n\r\n")
+    assert status == 411
+
+
+def test_oversized_body_is_413(server: RunningServer, resolver: Resolver) -> None:
+    body = b"x" * (MAX_BODY + 1)
+    status, _, error = raw_exchange(
+        server, "POST", "/outbox/check", {"content-length": str(len(body))}, body
+    )
+    assert status == 413
+    assert json.loads(error)["detail"] == f"body exceeds {MAX_BODY} bytes"
+    assert resolver.asked == []
+
+
+def test_expect_continue_with_oversized_body_is_413_up_front(server: RunningServer) -> None:
+    headers = {"content-length": str(MAX_BODY + 1), "expect": "100-continue"}
+    status, _, _ = raw_exchange(server, "POST", "/outbox/check", headers)
+    assert status == 413
+
+
+def test_bad_content_length_is_400(server: RunningServer) -> None:
+    status, _, _ = raw_exchange(server, "POST", "/outbox/check", {"content-length": "12x"})
+    assert status == 400
+
+
+def test_wrong_path_and_method(server: RunningServer) -> None:
+    assert raw_exchange(server, "POST", "/elsewhere", {"content-length": "0"})[0] == 404
+    status, headers, _ = raw_exchange(server, "GET", "/outbox/check", {})
+    assert status == 405
+    assert headers["allow"] == "POST"
+    status, _, body = raw_exchange(server, "HEAD", "/outbox/check", {})
+    assert (status, body) == (405, b"")
+
+
+def test_keep_alive_connection_serves_several_checks(
+    server: RunningServer, resolver: Resolver
+) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
+    try:
+        for tx_id in ("tx-a", "tx-b"):
+            headers, body = build_request(Signer(SECRET), check_request(tx_id))
+            conn.request("POST", "/outbox/check?from=test", body=body, headers=headers)
+            response = conn.getresponse()
+            answer_body = response.read()
+            assert response.status == 200
+            got = verify_response(
+                Verifier([SECRET]),
+                headers[HEADER_ID],
+                dict(response.getheaders()),
+                answer_body,
+                tx_id=tx_id,
+            )
+            assert got.tx_id == tx_id
+    finally:
+        conn.close()
+    assert resolver.asked == ["tx-a", "tx-b"]
+
+
+def test_close_is_idempotent_and_stops_serving(resolver: Resolver) -> None:
+    running = serve(CheckHandler(resolver, [SECRET]), path="/check")
+    assert running.url.endswith("/check")
+    running.close()
+    running.close()
+    with pytest.raises(ConnectionRefusedError):
+        raw_exchange(running, "GET", "/check", {})
+
+
+def test_ipv6_loopback(resolver: Resolver) -> None:
+    try:
+        running = serve(CheckHandler(resolver, [SECRET]), host="::1")
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    with running:
+        assert running.url == f"http://[::1]:{running.port}/outbox/check"
+        headers, body = build_request(Signer(SECRET), check_request())
+        assert post(running.url, headers, body)[0] == 200

@@ -1,0 +1,312 @@
+"""Half (prepared) records: prepare, commit, rollback, send_in_transaction, on the real Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox import Record, State, TransactionStatus, Written
+
+
+def states(dsn: str, tx_id: str) -> list[str]:
+    with psycopg.connect(dsn) as conn:
+        return [
+            r[0]
+            for r in conn.execute(
+                "SELECT state FROM outbox.outbox_record WHERE tx_id = %s ORDER BY id", (tx_id,)
+            )
+        ]
+
+
+def prepared(dsn: str, n: int = 2, **kwargs: Any) -> Written:
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        return outbox.prepare_many(conn, [Record("t", f"v{i}") for i in range(n)], **kwargs)
+
+
+def test_prepared_records_commit_together(pg_dsn: str) -> None:
+    written = prepared(pg_dsn, 3)
+    assert states(pg_dsn, written.tx_id) == ["prepared"] * 3
+    with psycopg.connect(pg_dsn) as conn:
+        result = outbox.commit(conn, written.tx_id)
+        conn.commit()
+    assert result.changed
+    assert result.ids == written.ids
+    assert states(pg_dsn, written.tx_id) == ["committed"] * 3
+
+
+def test_prepared_records_roll_back_together(pg_dsn: str) -> None:
+    written = prepared(pg_dsn, 2)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert outbox.rollback(conn, written.tx_id).ids == written.ids
+    assert states(pg_dsn, written.tx_id) == ["rolled_back"] * 2
+
+
+def test_generated_tx_ids_are_uuid7_and_sort_by_time(pg_dsn: str) -> None:
+    first, second = prepared(pg_dsn, 1), prepared(pg_dsn, 1)
+    assert first.tx_id[14] == "7"  # the version nibble
+    assert first.tx_id < second.tx_id or first.tx_id[:13] == second.tx_id[:13]
+
+
+def test_repeated_commit_or_rollback_changes_nothing(pg_dsn: str) -> None:
+    committed, rolled_back = prepared(pg_dsn), prepared(pg_dsn)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        outbox.commit(conn, committed.tx_id)
+        outbox.rollback(conn, rolled_back.tx_id)
+        again = outbox.commit(conn, committed.tx_id)
+        assert (again.changed, again.ids) == (False, ())
+        assert outbox.rollback(conn, rolled_back.tx_id).changed is False
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "current"),
+    [
+        ("rollback", "commit", "rolled_back"),
+        ("commit", "rollback", "committed"),
+    ],
+)
+def test_illegal_transitions_raise_and_change_nothing(
+    pg_dsn: str, first: str, then: str, current: str
+) -> None:
+    written = prepared(pg_dsn)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        getattr(outbox, first)(conn, written.tx_id)
+        with pytest.raises(outbox.IllegalTransitionError, match=current) as raised:
+            getattr(outbox, then)(conn, written.tx_id)
+    assert raised.value.current_states == (current,)
+    assert states(pg_dsn, written.tx_id) == [current] * 2
+
+
+@pytest.mark.parametrize("ended", ["delivered", "discarded", "parked"])
+def test_rollback_after_the_relay_or_checker_ended_it_is_illegal(pg_dsn: str, ended: str) -> None:
+    written = prepared(pg_dsn)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = %s, reason = 'test' WHERE tx_id = %s",
+            (ended, written.tx_id),
+        )
+        with pytest.raises(outbox.IllegalTransitionError, match=ended):
+            outbox.rollback(conn, written.tx_id)
+    assert states(pg_dsn, written.tx_id) == [ended] * 2
+
+
+def test_commit_after_discard_is_illegal(pg_dsn: str) -> None:
+    written = prepared(pg_dsn, 1)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'discarded', reason = 'max checks' "
+            "WHERE tx_id = %s",
+            (written.tx_id,),
+        )
+        with pytest.raises(outbox.IllegalTransitionError, match="discarded"):
+            outbox.commit(conn, written.tx_id)
+
+
+def test_unknown_tx_id(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with pytest.raises(outbox.UnknownTransactionError, match="nope") as raised:
+            outbox.commit(conn, "nope")
+        assert raised.value.tx_id == "nope"
+        prepared_in_other_group = prepared(pg_dsn, 1, producer_group="other")
+        with pytest.raises(outbox.UnknownTransactionError):
+            outbox.commit(conn, prepared_in_other_group.tx_id)  # default group: not ours
+        assert outbox.commit(conn, prepared_in_other_group.tx_id, producer_group="other").changed
+
+
+def test_a_tx_id_belongs_to_one_database_transaction(pg_dsn: str) -> None:
+    prepared(pg_dsn, 1, tx_id="order-42")
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        with pytest.raises(outbox.DuplicateTransactionError, match="order-42"):
+            outbox.prepare(conn, "t", "again", tx_id="order-42")
+        with pytest.raises(outbox.DuplicateTransactionError):
+            outbox.publish(conn, "t", "again", tx_id="order-42")
+        # ...while the same tx id in the same transaction adds records to it
+        outbox.prepare(conn, "t", "a", tx_id="order-43")
+        outbox.prepare(conn, "t", "b", tx_id="order-43")
+    assert states(pg_dsn, "order-42") == ["prepared"]
+    assert states(pg_dsn, "order-43") == ["prepared", "prepared"]
+
+
+def test_concurrent_reuse_of_a_tx_id_is_caught(pg_dsn: str) -> None:
+    first = psycopg.connect(pg_dsn)
+    first.execute("SELECT 1")
+    outbox.prepare(first, "t", "first", tx_id="shared")  # holds the tx id's lock, uncommitted
+    outcome: list[BaseException | None] = []
+
+    def second_writer() -> None:
+        with psycopg.connect(pg_dsn) as conn:
+            try:
+                with conn.transaction():
+                    outbox.prepare(conn, "t", "second", tx_id="shared")
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=second_writer)
+    thread.start()
+    with psycopg.connect(pg_dsn, autocommit=True) as probe:
+        waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        for _ in range(200):  # until the second writer waits on the lock
+            if probe.execute(waiting).fetchone() == (1,):
+                break
+            threading.Event().wait(0.02)
+        else:
+            pytest.fail("the second writer never waited for the tx id lock")
+    first.commit()
+    first.close()
+    thread.join(10)
+    assert isinstance(outcome[0], outbox.DuplicateTransactionError)
+    assert states(pg_dsn, "shared") == ["prepared"]
+
+
+def test_commit_and_rollback_racing_one_wins(pg_dsn: str) -> None:
+    for _ in range(10):
+        written = prepared(pg_dsn, 3)
+        barrier = threading.Barrier(2)
+        results: dict[str, object] = {}
+
+        def end(
+            action: str,
+            tx_id: str = written.tx_id,
+            b: threading.Barrier = barrier,
+            results: dict[str, object] = results,
+        ) -> None:
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                b.wait()
+                try:
+                    results[action] = getattr(outbox, action)(conn, tx_id).changed
+                except outbox.IllegalTransitionError as exc:
+                    results[action] = exc
+
+        threads = [threading.Thread(target=end, args=(a,)) for a in ("commit", "rollback")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [a for a, r in results.items() if r is True]
+        assert len(winners) == 1
+        final = states(pg_dsn, written.tx_id)
+        assert final == [{"commit": "committed", "rollback": "rolled_back"}[winners[0]]] * 3
+
+
+def test_check_immunity_is_stored_per_record(pg_dsn: str) -> None:
+    written = prepared(pg_dsn, 1, check_immunity=timedelta(seconds=90))
+    default = prepared(pg_dsn, 1)
+    with psycopg.connect(pg_dsn) as conn:
+        got = dict(
+            conn.execute("SELECT tx_id, check_immunity FROM outbox.outbox_record").fetchall()
+        )
+    assert got == {written.tx_id: timedelta(seconds=90), default.tx_id: None}
+    with pytest.raises(outbox.InvalidRecordError, match="negative"):
+        prepared(pg_dsn, 1, check_immunity=-1)
+
+
+# --- send_in_transaction ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("answer", "state"),
+    [
+        (TransactionStatus.COMMIT, State.COMMITTED),
+        (TransactionStatus.ROLLBACK, State.ROLLED_BACK),
+        (TransactionStatus.UNKNOWN, State.PREPARED),
+        ("COMMIT", State.COMMITTED),
+    ],
+)
+def test_send_in_transaction_ends_as_the_local_transaction_says(
+    pg_dsn: str, answer: TransactionStatus | str, state: State
+) -> None:
+    seen_during_local_transaction: list[list[str]] = []
+
+    def local_transaction(written: Written) -> TransactionStatus | str:
+        # The half records are already committed: another connection sees them prepared.
+        seen_during_local_transaction.append(states(pg_dsn, written.tx_id))
+        return answer
+
+    with psycopg.connect(pg_dsn) as conn:
+        result = outbox.send_in_transaction(
+            conn, [Record("t", "a"), Record("t", "b")], local_transaction
+        )
+    assert seen_during_local_transaction == [["prepared", "prepared"]]
+    assert result.state is state
+    assert result.status is TransactionStatus(answer)
+    assert states(pg_dsn, result.tx_id) == [state.value] * 2
+
+
+def test_send_in_transaction_leaves_records_prepared_when_the_local_transaction_raises(
+    pg_dsn: str,
+) -> None:
+    tx_ids: list[str] = []
+
+    def local_transaction(written: Written) -> TransactionStatus:
+        tx_ids.append(written.tx_id)
+        raise RuntimeError("payment service down")
+
+    with psycopg.connect(pg_dsn) as conn, pytest.raises(RuntimeError, match="payment"):
+        outbox.send_in_transaction(conn, [Record("t", "a")], local_transaction)
+    assert states(pg_dsn, tx_ids[0]) == ["prepared"]
+
+
+def test_send_in_transaction_rejects_a_bad_answer_and_keeps_records(pg_dsn: str) -> None:
+    tx_ids: list[str] = []
+
+    def local_transaction(written: Written) -> str:
+        tx_ids.append(written.tx_id)
+        return "MAYBE"
+
+    with psycopg.connect(pg_dsn) as conn, pytest.raises(outbox.OutboxUsageError, match="MAYBE"):
+        outbox.send_in_transaction(conn, [Record("t", "a")], local_transaction)
+    assert states(pg_dsn, tx_ids[0]) == ["prepared"]
+
+
+def test_send_in_transaction_needs_a_connection_without_an_open_transaction(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("SELECT 1")  # opens a transaction
+        with pytest.raises(outbox.OutboxUsageError, match="no transaction open"):
+            outbox.send_in_transaction(conn, [Record("t", "a")], lambda w: "COMMIT")
+
+
+def test_send_in_transaction_keeps_records_prepared_when_the_end_cannot_be_written(
+    pg_dsn: str,
+) -> None:
+    def local_transaction(written: Written) -> TransactionStatus:
+        # The database goes away after the local work is done.
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        return TransactionStatus.COMMIT
+
+    with psycopg.connect(pg_dsn) as conn:
+        result = outbox.send_in_transaction(conn, [Record("t", "a")], local_transaction)
+    assert result.status is TransactionStatus.COMMIT
+    assert result.state is State.PREPARED
+    assert states(pg_dsn, result.tx_id) == ["prepared"]
+
+
+def test_async_half_records_and_send_in_transaction(pg_dsn: str) -> None:
+    aoutbox = outbox.AsyncOutbox(producer_group="async-app")
+
+    async def main() -> tuple[str, str]:
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+            async with conn.transaction():
+                written = await aoutbox.prepare(conn, "t", "half")
+            await aoutbox.rollback(conn, written.tx_id)
+            await conn.commit()
+
+            async def local_transaction(w: Written) -> TransactionStatus:
+                await asyncio.sleep(0)
+                return TransactionStatus.COMMIT
+
+            result = await aoutbox.send_in_transaction(conn, [Record("t", "x")], local_transaction)
+            return written.tx_id, result.tx_id
+
+    rolled_back, committed = asyncio.run(main())
+    assert states(pg_dsn, rolled_back) == ["rolled_back"]
+    assert states(pg_dsn, committed) == ["committed"]

@@ -1,0 +1,260 @@
+"""publish() inside the caller's transaction, against the real Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox import Outbox, Record
+
+
+def rows(dsn: str, schema: str = "outbox") -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(
+            f"SELECT id, tx_id, producer_group, topic, key, value, headers, partition, state "
+            f"FROM {schema}.outbox_record ORDER BY id"
+        ).fetchall()
+
+
+def test_caller_rollback_leaves_nothing(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("CREATE TABLE orders (id int)")
+        conn.commit()
+        outbox.publish(conn, "orders.created", {"id": 1}, key="1")
+        conn.execute("INSERT INTO orders VALUES (1)")
+        conn.rollback()
+    assert rows(pg_dsn) == []
+
+
+def test_commit_leaves_exactly_the_records(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        first = outbox.publish(
+            conn,
+            "orders.created",
+            {"id": 1, "name": "ä"},
+            key="1",
+            headers=[("h", "v"), ("h", b"\x00")],
+        )
+        second = outbox.publish(conn, "orders.paid", b"\x01\x02", key=b"k", partition=2)
+        third = outbox.publish(conn, "orders.deleted", None, key="1")  # a tombstone
+    assert rows(pg_dsn) == [
+        (
+            first,
+            rows(pg_dsn)[0][1],
+            "default",
+            "orders.created",
+            b"1",
+            '{"id":1,"name":"ä"}'.encode(),
+            [["h", base64.b64encode(b"v").decode()], ["h", "AA=="]],
+            None,
+            "committed",
+        ),
+        (
+            second,
+            rows(pg_dsn)[0][1],
+            "default",
+            "orders.paid",
+            b"k",
+            b"\x01\x02",
+            [],
+            2,
+            "committed",
+        ),
+        (third, rows(pg_dsn)[0][1], "default", "orders.deleted", b"1", None, [], None, "committed"),
+    ]
+
+
+def test_records_of_one_database_transaction_share_a_tx_id(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            outbox.publish(conn, "a", "1")
+            outbox.publish(conn, "b", "2")
+        with conn.transaction():
+            outbox.publish(conn, "a", "3")
+    tx_ids = [r[1] for r in rows(pg_dsn)]
+    assert tx_ids[0] == tx_ids[1] != tx_ids[2]
+    assert all(t.startswith("xid:") for t in tx_ids)
+
+
+def test_batch_keeps_order_and_returns_ids(pg_dsn: str) -> None:
+    records = [Record(f"topic.{i % 3}", f"v{i}", key=str(i)) for i in range(100)]
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        written = outbox.publish_many(conn, records, tx_id="batch-1")
+    stored = rows(pg_dsn)
+    assert list(written.ids) == [r[0] for r in stored]
+    assert [r[5] for r in stored] == [f"v{i}".encode() for i in range(100)]
+    assert {r[1] for r in stored} == {"batch-1"} == {written.tx_id}
+
+
+def test_a_cursor_works_as_well_as_a_connection(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn) as conn, conn.transaction(), conn.cursor() as cur:
+        record_id = outbox.publish(cur, "t", "v")
+    assert [r[0] for r in rows(pg_dsn)] == [record_id]
+
+
+def test_autocommit_without_a_transaction_is_refused(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with pytest.raises(outbox.OutboxUsageError, match="autocommit"):
+            outbox.publish(conn, "t", "v")
+        with conn.transaction():  # the same connection inside a transaction is fine
+            outbox.publish(conn, "t", "v")
+    assert len(rows(pg_dsn)) == 1
+
+
+def test_an_aborted_transaction_is_reported_clearly(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn) as conn:
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            conn.execute("SELECT 1/0")
+        with pytest.raises(outbox.OutboxUsageError, match="aborted"):
+            outbox.publish(conn, "t", "v")
+
+
+class Unserializable:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"topic": "bad topic"}, outbox.InvalidTopicError, "bad topic"),
+        ({"topic": ""}, outbox.InvalidTopicError, "1 to 249"),
+        ({"topic": ".."}, outbox.InvalidTopicError, "not allowed"),
+        ({"topic": "x" * 250}, outbox.InvalidTopicError, "it has 250"),
+        ({"headers": {"": "v"}}, outbox.InvalidHeaderError, "empty"),
+        ({"headers": {"h": 5}}, outbox.InvalidHeaderError, "'h'"),
+        ({"headers": {"outbox-id": "1"}}, outbox.InvalidHeaderError, "reserved"),
+        ({"headers": [("h",)]}, outbox.InvalidHeaderError, "pair"),
+        ({"headers": "h=v"}, outbox.InvalidHeaderError, "mapping"),
+        ({"value": b"x" * 1_048_577}, outbox.RecordTooLargeError, "1048577 bytes"),
+        ({"value": Unserializable()}, outbox.SerializationError, "Unserializable"),
+        ({"partition": -1}, outbox.InvalidRecordError, "partition"),
+        ({"tx_id": "has space"}, outbox.InvalidTxIdError, "has space"),
+        ({"producer_group": "grp/1"}, outbox.InvalidProducerGroupError, "grp/1"),
+    ],
+)
+def test_bad_input_writes_nothing_and_the_transaction_stays_usable(
+    pg_dsn: str, kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    call: dict[str, Any] = {"topic": "ok", "value": "v", **kwargs}
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("CREATE TABLE business (id int)")
+        conn.commit()
+        with conn.transaction():
+            conn.execute("INSERT INTO business VALUES (1)")
+            with pytest.raises(error, match=message):
+                outbox.publish(conn, **call)
+            conn.execute("INSERT INTO business VALUES (2)")  # still usable
+        assert conn.execute("SELECT count(*) FROM business").fetchone() == (2,)
+    assert rows(pg_dsn) == []
+
+
+def test_record_size_limit_is_configurable(pg_dsn: str) -> None:
+    small = Outbox(max_record_bytes=10)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        small.publish(conn, "t", b"x" * 9, key=b"k")
+        with pytest.raises(outbox.RecordTooLargeError, match="11 bytes"):
+            small.publish(conn, "t", b"x" * 9, key=b"kk")
+    assert len(rows(pg_dsn)) == 1
+
+
+def test_a_custom_serializer_is_used(pg_dsn: str) -> None:
+    upper = Outbox(value_serializer=lambda v: str(v).upper().encode())
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        upper.publish(conn, "t", "shout")
+    assert rows(pg_dsn)[0][5] == b"SHOUT"
+
+
+def test_unmigrated_database_says_how_to_fix_it(pg_dsn: str) -> None:
+    other = Outbox(schema_name="not_migrated")
+    with (
+        psycopg.connect(pg_dsn) as conn,
+        pytest.raises(outbox.SchemaError, match="outboxctl migrate"),
+    ):
+        other.publish(conn, "t", "v")
+
+
+def test_another_schema_name(pg_dsn: str) -> None:
+    outbox.migrate(pg_dsn, schema="tenant_a")
+    tenant = Outbox(schema_name="tenant_a", producer_group="billing")
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        tenant.publish(conn, "t", "v")
+    assert [(r[2], r[3]) for r in rows(pg_dsn, "tenant_a")] == [("billing", "t")]
+    assert rows(pg_dsn) == []
+
+
+def test_schema_name_must_be_an_identifier() -> None:
+    with pytest.raises(ValueError, match="plain identifier"):
+        Outbox(schema_name='x"; DROP TABLE y; --')
+
+
+def test_commit_notifies_the_relay(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {outbox.wakeup_channel('outbox')}")
+        with psycopg.connect(pg_dsn) as conn:
+            with conn.transaction():
+                outbox.publish(conn, "t", "v")
+            quiet = Outbox(notify=False)
+            with conn.transaction():
+                quiet.publish(conn, "t", "v")
+        got = [n.channel for n in listener.notifies(timeout=5, stop_after=1)]
+        assert got == ["outbox_wakeup"]
+        assert list(listener.notifies(timeout=0.5)) == []  # the quiet publish woke nobody
+
+
+def test_concurrent_writers(pg_dsn: str) -> None:
+    writers, per_writer = 8, 25
+    errors: list[BaseException] = []
+
+    def write(n: int) -> None:
+        try:
+            with psycopg.connect(pg_dsn) as conn:
+                for i in range(per_writer):
+                    with conn.transaction():
+                        outbox.publish(conn, "t", f"{n}-{i}", key=str(n))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    stored = rows(pg_dsn)
+    assert len(stored) == writers * per_writer
+    assert len({r[1] for r in stored}) == writers * per_writer  # one tx id per transaction
+    for n in range(writers):  # each writer's records in its own order
+        mine = [r[5] for r in stored if r[4] == str(n).encode()]
+        assert mine == [f"{n}-{i}".encode() for i in range(per_writer)]
+
+
+def test_async_publish_and_rollback(pg_dsn: str) -> None:
+    async def main() -> int:
+        aoutbox = outbox.AsyncOutbox()
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+            async with conn.transaction():
+                kept = await aoutbox.publish(conn, "t", "kept")
+            await aoutbox.publish(conn, "t", "dropped")
+            await conn.rollback()
+            async with conn.transaction(), conn.cursor() as cur:
+                await aoutbox.publish_many(cur, [Record("t", "batch")])
+            return kept
+
+    kept = asyncio.run(main())
+    assert rows(pg_dsn)[0][0] == kept
+    assert [r[5] for r in rows(pg_dsn)] == [b"kept", b"batch"]
+
+
+def test_sync_api_refuses_an_async_connection(pg_dsn: str) -> None:
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+            with pytest.raises(outbox.OutboxUsageError, match="AsyncOutbox"):
+                outbox.publish(conn, "t", "v")  # type: ignore[arg-type]
+
+    asyncio.run(main())

@@ -1,0 +1,91 @@
+"""Validation and serialization of records: pure logic, no database."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+import outbox
+from outbox import Record
+from outbox._records import check_topic, default_serializer, encode_record
+from outbox._txid import new_tx_id
+
+
+def encode(record: Record, limit: int = 1_048_576) -> object:
+    return encode_record(
+        record,
+        key_serializer=default_serializer,
+        value_serializer=default_serializer,
+        max_record_bytes=limit,
+    )
+
+
+@pytest.mark.parametrize("topic", ["a", "orders.created", "A-b_c.9", "x" * 249, "..."])
+def test_kafka_legal_topics(topic: str) -> None:
+    assert check_topic(topic) == topic
+
+
+@pytest.mark.parametrize("topic", ["", ".", "..", "x" * 250, "a b", "ä", "a/b", 5])
+def test_kafka_illegal_topics(topic: object) -> None:
+    with pytest.raises(outbox.InvalidTopicError):
+        check_topic(topic)
+
+
+def test_default_serializer() -> None:
+    assert default_serializer(None) is None
+    assert default_serializer(b"\x00") == b"\x00"
+    assert default_serializer("é") == "é".encode()
+    assert default_serializer({"b": [1, 2.5, None]}) == b'{"b":[1,2.5,null]}'
+    with pytest.raises(ValueError):
+        default_serializer(float("nan"))  # not valid JSON
+
+
+def test_a_batch_error_names_the_record() -> None:
+    with pytest.raises(outbox.InvalidTopicError, match="record #3"):
+        encode_record(
+            Record("bad topic", "v"),
+            key_serializer=default_serializer,
+            value_serializer=default_serializer,
+            max_record_bytes=10,
+            position=3,
+        )
+
+
+def test_size_counts_key_value_and_headers() -> None:
+    record = Record("t", b"v" * 4, key=b"k" * 3, headers={"hh": b"12"})  # 4 + 3 + 2 + 2
+    encode(record, limit=11)
+    with pytest.raises(outbox.RecordTooLargeError, match="11 bytes"):
+        encode(record, limit=10)
+
+
+def test_serializer_must_return_bytes() -> None:
+    with pytest.raises(outbox.SerializationError, match="returned int"):
+        encode_record(
+            Record("t", "v"),
+            key_serializer=default_serializer,
+            value_serializer=lambda v: 5,
+            max_record_bytes=100,  # type: ignore[arg-type,return-value]
+        )
+
+
+def test_headers_keep_order_and_duplicates() -> None:
+    encoded = encode(Record("t", "v", headers=[("a", "1"), ("a", None), ("b", b"\xff")]))
+    assert encoded.headers == [["a", "MQ=="], ["a", None], ["b", "/w=="]]  # type: ignore[attr-defined]
+
+
+def test_tx_ids_are_uuid7_sortable_and_unique() -> None:
+    early = new_tx_id(now_ns=1_700_000_000_000_000_000)
+    late = new_tx_id(now_ns=1_700_000_000_001_000_000)
+    assert uuid.UUID(early).version == 7
+    assert early < late
+    assert len({new_tx_id() for _ in range(10_000)}) == 10_000
+
+
+def test_config_validates_at_construction() -> None:
+    with pytest.raises(ValueError, match="producer group"):
+        outbox.OutboxConfig(producer_group="has space")
+    with pytest.raises(ValueError, match="greater than 0"):
+        outbox.OutboxConfig(max_record_bytes=0)
+    with pytest.raises(ValueError, match="Extra inputs"):
+        outbox.OutboxConfig(shema_name="typo")  # type: ignore[call-arg]
