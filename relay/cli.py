@@ -15,6 +15,7 @@ from importlib.metadata import version
 
 import psycopg
 
+from checker import cli as checker_cli
 from outbox import OutboxError, migrate
 from outbox import sql as outbox_sql
 from outbox.migrations import current_version, latest_version
@@ -84,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--writer-role", required=True, help="the application's role")
     p.add_argument("--relay-role", required=True, help="the sidecar's role")
     p.set_defaults(func=_cmd_grants)
+
+    checker_cli.add_commands(sub, common)
     return parser
 
 

@@ -9,10 +9,9 @@ GRANT USAGE ON SCHEMA {schema} TO {writer}, {relay};
 GRANT INSERT ON {schema}.outbox_record TO {writer};
 -- RETURNING id, tx-id reuse checks and commit()/rollback() read only these columns.
 GRANT SELECT (id, producer_group, tx_id, state, writer_xid) ON {schema}.outbox_record TO {writer};
-GRANT UPDATE (state, state_changed_at, next_check_at) ON {schema}.outbox_record TO {writer};
+GRANT UPDATE (state, state_changed_at, next_check_at, committed_xid) ON {schema}.outbox_record TO {writer};
 
 GRANT SELECT, UPDATE, DELETE ON {schema}.outbox_record TO {relay};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.shard_lease TO {relay};
-GRANT SELECT, INSERT, UPDATE ON {schema}.dead_letter TO {relay};
 GRANT SELECT, INSERT ON {schema}.audit_log TO {relay};
 GRANT SELECT ON {schema}.schema_migration TO {writer}, {relay};

@@ -5,14 +5,16 @@
 -- The one-record hot path of publish()/prepare(): a plain INSERT, cheaper than the unnest below.
 -- A caller that gives no tx id gets one per database transaction (see insert_records).
 INSERT INTO {schema}.outbox_record
-    (producer_group, tx_id, topic, key, value, headers, partition, key_hash, state, check_immunity)
+    (producer_group, tx_id, topic, key, value, headers, partition, key_hash, state, check_immunity,
+     committed_xid)
 VALUES (
     %(producer_group)s,
     coalesce(%(tx_id)s, 'xid:' || pg_current_xact_id()::text),
     %(topic)s, %(key)s, %(value)s, %(headers)s, %(partition)s,
     hashtextextended(
         coalesce(encode(%(key)s, 'hex'), %(tx_id)s, 'xid:' || pg_current_xact_id()::text), 0),
-    %(state)s, %(check_immunity)s)
+    %(state)s, %(check_immunity)s,
+    CASE WHEN %(state)s = 'committed' THEN pg_current_xact_id() END)
 RETURNING id, tx_id, CASE WHEN %(notify)s THEN pg_notify(%(channel)s, '') END;
 
 -- name: insert_records
@@ -24,11 +26,12 @@ WITH tx AS (
 ), inserted AS (
     INSERT INTO {schema}.outbox_record
         (producer_group, tx_id, topic, key, value, headers, partition, key_hash, state,
-         check_immunity)
+         check_immunity, committed_xid)
     SELECT %(producer_group)s, tx.tx_id, r.topic, r.key, r.value, r.headers, r.partition,
            -- keyless records hash by tx id, so they stay with the rest of their transaction
            hashtextextended(coalesce(encode(r.key, 'hex'), tx.tx_id), 0),
-           %(state)s, %(check_immunity)s
+           %(state)s, %(check_immunity)s,
+           CASE WHEN %(state)s = 'committed' THEN pg_current_xact_id() END
     FROM tx, unnest(%(topics)s::text[], %(keys)s::bytea[], %(values)s::bytea[],
                     %(headers)s::jsonb[], %(partitions)s::integer[])
              WITH ORDINALITY AS r(topic, key, value, headers, partition, ord)
@@ -55,7 +58,8 @@ SELECT EXISTS (
 -- Compare-and-set: only prepared records move; all records of the transaction move together.
 WITH ended AS (
     UPDATE {schema}.outbox_record
-    SET state = %(to_state)s, state_changed_at = now(), next_check_at = NULL
+    SET state = %(to_state)s, state_changed_at = now(), next_check_at = NULL,
+        committed_xid = CASE WHEN %(to_state)s = 'committed' THEN pg_current_xact_id() END
     WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s AND state = 'prepared'
     RETURNING id
 )

@@ -15,10 +15,20 @@ CREATE TABLE {schema}.outbox_record (
     -- stable hash of the key (of the tx id for keyless records): shards are key_hash mod N
     key_hash        bigint      NOT NULL,
     state           text        NOT NULL,
-    -- the writer's transaction: the relay promotes only rows below the xid horizon
+    -- the transaction that inserted the row (a caller-given tx id belongs to it alone)
     writer_xid      xid8        NOT NULL DEFAULT pg_current_xact_id(),
+    -- the transaction that made the row committed (the writer, or whoever ended a half record):
+    -- the relay promotes rows below the xid horizon, in the commit order of this transaction
+    committed_xid   xid8,
+    -- commit time of committed_xid, stamped by the relay once it is below the horizon
+    commit_ts       timestamptz,
     created_at      timestamptz NOT NULL DEFAULT now(),
     state_changed_at timestamptz NOT NULL DEFAULT now(),
+    -- when the relay wrote the record's op marker (its end), and where a delivered record went;
+    -- kept while ended rows are archived (the relay's retention setting)
+    ended_at        timestamptz,
+    kafka_partition integer,
+    kafka_offset    bigint,
     -- check-back bookkeeping for prepared records
     check_immunity  interval,
     check_count     integer     NOT NULL DEFAULT 0,
@@ -45,13 +55,26 @@ CREATE TABLE {schema}.outbox_record (
         CHECK (check_count >= 0),
     CONSTRAINT outbox_record_check_immunity_valid
         CHECK (check_immunity IS NULL OR check_immunity >= interval '0'),
+    -- parked (poison) and discarded (never resolved) rows are the dead-letter records: say why
     CONSTRAINT outbox_record_reason_when_parked
-        CHECK (state NOT IN ('parked', 'discarded') OR reason IS NOT NULL)
+        CHECK (state NOT IN ('parked', 'discarded') OR reason IS NOT NULL),
+    CONSTRAINT outbox_record_committed_has_xid
+        CHECK (state NOT IN ('committed', 'delivered') OR committed_xid IS NOT NULL)
 );
 
--- The relay's claim: committed rows in writer order within a shard.
+-- The relay stamps commit times of committed rows that are not stamped yet...
+CREATE INDEX outbox_record_unstamped_idx
+    ON {schema}.outbox_record (committed_xid) WHERE state = 'committed' AND commit_ts IS NULL;
+-- ...and claims stamped rows in commit order.
 CREATE INDEX outbox_record_committed_idx
-    ON {schema}.outbox_record (writer_xid, id) WHERE state = 'committed';
+    ON {schema}.outbox_record (commit_ts, id) WHERE state = 'committed';
+-- Rolled back, discarded and parked rows wait for their op marker (and dead-letter copy).
+CREATE INDEX outbox_record_unmarked_idx
+    ON {schema}.outbox_record (id)
+    WHERE ended_at IS NULL AND state IN ('rolled_back', 'discarded', 'parked');
+-- The archive of ended rows is trimmed by age.
+CREATE INDEX outbox_record_ended_idx
+    ON {schema}.outbox_record (ended_at) WHERE ended_at IS NOT NULL;
 -- The checker's scan: prepared rows by due time.
 CREATE INDEX outbox_record_prepared_due_idx
     ON {schema}.outbox_record (next_check_at, id) WHERE state = 'prepared';
@@ -67,23 +90,13 @@ CREATE TABLE {schema}.shard_lease (
     epoch           bigint      NOT NULL DEFAULT 0,
     lease_until     timestamptz,
     heartbeat_at    timestamptz,
+    -- op-marker offset from which this shard's markers may name rows not yet removed: recovery
+    -- reads from here, and every removal of delivered rows moves it forward in the same
+    -- database transaction
+    marker_partition integer,
+    marker_offset   bigint      NOT NULL DEFAULT 0,
     CONSTRAINT shard_lease_shard_valid CHECK (shard >= 0),
     CONSTRAINT shard_lease_owner_has_expiry CHECK (owner IS NULL OR lease_until IS NOT NULL)
-);
-
--- Transactions discarded after too many checks or too long prepared, and parked poison records:
--- what went to the dead-letter topic, and whether that publish is done.
-CREATE TABLE {schema}.dead_letter (
-    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    record_id       bigint      NOT NULL,
-    producer_group  text        NOT NULL,
-    tx_id           text        NOT NULL,
-    topic           text        NOT NULL,
-    reason          text        NOT NULL,
-    dead_letter_topic text      NOT NULL,
-    created_at      timestamptz NOT NULL DEFAULT now(),
-    published_at    timestamptz,
-    CONSTRAINT dead_letter_record_unique UNIQUE (record_id)
 );
 
 -- Who did what by hand or by policy (re-arm, manual resolve, discard).

@@ -87,7 +87,8 @@ def test_rollback_after_the_relay_or_checker_ended_it_is_illegal(pg_dsn: str, en
     written = prepared(pg_dsn)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(
-            "UPDATE outbox.outbox_record SET state = %s, reason = 'test' WHERE tx_id = %s",
+            "UPDATE outbox.outbox_record SET state = %s, reason = 'test',"
+            " committed_xid = pg_current_xact_id() WHERE tx_id = %s",
             (ended, written.tx_id),
         )
         with pytest.raises(outbox.IllegalTransitionError, match=ended):

@@ -1,0 +1,180 @@
+"""Configuration of the sidecar process (relay and checker), with pydantic-settings.
+
+Sources, highest priority first: constructor arguments, environment variables (prefix `OUTBOX_`,
+nested with `__`, e.g. `OUTBOX_KAFKA__BOOTSTRAP_SERVERS`, `OUTBOX_RELAY__BATCH_SIZE`), secrets
+mounted as files (`OUTBOX_SECRETS_DIR`, default `/run/secrets/outbox` when it exists: a file
+named `database__dsn` holds that setting), then a TOML config file (`--config` or
+`OUTBOX_CONFIG_FILE`). Nothing is read at import time: call `load_settings()`.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from checker.config import CheckerSettings
+from outbox._core import OutboxConfig
+
+DEFAULT_SECRETS_DIR = Path("/run/secrets/outbox")
+
+
+class KafkaSettings(BaseModel):
+    """librdkafka settings as a typed model; `to_librdkafka()` renders the client dict.
+
+    Secrets are `SecretStr`: masked in repr, logs and `outboxctl config`. Anything not modelled
+    here goes through `extra` unchanged (librdkafka validates it when the client is created).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bootstrap_servers: str = Field(default="127.0.0.1:9092", min_length=1)
+    client_id: str = "outbox-sidecar"
+    security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] = "plaintext"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_ca_location: str | None = None
+    ssl_certificate_location: str | None = None
+    ssl_key_location: str | None = None
+    ssl_key_password: SecretStr | None = None
+    extra: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="Further librdkafka properties, passed through."
+    )
+
+    def to_librdkafka(self) -> dict[str, Any]:
+        conf: dict[str, Any] = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "client.id": self.client_id,
+            "security.protocol": self.security_protocol,
+        }
+        optional = {
+            "sasl.mechanism": self.sasl_mechanism,
+            "sasl.username": self.sasl_username,
+            "sasl.password": self.sasl_password,
+            "ssl.ca.location": self.ssl_ca_location,
+            "ssl.certificate.location": self.ssl_certificate_location,
+            "ssl.key.location": self.ssl_key_location,
+            "ssl.key.password": self.ssl_key_password,
+        }
+        for name, value in optional.items():
+            if value is not None:
+                conf[name] = value.get_secret_value() if isinstance(value, SecretStr) else value
+        conf.update(self.extra)
+        return conf
+
+
+class DatabaseSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dsn: SecretStr = Field(description="libpq connection string of the application's database.")
+    schema_name: str = Field(default="outbox", description="Schema of the outbox tables.")
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+
+    @field_validator("schema_name")
+    @classmethod
+    def _identifier(cls, v: str) -> str:
+        return OutboxConfig(schema_name=v).schema_name
+
+
+class HttpSettings(BaseModel):
+    """Where /healthz, /readyz and /metrics listen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "0.0.0.0"  # noqa: S104 - the probes come from the kubelet, outside the pod
+    port: int = Field(default=8080, ge=0, le=65535)
+    enabled: bool = True
+
+
+class RelaySettings(BaseModel):
+    """The relay's own knobs; defaults chosen with bench/relay.py."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    relay_id: str | None = Field(
+        default=None, description="Identity in leases and logs; default: host name and pid."
+    )
+    shards: int = Field(default=1, ge=1, le=1024, description="Shards of the outbox, by key hash.")
+    transactional_id_prefix: str = Field(
+        default="outbox-relay", min_length=1, description="transactional.id = <prefix>-<shard>."
+    )
+    op_marker_topic: str = "outbox.op-markers"
+    op_marker_partitions: int = Field(default=4, ge=1)
+    op_marker_retention: timedelta = timedelta(days=7)
+    dead_letter_topic: str = "outbox.dead-letter"
+    batch_size: int = Field(default=500, ge=1, le=100_000)
+    linger: timedelta = Field(
+        default=timedelta(milliseconds=0), description="Wait this long to fill a batch."
+    )
+    poll_interval: timedelta = Field(
+        default=timedelta(milliseconds=500), description="Polling fallback between wake-ups."
+    )
+    listen_notify: bool = Field(
+        default=True, description="LISTEN for commits; off for PgBouncer transaction pooling."
+    )
+    lease_duration: timedelta = timedelta(seconds=15)
+    heartbeat_interval: timedelta = timedelta(seconds=5)
+    delivered_retention: timedelta = Field(
+        default=timedelta(0), description="Keep delivered rows this long (0: delete at once)."
+    )
+    kafka_transaction_timeout: timedelta = timedelta(seconds=60)
+    shutdown_grace: timedelta = timedelta(seconds=25)
+
+
+class SidecarSettings(BaseSettings):
+    """Everything the sidecar process reads at start."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="OUTBOX_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    database: DatabaseSettings
+    kafka: KafkaSettings = KafkaSettings()
+    http: HttpSettings = HttpSettings()
+    relay: RelaySettings = RelaySettings()
+    checker: CheckerSettings = CheckerSettings()
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "text"] = "json"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        sources.append(file_secret_settings)
+        config_file = os.environ.get("OUTBOX_CONFIG_FILE")
+        if config_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+        return tuple(sources)
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> SidecarSettings:
+    """Read the settings from the environment, mounted secrets and an optional TOML file."""
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        os.environ["OUTBOX_CONFIG_FILE"] = str(path)
+    secrets_dir = os.environ.get("OUTBOX_SECRETS_DIR") or (
+        str(DEFAULT_SECRETS_DIR) if DEFAULT_SECRETS_DIR.is_dir() else None
+    )
+    return SidecarSettings(_secrets_dir=secrets_dir, **overrides)  # type: ignore[call-arg]
