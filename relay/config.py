@@ -177,4 +177,4 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Si
     secrets_dir = os.environ.get("OUTBOX_SECRETS_DIR") or (
         str(DEFAULT_SECRETS_DIR) if DEFAULT_SECRETS_DIR.is_dir() else None
     )
-    return SidecarSettings(_secrets_dir=secrets_dir, **overrides)  # type: ignore[call-arg]
+    return SidecarSettings(_secrets_dir=secrets_dir, **overrides)
