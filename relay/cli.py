@@ -14,11 +14,15 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 import psycopg
+from pydantic import ValidationError
 
 from checker import cli as checker_cli
 from outbox import OutboxError, migrate
 from outbox import sql as outbox_sql
 from outbox.migrations import current_version, latest_version
+from relay import sidecar
+from relay.config import SidecarSettings, load_settings
+from relay.status import outbox_status
 
 
 def _dsn(args: argparse.Namespace) -> str:
@@ -62,6 +66,37 @@ def _cmd_grants(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace) -> SidecarSettings:
+    return load_settings(args.config)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    return sidecar.run(_settings(args), only=args.only)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    """The effective settings, secrets masked."""
+    print(_settings(args).model_dump_json(indent=2))
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    with psycopg.connect(_dsn(args)) as conn:
+        status = outbox_status(conn, args.schema)
+    if args.json:
+        print(json.dumps(status, default=str))
+        return 0
+    print(f"records by state: {status['states'] or 'none'}")
+    print(f"oldest undelivered commit: {status['oldest_undelivered'] or '-'}")
+    print(f"relays alive: {', '.join(status['relays']) or 'none'}")
+    for lease in status["leases"]:
+        print(
+            f"shard {lease['shard']}: owner {lease['owner'] or '-'} epoch {lease['epoch']} "
+            f"until {lease['lease_until'] or '-'}"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outboxctl", description="Kafka transactional outbox sidecar: run and inspect it."
@@ -86,6 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--relay-role", required=True, help="the sidecar's role")
     p.set_defaults(func=_cmd_grants)
 
+    config = argparse.ArgumentParser(add_help=False)
+    config.add_argument(
+        "--config", help="TOML config file (default: $OUTBOX_CONFIG_FILE; env vars override it)"
+    )
+    p = sub.add_parser("run", parents=[config], help="run the sidecar: relay and checker")
+    p.add_argument("--only", choices=["relay", "checker"], help="run one part only")
+    p.set_defaults(func=_cmd_run)
+    p = sub.add_parser("relay", parents=[config], help="run the relay alone")
+    p.set_defaults(func=_cmd_run, only="relay")
+    p = sub.add_parser("config", parents=[config], help="print the effective settings")
+    p.set_defaults(func=_cmd_config)
+    p = sub.add_parser("status", parents=[common], help="records by state, relays and leases")
+    p.set_defaults(func=_cmd_status)
+
     checker_cli.add_commands(sub, common)
     return parser
 
@@ -98,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args))
-    except (OutboxError, psycopg.Error) as exc:
+    except (OutboxError, psycopg.Error, ValidationError, FileNotFoundError) as exc:
         print(f"outboxctl {args.command}: {exc}", file=sys.stderr)
         return 1
 

@@ -30,6 +30,7 @@ OUTBOX_ID_HEADER = "outbox-id"
 OUTBOX_TX_ID_HEADER = "outbox-tx-id"
 OUTBOX_PRODUCER_GROUP_HEADER = "outbox-producer-group"
 OUTBOX_REASON_HEADER = "outbox-reason"  # on dead-letter copies
+OUTBOX_VALUE_OMITTED_HEADER = "outbox-value-omitted"  # a copy too large to carry its value
 
 
 class Op(StrEnum):

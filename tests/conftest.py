@@ -9,6 +9,7 @@ pytest_plugins = [
     "tests.fixtures.postgres",
     "tests.fixtures.kafka",
     "tests.fixtures.spark",
+    "tests.fixtures.relay",
 ]
 
 _LAYERS = {"unit", "integration", "spark", "acceptance"}

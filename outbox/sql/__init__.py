@@ -1,8 +1,9 @@
 """SQL of the outbox, kept in files and loaded by name.
 
-`queries.sql` holds named queries under `-- name: <name>` headers; `schema.sql` is the whole
-schema; `migrations/NNNN_<what>.sql` are the ordered migrations. `{schema}` in any of them is
-replaced by the configured schema name through `psycopg.sql.Identifier`, never by formatting.
+`queries.sql` (the library) and `relay.sql` (the sidecar) hold named queries under
+`-- name: <name>` headers; `schema.sql` is the whole schema; `migrations/NNNN_<what>.sql` are
+the ordered migrations. `{schema}` in any of them is replaced by the configured schema name
+through `psycopg.sql.Identifier`, never by formatting.
 """
 
 from __future__ import annotations
@@ -22,14 +23,21 @@ def _read(name: str) -> str:
     return files(__package__).joinpath(name).read_text(encoding="utf-8")
 
 
+# Query files: the library's own, and the sidecar's (relay and checker).
+_QUERY_FILES = ("queries.sql", "relay.sql")
+
+
 @cache
 def _queries() -> dict[str, str]:
-    text = _read("queries.sql")
-    parts = _NAME_HEADER.split(text)
-    # parts = [preamble, name1, body1, name2, body2, ...]
-    return {
-        name: body.strip().rstrip(";") for name, body in zip(parts[1::2], parts[2::2], strict=True)
-    }
+    found: dict[str, str] = {}
+    for file in _QUERY_FILES:
+        parts = _NAME_HEADER.split(_read(file))
+        # parts = [preamble, name1, body1, name2, body2, ...]
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in found:
+                raise RuntimeError(f"query {name!r} is defined twice (second time in {file})")
+            found[name] = body.strip().rstrip(";")
+    return found
 
 
 def with_schema(text: str, schema: str) -> sql.Composed:
@@ -46,7 +54,7 @@ def query(name: str, schema: str) -> bytes:
     try:
         text = _queries()[name]
     except KeyError:
-        raise KeyError(f"no query named {name!r} in outbox/sql/queries.sql") from None
+        raise KeyError(f"no query named {name!r} in {', '.join(_QUERY_FILES)}") from None
     return with_schema(text, schema).as_bytes(None)
 
 

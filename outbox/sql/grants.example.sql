@@ -12,6 +12,6 @@ GRANT SELECT (id, producer_group, tx_id, state, writer_xid) ON {schema}.outbox_r
 GRANT UPDATE (state, state_changed_at, next_check_at, committed_xid) ON {schema}.outbox_record TO {writer};
 
 GRANT SELECT, UPDATE, DELETE ON {schema}.outbox_record TO {relay};
-GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.shard_lease TO {relay};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.shard_lease, {schema}.relay_member TO {relay};
 GRANT SELECT, INSERT ON {schema}.audit_log TO {relay};
 GRANT SELECT ON {schema}.schema_migration TO {writer}, {relay};

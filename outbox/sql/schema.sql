@@ -99,6 +99,13 @@ CREATE TABLE {schema}.shard_lease (
     CONSTRAINT shard_lease_owner_has_expiry CHECK (owner IS NULL OR lease_until IS NOT NULL)
 );
 
+-- Relays alive now: each heartbeats here, and takes about shards / members shards.
+CREATE TABLE {schema}.relay_member (
+    relay_id        text        PRIMARY KEY,
+    heartbeat_at    timestamptz NOT NULL,
+    expires_at      timestamptz NOT NULL
+);
+
 -- Who did what by hand or by policy (re-arm, manual resolve, discard).
 CREATE TABLE {schema}.audit_log (
     id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

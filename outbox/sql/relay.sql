@@ -1,0 +1,156 @@
+-- Queries of the sidecar's relay, loaded by name like queries.sql.
+-- A record's shard is ((key_hash % shards) + shards) % shards: key_hash may be negative.
+
+-- name: relay_stamp_commit_ts
+-- Rows below the xid horizon belong to finished transactions: their commit time is final.
+-- Stamping it once lets the claim read rows in commit order from an index.
+UPDATE {schema}.outbox_record
+SET commit_ts = coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
+WHERE state = 'committed' AND commit_ts IS NULL
+  AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
+  AND ((key_hash %% %(shards)s) + %(shards)s) %% %(shards)s = ANY(%(owned)s::integer[]);
+
+-- name: relay_hold_back
+-- Committed rows not stamped yet (their transaction id is above the horizon, or they were not
+-- reached yet): nothing that committed after the earliest of them may go out before it does.
+SELECT min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at))
+FROM {schema}.outbox_record
+WHERE state = 'committed' AND commit_ts IS NULL
+  AND ((key_hash %% %(shards)s) + %(shards)s) %% %(shards)s = ANY(%(owned)s::integer[]);
+
+-- name: relay_head
+-- The shard's next rows in commit order; the caller completes their transactions.
+SELECT id, committed_xid::text, commit_ts
+FROM {schema}.outbox_record
+WHERE state = 'committed' AND commit_ts IS NOT NULL
+  AND (%(hold_back)s::timestamptz IS NULL OR commit_ts < %(hold_back)s::timestamptz)
+  AND ((key_hash %% %(shards)s) + %(shards)s) %% %(shards)s = %(shard)s
+ORDER BY commit_ts, committed_xid, id
+LIMIT %(limit)s;
+
+-- name: relay_transaction_rows
+-- Every committed row of the given transactions, whatever their shard (all of a transaction's
+-- records share its commit time, so the commit-order index finds them).
+SELECT id, producer_group, tx_id, topic, key, value, headers, partition, key_hash,
+       committed_xid::text, commit_ts
+FROM {schema}.outbox_record
+WHERE state = 'committed' AND commit_ts = ANY(%(commit_ts)s::timestamptz[])
+  AND committed_xid = ANY(%(xids)s::xid8[])
+ORDER BY commit_ts, committed_xid, id;
+
+-- name: relay_shard_has_earlier
+-- Does shard `shard` hold a committed row that must go out before (commit_ts, xid)?
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.outbox_record
+    WHERE state = 'committed'
+      AND ((key_hash %% %(shards)s) + %(shards)s) %% %(shards)s = %(shard)s
+      AND (commit_ts IS NULL
+           OR (commit_ts, committed_xid) < (%(commit_ts)s::timestamptz, %(xid)s::xid8))
+);
+
+-- name: relay_unmarked
+-- Rolled back, discarded and parked rows whose op marker (and dead-letter copy) is not out yet.
+SELECT id, producer_group, tx_id, topic, key, value, headers, partition, key_hash, state, reason
+FROM {schema}.outbox_record
+WHERE ended_at IS NULL AND state IN ('rolled_back', 'discarded', 'parked')
+  AND ((key_hash %% %(shards)s) + %(shards)s) %% %(shards)s = %(shard)s
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: relay_lock_lease
+-- Inside the transaction that removes delivered rows: still ours? FOR UPDATE makes a takeover
+-- wait until this transaction ends, and the epoch tells if one happened before it.
+SELECT 1 FROM {schema}.shard_lease
+WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s
+FOR UPDATE;
+
+-- name: relay_end_rows
+-- Record the end of rows whose op markers are committed in Kafka: delivered rows (and the
+-- position they landed at), rolled back, discarded and parked ones.
+UPDATE {schema}.outbox_record AS r
+SET state = CASE WHEN r.state = 'committed' THEN 'delivered' ELSE r.state END,
+    ended_at = now(),
+    kafka_partition = e.kafka_partition,
+    kafka_offset = e.kafka_offset
+FROM unnest(%(ids)s::bigint[], %(partitions)s::integer[], %(offsets)s::bigint[])
+     AS e(id, kafka_partition, kafka_offset)
+WHERE r.id = e.id AND r.ended_at IS NULL
+  AND r.state IN ('committed', 'rolled_back', 'discarded', 'parked');
+
+-- name: relay_delete_ended
+-- Without retention, ended rows go at once; parked rows stay for inspection and redrive.
+DELETE FROM {schema}.outbox_record
+WHERE id = ANY(%(ids)s::bigint[]) AND ended_at IS NOT NULL AND state <> 'parked';
+
+-- name: relay_trim_archive
+DELETE FROM {schema}.outbox_record
+WHERE ended_at < now() - %(retention)s::interval AND state <> 'parked';
+
+-- name: relay_set_marker_offset
+UPDATE {schema}.shard_lease
+SET marker_partition = %(partition)s, marker_offset = %(offset)s
+WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s;
+
+-- name: relay_park
+-- Poison records: the broker will never take them. Parked with the reason; the next round
+-- sends their dead-letter copy and op marker.
+UPDATE {schema}.outbox_record
+SET state = 'parked', reason = %(reason)s, state_changed_at = now()
+WHERE id = ANY(%(ids)s::bigint[]) AND state = 'committed';
+
+-- name: relay_member_heartbeat
+INSERT INTO {schema}.relay_member (relay_id, heartbeat_at, expires_at)
+VALUES (%(relay_id)s, now(), now() + %(ttl)s::interval)
+ON CONFLICT (relay_id) DO UPDATE
+SET heartbeat_at = excluded.heartbeat_at, expires_at = excluded.expires_at;
+
+-- name: relay_members_alive
+SELECT count(*) FROM {schema}.relay_member WHERE expires_at > now();
+
+-- name: relay_member_leave
+DELETE FROM {schema}.relay_member WHERE relay_id = %(relay_id)s;
+
+-- name: relay_ensure_shards
+INSERT INTO {schema}.shard_lease (shard)
+SELECT generate_series(0, %(shards)s - 1)
+ON CONFLICT (shard) DO NOTHING;
+
+-- name: relay_acquire
+-- Free or expired shards, up to `want` of them; the epoch bump fences the previous owner.
+UPDATE {schema}.shard_lease AS l
+SET owner = %(owner)s, epoch = l.epoch + 1,
+    lease_until = now() + %(duration)s::interval, heartbeat_at = now()
+WHERE l.shard IN (
+    SELECT shard FROM {schema}.shard_lease
+    WHERE shard < %(shards)s AND (owner IS NULL OR lease_until < now())
+    ORDER BY shard
+    LIMIT %(want)s
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING l.shard, l.epoch, l.marker_partition, l.marker_offset;
+
+-- name: relay_renew
+UPDATE {schema}.shard_lease AS l
+SET lease_until = now() + %(duration)s::interval, heartbeat_at = now()
+FROM unnest(%(shards)s::integer[], %(epochs)s::bigint[]) AS m(shard, epoch)
+WHERE l.shard = m.shard AND l.epoch = m.epoch AND l.owner = %(owner)s
+RETURNING l.shard;
+
+-- name: relay_release
+UPDATE {schema}.shard_lease
+SET owner = NULL, lease_until = NULL
+WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s;
+
+-- name: relay_backlog
+-- For metrics: undelivered committed rows and the commit time of the oldest.
+SELECT count(*), min(coalesce(commit_ts, state_changed_at))
+FROM {schema}.outbox_record
+WHERE state = 'committed';
+
+-- name: relay_horizon_holder
+-- The oldest transaction still running (it holds back the xid horizon), other than ours.
+SELECT pid, extract(epoch FROM now() - xact_start)::float8
+FROM pg_stat_activity
+WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
+ORDER BY age(backend_xid) DESC
+LIMIT 1;

@@ -1,0 +1,67 @@
+"""The sidecar's probes and metrics: /healthz (alive), /readyz (can work), /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+logger = logging.getLogger(__name__)
+
+Alive = Callable[[], bool]
+Ready = Callable[[], dict[str, Any]]
+
+
+class ProbeServer:
+    def __init__(self, host: str, port: int, alive: dict[str, Alive], ready: dict[str, Ready]):
+        self.alive = alive
+        self.ready = ready
+        probes = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/healthz":
+                    status = {name: check() for name, check in probes.alive.items()}
+                    self._send(200 if all(status.values()) else 503, status)
+                elif path == "/readyz":
+                    report = {name: check() for name, check in probes.ready.items()}
+                    ok = all(r.get("ready", False) for r in report.values())
+                    self._send(200 if ok else 503, report)
+                elif path == "/metrics":
+                    self._send_raw(200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY))
+                else:
+                    self._send(404, {"error": "not found"})
+
+            def _send(self, code: int, body: dict[str, Any]) -> None:
+                self._send_raw(code, "application/json", json.dumps(body, default=str).encode())
+
+            def _send_raw(self, code: int, content_type: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                logger.debug("probe %s", format % args)
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="probes", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+        logger.info("probes and metrics on port %s", self.port)
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

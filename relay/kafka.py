@@ -1,0 +1,212 @@
+"""The relay's Kafka side: one transactional producer per shard, and topic administration.
+
+A row is marked done only after its delivery report and the committed Kafka transaction, never
+when `produce()` returns (quix-streams' internal producer keeps the same rule).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+logger = logging.getLogger(__name__)
+
+# Errors after which retrying the same record can never succeed: the record is parked.
+PERMANENT_RECORD_ERRORS = frozenset(
+    {
+        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError.RECORD_LIST_TOO_LARGE,
+        KafkaError.INVALID_RECORD,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.TOPIC_EXCEPTION,
+        KafkaError.POLICY_VIOLATION,
+        KafkaError._UNKNOWN_PARTITION,
+        KafkaError._UNKNOWN_TOPIC,
+        KafkaError._INVALID_ARG,
+    }
+)
+_FENCED_ERRORS = frozenset(
+    {KafkaError._FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError.PRODUCER_FENCED}
+)
+
+
+class Fenced(Exception):
+    """Another producer with our transactional.id took over: this shard is no longer ours."""
+
+
+class OutcomeUnknown(Exception):
+    """commit_transaction failed in a way that leaves its outcome unknown: recover from markers."""
+
+
+@dataclass
+class Sent:
+    """One produced record and, once its delivery report arrived, where it went or why not."""
+
+    index: int
+    partition: int | None = None
+    offset: int | None = None
+    error: KafkaError | None = None
+    done: bool = False
+
+
+class ShardProducer:
+    """A transactional producer with transactional.id `<prefix>-<shard>`."""
+
+    def __init__(self, conf: dict[str, Any], transactional_id: str, timeout: timedelta) -> None:
+        self.transactional_id = transactional_id
+        self.timeout_s = timeout.total_seconds()
+        self._conf = {
+            **conf,
+            "transactional.id": transactional_id,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 2,
+            "queue.buffering.max.messages": 1_000_000,
+            # Unknown topics are caught before producing; do not wait long on metadata.
+            "topic.metadata.propagation.max.ms": 5_000,
+        }
+        self._producer: Producer | None = None
+        self._sent: list[Sent] = []
+
+    def init(self) -> None:
+        """(Re)create the producer and init transactions: fences any older instance of us."""
+        self.close()
+        self._producer = Producer(self._conf)
+        self._call(self._producer.init_transactions, self.timeout_s)
+
+    @property
+    def producer(self) -> Producer:
+        if self._producer is None:
+            raise RuntimeError("ShardProducer.init() was not called")
+        return self._producer
+
+    def begin(self) -> None:
+        self._sent = []
+        self._call(self.producer.begin_transaction)
+
+    def send(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        headers: list[tuple[str, bytes | None]],
+        partition: int | None = None,
+    ) -> Sent:
+        """Produce one record; raises KafkaException at once for what librdkafka refuses locally."""
+        sent = Sent(index=len(self._sent))
+
+        def report(err: KafkaError | None, msg: Message) -> None:
+            sent.done = True
+            sent.error = err
+            if err is None:
+                sent.partition, sent.offset = msg.partition(), msg.offset()
+
+        kwargs: dict[str, Any] = {
+            "value": value,
+            "key": key,
+            "headers": headers,
+            "on_delivery": report,
+        }
+        if partition is not None:
+            kwargs["partition"] = partition
+        while True:
+            try:
+                self.producer.produce(topic, **kwargs)
+                break
+            except BufferError:  # local queue full: let deliveries drain
+                self.producer.poll(0.05)
+        self._sent.append(sent)
+        return sent
+
+    def flush(self) -> list[Sent]:
+        """Wait for every delivery report of this transaction; return what failed."""
+        remaining = self.producer.flush(self.timeout_s)
+        if remaining:
+            raise OutcomeUnknown(f"{remaining} records had no delivery report in {self.timeout_s}s")
+        return [s for s in self._sent if s.error is not None]
+
+    def commit(self) -> None:
+        """Commit; retriable errors are retried within the timeout, then the outcome is unknown."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                self.producer.commit_transaction(max(1.0, deadline - time.monotonic()))
+                return
+            except KafkaException as exc:
+                err: KafkaError = exc.args[0]
+                if err.fatal() or err.code() in _FENCED_ERRORS:
+                    raise Fenced(str(err)) from exc
+                if err.txn_requires_abort():
+                    raise
+                if err.retriable() and time.monotonic() < deadline:
+                    continue
+                raise OutcomeUnknown(str(err)) from exc
+
+    def abort(self) -> None:
+        try:
+            self._call(self.producer.abort_transaction, self.timeout_s)
+        except KafkaException as exc:
+            raise OutcomeUnknown(f"abort failed: {exc}") from exc
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.flush(0)
+            self._producer = None
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except KafkaException as exc:
+            err: KafkaError = exc.args[0]
+            if err.fatal() or err.code() in _FENCED_ERRORS:
+                raise Fenced(str(err)) from exc
+            raise
+
+
+class Topics:
+    """Creates the relay's own topics and answers "does this topic exist?" from cached metadata."""
+
+    def __init__(self, conf: dict[str, Any], ttl: timedelta = timedelta(seconds=30)) -> None:
+        self._admin = AdminClient(conf)
+        self._ttl = ttl.total_seconds()
+        self._known: dict[str, tuple[float, int]] = {}  # topic -> (checked at, partitions)
+
+    def ensure(self, name: str, partitions: int, config: dict[str, str]) -> None:
+        """Create `name` if missing (the broker's default replication factor)."""
+        if self.partitions(name, refresh=True):
+            return
+        futures = self._admin.create_topics(
+            [NewTopic(name, num_partitions=partitions, replication_factor=-1, config=config)]
+        )
+        try:
+            futures[name].result(30)
+            logger.info("created topic %s (%s partitions)", name, partitions)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+        self._known.pop(name, None)
+
+    def partitions(self, name: str, *, refresh: bool = False) -> int:
+        """Partition count of `name`, 0 when it does not exist."""
+        now = time.monotonic()
+        cached = self._known.get(name)
+        if cached and not refresh and now - cached[0] < self._ttl:
+            return cached[1]
+        metadata = self._admin.list_topics(name, timeout=10)
+        topic = metadata.topics.get(name)
+        count = 0 if topic is None or topic.error is not None else len(topic.partitions)
+        self._known[name] = (now, count)
+        return count
+
+    def reachable(self) -> bool:
+        try:
+            return bool(self._admin.list_topics(timeout=3).brokers)
+        except KafkaException:
+            return False

@@ -1,0 +1,117 @@
+"""Shard leases in Postgres: which relay delivers which shard, with heartbeats and expiry.
+
+Each relay heartbeats its membership and takes about ceil(shards / members) shards: free ones,
+or ones whose lease expired. Taking a shard bumps its epoch; every write a relay makes for a
+shard is conditioned on (owner, epoch), and its Kafka producer uses a transactional.id per
+shard, so a stale owner (paused, partitioned) is fenced by Postgres and by Kafka alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from outbox import sql as queries
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Lease:
+    shard: int
+    epoch: int
+    marker_partition: int | None
+    marker_offset: int
+
+
+@dataclass
+class LeaseChanges:
+    gained: list[Lease] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)  # taken over or expired: stop at once
+    to_release: list[int] = field(default_factory=list)  # over our fair share: hand back
+
+
+class LeaseManager:
+    def __init__(self, schema: str, relay_id: str, shards: int, duration: timedelta) -> None:
+        self.schema = schema
+        self.relay_id = relay_id
+        self.shards = shards
+        self.duration = duration
+        self.owned: dict[int, Lease] = {}
+
+    def _q(self, name: str) -> bytes:
+        return queries.query(name, self.schema)
+
+    def heartbeat(self, conn: psycopg.Connection[Any]) -> LeaseChanges:
+        """Renew our leases, learn which we lost, take our fair share. One short transaction."""
+        changes = LeaseChanges()
+        with conn.transaction():
+            conn.execute(
+                self._q("relay_member_heartbeat"),
+                {"relay_id": self.relay_id, "ttl": self.duration},
+            )
+            conn.execute(self._q("relay_ensure_shards"), {"shards": self.shards})
+            if self.owned:
+                renewed = {
+                    row[0]
+                    for row in conn.execute(
+                        self._q("relay_renew"),
+                        {
+                            "owner": self.relay_id,
+                            "duration": self.duration,
+                            "shards": list(self.owned),
+                            "epochs": [lease.epoch for lease in self.owned.values()],
+                        },
+                    )
+                }
+                changes.lost = sorted(set(self.owned) - renewed)
+                for shard in changes.lost:
+                    del self.owned[shard]
+            members = conn.execute(self._q("relay_members_alive")).fetchone()
+            fair = math.ceil(self.shards / max(1, members[0] if members else 1))
+            if len(self.owned) < fair:
+                for shard, epoch, partition, offset in conn.execute(
+                    self._q("relay_acquire"),
+                    {
+                        "owner": self.relay_id,
+                        "duration": self.duration,
+                        "shards": self.shards,
+                        "want": fair - len(self.owned),
+                    },
+                ):
+                    lease = Lease(shard, epoch, partition, offset)
+                    self.owned[shard] = lease
+                    changes.gained.append(lease)
+            elif len(self.owned) > fair:
+                changes.to_release = sorted(self.owned)[fair:]
+        for lease in changes.gained:
+            logger.info("took shard %s (epoch %s)", lease.shard, lease.epoch)
+        for shard in changes.lost:
+            logger.warning("lost shard %s: its lease was taken over or expired", shard)
+        return changes
+
+    def release(self, conn: psycopg.Connection[Any], shard: int) -> None:
+        lease = self.owned.pop(shard, None)
+        if lease is None:
+            return
+        with conn.transaction():
+            conn.execute(
+                self._q("relay_release"),
+                {"shard": shard, "owner": self.relay_id, "epoch": lease.epoch},
+            )
+        logger.info("released shard %s", shard)
+
+    def forget(self, shard: int) -> None:
+        """Drop a shard we found fenced, without touching its lease row."""
+        self.owned.pop(shard, None)
+
+    def leave(self, conn: psycopg.Connection[Any]) -> None:
+        for shard in list(self.owned):
+            self.release(conn, shard)
+        with conn.transaction():
+            conn.execute(self._q("relay_member_leave"), {"relay_id": self.relay_id})

@@ -1,0 +1,40 @@
+"""Prometheus metrics of the relay (the default registry, served at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+DELIVERED = Counter(
+    "outbox_relay_records_delivered", "Records delivered to their topic.", ["topic"]
+)
+ENDED = Counter(
+    "outbox_relay_records_ended", "Op markers written, by what ended the record.", ["op"]
+)
+PARKED = Counter(
+    "outbox_relay_records_parked", "Poison records parked, by kind of reason.", ["reason"]
+)
+BATCH_SIZE = Histogram(
+    "outbox_relay_batch_records",
+    "Records (and dead-letter copies) per Kafka transaction.",
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
+)
+COMMIT_SECONDS = Histogram(
+    "outbox_relay_kafka_commit_seconds",
+    "Latency of commit_transaction.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+BACKLOG = Gauge("outbox_relay_backlog_records", "Committed records not delivered yet.")
+OLDEST_AGE = Gauge(
+    "outbox_relay_oldest_undelivered_seconds",
+    "Age (since commit) of the oldest committed record not delivered yet; 0 when none.",
+)
+HORIZON_HELD = Gauge(
+    "outbox_relay_horizon_held_seconds",
+    "How long the oldest running transaction has held back the xid horizon.",
+)
+HORIZON_HOLDER_PID = Gauge(
+    "outbox_relay_horizon_holder_pid", "Backend pid of that transaction; 0 when none."
+)
+SHARDS_OWNED = Gauge("outbox_relay_shards_owned", "Shards this relay holds a lease on.")
+ERRORS = Counter("outbox_relay_errors", "Errors by kind.", ["kind"])
+RECOVERIES = Counter("outbox_relay_recoveries", "Recoveries from the op-marker topic.")

@@ -1,0 +1,291 @@
+"""The relay: leases its shards, wakes on commits, and delivers each shard in rounds.
+
+`run_once()` does one round (tests call it directly); `start()` runs rounds in a thread until
+`stop()`, which lets the round in flight finish (or abort its Kafka transaction), hands the
+shards back so another relay takes them at once, and tolerates being called twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from confluent_kafka import KafkaException
+
+from outbox import sql as queries
+from outbox import wakeup_channel
+from relay import metrics
+from relay.config import SidecarSettings
+from relay.kafka import Fenced, OutcomeUnknown, Topics
+from relay.leases import LeaseManager
+from relay.shard import LeaseLost, ShardRound, ShardWorker
+
+logger = logging.getLogger(__name__)
+
+_MAX_BACKOFF_S = 10.0
+
+
+@dataclass
+class RelayRound:
+    delivered: int = 0
+    ended: int = 0
+    parked: int = 0
+    full: bool = False
+    shards: int = 0
+
+    def add(self, r: ShardRound) -> None:
+        self.delivered += r.delivered
+        self.ended += r.ended
+        self.parked += r.parked
+        self.full = self.full or r.full
+
+
+class Relay:
+    def __init__(self, settings: SidecarSettings) -> None:
+        self.settings = settings
+        rs = settings.relay
+        self.schema = settings.database.schema_name
+        self.relay_id = rs.relay_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.kafka_conf = settings.kafka.to_librdkafka()
+        self.topics = Topics(self.kafka_conf)
+        self.leases = LeaseManager(self.schema, self.relay_id, rs.shards, rs.lease_duration)
+        self.workers: dict[int, ShardWorker] = {}
+        self._conn: psycopg.Connection[Any] | None = None
+        self._listen: psycopg.Connection[Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._set_up = False
+        self._last_heartbeat = 0.0
+        self.last_round_at = time.monotonic()
+
+    # --- connections ------------------------------------------------------------------------
+
+    def _connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
+        return psycopg.connect(
+            self.settings.database.dsn.get_secret_value(),
+            connect_timeout=int(self.settings.database.connect_timeout_s),
+            application_name=f"outbox-relay {self.relay_id}"[:63],
+            **kwargs,
+        )
+
+    @property
+    def conn(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = self._connect()
+        return self._conn
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
+
+    # --- one round --------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Create the op-marker and dead-letter topics when missing; check Postgres settings."""
+        rs = self.settings.relay
+        retention_ms = str(int(rs.op_marker_retention.total_seconds() * 1000))
+        self.topics.ensure(
+            rs.op_marker_topic,
+            rs.op_marker_partitions,
+            {"cleanup.policy": "delete", "retention.ms": retention_ms},
+        )
+        self.topics.ensure(rs.dead_letter_topic, 1, {"cleanup.policy": "delete"})
+        row = self.conn.execute("SHOW track_commit_timestamp").fetchone()
+        self.conn.rollback()
+        if not row or row[0] != "on":
+            logger.warning(
+                "track_commit_timestamp is off: records are ordered by state change time, "
+                "not commit time; turn it on for per-key commit order"
+            )
+        self._set_up = True
+
+    def heartbeat(self) -> None:
+        changes = self.leases.heartbeat(self.conn)
+        for shard in changes.lost:
+            self._drop_worker(shard)
+        for shard in changes.to_release:
+            self._drop_worker(shard)
+            self.leases.release(self.conn, shard)
+        for lease in changes.gained:
+            self.workers[lease.shard] = ShardWorker(
+                lease, self.settings.relay, self.schema, self.relay_id, self.kafka_conf, self.topics
+            )
+        metrics.SHARDS_OWNED.set(len(self.workers))
+        self._last_heartbeat = time.monotonic()
+
+    def _drop_worker(self, shard: int) -> None:
+        worker = self.workers.pop(shard, None)
+        if worker is not None:
+            worker.close()
+        self.leases.forget(shard)
+
+    def run_once(self) -> RelayRound:
+        if not self._set_up:
+            self.setup()
+        if (
+            time.monotonic() - self._last_heartbeat
+            >= self.settings.relay.heartbeat_interval.total_seconds()
+        ):
+            self.heartbeat()
+        result = RelayRound(shards=len(self.workers))
+        if not self.workers:
+            return result
+        owned = sorted(self.workers)
+        params = {"shards": self.settings.relay.shards, "owned": owned}
+        with self.conn.transaction():
+            self.conn.execute(queries.query("relay_stamp_commit_ts", self.schema), params)
+            row = self.conn.execute(
+                queries.query("relay_hold_back", self.schema), params
+            ).fetchone()
+        hold_back = row[0] if row else None
+        for shard in owned:
+            worker = self.workers.get(shard)
+            if worker is None:
+                continue
+            try:
+                result.add(worker.deliver_once(self.conn, hold_back))
+            except (Fenced, LeaseLost) as exc:
+                logger.warning("shard %s fenced: %s", shard, exc)
+                metrics.ERRORS.labels("fenced").inc()
+                self._drop_worker(shard)
+        self.last_round_at = time.monotonic()
+        return result
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Rounds until stop(): at once while batches come full, else after a wake-up or poll."""
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                result = self.run_once()
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                self._on_failure(exc)
+                self._stop.wait(min(_MAX_BACKOFF_S, 0.25 * 2**failures))
+                continue
+            if not result.full:
+                self._wait_for_work()
+        self._shutdown()
+
+    def _on_failure(self, exc: Exception) -> None:
+        if isinstance(exc, psycopg.Error):
+            kind = "database"
+            self._drop_connection()
+        elif isinstance(exc, KafkaException | OutcomeUnknown):
+            kind = "kafka"
+        else:
+            kind = type(exc).__name__
+        metrics.ERRORS.labels(kind).inc()
+        for worker in self.workers.values():
+            worker.needs_recovery = True  # whatever was in flight is settled from the markers
+        logger.error(
+            "relay round failed (%s): %s", kind, exc, exc_info=kind not in ("database", "kafka")
+        )
+
+    def _wait_for_work(self) -> None:
+        rs = self.settings.relay
+        timeout = rs.poll_interval.total_seconds()
+        if rs.listen_notify:
+            try:
+                if self._listen is None or self._listen.closed:
+                    listen = self._connect(autocommit=True)
+                    listen.execute(f"LISTEN {wakeup_channel(self.schema)}")
+                    self._listen = listen  # only once listening: notifications queue from here
+                woke = any(True for _ in self._listen.notifies(timeout=timeout, stop_after=1))
+                # drain what else arrived: one round serves them all
+                if woke:
+                    for _ in self._listen.notifies(timeout=0):
+                        pass
+            except psycopg.Error:
+                if self._listen is not None:
+                    self._listen.close()
+                self._listen = None
+                self._stop.wait(timeout)
+                return
+        else:
+            self._stop.wait(timeout)
+        if rs.linger.total_seconds() > 0:
+            self._stop.wait(rs.linger.total_seconds())
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="outbox-relay", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the round in flight; hand the shards back. Safe to call twice."""
+        self._stop.set()
+        if self._thread is not None:
+            grace = (
+                timeout
+                if timeout is not None
+                else self.settings.relay.shutdown_grace.total_seconds()
+            )
+            self._thread.join(grace)
+            if self._thread.is_alive():
+                logger.error("relay round still running after %ss; exiting anyway", grace)
+        elif not self._stopped:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        for shard in list(self.workers):
+            worker = self.workers.pop(shard)
+            worker.close()
+        try:
+            self.leases.leave(self.conn)
+        except psycopg.Error as exc:
+            logger.warning("could not hand the shards back (they expire instead): %s", exc)
+        for conn in (self._conn, self._listen):
+            if conn is not None:
+                conn.close()
+        logger.info("relay %s stopped", self.relay_id)
+
+    # --- probes and gauges ------------------------------------------------------------------
+
+    def alive(self, stale_after_s: float = 120.0) -> bool:
+        return self._thread is None or (
+            self._thread.is_alive() and time.monotonic() - self.last_round_at < stale_after_s
+        )
+
+    def ready(self) -> dict[str, Any]:
+        """What /readyz reports; `ready` needs the database and the broker."""
+        try:
+            with self._connect() as probe:
+                probe.execute("SELECT 1")
+            database = True
+        except psycopg.Error:
+            database = False
+        broker = self.topics.reachable()
+        return {
+            "ready": database and broker,
+            "database": database,
+            "broker": broker,
+            "shards": sorted(self.workers),
+            "relay_id": self.relay_id,
+        }
+
+    def refresh_gauges(self) -> None:
+        with self._connect(autocommit=True) as conn:
+            count, oldest = conn.execute(
+                queries.query("relay_backlog", self.schema)
+            ).fetchone() or (0, None)
+            metrics.BACKLOG.set(count)
+            age = conn.execute(
+                "SELECT extract(epoch FROM now() - %s::timestamptz)", (oldest,)
+            ).fetchone()
+            metrics.OLDEST_AGE.set(float(age[0]) if age and age[0] is not None else 0.0)
+            holder = conn.execute(queries.query("relay_horizon_holder", self.schema)).fetchone()
+            metrics.HORIZON_HOLDER_PID.set(holder[0] if holder else 0)
+            metrics.HORIZON_HELD.set(holder[1] if holder else 0.0)

@@ -1,0 +1,475 @@
+"""One shard's delivery: claim in commit order, one Kafka transaction, then end the rows.
+
+Per round, for a shard it holds:
+1. claim the next committed transactions in commit order (all records of a transaction, even
+   across shards, go in one Kafka transaction), and the rolled back / discarded / parked rows
+   whose op marker is not out yet;
+2. in one Kafka transaction: the records on their topics (with outbox-id and outbox-tx-id
+   headers), dead-letter copies of discarded and parked records, and an op marker for each;
+3. after the commit, in one Postgres transaction that re-checks the lease: end the rows (delete
+   or archive) and move the shard's op-marker offset past the new markers.
+A crash between 2 and 3 leaves rows whose markers are committed: `recover()` reads the markers
+from the stored offset (read_committed) and ends those rows instead of sending them again.
+
+Multi-shard transactions: the shard of its lowest record id is its home. The home relay sends
+it once no other shard it touches holds an earlier-committed record; the other shards stop in
+front of it until it is gone. Per-key commit order therefore holds across shards.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from outbox import sql as queries
+from relay import _failpoints, metrics
+from relay.config import RelaySettings
+from relay.kafka import PERMANENT_RECORD_ERRORS, Sent, ShardProducer, Topics
+from relay.leases import Lease
+from relay.markers import (
+    OUTBOX_ID_HEADER,
+    OUTBOX_PRODUCER_GROUP_HEADER,
+    OUTBOX_REASON_HEADER,
+    OUTBOX_TX_ID_HEADER,
+    OUTBOX_VALUE_OMITTED_HEADER,
+    Op,
+    OpMarker,
+    marker_partition,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseLost(Exception):
+    """The shard's lease changed hands: its rows are not ours to touch any more."""
+
+
+@dataclass(frozen=True)
+class Row:
+    id: int
+    producer_group: str
+    tx_id: str
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list[list[str | None]]
+    partition: int | None
+    key_hash: int
+    state: str
+    committed_xid: str | None = None
+    commit_ts: datetime | None = None
+    reason: str | None = None
+
+    def kafka_headers(self) -> list[tuple[str, bytes | None]]:
+        given = [(n or "", None if v is None else base64.b64decode(v)) for n, v in self.headers]
+        return [
+            *given,
+            (OUTBOX_ID_HEADER, str(self.id).encode()),
+            (OUTBOX_TX_ID_HEADER, self.tx_id.encode()),
+            (OUTBOX_PRODUCER_GROUP_HEADER, self.producer_group.encode()),
+        ]
+
+
+@dataclass
+class ShardRound:
+    delivered: int = 0
+    ended: int = 0
+    parked: int = 0
+    full: bool = False  # the claim hit the batch size: more is waiting
+
+    @property
+    def did_work(self) -> bool:
+        return bool(self.delivered or self.ended or self.parked)
+
+
+@dataclass
+class _Batch:
+    transactions: list[list[Row]] = field(default_factory=list)
+    ended: list[Row] = field(default_factory=list)
+
+    @property
+    def committed(self) -> list[Row]:
+        return [r for tx in self.transactions for r in tx]
+
+
+class ShardWorker:
+    def __init__(
+        self,
+        lease: Lease,
+        settings: RelaySettings,
+        schema: str,
+        relay_id: str,
+        kafka_conf: dict[str, Any],
+        topics: Topics,
+    ) -> None:
+        self.lease = lease
+        self.shard = lease.shard
+        self.settings = settings
+        self.schema = schema
+        self.relay_id = relay_id
+        self.kafka_conf = kafka_conf
+        self.topics = topics
+        self.marker_partition = marker_partition(self.shard, settings.op_marker_partitions)
+        self.producer = ShardProducer(
+            kafka_conf,
+            f"{settings.transactional_id_prefix}-{self.shard}",
+            settings.kafka_transaction_timeout,
+        )
+        self.needs_recovery = True
+        if lease.marker_partition not in (None, self.marker_partition):
+            raise RuntimeError(
+                f"shard {self.shard} recorded its op markers in partition "
+                f"{lease.marker_partition}, now it would be {self.marker_partition}: "
+                "op_marker_partitions must not change while records are in flight"
+            )
+
+    def _q(self, name: str) -> bytes:
+        return queries.query(name, self.schema)
+
+    def _lease_params(self) -> dict[str, Any]:
+        return {"shard": self.shard, "owner": self.relay_id, "epoch": self.lease.epoch}
+
+    # --- recovery ---------------------------------------------------------------------------
+
+    def recover(self, conn: psycopg.Connection[Any]) -> int:
+        """Fence older producers of this shard, then end the rows whose markers are committed."""
+        self.producer.init()
+        markers, end_offset = self._read_markers(self.lease.marker_offset)
+        with conn.transaction():
+            self._lock_lease(conn)
+            self._end_rows(conn, [(m.id, m.partition, m.offset) for m in markers])
+            conn.execute(
+                self._q("relay_set_marker_offset"),
+                {**self._lease_params(), "partition": self.marker_partition, "offset": end_offset},
+            )
+        self.lease = Lease(self.shard, self.lease.epoch, self.marker_partition, end_offset)
+        self.needs_recovery = False
+        metrics.RECOVERIES.inc()
+        logger.info(
+            "shard %s recovered: %s committed markers after offset %s",
+            self.shard,
+            len(markers),
+            self.lease.marker_offset,
+        )
+        return len(markers)
+
+    def _read_markers(self, start: int) -> tuple[list[OpMarker], int]:
+        """This shard's committed markers from `start` to the end of the log, and that end."""
+        consumer = Consumer(
+            {
+                **self.kafka_conf,
+                "group.id": f"outbox-relay-recovery-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "auto.offset.reset": "earliest",
+            }
+        )
+        tp = TopicPartition(self.settings.op_marker_topic, self.marker_partition)
+        try:
+            _low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            if start >= high:
+                return [], high
+            consumer.assign([TopicPartition(tp.topic, tp.partition, start)])
+            markers: list[OpMarker] = []
+            deadline = time.monotonic() + self.settings.kafka_transaction_timeout.total_seconds()
+            # read_committed stops at the last stable offset: wait until every transaction
+            # below the high watermark (ours and other shards') is decided.
+            while True:
+                position = consumer.position([tp])[0].offset
+                if position >= high:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"op markers of shard {self.shard} not readable up to {high} "
+                        f"(stuck at {position}): a transaction on the marker topic stays open"
+                    )
+                msg = consumer.poll(0.2)
+                if msg is None:
+                    continue
+                error = msg.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise KafkaException(error)
+                marker = OpMarker.decode(msg.value() or b"")
+                if marker.shard == self.shard:
+                    markers.append(marker)
+            return markers, high
+        finally:
+            consumer.close()
+
+    # --- claim ------------------------------------------------------------------------------
+
+    def _claim(self, conn: psycopg.Connection[Any], hold_back: datetime | None) -> _Batch:
+        s = self.settings
+        batch = _Batch()
+        head = conn.execute(
+            self._q("relay_head"),
+            {
+                "shard": self.shard,
+                "shards": s.shards,
+                "hold_back": hold_back,
+                "limit": s.batch_size,
+            },
+        ).fetchall()
+        if head:
+            order = list(OrderedDict.fromkeys((xid, ts) for _id, xid, ts in head))
+            rows = conn.execute(
+                self._q("relay_transaction_rows"),
+                {"commit_ts": [ts for _x, ts in order], "xids": [x for x, _t in order]},
+            ).fetchall()
+            by_tx: dict[str, list[Row]] = {}
+            for r in rows:
+                row = Row(
+                    id=r[0],
+                    producer_group=r[1],
+                    tx_id=r[2],
+                    topic=r[3],
+                    key=r[4],
+                    value=r[5],
+                    headers=r[6],
+                    partition=r[7],
+                    key_hash=r[8],
+                    state="committed",
+                    committed_xid=r[9],
+                    commit_ts=r[10],
+                )
+                by_tx.setdefault(row.committed_xid or "", []).append(row)
+            count = 0
+            for xid, ts in order:
+                tx_rows = by_tx.get(xid, [])
+                if not tx_rows or not self._may_send(conn, tx_rows, xid, ts):
+                    break
+                batch.transactions.append(tx_rows)
+                count += len(tx_rows)
+                if count >= s.batch_size:
+                    break
+        for r in conn.execute(
+            self._q("relay_unmarked"),
+            {"shard": self.shard, "shards": s.shards, "limit": s.batch_size},
+        ):
+            batch.ended.append(
+                Row(
+                    id=r[0],
+                    producer_group=r[1],
+                    tx_id=r[2],
+                    topic=r[3],
+                    key=r[4],
+                    value=r[5],
+                    headers=r[6],
+                    partition=r[7],
+                    key_hash=r[8],
+                    state=r[9],
+                    reason=r[10],
+                )
+            )
+        return batch
+
+    def _may_send(
+        self, conn: psycopg.Connection[Any], tx_rows: list[Row], xid: str, ts: datetime
+    ) -> bool:
+        n = self.settings.shards
+        spanned = {r.key_hash % n for r in tx_rows}
+        if spanned == {self.shard}:
+            return True
+        home = min(tx_rows, key=lambda r: r.id).key_hash % n
+        if home != self.shard:
+            return False  # its home shard sends it; we wait behind it
+        for other in spanned - {self.shard}:
+            row = conn.execute(
+                self._q("relay_shard_has_earlier"),
+                {"shard": other, "shards": n, "commit_ts": ts, "xid": xid},
+            ).fetchone()
+            if row and row[0]:
+                return False
+        return True
+
+    # --- delivery ---------------------------------------------------------------------------
+
+    def deliver_once(self, conn: psycopg.Connection[Any], hold_back: datetime | None) -> ShardRound:
+        if self.needs_recovery:
+            self.recover(conn)
+        with conn.transaction():
+            batch = self._claim(conn, hold_back)
+        committed, ended = batch.committed, batch.ended
+        result = ShardRound(full=len(committed) >= self.settings.batch_size)
+        if not committed and not ended:
+            return result
+
+        poison = self._preflight(committed)
+        _failpoints.hit(_failpoints.BEFORE_PRODUCE)
+        self.producer.begin()
+        sent: dict[int, Sent] = {}
+        for row in committed:
+            if row.id in poison:
+                continue
+            try:
+                sent[row.id] = self.producer.send(
+                    row.topic, row.value, row.key, row.kafka_headers(), row.partition
+                )
+            except KafkaException as exc:
+                if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
+                    raise
+                poison[row.id] = f"refused by the Kafka client: {exc.args[0].str()}"
+        for row in ended:
+            if row.state in ("discarded", "parked"):
+                sent[row.id] = self._send_dead_letter(row)
+        for row_id, report in _failed(sent, self.producer.flush()).items():
+            if report.error is not None and report.error.code() in PERMANENT_RECORD_ERRORS:
+                poison[row_id] = f"refused by the broker: {report.error.str()}"
+            else:
+                self.producer.abort()
+                raise KafkaException(report.error)
+        if poison and any(r.id in poison for r in committed if r.id in sent):
+            # A record failed in flight: the transaction is doomed. Abort, park, go again.
+            self.producer.abort()
+            self._park(conn, poison)
+            result.parked = len(poison)
+            return result
+
+        markers = [self._marker(row, sent.get(row.id)) for row in committed if row.id in sent]
+        markers += [self._marker(row, sent.get(row.id)) for row in ended]
+        if not markers:  # only poison: nothing to send
+            self.producer.abort()
+            self._park(conn, poison)
+            result.parked = len(poison)
+            return result
+        marker_sends = []
+        for marker in markers:
+            key, value = marker.encode()
+            marker_sends.append(
+                self.producer.send(
+                    self.settings.op_marker_topic, value, key, [], self.marker_partition
+                )
+            )
+        if self.producer.flush():
+            self.producer.abort()
+            raise RuntimeError(
+                f"op markers could not be written to {self.settings.op_marker_topic}"
+            )
+        _failpoints.hit(_failpoints.AFTER_PRODUCE)
+        started = time.perf_counter()
+        try:
+            self.producer.commit()
+        except Exception:
+            self.needs_recovery = True  # outcome unknown: settle it from the markers
+            raise
+        metrics.COMMIT_SECONDS.observe(time.perf_counter() - started)
+        metrics.BATCH_SIZE.observe(len(sent))
+        _failpoints.hit(_failpoints.AFTER_KAFKA_COMMIT)
+
+        next_offset = max(s.offset for s in marker_sends if s.offset is not None) + 1
+        try:
+            with conn.transaction():
+                self._lock_lease(conn)
+                self._end_rows(conn, [(m.id, m.partition, m.offset) for m in markers])
+                conn.execute(
+                    self._q("relay_set_marker_offset"),
+                    {
+                        **self._lease_params(),
+                        "partition": self.marker_partition,
+                        "offset": next_offset,
+                    },
+                )
+                if poison:
+                    self._park(conn, poison)
+        except Exception:
+            self.needs_recovery = True  # the markers are committed: recovery ends these rows
+            raise
+        self.lease = Lease(self.shard, self.lease.epoch, self.marker_partition, next_offset)
+
+        for row in committed:
+            if row.id in sent:
+                metrics.DELIVERED.labels(row.topic).inc()
+        for marker in markers:
+            metrics.ENDED.labels(marker.op.value).inc()
+        result.delivered = sum(1 for r in committed if r.id in sent)
+        result.ended = len(ended)
+        result.parked = len(poison)
+        return result
+
+    def _send_dead_letter(self, row: Row) -> Sent:
+        """A copy on the dead-letter topic, with the reason; without the value if too large."""
+        headers = [*row.kafka_headers(), (OUTBOX_REASON_HEADER, (row.reason or "").encode())]
+        topic = self.settings.dead_letter_topic
+        try:
+            return self.producer.send(topic, row.value, row.key, headers)
+        except KafkaException as exc:
+            if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
+                raise
+            headers.append((OUTBOX_VALUE_OMITTED_HEADER, exc.args[0].str().encode()))
+            return self.producer.send(topic, None, row.key, headers)
+
+    def _preflight(self, rows: list[Row]) -> dict[int, str]:
+        """Records that can never be delivered as they are: unknown topic, bad partition."""
+        poison: dict[int, str] = {}
+        for row in rows:
+            partitions = self.topics.partitions(row.topic)
+            if partitions == 0:
+                poison[row.id] = f"topic {row.topic!r} does not exist"
+            elif row.partition is not None and row.partition >= partitions:
+                poison[row.id] = (
+                    f"partition {row.partition} out of range: {row.topic!r} has {partitions}"
+                )
+        return poison
+
+    def _marker(self, row: Row, sent: Sent | None) -> OpMarker:
+        op = Op.DELIVERED if row.state == "committed" else Op(row.state)
+        return OpMarker(
+            op=op,
+            id=row.id,
+            tx_id=row.tx_id,
+            producer_group=row.producer_group,
+            topic=row.topic,
+            key=row.key,
+            shard=self.shard,
+            partition=sent.partition if sent else None,
+            offset=sent.offset if sent else None,
+            commit_ts=row.commit_ts,
+            reason=row.reason,
+            relay=self.relay_id,
+            epoch=self.lease.epoch,
+        )
+
+    # --- database side ----------------------------------------------------------------------
+
+    def _lock_lease(self, conn: psycopg.Connection[Any]) -> None:
+        if conn.execute(self._q("relay_lock_lease"), self._lease_params()).fetchone() is None:
+            raise LeaseLost(f"shard {self.shard} (epoch {self.lease.epoch}) is no longer ours")
+
+    def _end_rows(
+        self, conn: psycopg.Connection[Any], ends: list[tuple[int, int | None, int | None]]
+    ) -> None:
+        if not ends:
+            return
+        ids = [e[0] for e in ends]
+        conn.execute(
+            self._q("relay_end_rows"),
+            {"ids": ids, "partitions": [e[1] for e in ends], "offsets": [e[2] for e in ends]},
+        )
+        if not self.settings.delivered_retention:
+            conn.execute(self._q("relay_delete_ended"), {"ids": ids})
+
+    def _park(self, conn: psycopg.Connection[Any], poison: dict[int, str]) -> None:
+        with conn.transaction():
+            for row_id, reason in poison.items():
+                conn.execute(self._q("relay_park"), {"ids": [row_id], "reason": reason})
+                logger.warning("parked record %s: %s", row_id, reason)
+                metrics.PARKED.labels(reason.split(":")[0][:40]).inc()
+
+    def close(self) -> None:
+        self.producer.close()
+
+
+def _failed(sent: dict[int, Sent], failures: list[Sent]) -> dict[int, Sent]:
+    failed_ids = {id(f) for f in failures}
+    return {row_id: s for row_id, s in sent.items() if id(s) in failed_ids}

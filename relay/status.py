@@ -1,0 +1,47 @@
+"""What `outboxctl status` shows: records by state, the oldest undelivered one, relays, leases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+
+def outbox_status(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
+    s = sql.Identifier(schema)
+    states = dict(
+        conn.execute(
+            sql.SQL(
+                "SELECT state, count(*) FROM {}.outbox_record GROUP BY state ORDER BY state"
+            ).format(s)
+        ).fetchall()
+    )
+    oldest = conn.execute(
+        sql.SQL(
+            "SELECT min(coalesce(commit_ts, state_changed_at)) FROM {}.outbox_record "
+            "WHERE state = 'committed'"
+        ).format(s)
+    ).fetchone()
+    relays = [
+        r[0]
+        for r in conn.execute(
+            sql.SQL(
+                "SELECT relay_id FROM {}.relay_member WHERE expires_at > now() ORDER BY relay_id"
+            ).format(s)
+        )
+    ]
+    leases = [
+        {"shard": r[0], "owner": r[1], "epoch": r[2], "lease_until": r[3]}
+        for r in conn.execute(
+            sql.SQL(
+                "SELECT shard, owner, epoch, lease_until FROM {}.shard_lease ORDER BY shard"
+            ).format(s)
+        )
+    ]
+    return {
+        "states": states,
+        "oldest_undelivered": oldest[0] if oldest else None,
+        "relays": relays,
+        "leases": leases,
+    }

@@ -1,0 +1,258 @@
+"""The relay in-process against the real Postgres and broker: delivery, order, markers, poison."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from confluent_kafka import Message
+
+import outbox
+from outbox import Record
+from relay.markers import OpMarker
+from relay.service import Relay
+from tests.fixtures.kafka import consume_all
+
+
+def values(msgs: list[Message]) -> list[bytes]:
+    return [m.value() or b"" for m in msgs]
+
+
+def markers(bootstrap: str, relay: Relay) -> list[OpMarker]:
+    topic = relay.settings.relay.op_marker_topic
+    return [
+        OpMarker.decode(m.value() or b"") for m in consume_all(bootstrap, topic, "read_committed")
+    ]
+
+
+def rows(dsn: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(
+            "SELECT id, state, reason, ended_at IS NOT NULL, kafka_partition, kafka_offset "
+            "FROM outbox.outbox_record ORDER BY id"
+        ).fetchall()
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_committed_records_arrive_once_with_headers_rolled_back_never(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory(partitions=3)
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            first = outbox.publish(conn, topic, "k1-a", key="k1", headers=[("trace", "t1")])
+            outbox.publish(conn, topic, "k2-a", key="k2")
+        with conn.transaction():
+            outbox.publish(conn, topic, "k1-b", key="k1")
+        with conn.transaction():
+            half = outbox.prepare(conn, topic, "never", key="k1")
+        outbox.rollback(conn, half.tx_id)
+        conn.commit()
+    relay = relay_factory()
+    assert relay.run_once().delivered == 3
+    assert relay.run_once().delivered == 0  # nothing twice
+
+    got = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert sorted(values(got)) == [b"k1-a", b"k1-b", b"k2-a"]
+    k1 = [m for m in got if m.key() == b"k1"]
+    assert values(k1) == [b"k1-a", b"k1-b"]  # one key, one partition, commit order
+    headers = dict(k1[0].headers() or [])
+    assert headers["trace"] == b"t1"
+    assert headers["outbox-id"] == str(first).encode()
+    assert headers["outbox-tx-id"].startswith(b"xid:")
+
+    ops = sorted((m.op.value, m.id) for m in markers(kafka_bootstrap, relay))
+    assert [op for op, _ in ops] == ["delivered"] * 3 + ["rolled_back"]
+    assert rows(pg_dsn) == []  # retention 0: every ended row is gone
+
+
+def test_records_of_one_transaction_share_one_kafka_transaction(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    a, b = topic_factory(), topic_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish_many(conn, [Record(a, "1"), Record(b, "2"), Record(a, "3")])
+    relay = relay_factory(batch_size=1)  # even a batch size of 1 never splits a transaction
+    round_ = relay.run_once()
+    assert round_.delivered == 3
+    assert values(consume_all(kafka_bootstrap, a, "read_committed")) == [b"1", b"3"]
+
+
+def test_a_late_committing_lower_id_is_not_skipped(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    relay = relay_factory()
+    early = psycopg.connect(pg_dsn)  # takes its xid first, writes its record last
+    early.execute("SELECT pg_current_xact_id()")
+    late = psycopg.connect(pg_dsn)
+    late.execute("SELECT pg_current_xact_id()")
+    low_id = outbox.publish(late, topic, "low id, commits last")
+    high_id = outbox.publish(early, topic, "high id, commits first")
+    assert low_id < high_id
+    early.commit()
+    assert relay.run_once().delivered == 1  # the high id goes; the open one holds nothing back
+    late.commit()
+    assert relay.run_once().delivered == 1
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [
+        b"high id, commits first",
+        b"low id, commits last",
+    ]
+    early.close()
+    late.close()
+
+
+def test_same_key_follows_commit_order_not_xid_order(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """design.md property 4: T2 takes the smaller xid, then waits on T1's row lock."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn, autocommit=True) as setup:
+        setup.execute("CREATE TABLE account (id int PRIMARY KEY, balance int)")
+        setup.execute("INSERT INTO account VALUES (1, 0)")
+    t2 = psycopg.connect(pg_dsn)
+    t2_xid = t2.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]  # type: ignore[index]
+    t1 = psycopg.connect(pg_dsn)
+    t1_xid = t1.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]  # type: ignore[index]
+    assert t2_xid < t1_xid
+    t1.execute("UPDATE account SET balance = balance + 1 WHERE id = 1")
+    outbox.publish(t1, topic, "T1: first", key="account-1")
+
+    t2_done = threading.Event()
+
+    def second() -> None:
+        t2.execute("UPDATE account SET balance = balance + 1 WHERE id = 1")  # waits for T1
+        outbox.publish(t2, topic, "T2: second", key="account-1")
+        t2.commit()
+        t2_done.set()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with psycopg.connect(pg_dsn, autocommit=True) as probe:
+        deadline = time.monotonic() + 10
+        while not probe.execute(
+            "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'"
+        ).fetchone()[0]:  # type: ignore[index]
+            assert time.monotonic() < deadline, "T2 never waited for T1's row lock"
+            time.sleep(0.01)
+    relay = relay_factory()
+    assert relay.run_once().delivered == 0  # T2 (smaller xid) is running: the horizon holds
+    t1.commit()
+    assert t2_done.wait(10)
+    thread.join()
+    while relay.run_once().delivered:
+        pass
+    got = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert values(got) == [b"T1: first", b"T2: second"]
+    t1.close()
+    t2.close()
+
+
+def test_half_records_go_out_in_the_order_they_were_committed(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            prepared_first = outbox.prepare(conn, topic, "prepared first, committed last", key="k")
+        with conn.transaction():
+            outbox.publish(conn, topic, "published in between", key="k")
+        outbox.commit(conn, prepared_first.tx_id)
+        conn.commit()
+    relay_factory().run_once()
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [
+        b"published in between",
+        b"prepared first, committed last",
+    ]
+
+
+def test_poison_records_are_parked_and_the_rest_goes_on(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory(partitions=2)
+    too_large = b"x" * 1_040_000  # under the outbox's 1 MiB, over the producer's message.max.bytes
+    records = [
+        Record(topic, "before", key="a"),
+        Record("no.such.topic", "lost topic", key="b"),
+        Record(topic, too_large, key="c"),
+        Record(topic, "bad partition", partition=7),
+        Record(topic, "after", key="a"),
+    ]
+    with psycopg.connect(pg_dsn) as conn:
+        for record in records:  # one transaction each
+            with conn.transaction():
+                outbox.publish_many(conn, [record])
+    relay = relay_factory()
+    first = relay.run_once()
+    assert (first.delivered, first.parked) == (2, 3)
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"before", b"after"]
+
+    parked = {r[0]: r[2] for r in rows(pg_dsn) if r[1] == "parked"}
+    assert len(parked) == 3
+    reasons = " | ".join(sorted(parked.values()))
+    assert "'no.such.topic' does not exist" in reasons
+    assert "partition 7 out of range" in reasons
+    assert "Message size too large" in reasons or "too large" in reasons.lower()
+
+    second = relay.run_once()  # dead-letter copies and op markers of the parked records
+    assert second.ended == 3
+    dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
+    assert len(dead) == 3
+    assert all(dict(m.headers() or [])["outbox-reason"] for m in dead)
+    parked_markers = [m.id for m in markers(kafka_bootstrap, relay) if m.op.value == "parked"]
+    assert sorted(parked_markers) == sorted(parked)
+    assert all(r[3] for r in rows(pg_dsn))  # parked rows stay, ended (shipped to the DLT)
+    third = relay.run_once()
+    assert (third.delivered, third.ended, third.parked) == (0, 0, 0)
+
+
+def test_delivered_rows_are_archived_with_their_position(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory(partitions=2)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        for i in range(6):
+            outbox.publish(conn, topic, f"v{i}", key=str(i))
+    relay_factory(delivered_retention="PT1H").run_once()
+    archived = {(r[4], r[5]): r[0] for r in rows(pg_dsn)}
+    assert all(r[1] == "delivered" and r[3] for r in rows(pg_dsn))
+    for msg in consume_all(kafka_bootstrap, topic, "read_committed"):
+        record_id = archived[(msg.partition(), msg.offset())]
+        assert dict(msg.headers() or [])["outbox-id"] == str(record_id).encode()
+
+
+@pytest.mark.parametrize("listen_notify", [True, False])
+def test_the_running_relay_wakes_on_commit_or_polls(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    listen_notify: bool,
+) -> None:
+    topic = topic_factory()
+    # With LISTEN the poll interval is long: only the notification can wake it in time.
+    poll = "PT30S" if listen_notify else "PT0.1S"
+    relay = relay_factory(listen_notify=listen_notify, poll_interval=poll)
+    relay.start()
+    wait_for(lambda: relay.workers and (relay._listen is not None or not listen_notify))
+    started = time.monotonic()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "wake up")
+    deadline = started + 10
+    while time.monotonic() < deadline:
+        if consume_all(kafka_bootstrap, topic, "read_committed"):
+            break
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"wake up"]
+    assert time.monotonic() - started < 10
+    relay.stop(10)
+    relay.stop(10)  # a second stop is harmless
