@@ -1,0 +1,151 @@
+"""The relay as a real process: kill -9 at each point, a paused zombie, relays competing.
+
+After every scenario a read_committed consumer must see each committed record exactly once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from confluent_kafka import Message
+
+import outbox
+from relay import _failpoints
+from relay.markers import OpMarker
+from tests.fixtures.kafka import consume_all
+from tests.fixtures.relay import RelayProcess
+
+FAST = {"lease_duration": "PT3S", "poll_interval": "PT0.2S"}
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def undelivered(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM outbox.outbox_record WHERE state = 'committed'"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def publish(dsn: str, topic: str, transactions: int, per_tx: int, tag: str = "") -> list[bytes]:
+    sent = []
+    with psycopg.connect(dsn) as conn:
+        for t in range(transactions):
+            with conn.transaction():
+                for i in range(per_tx):
+                    value = f"{tag}{t}-{i}"
+                    outbox.publish(conn, topic, value, key=f"key-{i % 3}")
+                    sent.append(value.encode())
+    return sent
+
+
+def assert_exactly_once(msgs: list[Message], expected: list[bytes]) -> None:
+    got = Counter(m.value() for m in msgs)
+    duplicates = {v: n for v, n in got.items() if n > 1}
+    assert duplicates == {}, f"delivered more than once: {duplicates}"
+    assert sorted(got) == sorted(expected), "records lost or invented"
+    for key in {m.key() for m in msgs}:  # per key, in commit order
+        of_key = [m.value() for m in msgs if m.key() == key]
+        assert of_key == [v for v in expected if v in set(of_key)]
+
+
+def delivered_markers(bootstrap: str, topic: str) -> Counter[int]:
+    return Counter(
+        marker.id
+        for m in consume_all(bootstrap, topic, "read_committed")
+        if (marker := OpMarker.decode(m.value() or b"")).op.value == "delivered"
+    )
+
+
+@pytest.mark.parametrize(
+    "point",
+    [_failpoints.BEFORE_PRODUCE, _failpoints.AFTER_PRODUCE, _failpoints.AFTER_KAFKA_COMMIT],
+)
+def test_kill_9_at_each_point_loses_and_duplicates_nothing(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+    point: str,
+) -> None:
+    topic = topic_factory(partitions=2)
+    expected = publish(pg_dsn, topic, transactions=5, per_tx=4)
+
+    doomed = relay_process(failpoint=point, **FAST)
+    assert doomed.proc.wait(60) == -9, doomed.output()
+    if point == _failpoints.AFTER_KAFKA_COMMIT:
+        # Kafka has the batch; Postgres still has the rows: the restart must not resend them.
+        assert len(consume_all(kafka_bootstrap, topic, "read_committed")) > 0
+        assert undelivered(pg_dsn) == len(expected)
+    else:
+        assert consume_all(kafka_bootstrap, topic, "read_committed") == []
+
+    survivor = relay_process(**FAST)
+    wait_for(lambda: undelivered(pg_dsn) == 0, 60, "the restarted relay to deliver everything")
+    assert survivor.terminate() == 0, survivor.output()
+
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+    counts = delivered_markers(kafka_bootstrap, survivor.settings.relay.op_marker_topic)
+    assert sorted(counts.values()) == [1] * len(expected)  # one committed marker per record
+
+
+def test_a_paused_owner_is_fenced_after_losing_its_lease(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    topic = topic_factory()
+    expected = publish(pg_dsn, topic, transactions=4, per_tx=5)
+
+    zombie = relay_process(failpoint=f"{_failpoints.AFTER_PRODUCE}:stop", **FAST)
+    wait_for(zombie.stopped, 60, "the first relay to pause with its batch in flight")
+
+    successor = relay_process(**FAST)
+    wait_for(lambda: undelivered(pg_dsn) == 0, 60, "the successor to take over and deliver")
+
+    zombie.proc.send_signal(signal.SIGCONT)  # wakes up, believes it still owns
+    wait_for(lambda: "fenced" in zombie.output(), 60, "the zombie to learn it was fenced")
+    assert zombie.terminate() == 0, zombie.output()
+    assert successor.terminate() == 0, successor.output()
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+
+
+def test_two_relays_share_the_shards_and_deliver_each_record_once(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    topic = topic_factory(partitions=3)
+    one = relay_process(shards=4, **FAST)
+    two = relay_process(shards=4, **FAST)
+    expected: list[bytes] = []
+    writer = threading.Thread(
+        target=lambda: expected.extend(publish(pg_dsn, topic, transactions=40, per_tx=3, tag="w"))
+    )
+    writer.start()
+    writer.join(120)
+
+    def owners() -> set[Any]:
+        with psycopg.connect(pg_dsn) as conn:
+            return {r[0] for r in conn.execute("SELECT owner FROM outbox.shard_lease")}
+
+    wait_for(lambda: len(owners() - {None}) == 2, 60, "both relays to hold shards")
+    wait_for(lambda: undelivered(pg_dsn) == 0, 90, "everything to be delivered")
+    assert one.terminate() == 0, one.output()
+    assert two.terminate() == 0, two.output()
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
