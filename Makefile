@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast bench install services-up services-down services-status lint typecheck clean
+.PHONY: run test test-fast bench install services-up services-down services-status lint typecheck clean
 
 test: install services-up
 	$(PY) -m pytest
@@ -13,6 +13,10 @@ test: install services-up
 # Unit tests only: no services needed.
 test-fast: install
 	$(PY) -m pytest -m unit
+
+# The sidecar end to end on the local stack: sample producer, live progress, Ctrl-C stops.
+run: install
+	$(PY) scripts/demo.py
 
 bench: install services-up
 	$(PY) -m bench.publish

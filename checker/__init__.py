@@ -1,1 +1,36 @@
-"""The checker: asks producers about stale half (prepared) records, RocketMQ-style check-back."""
+"""The checker: asks producers about stale half (prepared) records, RocketMQ-style check-back.
+
+    from checker import Checker, CheckerSettings
+
+    checker = Checker(settings, dsn)      # settings.endpoints: producer group -> endpoint
+    checker.run_once()                    # one round; or start() / stop() for a thread
+
+The checker only changes the database (commit, roll back, discard, reschedule); the relay ships
+whatever the changes hand it. Manual tools: ``rearm`` and ``resolve`` (also ``outboxctl rearm`` /
+``outboxctl resolve``). Errors derive from ``outbox.OutboxError`` (tree in ``checker._errors``).
+"""
+
+from checker._breaker import CircuitBreaker, CircuitState
+from checker._client import CheckAnswer, CheckClient, HttpCheckClient, Outcome
+from checker._errors import CheckerError, TransactionBusyError
+from checker._manual import ManualResult, rearm, resolve
+from checker.config import CheckerSettings, EndpointSettings
+from checker.service import Checker, CheckRoundResult
+
+__all__ = [
+    "CheckAnswer",
+    "CheckClient",
+    "CheckRoundResult",
+    "Checker",
+    "CheckerError",
+    "CheckerSettings",
+    "CircuitBreaker",
+    "CircuitState",
+    "EndpointSettings",
+    "HttpCheckClient",
+    "ManualResult",
+    "Outcome",
+    "TransactionBusyError",
+    "rearm",
+    "resolve",
+]

@@ -1,10 +1,214 @@
-"""`outboxctl` subcommands of the checker (filled in by the checker issue)."""
+"""`outboxctl` subcommands of the checker.
+
+    outboxctl checker [--config FILE] [--once]      run the checker alone (until SIGTERM/SIGINT)
+    outboxctl rearm   --producer-group G --tx-id T [--checks N] [--actor NAME] [--reason TEXT]
+    outboxctl resolve --producer-group G --tx-id T (--commit | --rollback)
+                      --actor NAME --reason TEXT
+
+`rearm` puts a discarded transaction that the relay has not shipped yet back to prepared, with
+its check count set to N (default 0: a full `max_checks` again), due at once. `resolve` commits
+or rolls back by hand a prepared transaction (or a discarded one not shipped yet). Both are
+audited in `audit_log`. The database comes from `--dsn` or OUTBOX_DATABASE_URL (for `checker`:
+from the settings, `--dsn` overriding them).
+"""
 
 from __future__ import annotations
 
 import argparse
+import getpass
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
 from typing import Any
+
+import psycopg
+
+from checker._manual import ManualResult, rearm, resolve
+from outbox.checkback import TransactionStatus
+
+logger = logging.getLogger(__name__)
 
 
 def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     """Register the checker's subcommands on outboxctl's subparsers."""
+    p = sub.add_parser(
+        "checker", parents=[common], help="run the checker alone (until SIGTERM / SIGINT)"
+    )
+    p.add_argument(
+        "--config", help="TOML config file (default: $OUTBOX_CONFIG_FILE; env vars override it)"
+    )
+    p.add_argument("--once", action="store_true", help="run one round, print what it did, exit")
+    p.set_defaults(func=_cmd_checker)
+
+    tx = argparse.ArgumentParser(add_help=False)
+    tx.add_argument("--producer-group", required=True, help="the transaction's producer group")
+    tx.add_argument("--tx-id", required=True, help="the transaction id")
+
+    p = sub.add_parser(
+        "rearm",
+        parents=[common, tx],
+        help="discarded, not yet shipped transaction: back to prepared, checked again",
+    )
+    p.add_argument(
+        "--checks",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="check count to start again from (default 0: max_checks more checks)",
+    )
+    p.add_argument("--actor", help="who does this, for the audit log (default: $USER)")
+    p.add_argument("--reason", default=None, help="why, for the audit log")
+    p.set_defaults(func=_cmd_rearm)
+
+    p = sub.add_parser(
+        "resolve",
+        parents=[common, tx],
+        help="commit or roll back a prepared (or discarded, not yet shipped) transaction by hand",
+    )
+    decision = p.add_mutually_exclusive_group(required=True)
+    decision.add_argument(
+        "--commit", dest="decision", action="store_const", const=TransactionStatus.COMMIT
+    )
+    decision.add_argument(
+        "--rollback", dest="decision", action="store_const", const=TransactionStatus.ROLLBACK
+    )
+    p.add_argument("--actor", required=True, help="who decides, for the audit log")
+    p.add_argument("--reason", required=True, help="why, for the audit log")
+    p.set_defaults(func=_cmd_resolve)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must not be negative")
+    return value
+
+
+def _dsn(args: argparse.Namespace) -> str:
+    dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
+    if not dsn:
+        raise SystemExit("outboxctl: no database: pass --dsn or set OUTBOX_DATABASE_URL")
+    return str(dsn)
+
+
+def _print(args: argparse.Namespace, result: ManualResult) -> None:
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return
+    where = f"tx {result.tx_id} of producer group {result.producer_group}"
+    if not result.changed:
+        print(f"{where} is already {result.to_state}: nothing to do")
+    elif result.action == "rearm":
+        print(
+            f"{where}: {len(result.record_ids)} record(s) back to prepared, check count "
+            f"{result.check_count}, due now (audit #{result.audit_id})"
+        )
+    else:
+        print(
+            f"{where}: {len(result.record_ids)} record(s) {result.from_state} -> "
+            f"{result.to_state} (audit #{result.audit_id})"
+        )
+
+
+def _manual(
+    args: argparse.Namespace, action: Callable[[psycopg.Connection[Any]], ManualResult]
+) -> int:
+    try:
+        with psycopg.connect(_dsn(args), autocommit=True) as conn:
+            result = action(conn)
+    except ValueError as exc:  # bad input: nothing was sent
+        print(f"outboxctl {args.command}: {exc}", file=sys.stderr)
+        return 2
+    _print(args, result)
+    return 0
+
+
+def _cmd_rearm(args: argparse.Namespace) -> int:
+    actor = args.actor or os.environ.get("USER") or getpass.getuser()
+    return _manual(
+        args,
+        lambda conn: rearm(
+            conn,
+            args.producer_group,
+            args.tx_id,
+            actor=actor,
+            reason=args.reason,
+            check_count=args.checks,
+            schema=args.schema,
+        ),
+    )
+
+
+def _cmd_resolve(args: argparse.Namespace) -> int:
+    return _manual(
+        args,
+        lambda conn: resolve(
+            conn,
+            args.producer_group,
+            args.tx_id,
+            args.decision,
+            actor=args.actor,
+            reason=args.reason,
+            schema=args.schema,
+        ),
+    )
+
+
+def _cmd_checker(args: argparse.Namespace) -> int:
+    from checker.service import Checker
+    from relay import logs
+    from relay.config import load_settings
+
+    database: dict[str, Any] = {}
+    if args.dsn:
+        database["dsn"] = args.dsn
+    if args.schema != "outbox":  # the option's default: the settings decide
+        database["schema_name"] = args.schema
+    settings = load_settings(args.config, **({"database": database} if database else {}))
+    logs.configure(settings.log_level, settings.log_format)
+    if not settings.checker.enabled:
+        print("outboxctl checker: the checker is disabled (checker.enabled = false)")
+        return 0
+    checker = Checker.from_sidecar_settings(settings)
+    if args.once:
+        try:
+            result = checker.run_once()
+        finally:
+            checker.stop()
+        print(json.dumps(result.as_dict()) if args.json else _summary(result.as_dict()))
+        return 0
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.info("received %s: stopping the checker", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    checker.start()
+    logger.info("checker started (%d endpoint(s))", len(settings.checker.endpoints))
+    while not stop.wait(1.0):
+        if not checker.alive():
+            logger.error("the checker thread died; exiting")
+            checker.stop(settings.relay.shutdown_grace.total_seconds())
+            return 1
+    checker.stop(settings.relay.shutdown_grace.total_seconds())
+    logger.info("checker stopped")
+    return 0
+
+
+def _summary(result: dict[str, Any]) -> str:
+    outcomes = ", ".join(f"{k} {v}" for k, v in sorted(result["outcomes"].items())) or "none"
+    return (
+        f"due {result['due']}, checked {result['checked']} ({outcomes}), "
+        f"discarded {result['discarded']}, not sent {result['not_sent']}, "
+        f"conflicts {result['conflicts']}"
+    )

@@ -3,13 +3,26 @@
 Producer groups map to check endpoints here, in the sidecar's configuration, never in a row: a
 record only names its producer group, so a writer cannot make the checker call an address of its
 choosing.
+
+How the times fit together, for one prepared transaction:
+
+- first check: ``check_immunity`` after its first record was prepared (a record's own
+  ``check_immunity`` overrides it);
+- a check is claimed (counted, and leased until ``endpoint.timeout + lease_margin``) before the
+  request goes out, so a checker that dies mid-check leaves the transaction due again at the end
+  of the lease, and several checkers never ask about the same transaction at once;
+- after UNKNOWN or a failed check: ``check_interval * backoff_multiplier ** (checks - 1)``, at most
+  ``max_backoff``, shortened by up to ``backoff_jitter`` (a fraction) so retries spread out;
+- after ``max_checks`` checks without a decision, or once older than ``max_prepared_age``, the
+  transaction is discarded (the relay ships it to the dead-letter topic).
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Self
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class EndpointSettings(BaseModel):
@@ -17,14 +30,38 @@ class EndpointSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    url: AnyHttpUrl
+    url: AnyHttpUrl = Field(
+        description="POST target; https is verified against the system CAs (or ca_file). "
+        "Redirects are never followed."
+    )
     secrets: list[SecretStr] = Field(
         min_length=1, description="Signing secrets (whsec_...), newest first, for rotation."
     )
-    connect_timeout: timedelta = timedelta(seconds=2)
-    timeout: timedelta = Field(default=timedelta(seconds=5), description="Whole request.")
-    concurrency: int = Field(default=4, ge=1, le=256)
-    max_response_bytes: int = Field(default=65_536, gt=0)
+    connect_timeout: timedelta = Field(
+        default=timedelta(seconds=2), description="TCP connect and TLS handshake."
+    )
+    timeout: timedelta = Field(
+        default=timedelta(seconds=5),
+        description="Whole request, connect included: after this the answer is not waited for.",
+    )
+    concurrency: int = Field(
+        default=4, ge=1, le=256, description="Requests in flight at once to this endpoint."
+    )
+    max_response_bytes: int = Field(
+        default=65_536, gt=0, description="A longer answer is refused unread."
+    )
+    ca_file: str | None = Field(
+        default=None,
+        description="PEM bundle of the CAs to trust for https, instead of the system's.",
+    )
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> Self:
+        if self.connect_timeout <= timedelta(0) or self.timeout <= timedelta(0):
+            raise ValueError("connect_timeout and timeout must be positive")
+        if self.connect_timeout > self.timeout:
+            raise ValueError("connect_timeout must not exceed timeout (the whole request)")
+        return self
 
 
 class CheckerSettings(BaseModel):
@@ -35,7 +72,9 @@ class CheckerSettings(BaseModel):
         default=timedelta(seconds=6), description="[transactionTimeOut] first check after this."
     )
     check_interval: timedelta = Field(
-        default=timedelta(seconds=30), description="[transactionCheckInterval]"
+        default=timedelta(seconds=30),
+        description="[transactionCheckInterval] wait after the first UNKNOWN; grows by "
+        "backoff_multiplier per further check.",
     )
     max_checks: int = Field(default=15, ge=1, description="[transactionCheckMax]")
     max_prepared_age: timedelta = Field(
@@ -43,8 +82,44 @@ class CheckerSettings(BaseModel):
     )
     backoff_multiplier: float = Field(default=2.0, ge=1.0)
     max_backoff: timedelta = timedelta(minutes=10)
+    backoff_jitter: float = Field(
+        default=0.1, ge=0.0, lt=1.0, description="Each wait is shortened by up to this fraction."
+    )
     batch_size: int = Field(default=100, ge=1, description="Transactions claimed per round.")
-    dead_letter_topic: str = "outbox.dead-letter"
+    poll_interval: timedelta = Field(
+        default=timedelta(seconds=1),
+        description="Pause between rounds when the last one found less than a full batch.",
+    )
+    lease_margin: timedelta = Field(
+        default=timedelta(seconds=10),
+        description="A claimed check is leased for the endpoint's timeout plus this; a request "
+        "that could not start within this margin is given back uncounted.",
+    )
+    circuit_failure_threshold: int = Field(
+        default=5, ge=1, description="Consecutive failed checks that open an endpoint's circuit."
+    )
+    circuit_cooldown: timedelta = Field(
+        default=timedelta(seconds=30),
+        description="An open circuit lets one probe through after this.",
+    )
+    request_max_records: int = Field(
+        default=100, ge=1, description="Records summarised in one check request (the first ones)."
+    )
+    metrics_interval: timedelta = Field(
+        default=timedelta(seconds=15),
+        description="The prepared-records-by-age gauges (a pass over prepared rows) are "
+        "refreshed at most this often.",
+    )
     endpoints: dict[str, EndpointSettings] = Field(
         default_factory=dict, description="producer group -> its check endpoint"
     )
+
+    @model_validator(mode="after")
+    def _positive_times(self) -> Self:
+        for name in ("check_interval", "max_prepared_age", "max_backoff", "circuit_cooldown"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be positive")
+        for name in ("check_immunity", "poll_interval", "lease_margin", "metrics_interval"):
+            if getattr(self, name) < timedelta(0):
+                raise ValueError(f"{name} must not be negative")
+        return self

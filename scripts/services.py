@@ -1,6 +1,6 @@
 """Start, stop and describe the real local stack: PostgreSQL, a KRaft Kafka broker, Spark's jars.
 
-Usage: scripts/services up|down|status|env|spark-jars
+Usage: scripts/services up|down|status|env|spark-jars|restart postgres|kafka
 
 Everything lives under `.local/` (ignored by git): binaries' data, resolved jars, logs, pid files.
 `up` is idempotent: what exists is reused and what runs is left running, so a second call returns in
@@ -456,6 +456,15 @@ def main(argv: list[str]) -> int:
         return 0
     if cmd == "status":
         return status()
+    if cmd == "restart" and len(argv) == 3 and argv[2] in ("postgres", "kafka"):
+        # For fault tests: the same data, a new process.
+        if argv[2] == "postgres":
+            postgres_down()
+            postgres_up()
+        else:
+            kafka_down()
+            kafka_up()
+        return 0
     if cmd == "spark-jars":  # only the jars, for machines whose services come from elsewhere
         print(env_lines()[-1])
         return 0

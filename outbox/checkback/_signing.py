@@ -201,7 +201,9 @@ class Verifier:
             raise ValueError("tolerance_s must be positive")
         self._keys = [decode_secret(s) for s in secrets]
         self._tolerance_s = tolerance_s
-        self._replay_cache = replay_cache or InMemoryReplayCache(ttl_s=2 * tolerance_s)
+        self._replay_cache = (
+            InMemoryReplayCache(ttl_s=2 * tolerance_s) if replay_cache is None else replay_cache
+        )  # `or` would swap an empty (falsy) cache the caller gave for a new one
         self._now = now
 
     def verify(self, headers: Mapping[str, str], body: bytes) -> None:

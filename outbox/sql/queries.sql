@@ -73,3 +73,167 @@ SELECT state, count(*) FROM {schema}.outbox_record
 WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
 GROUP BY state
 ORDER BY state;
+
+-- checker queries --
+-- The check-back service (checker/). Bookkeeping is per transaction: every record of a
+-- (producer_group, tx_id) carries the same check_count and next_check_at, updated together.
+-- The `now` parameter is the checker's clock (tests move it); now() is only used for wall-clock
+-- stamps (state_changed_at, audit rows).
+
+-- name: checker_lock_due
+-- Due transactions, oldest due first, locked for a short claim transaction. A transaction is due
+-- when all its records are prepared and coalesce(next_check_at, first created_at + check
+-- immunity) <= now. Two index-ordered scans of outbox_record_prepared_due_idx find candidates
+-- (checked before: by next_check_at; never checked: next_check_at IS NULL, by id); then every
+-- prepared record of a candidate is locked with SKIP LOCKED and re-read in its newest version (a
+-- record another checker claimed meanwhile carries its lease, so it is not due any more).
+-- The caller uses a transaction only if `locked` = `prepared` (no record held elsewhere); if
+-- `prepared` < `records`, some of its records are not prepared (e.g. published and prepared with
+-- one tx id): it is not checked, only moved out of the way of the others.
+WITH candidate AS (
+    SELECT c.producer_group, c.tx_id, min(c.due_at) AS due_at
+    FROM (
+        (SELECT producer_group, tx_id, next_check_at AS due_at
+         FROM {schema}.outbox_record
+         WHERE state = 'prepared' AND next_check_at <= %(now)s
+         ORDER BY next_check_at, id
+         LIMIT %(limit)s)
+        UNION ALL
+        (SELECT producer_group, tx_id,
+                created_at + coalesce(check_immunity, %(default_immunity)s) AS due_at
+         FROM {schema}.outbox_record
+         WHERE state = 'prepared' AND next_check_at IS NULL
+           AND created_at + coalesce(check_immunity, %(default_immunity)s) <= %(now)s
+         ORDER BY next_check_at, id
+         LIMIT %(limit)s)
+    ) AS c
+    GROUP BY c.producer_group, c.tx_id
+    ORDER BY min(c.due_at)
+    LIMIT %(limit)s
+), locked AS (
+    SELECT r.producer_group, r.tx_id, r.id, r.created_at, r.check_immunity, r.check_count,
+           r.next_check_at
+    FROM {schema}.outbox_record AS r
+    JOIN candidate AS c ON r.producer_group = c.producer_group AND r.tx_id = c.tx_id
+    WHERE r.state = 'prepared'
+    FOR UPDATE OF r SKIP LOCKED
+)
+SELECT l.producer_group, l.tx_id, max(l.check_count) AS check_count,
+       min(l.created_at) AS first_created_at, count(*) AS locked, n.prepared, n.records
+FROM locked AS l
+CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE a.state = 'prepared') AS prepared, count(*) AS records
+    FROM {schema}.outbox_record AS a
+    WHERE a.producer_group = l.producer_group AND a.tx_id = l.tx_id
+) AS n
+GROUP BY l.producer_group, l.tx_id, n.prepared, n.records
+HAVING coalesce(max(l.next_check_at),
+                min(l.created_at) + coalesce(min(l.check_immunity), %(default_immunity)s))
+       <= %(now)s
+ORDER BY coalesce(max(l.next_check_at),
+                  min(l.created_at) + coalesce(min(l.check_immunity), %(default_immunity)s)),
+         l.producer_group, l.tx_id;
+
+-- name: checker_claim
+-- Counts a check and leases it (next_check_at = lease end) before the request is sent, in the
+-- claim transaction that holds the locks from checker_lock_due. Returns a summary of at most
+-- `max_records` records per transaction, for the check request (never the values).
+WITH claimed AS (
+    UPDATE {schema}.outbox_record AS r
+    SET check_count = c.check_count, next_check_at = c.lease_until, last_checked_at = %(now)s
+    FROM unnest(%(producer_groups)s::text[], %(tx_ids)s::text[], %(check_counts)s::integer[],
+                %(lease_until)s::timestamptz[])
+         AS c(producer_group, tx_id, check_count, lease_until)
+    WHERE r.producer_group = c.producer_group AND r.tx_id = c.tx_id AND r.state = 'prepared'
+    RETURNING r.producer_group, r.tx_id, r.id, r.topic, r.key, r.headers
+), numbered AS (
+    SELECT claimed.*,
+           row_number() OVER (PARTITION BY producer_group, tx_id ORDER BY id) AS n
+    FROM claimed
+)
+SELECT producer_group, tx_id, id, topic, key, headers
+FROM numbered
+WHERE n <= %(max_records)s
+ORDER BY producer_group, tx_id, id;
+
+-- name: checker_reschedule
+-- Compare-and-set on the check count a claim gave: sets the next check (after UNKNOWN or a failed
+-- check: the backoff; for a check never sent: the count given back). A transaction claimed again
+-- meanwhile (its lease ran out), or ended, is left alone.
+WITH rescheduled AS (
+    UPDATE {schema}.outbox_record AS r
+    SET check_count = c.new_count, next_check_at = c.next_check_at
+    FROM unnest(%(producer_groups)s::text[], %(tx_ids)s::text[], %(expected_counts)s::integer[],
+                %(new_counts)s::integer[], %(next_check_at)s::timestamptz[])
+         AS c(producer_group, tx_id, expected_count, new_count, next_check_at)
+    WHERE r.producer_group = c.producer_group AND r.tx_id = c.tx_id AND r.state = 'prepared'
+      AND r.check_count = c.expected_count
+    RETURNING r.producer_group, r.tx_id
+)
+SELECT DISTINCT producer_group, tx_id FROM rescheduled;
+
+-- name: checker_discard
+-- prepared -> discarded with a reason, for transactions past max checks or max age; the relay
+-- ships them (op marker and dead-letter copy) and sets ended_at. One audit row per transaction.
+WITH discarded AS (
+    UPDATE {schema}.outbox_record AS r
+    SET state = 'discarded', reason = d.reason, state_changed_at = now(), next_check_at = NULL
+    FROM unnest(%(producer_groups)s::text[], %(tx_ids)s::text[], %(reasons)s::text[])
+         AS d(producer_group, tx_id, reason)
+    WHERE r.producer_group = d.producer_group AND r.tx_id = d.tx_id AND r.state = 'prepared'
+    RETURNING r.producer_group, r.tx_id, r.id, r.check_count, r.created_at, d.reason
+), audited AS (
+    INSERT INTO {schema}.audit_log (actor, action, producer_group, tx_id, detail)
+    SELECT %(actor)s, 'discard', producer_group, tx_id,
+           jsonb_build_object('reason', min(reason), 'check_count', max(check_count),
+                              'first_prepared_at', min(created_at),
+                              'record_ids', jsonb_agg(id ORDER BY id))
+    FROM discarded
+    GROUP BY producer_group, tx_id
+    RETURNING producer_group, tx_id
+)
+SELECT producer_group, tx_id FROM audited ORDER BY producer_group, tx_id;
+
+-- name: checker_wake_relay
+SELECT pg_notify(%(channel)s, '');
+
+-- name: checker_statement_timeout
+-- For the rest of the current transaction only.
+SELECT set_config('statement_timeout', %(timeout)s, true);
+
+-- name: checker_prepared_ages
+-- Prepared records by age, for the metrics; one pass over the prepared rows (partial index).
+SELECT count(*) AS total,
+       min(created_at) AS oldest,
+       count(*) FILTER (WHERE created_at <= %(now)s - interval '1 minute') AS over_1m,
+       count(*) FILTER (WHERE created_at <= %(now)s - interval '10 minutes') AS over_10m,
+       count(*) FILTER (WHERE created_at <= %(now)s - interval '1 hour') AS over_1h,
+       count(*) FILTER (WHERE created_at <= %(now)s - interval '6 hours') AS over_6h,
+       count(*) FILTER (WHERE created_at <= %(now)s - interval '24 hours') AS over_24h,
+       count(*) FILTER (WHERE created_at <= %(now)s - interval '72 hours') AS over_72h
+FROM {schema}.outbox_record
+WHERE state = 'prepared';
+
+-- name: checker_lock_transaction
+-- Every record of one transaction, locked for a manual action (rearm, resolve). NOWAIT: a row
+-- locked by someone else (the relay shipping it, a checker claiming it) fails at once.
+SELECT id, state, ended_at IS NOT NULL AS shipped, check_count, created_at
+FROM {schema}.outbox_record
+WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
+ORDER BY id
+FOR UPDATE NOWAIT;
+
+-- name: checker_rearm
+-- RocketMQ's resumeCheckHalfMessage: discarded, not yet shipped records go back to prepared and
+-- are due at once. Only under the locks of checker_lock_transaction.
+UPDATE {schema}.outbox_record
+SET state = 'prepared', reason = NULL, check_count = %(check_count)s,
+    next_check_at = %(now)s, state_changed_at = now()
+WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
+  AND state = 'discarded' AND ended_at IS NULL
+RETURNING id;
+
+-- name: checker_audit
+INSERT INTO {schema}.audit_log (actor, action, producer_group, tx_id, detail)
+VALUES (%(actor)s, %(action)s, %(producer_group)s, %(tx_id)s, %(detail)s)
+RETURNING id, at;

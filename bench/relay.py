@@ -1,0 +1,294 @@
+"""Relay throughput against its two halves, latency, memory, and backlog sensitivity.
+
+Side by side in one run, on the same Postgres and broker, with 1 KiB records:
+  B1  a raw confluent-kafka transactional produce loop, transactions of the relay's batch size
+  B2  a raw psycopg claim-and-delete loop (FOR UPDATE SKIP LOCKED), no Kafka
+  relay  `outboxctl relay` as a child process draining a backlog of the same size
+Figures: relay / min(B1, B2) (goal >= 0.6, stretch 0.8); commit-to-visible latency p50/p99 for a
+read_committed consumer at half the relay's measured rate (goals <= 25 ms / <= 150 ms); the
+relay's peak RSS (goal < 200 MB); the drop in throughput from a small to a large backlog
+(goal <= 20%). Final line: JSON.
+
+    .venv/bin/python -m bench.relay [--records 20000] [--large 1000000] [--latency-seconds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from bench._services import ROOT, scratch_database, service_env
+
+VALUE = os.urandom(512).hex().encode()  # 1 KiB
+BATCH = 500
+
+
+def create_topic(bootstrap: str, partitions: int = 3) -> str:
+    name = f"bench.relay.{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])[
+        name
+    ].result(30)
+    return name
+
+
+def fill_outbox(dsn: str, topic: str, count: int, per_tx: int = 10) -> None:
+    """A backlog of committed records in transactions of `per_tx`, keys over 100 values.
+
+    Pipelined autocommit statements: each INSERT is a transaction of its own, sent without
+    waiting for the previous one, so a million records take seconds, not minutes.
+    """
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.pipeline():
+        for start in range(0, count, per_tx):
+            conn.execute(
+                """
+                INSERT INTO outbox.outbox_record
+                    (producer_group, tx_id, topic, key, value, key_hash, state, committed_xid)
+                SELECT 'bench', 'fill-' || %(start)s, %(topic)s,
+                       convert_to(((%(start)s + g) %% 100)::text, 'UTF8'), %(value)s,
+                       hashtextextended(((%(start)s + g) %% 100)::text, 0), 'committed',
+                       pg_current_xact_id()
+                FROM generate_series(0, %(n)s - 1) AS g
+                """,
+                {"start": start, "topic": topic, "value": VALUE, "n": min(per_tx, count - start)},
+            )
+
+
+def b1_kafka(bootstrap: str, count: int) -> float:
+    topic = create_topic(bootstrap)
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "transactional.id": f"bench-{uuid.uuid4().hex}",
+            "linger.ms": 2,
+        }
+    )
+    producer.init_transactions(30)
+    started = time.perf_counter()
+    for start in range(0, count, BATCH):
+        producer.begin_transaction()
+        for i in range(start, min(count, start + BATCH)):
+            producer.produce(topic, value=VALUE, key=str(i % 100).encode())
+        producer.commit_transaction(60)
+    return count / (time.perf_counter() - started)
+
+
+def b2_postgres(dsn: str, count: int) -> float:
+    with psycopg.connect(dsn) as conn:
+        conn.execute("CREATE TABLE b2 (id bigserial PRIMARY KEY, key text, value bytea)")
+        conn.execute(
+            "INSERT INTO b2 (key, value) SELECT (g %% 100)::text, %s FROM generate_series(1, %s) g",
+            (VALUE, count),
+        )
+        conn.commit()
+        started = time.perf_counter()
+        done = 0
+        while done < count:
+            with conn.transaction():
+                rows = conn.execute(
+                    "DELETE FROM b2 WHERE id IN (SELECT id FROM b2 ORDER BY id LIMIT %s "
+                    "FOR UPDATE SKIP LOCKED) RETURNING id, key, value",
+                    (BATCH,),
+                ).fetchall()
+            done += len(rows)
+        return count / (time.perf_counter() - started)
+
+
+def relay_env(dsn: str, bootstrap: str, **relay: Any) -> dict[str, str]:
+    tag = uuid.uuid4().hex[:8]
+    return {
+        **os.environ,
+        "OUTBOX_DATABASE__DSN": dsn,
+        "OUTBOX_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
+        "OUTBOX_RELAY": json.dumps(
+            {
+                "op_marker_topic": f"bench.markers.{tag}",
+                "dead_letter_topic": f"bench.dlt.{tag}",
+                "transactional_id_prefix": f"bench-relay-{tag}",
+                "batch_size": BATCH,
+                **relay,
+            }
+        ),
+        "OUTBOX_HTTP__ENABLED": "false",
+        "OUTBOX_CHECKER__ENABLED": "false",
+        "OUTBOX_LOG_FORMAT": "text",
+        "OUTBOX_LOG_LEVEL": "WARNING",
+    }
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def undelivered(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM outbox.outbox_record WHERE state = 'committed'"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def drain(dsn: str, bootstrap: str, count: int) -> tuple[float, float]:
+    """Fill a backlog, start a relay process, time the drain. Returns (records/s, peak RSS MB)."""
+    topic = create_topic(bootstrap)
+    fill_outbox(dsn, topic, count)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay.cli", "relay"], env=relay_env(dsn, bootstrap), cwd=ROOT
+    )
+    try:
+        while undelivered(dsn) == count:  # started when the first batch went out
+            time.sleep(0.01)
+        started, left = time.perf_counter(), undelivered(dsn)
+        while undelivered(dsn) > 0:
+            time.sleep(0.05)
+            if proc.poll() is not None:
+                raise RuntimeError(f"the relay exited with {proc.returncode}")
+        rate = left / (time.perf_counter() - started)
+        return rate, peak_rss_mb(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def latency(dsn: str, bootstrap: str, rate: float, seconds: float) -> tuple[float, float, int]:
+    """Commit-to-visible for single-record transactions written at `rate` per second."""
+    topic = create_topic(bootstrap)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay.cli", "relay"],
+        env=relay_env(dsn, bootstrap, poll_interval="PT1S"),
+        cwd=ROOT,
+    )
+    committed_at: dict[bytes, float] = {}
+    seen: list[float] = []
+    stop = threading.Event()
+
+    def consume() -> None:
+        consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"bench-{uuid.uuid4().hex}",
+                "auto.offset.reset": "earliest",
+                "isolation.level": "read_committed",
+                "fetch.wait.max.ms": 5,
+            }
+        )
+        consumer.subscribe([topic])
+        while not stop.is_set():
+            msg = consumer.poll(0.1)
+            if msg is not None and msg.error() is None:
+                arrived = time.time()
+                sent = committed_at.get(msg.value() or b"")
+                if sent is not None:
+                    seen.append((arrived - sent) * 1000)
+        consumer.close()
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    time.sleep(3)  # the relay takes its shard and the consumer its partitions
+    from outbox import Outbox
+
+    ob = Outbox()
+    interval = 1.0 / rate
+    with psycopg.connect(dsn) as conn:
+        deadline = time.monotonic() + seconds
+        n = 0
+        next_at = time.monotonic()
+        while time.monotonic() < deadline:
+            n += 1
+            value = f"{n}:".encode() + VALUE[:1000]
+            with conn.transaction():
+                ob.publish(conn, topic, value, key=str(n % 100))
+            committed_at[value] = time.time()
+            next_at += interval
+            time.sleep(max(0.0, next_at - time.monotonic()))
+    time.sleep(2)
+    stop.set()
+    reader.join()
+    proc.terminate()
+    proc.wait(60)
+    seen.sort()
+    p50 = statistics.median(seen) if seen else float("nan")
+    p99 = seen[min(len(seen) - 1, int(len(seen) * 0.99))] if seen else float("nan")
+    return p50, p99, len(seen)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--records", type=int, default=20_000, help="B1, B2, relay and small backlog"
+    )
+    parser.add_argument("--large", type=int, default=1_000_000, help="the large backlog")
+    parser.add_argument("--latency-seconds", type=float, default=15)
+    args = parser.parse_args()
+    bootstrap = service_env()["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
+
+    b1 = b1_kafka(bootstrap, args.records)
+    print(f"B1 raw transactional produce  {b1:10.0f} records/s", flush=True)
+    with scratch_database() as dsn:
+        b2 = b2_postgres(dsn, args.records)
+    print(f"B2 raw claim-and-delete       {b2:10.0f} records/s", flush=True)
+    with scratch_database() as dsn:
+        small, rss_small = drain(dsn, bootstrap, args.records)
+    print(
+        f"relay, {args.records} backlog       {small:10.0f} records/s, peak RSS {rss_small:.0f} MB",
+        flush=True,
+    )
+    with scratch_database() as dsn:
+        p50, p99, samples = latency(dsn, bootstrap, small / 2, args.latency_seconds)
+    print(
+        f"latency at {small / 2:.0f}/s: p50 {p50:.1f} ms, p99 {p99:.1f} ms ({samples} records)",
+        flush=True,
+    )
+    with scratch_database() as dsn:
+        large, rss_large = drain(dsn, bootstrap, args.large)
+    print(
+        f"relay, {args.large} backlog     {large:10.0f} records/s, peak RSS {rss_large:.0f} MB",
+        flush=True,
+    )
+
+    print(
+        json.dumps(
+            {
+                "benchmark": "relay",
+                "records": args.records,
+                "b1_kafka_per_s": round(b1),
+                "b2_postgres_per_s": round(b2),
+                "relay_per_s": round(small),
+                "ratio_relay_vs_min_b1_b2": round(small / min(b1, b2), 3),
+                "latency_rate_per_s": round(small / 2),
+                "latency_p50_ms": round(p50, 1),
+                "latency_p99_ms": round(p99, 1),
+                "peak_rss_mb": round(max(rss_small, rss_large), 1),
+                "large_backlog": args.large,
+                "relay_large_backlog_per_s": round(large),
+                "throughput_drop_small_to_large": round(1 - large / small, 3),
+                "goals": {
+                    "ratio": 0.6,
+                    "latency_p50_ms": 25,
+                    "latency_p99_ms": 150,
+                    "peak_rss_mb": 200,
+                    "throughput_drop": 0.2,
+                },
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

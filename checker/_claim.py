@@ -1,0 +1,202 @@
+"""The SQL side of the checker: find due transactions, claim, discard, reschedule.
+
+All statements are named queries (``outbox/sql/queries.sql``, ``checker_*``); these functions
+only bind parameters and shape rows. The claim transaction is short: lock due transactions
+(``FOR UPDATE SKIP LOCKED``), then discard, reschedule or claim each, then commit, all before
+any request goes out.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+
+from outbox import sql as queries
+from outbox.checkback import CheckRecord, CheckRequest
+
+Conn = psycopg.Connection[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class DueTransaction:
+    """A transaction whose every record is prepared and due, locked by the claim transaction."""
+
+    producer_group: str
+    tx_id: str
+    check_count: int
+    first_created_at: datetime
+    locked: int  # prepared records locked by this claim transaction
+    prepared: int  # prepared records of the transaction
+    records: int  # all its records
+
+    @property
+    def held_elsewhere(self) -> bool:
+        """Another process holds some of its records right now: leave it for this round."""
+        return self.locked < self.prepared
+
+    @property
+    def mixed(self) -> bool:
+        """Some of its records are not prepared: never checked (the state machine has no
+        answer for it); only discarded at max age, its prepared records only."""
+        return self.prepared < self.records
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A check counted and leased: ask the endpoint, then apply the answer."""
+
+    producer_group: str
+    tx_id: str
+    check_count: int  # including this check
+    first_created_at: datetime
+    claimed_at: datetime
+    lease_until: datetime
+    #: A request not started by then is not sent (it could outlive the lease): given back.
+    send_by: datetime
+    records: tuple[CheckRecord, ...] = field(default=())
+
+    def request(self) -> CheckRequest:
+        return CheckRequest(
+            producer_group=self.producer_group,
+            tx_id=self.tx_id,
+            check_count=self.check_count,
+            first_prepared_at=self.first_created_at,
+            records=list(self.records),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Reschedule:
+    """Set the next check of a transaction if its check count is still ``expected_count``."""
+
+    producer_group: str
+    tx_id: str
+    expected_count: int
+    new_count: int
+    next_check_at: datetime
+
+
+def lock_due(
+    conn: Conn, schema: str, *, now: datetime, limit: int, default_immunity: timedelta
+) -> list[DueTransaction]:
+    """Due transactions, oldest due first, locked until the caller's transaction ends.
+
+    Check ``held_elsewhere`` and ``mixed`` before claiming one."""
+    rows = conn.execute(
+        queries.query("checker_lock_due", schema),
+        {"now": now, "limit": limit, "default_immunity": default_immunity},
+    ).fetchall()
+    return [
+        DueTransaction(r[0], r[1], int(r[2]), r[3], int(r[4]), int(r[5]), int(r[6])) for r in rows
+    ]
+
+
+def claim(
+    conn: Conn, schema: str, claims: Sequence[Claim], *, now: datetime, max_records: int
+) -> list[Claim]:
+    """Count and lease the checks; return them with their records' summaries."""
+    if not claims:
+        return []
+    rows = conn.execute(
+        queries.query("checker_claim", schema),
+        {
+            "now": now,
+            "producer_groups": [c.producer_group for c in claims],
+            "tx_ids": [c.tx_id for c in claims],
+            "check_counts": [c.check_count for c in claims],
+            "lease_until": [c.lease_until for c in claims],
+            "max_records": max_records,
+        },
+    ).fetchall()
+    records: dict[tuple[str, str], list[CheckRecord]] = {}
+    for group, tx_id, record_id, topic, key, headers in rows:
+        records.setdefault((group, tx_id), []).append(
+            CheckRecord(id=record_id, topic=topic, key=key, headers=wire_headers(headers))
+        )
+    claimed = []
+    for c in claims:
+        found = records.get((c.producer_group, c.tx_id))
+        if found:  # under our locks it always is; skip rather than ask about nothing
+            claimed.append(
+                Claim(
+                    c.producer_group,
+                    c.tx_id,
+                    c.check_count,
+                    c.first_created_at,
+                    c.claimed_at,
+                    c.lease_until,
+                    c.send_by,
+                    tuple(found),
+                )
+            )
+    return claimed
+
+
+def reschedule(conn: Conn, schema: str, items: Sequence[Reschedule]) -> int:
+    """Compare-and-set the next check; returns how many transactions it applied to."""
+    if not items:
+        return 0
+    rows = conn.execute(
+        queries.query("checker_reschedule", schema),
+        {
+            "producer_groups": [i.producer_group for i in items],
+            "tx_ids": [i.tx_id for i in items],
+            "expected_counts": [i.expected_count for i in items],
+            "new_counts": [i.new_count for i in items],
+            "next_check_at": [i.next_check_at for i in items],
+        },
+    ).fetchall()
+    return len(rows)
+
+
+def discard(
+    conn: Conn, schema: str, items: Sequence[tuple[str, str, str]], *, actor: str
+) -> list[tuple[str, str]]:
+    """prepared -> discarded with a reason, audited; ``items`` are (group, tx id, reason)."""
+    if not items:
+        return []
+    rows = conn.execute(
+        queries.query("checker_discard", schema),
+        {
+            "producer_groups": [i[0] for i in items],
+            "tx_ids": [i[1] for i in items],
+            "reasons": [i[2] for i in items],
+            "actor": actor,
+        },
+    ).fetchall()
+    return [(r[0], r[1]) for r in rows]
+
+
+def wake_relay(conn: Conn, schema: str, channel: str) -> None:
+    conn.execute(queries.query("checker_wake_relay", schema), {"channel": channel})
+
+
+def wire_headers(stored: object) -> dict[str, str]:
+    """The stored headers (``[[name, base64 value or null], ...]``) as the wire's name -> text.
+
+    The wire format has one text value per name: the first occurrence of a name wins, values are
+    decoded as UTF-8 (undecodable bytes replaced), a null value becomes "".
+    """
+    headers: dict[str, str] = {}
+    if not isinstance(stored, list):
+        return headers
+    for item in stored:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+            continue
+        name, value = item
+        if name in headers:
+            continue
+        text = ""
+        if isinstance(value, str):
+            try:
+                text = base64.b64decode(value, validate=True).decode("utf-8", errors="replace")
+            except binascii.Error:
+                text = value
+        headers[name] = text
+    return headers

@@ -1,0 +1,304 @@
+"""Manual decisions on one transaction, by an operator, audited: re-arm and resolve.
+
+- ``rearm`` (RocketMQ's resumeCheckHalfMessage): a discarded transaction whose records have not
+  been handed out yet (the relay has not written their op markers: ``ended_at IS NULL``) goes back
+  to prepared, with its check count reset, due at once.
+- ``resolve``: commit or roll back a prepared transaction, or a discarded one not handed out yet,
+  by hand. The end itself is the library's compare-and-set (``end_transaction``), so a commit
+  NOTIFYs the relay like any other.
+
+Each runs in one database transaction (a savepoint if the caller has one open) that first locks
+every record of the transaction with NOWAIT: if the relay is shipping the records right now or a
+checker is claiming them, the call fails with ``TransactionBusyError`` and changes nothing.
+Every change writes an ``audit_log`` row (actor, action, group, tx id, detail).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.types.json import Jsonb
+
+from checker._errors import TransactionBusyError
+from outbox import sql as queries
+from outbox._core import OutboxConfig, State
+from outbox._errors import IllegalTransitionError, UnknownTransactionError
+from outbox._records import check_producer_group, check_tx_id
+from outbox._session import database_errors
+from outbox._sync import Outbox
+from outbox.checkback import TransactionStatus
+
+logger = logging.getLogger(__name__)
+
+Conn = psycopg.Connection[Any]
+
+_ALREADY = {
+    # as outbox._core: parked records are committed ones the relay could not deliver
+    TransactionStatus.COMMIT: {State.COMMITTED.value, State.DELIVERED.value, State.PARKED.value},
+    TransactionStatus.ROLLBACK: {State.ROLLED_BACK.value},
+}
+
+
+@dataclass(frozen=True)
+class ManualResult:
+    producer_group: str
+    tx_id: str
+    action: str  # "rearm" or "resolve"
+    from_state: str
+    to_state: str
+    record_ids: tuple[int, ...]
+    #: False when the transaction was already in the asked state (nothing changed, no audit row).
+    changed: bool
+    audit_id: int | None
+    check_count: int | None = None
+    next_check_at: datetime | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "producer_group": self.producer_group,
+            "tx_id": self.tx_id,
+            "action": self.action,
+            "from_state": self.from_state,
+            "to_state": self.to_state,
+            "record_ids": list(self.record_ids),
+            "changed": self.changed,
+            "audit_id": self.audit_id,
+            "check_count": self.check_count,
+            "next_check_at": self.next_check_at.isoformat() if self.next_check_at else None,
+        }
+
+
+@dataclass(frozen=True)
+class _Row:
+    id: int
+    state: str
+    shipped: bool
+    check_count: int
+
+
+def _lock(conn: Conn, schema: str, group: str, tx_id: str) -> list[_Row]:
+    try:
+        rows = conn.execute(
+            queries.query("checker_lock_transaction", schema),
+            {"producer_group": group, "tx_id": tx_id},
+        ).fetchall()
+    except pg_errors.LockNotAvailable:
+        raise TransactionBusyError(
+            f"the records of tx id {tx_id!r} in producer group {group!r} are locked by another "
+            "process right now (the relay shipping them, or a checker claiming them); "
+            "nothing changed: try again",
+            producer_group=group,
+            tx_id=tx_id,
+        ) from None
+    if not rows:
+        raise UnknownTransactionError(
+            f"no records of tx id {tx_id!r} in producer group {group!r}",
+            producer_group=group,
+            tx_id=tx_id,
+        )
+    return [_Row(int(r[0]), str(r[1]), bool(r[2]), int(r[3])) for r in rows]
+
+
+def _describe(rows: Sequence[_Row]) -> tuple[str, ...]:
+    found = []
+    for row in rows:
+        label = row.state
+        if row.state == State.DISCARDED and row.shipped:
+            label = "discarded (already shipped to the dead-letter topic)"
+        if label not in found:
+            found.append(label)
+    return tuple(found)
+
+
+def _unshipped_discarded(rows: Sequence[_Row]) -> bool:
+    return all(r.state == State.DISCARDED and not r.shipped for r in rows)
+
+
+def _audit(
+    conn: Conn, schema: str, *, actor: str, action: str, group: str, tx_id: str, detail: Any
+) -> int:
+    row = conn.execute(
+        queries.query("checker_audit", schema),
+        {
+            "actor": actor,
+            "action": action,
+            "producer_group": group,
+            "tx_id": tx_id,
+            "detail": Jsonb(detail),
+        },
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _require_text(name: str, value: str | None) -> str:
+    if value is None or not value.strip():
+        raise ValueError(f"{name} must not be empty")
+    return value.strip()
+
+
+def rearm(
+    conn: Conn,
+    producer_group: str,
+    tx_id: str,
+    *,
+    actor: str,
+    reason: str | None = None,
+    check_count: int = 0,
+    schema: str = "outbox",
+    now: datetime | None = None,
+) -> ManualResult:
+    """discarded (not yet shipped) -> prepared, check count set to ``check_count``, due ``now``.
+
+    Raises UnknownTransactionError, IllegalTransitionError (not discarded, or already shipped:
+    re-publish instead), TransactionBusyError; in each case nothing changed.
+    """
+    group, tx_id = check_producer_group(producer_group), check_tx_id(tx_id)
+    actor = _require_text("actor", actor)
+    if check_count < 0:
+        raise ValueError("check_count must not be negative")
+    schema = OutboxConfig(schema_name=schema).schema_name
+    due = now or datetime.now(UTC)
+    with database_errors(), conn.transaction():
+        rows = _lock(conn, schema, group, tx_id)
+        if not _unshipped_discarded(rows):
+            current = _describe(rows)
+            raise IllegalTransitionError(
+                f"cannot re-arm tx id {tx_id!r} of producer group {group!r}: its records are "
+                f"{', '.join(current)}; only a discarded transaction not yet shipped to the "
+                "dead-letter topic can go back to prepared",
+                producer_group=group,
+                tx_id=tx_id,
+                current_states=current,
+            )
+        ids = tuple(
+            int(r[0])
+            for r in conn.execute(
+                queries.query("checker_rearm", schema),
+                {"producer_group": group, "tx_id": tx_id, "check_count": check_count, "now": due},
+            ).fetchall()
+        )
+        audit_id = _audit(
+            conn,
+            schema,
+            actor=actor,
+            action="rearm",
+            group=group,
+            tx_id=tx_id,
+            detail={
+                "reason": reason,
+                "check_count": check_count,
+                "previous_check_count": max(r.check_count for r in rows),
+                "record_ids": list(ids),
+            },
+        )
+    logger.info(
+        "re-armed tx %s of producer group %s (%d records) by %s", tx_id, group, len(ids), actor
+    )
+    return ManualResult(
+        group,
+        tx_id,
+        "rearm",
+        State.DISCARDED.value,
+        State.PREPARED.value,
+        ids,
+        changed=True,
+        audit_id=audit_id,
+        check_count=check_count,
+        next_check_at=due,
+    )
+
+
+def resolve(
+    conn: Conn,
+    producer_group: str,
+    tx_id: str,
+    decision: TransactionStatus | str,
+    *,
+    actor: str,
+    reason: str,
+    schema: str = "outbox",
+) -> ManualResult:
+    """Commit or roll back by hand a prepared transaction, or a discarded one not yet shipped.
+
+    Only its prepared records change (as with ``Outbox.commit``), so a transaction that mixes
+    prepared records with others (published under the same tx id) can be settled this way too.
+
+    Already in the asked state: nothing changes (``changed=False``, no audit row). Raises
+    UnknownTransactionError, IllegalTransitionError (e.g. commit after a rollback),
+    TransactionBusyError; in each case nothing changed.
+    """
+    group, tx_id = check_producer_group(producer_group), check_tx_id(tx_id)
+    status = TransactionStatus(decision)
+    if status is TransactionStatus.UNKNOWN:
+        raise ValueError("a manual decision is COMMIT or ROLLBACK")
+    actor = _require_text("actor", actor)
+    reason = _require_text("reason", reason)
+    schema = OutboxConfig(schema_name=schema).schema_name
+    to_state = State.COMMITTED if status is TransactionStatus.COMMIT else State.ROLLED_BACK
+    outbox = Outbox(OutboxConfig(schema_name=schema, producer_group=group))
+    with database_errors(), conn.transaction():
+        rows = _lock(conn, schema, group, tx_id)
+        states = {r.state for r in rows}
+        if states <= _ALREADY[status]:
+            return ManualResult(
+                group, tx_id, "resolve", to_state.value, to_state.value, (), False, None
+            )
+        if State.PREPARED.value in states:  # the others (if any) are ended already
+            from_state = State.PREPARED.value
+        elif _unshipped_discarded(rows):
+            from_state = State.DISCARDED.value
+            # Back to prepared first, so the end is the library's own compare-and-set.
+            conn.execute(
+                queries.query("checker_rearm", schema),
+                {
+                    "producer_group": group,
+                    "tx_id": tx_id,
+                    "check_count": max(r.check_count for r in rows),
+                    "now": None,
+                },
+            )
+        else:
+            current = _describe(rows)
+            verb = "commit" if status is TransactionStatus.COMMIT else "roll back"
+            raise IllegalTransitionError(
+                f"cannot {verb} tx id {tx_id!r} of producer group {group!r} by hand: its records "
+                f"are {', '.join(current)}; only prepared records, or discarded ones not yet "
+                "shipped, can be resolved",
+                producer_group=group,
+                tx_id=tx_id,
+                current_states=current,
+            )
+        end = outbox.commit if status is TransactionStatus.COMMIT else outbox.rollback
+        transition = end(conn, tx_id, producer_group=group)
+        audit_id = _audit(
+            conn,
+            schema,
+            actor=actor,
+            action="resolve",
+            group=group,
+            tx_id=tx_id,
+            detail={
+                "decision": status.value,
+                "reason": reason,
+                "from_state": from_state,
+                "record_ids": list(transition.ids),
+            },
+        )
+    logger.info(
+        "resolved tx %s of producer group %s by hand: %s (%s) by %s",
+        tx_id,
+        group,
+        status.value,
+        reason,
+        actor,
+    )
+    return ManualResult(
+        group, tx_id, "resolve", from_state, to_state.value, transition.ids, True, audit_id
+    )

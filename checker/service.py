@@ -1,0 +1,611 @@
+"""The checker service: asks producers about stale prepared transactions (RocketMQ's check-back).
+
+One round (``run_once``, which tests call directly):
+
+1. claim, in one short database transaction: lock due transactions (``FOR UPDATE SKIP LOCKED``),
+   then for each one either
+   - discard it (``max_checks`` checks made, or older than ``max_prepared_age``): the relay ships
+     it to the dead-letter topic;
+   - reschedule it without asking and without counting a check (no endpoint configured for its
+     producer group; its endpoint's circuit is open);
+   - or claim it: count the check and lease it (``next_check_at`` = end of the lease), so that
+     a checker dying mid-check leaves it due again when the lease ends, and other checkers do not
+     ask about it meanwhile;
+2. ask each claimed transaction's endpoint, outside any database transaction, on that endpoint's
+   own worker threads (bounded concurrency, circuit breaker, timeouts): a dead endpoint only
+   holds its own workers;
+3. apply each answer as it arrives: COMMIT / ROLLBACK through the library's compare-and-set
+   (``end_transaction``, which NOTIFYs the relay on commit); UNKNOWN or no usable answer: the next
+   check after a jittered exponential backoff (compare-and-set on the claimed check count).
+
+The checker only changes the database; everything that reaches Kafka is the relay's.
+``start()`` runs rounds on a thread until ``stop()``; several checkers may share one outbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import errors as pg_errors
+
+from checker import _claim, _metrics
+from checker._backoff import backoff, spread
+from checker._breaker import CircuitBreaker, CircuitState
+from checker._claim import Claim, DueTransaction, Reschedule
+from checker._client import CheckAnswer, CheckClient, HttpCheckClient, Outcome
+from checker.config import CheckerSettings, EndpointSettings
+from outbox import sql as queries
+from outbox._core import OutboxConfig, wakeup_channel
+from outbox._errors import IllegalTransitionError, UnknownTransactionError
+from outbox._sync import Outbox
+
+if TYPE_CHECKING:
+    from relay.config import SidecarSettings
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], datetime]
+ClientFactory = Callable[[str, EndpointSettings], CheckClient]
+
+_MAX_FAILURE_WAIT_S = 30.0
+_MAX_LOGGED_GROUPS = 1000
+_MAX_APPLY_BATCH = 256
+_AGES_STATEMENT_TIMEOUT = "5s"
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _duration(value: timedelta) -> str:
+    """72h, 90m, 45s: how limits read in reasons and logs."""
+    seconds = int(value.total_seconds())
+    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60)):
+        if seconds >= size and seconds % size == 0 and not (unit == "d" and seconds < 7 * 86_400):
+            return f"{seconds // size}{unit}"
+    return f"{value.total_seconds():g}s"
+
+
+@dataclass
+class CheckRoundResult:
+    """What one round did. ``outcomes`` counts the checks made, by ``Outcome`` value."""
+
+    due: int = 0  # due transactions found and locked
+    checked: int = 0  # requests sent
+    outcomes: Counter[str] = field(default_factory=Counter)
+    discarded: int = 0
+    not_sent: int = 0  # rescheduled without a request: no endpoint, circuit open, deferred
+    conflicts: int = 0  # COMMIT / ROLLBACK for a transaction that had ended otherwise
+    full: bool = False  # a full batch was due: more may be waiting
+
+    @property
+    def committed(self) -> int:
+        return self.outcomes[Outcome.COMMIT.value]
+
+    @property
+    def rolled_back(self) -> int:
+        return self.outcomes[Outcome.ROLLBACK.value]
+
+    @property
+    def unknown(self) -> int:
+        return self.outcomes[Outcome.UNKNOWN.value]
+
+    @property
+    def failed(self) -> int:
+        return self.checked - self.committed - self.rolled_back - self.unknown
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "due": self.due,
+            "checked": self.checked,
+            "outcomes": dict(self.outcomes),
+            "discarded": self.discarded,
+            "not_sent": self.not_sent,
+            "conflicts": self.conflicts,
+            "full": self.full,
+        }
+
+
+class _Endpoint:
+    """A producer group's endpoint: its client, circuit breaker and worker threads."""
+
+    def __init__(
+        self, group: str, settings: EndpointSettings, client: CheckClient, breaker: CircuitBreaker
+    ) -> None:
+        self.group = group
+        self.settings = settings
+        self.client = client
+        self.breaker = breaker
+        self.pool = ThreadPoolExecutor(
+            max_workers=settings.concurrency, thread_name_prefix=f"outbox-checker-{group}"[:40]
+        )
+
+
+class Checker:
+    """Checks stale prepared transactions against their producer group's endpoint.
+
+    ``clock`` gives the time the checker schedules by (aware datetimes; tests move it instead of
+    sleeping); signatures always use the real time. ``rng`` jitters the waits. ``http`` builds the
+    client of each endpoint (``HttpCheckClient`` by default).
+    """
+
+    def __init__(
+        self,
+        settings: CheckerSettings,
+        dsn: str,
+        schema: str = "outbox",
+        *,
+        clock: Clock = utc_now,
+        rng: random.Random | None = None,
+        http: ClientFactory | None = None,
+        connect_timeout_s: float = 10.0,
+        checker_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.schema = OutboxConfig(schema_name=schema).schema_name
+        self.checker_id = checker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._dsn = dsn
+        self._connect_timeout_s = connect_timeout_s
+        self._clock = clock
+        self._rng = rng or random.Random()  # noqa: S311 - jitter, not secrets
+        self._rng_lock = threading.Lock()
+        self._outbox = Outbox(OutboxConfig(schema_name=self.schema, notify=True))
+        self._channel = wakeup_channel(self.schema)
+        make_client = http or (lambda _group, endpoint: HttpCheckClient(endpoint))
+        self._endpoints: dict[str, _Endpoint] = {}
+        for group, endpoint in settings.endpoints.items():
+            self._endpoints[group] = _Endpoint(
+                group,
+                endpoint,
+                make_client(group, endpoint),
+                CircuitBreaker(
+                    failure_threshold=settings.circuit_failure_threshold,
+                    cooldown=settings.circuit_cooldown,
+                    clock=clock,
+                    on_change=self._circuit_changed(group),
+                ),
+            )
+            _metrics.CIRCUIT_STATE.labels(group).set(CircuitState.CLOSED)
+        self._conn: psycopg.Connection[Any] | None = None
+        self._round_lock = threading.Lock()
+        self._unconfigured_logged: set[str] = set()
+        self._ages_refreshed_at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._last_round_ok = False
+        self._last_round_at = time.monotonic()
+
+    @classmethod
+    def from_sidecar_settings(cls, settings: SidecarSettings, **kwargs: Any) -> Checker:
+        """The checker of the sidecar process, from its settings."""
+        return cls(
+            settings.checker,
+            settings.database.dsn.get_secret_value(),
+            settings.database.schema_name,
+            connect_timeout_s=settings.database.connect_timeout_s,
+            **kwargs,
+        )
+
+    # --- database ----------------------------------------------------------------------------
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = psycopg.connect(
+                self._dsn,
+                autocommit=True,
+                connect_timeout=max(1, int(self._connect_timeout_s)),
+                application_name=f"outbox-checker {self.checker_id}"[:63],
+            )
+        return self._conn
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # --- one round ---------------------------------------------------------------------------
+
+    def run_once(self) -> CheckRoundResult:
+        """One round: claim due transactions, ask their endpoints, apply the answers."""
+        with self._round_lock:
+            if self._closed:
+                raise RuntimeError("the checker is stopped")
+            try:
+                conn = self._connection()
+                result = CheckRoundResult()
+                self._refresh_ages(conn)
+                claims = self._claim_due(conn, result)
+                self._ask_and_apply(conn, claims, result)
+            except BaseException:
+                _metrics.ROUNDS.labels("error").inc()
+                self._last_round_ok = False
+                self._last_round_at = time.monotonic()
+                if self._conn is not None and (self._conn.broken or self._conn.closed):
+                    self._drop_connection()
+                raise
+            _metrics.ROUNDS.labels("ok").inc()
+            self._last_round_ok = True
+            self._last_round_at = time.monotonic()
+            return result
+
+    def _claim_due(self, conn: psycopg.Connection[Any], result: CheckRoundResult) -> list[Claim]:
+        s = self.settings
+        now = self._clock()
+        discards: list[tuple[str, str, str]] = []
+        limits: dict[tuple[str, str], tuple[str, str]] = {}  # -> (limit, reason)
+        later: list[Reschedule] = []
+        claims: list[Claim] = []
+        probing: set[str] = set()
+        with conn.transaction():
+            due = _claim.lock_due(
+                conn,
+                self.schema,
+                now=now,
+                limit=s.batch_size,
+                default_immunity=s.check_immunity,
+            )
+            result.full = len(due) >= s.batch_size
+            for tx in due:
+                if tx.held_elsewhere:
+                    continue
+                result.due += 1
+                key = (tx.producer_group, tx.tx_id)
+                if tx.check_count >= s.max_checks:
+                    limits[key] = ("max_checks", f"max checks ({s.max_checks}) reached")
+                elif now - tx.first_created_at >= s.max_prepared_age:
+                    age = _duration(s.max_prepared_age)
+                    limits[key] = ("max_age", f"max prepared age ({age}) reached")
+                if key in limits:
+                    discards.append((*key, limits[key][1]))
+                    continue
+                if tx.mixed:
+                    logger.warning(
+                        "tx %s of producer group %s has %d prepared and %d other records: it "
+                        "cannot be checked (resolve it by hand); discarded at max prepared age",
+                        tx.tx_id,
+                        tx.producer_group,
+                        tx.prepared,
+                        tx.records - tx.prepared,
+                    )
+                    later.append(self._later(tx, now + self._spread(s.max_backoff)))
+                    _metrics.NOT_SENT.labels(self._label(tx.producer_group), "mixed_states").inc()
+                    continue
+                endpoint = self._endpoints.get(tx.producer_group)
+                if endpoint is None:
+                    self._note_unconfigured(tx.producer_group)
+                    # Leave it, out of the way of the others; discarded at max age all the same.
+                    later.append(self._later(tx, now + self._spread(s.max_backoff)))
+                    continue
+                state = endpoint.breaker.state
+                if state is CircuitState.OPEN:
+                    # Not asked, not counted: due again when a probe may go out.
+                    later.append(self._later(tx, endpoint.breaker.retry_at or now))
+                    _metrics.NOT_SENT.labels(tx.producer_group, "circuit_open").inc()
+                    continue
+                if state is CircuitState.HALF_OPEN:
+                    if tx.producer_group in probing:
+                        continue  # one probe at a time; the rest stay due
+                    probing.add(tx.producer_group)
+                lease = endpoint.settings.timeout + s.lease_margin
+                claims.append(
+                    Claim(
+                        tx.producer_group,
+                        tx.tx_id,
+                        tx.check_count + 1,
+                        tx.first_created_at,
+                        claimed_at=now,
+                        lease_until=now + lease,
+                        send_by=now + s.lease_margin,
+                    )
+                )
+            if discards:
+                done = _claim.discard(conn, self.schema, discards, actor=self._actor)
+                for group, tx_id in done:
+                    limit, reason = limits[(group, tx_id)]
+                    _metrics.DISCARDS.labels(self._label(group), limit).inc()
+                    logger.warning("discarded tx %s of producer group %s: %s", tx_id, group, reason)
+                result.discarded = len(done)
+                if done:
+                    _claim.wake_relay(conn, self.schema, self._channel)
+            if later:
+                _claim.reschedule(conn, self.schema, later)
+                result.not_sent += len(later)
+            return _claim.claim(
+                conn, self.schema, claims, now=now, max_records=s.request_max_records
+            )
+
+    @property
+    def _actor(self) -> str:
+        return f"checker:{self.checker_id}"
+
+    @staticmethod
+    def _later(tx: DueTransaction, at: datetime) -> Reschedule:
+        return Reschedule(tx.producer_group, tx.tx_id, tx.check_count, tx.check_count, at)
+
+    def _spread(self, delay: timedelta) -> timedelta:
+        with self._rng_lock:
+            return spread(delay, self.settings.backoff_jitter, self._rng)
+
+    def _label(self, group: str) -> str:
+        return group if group in self._endpoints else _metrics.OTHER_GROUP
+
+    def _note_unconfigured(self, group: str) -> None:
+        _metrics.NOT_SENT.labels(_metrics.OTHER_GROUP, "no_endpoint").inc()
+        if group in self._unconfigured_logged or len(self._unconfigured_logged) >= (
+            _MAX_LOGGED_GROUPS
+        ):
+            return
+        self._unconfigured_logged.add(group)
+        logger.error(
+            "prepared transactions of producer group %s cannot be checked: no endpoint is "
+            "configured for it (checker.endpoints); they are discarded at max prepared age",
+            group,
+        )
+
+    def _ask(self, endpoint: _Endpoint, claim: Claim) -> tuple[Claim, CheckAnswer]:
+        """On the endpoint's worker thread: one request, unless it is too late or the circuit is
+        open. Exceptions other than ``Exception`` (a simulated crash) propagate to the round."""
+        if self._clock() > claim.send_by:
+            return claim, CheckAnswer(Outcome.DEFERRED, "could not start within the lease")
+        if not endpoint.breaker.allow():
+            return claim, CheckAnswer(Outcome.CIRCUIT_OPEN, "circuit open")
+        try:
+            answer = endpoint.client.check(claim.request())
+        except Exception as exc:
+            logger.exception("check of tx %s failed unexpectedly", claim.tx_id)
+            answer = CheckAnswer(Outcome.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
+        if answer.outcome.answered:
+            endpoint.breaker.record_success()
+        elif answer.outcome.sent:
+            endpoint.breaker.record_failure()
+        return claim, answer
+
+    def _ask_and_apply(
+        self, conn: psycopg.Connection[Any], claims: list[Claim], result: CheckRoundResult
+    ) -> None:
+        """Ask on the endpoints' workers; apply answers as they arrive, those that arrived
+        together in one database transaction (one WAL flush for many, not one each)."""
+        if not claims:
+            return
+        arrived: queue.SimpleQueue[Future[tuple[Claim, CheckAnswer]]] = queue.SimpleQueue()
+        for c in claims:
+            endpoint = self._endpoints[c.producer_group]
+            endpoint.pool.submit(self._ask, endpoint, c).add_done_callback(arrived.put)
+        left = len(claims)
+        while left:
+            batch = [arrived.get()]
+            while len(batch) < _MAX_APPLY_BATCH:
+                try:
+                    batch.append(arrived.get_nowait())
+                except queue.Empty:
+                    break
+            left -= len(batch)
+            # A crash of the round (BaseException) propagates here: nothing more is applied.
+            self._apply(conn, [f.result() for f in batch], result)
+
+    def _apply(
+        self,
+        conn: psycopg.Connection[Any],
+        answers: list[tuple[Claim, CheckAnswer]],
+        result: CheckRoundResult,
+    ) -> None:
+        s = self.settings
+        now = self._clock()
+        decided: list[tuple[Claim, Outcome]] = []
+        later: list[Reschedule] = []
+        notes: list[tuple[Callable[..., None], tuple[Any, ...]]] = []  # logged once committed
+        for claim, answer in answers:
+            group, tx_id, outcome = claim.producer_group, claim.tx_id, answer.outcome
+            if answer.latency_s is not None:
+                _metrics.LATENCY.labels(group).observe(answer.latency_s)
+            if not outcome.sent:
+                # Never asked: give the check back, and try again when it can go out.
+                _metrics.NOT_SENT.labels(group, outcome.value).inc()
+                retry_at = self._endpoints[group].breaker.retry_at or now
+                count = claim.check_count
+                later.append(Reschedule(group, tx_id, count, count - 1, retry_at))
+                result.not_sent += 1
+                continue
+            _metrics.CHECKS.labels(group, outcome.value).inc()
+            result.checked += 1
+            result.outcomes[outcome.value] += 1
+            if outcome.decided:
+                decided.append((claim, outcome))
+                continue
+            with self._rng_lock:
+                wait = backoff(
+                    claim.check_count,
+                    interval=s.check_interval,
+                    multiplier=s.backoff_multiplier,
+                    cap=s.max_backoff,
+                    jitter=s.backoff_jitter,
+                    rng=self._rng,
+                )
+            count = claim.check_count
+            later.append(Reschedule(group, tx_id, count, count, now + wait))
+            notes.append(
+                (
+                    logger.info if outcome is Outcome.UNKNOWN else logger.warning,
+                    (
+                        "tx %s of producer group %s: %s%s (check %d of %d); next check in %.0fs",
+                        tx_id,
+                        group,
+                        outcome.value,
+                        f": {answer.detail}" if answer.detail else "",
+                        count,
+                        s.max_checks,
+                        wait.total_seconds(),
+                    ),
+                )
+            )
+        with conn.transaction():
+            for claim, outcome in decided:
+                notes.append(self._end(conn, claim, outcome, result))
+            _claim.reschedule(conn, self.schema, later)
+        for log, args in notes:
+            log(*args)
+
+    def _end(
+        self,
+        conn: psycopg.Connection[Any],
+        claim: Claim,
+        outcome: Outcome,
+        result: CheckRoundResult,
+    ) -> tuple[Callable[..., None], tuple[Any, ...]]:
+        """COMMIT / ROLLBACK through the library's compare-and-set; what to log once committed."""
+        group, tx_id, verdict = claim.producer_group, claim.tx_id, outcome.value.upper()
+        end = self._outbox.commit if outcome is Outcome.COMMIT else self._outbox.rollback
+        try:
+            transition = end(conn, tx_id, producer_group=group)
+        except IllegalTransitionError as exc:
+            # A late answer contradicting the transaction's end: the compare-and-set refused it.
+            result.conflicts += 1
+            _metrics.CONFLICTS.labels(group).inc()
+            states = ", ".join(exc.current_states)
+            message = "endpoint of producer group %s answered %s for tx %s, already %s: ignored"
+            return logger.warning, (message, group, verdict, tx_id, states)
+        except UnknownTransactionError:
+            return logger.info, ("tx %s of producer group %s is gone; answer dropped", tx_id, group)
+        already = "" if transition.changed else " (it had already ended so)"
+        message = "tx %s of producer group %s: %s after %d check(s)%s"
+        return logger.info, (message, tx_id, group, verdict, claim.check_count, already)
+
+    def _circuit_changed(self, group: str) -> Callable[[CircuitState], None]:
+        def changed(state: CircuitState) -> None:
+            _metrics.CIRCUIT_STATE.labels(group).set(state)
+            log = logger.warning if state is CircuitState.OPEN else logger.info
+            log("circuit of producer group %s's endpoint is now %s", group, state.name.lower())
+
+        return changed
+
+    def _refresh_ages(self, conn: psycopg.Connection[Any]) -> None:
+        """The prepared-records-by-age gauges: one pass over prepared rows, throttled."""
+        interval = self.settings.metrics_interval.total_seconds()
+        mono = time.monotonic()
+        if self._ages_refreshed_at is not None and mono - self._ages_refreshed_at < interval:
+            return
+        self._ages_refreshed_at = mono
+        now = self._clock()
+        try:
+            with conn.transaction():
+                conn.execute(
+                    queries.query("checker_statement_timeout", self.schema),
+                    {"timeout": _AGES_STATEMENT_TIMEOUT},
+                )
+                row = conn.execute(
+                    queries.query("checker_prepared_ages", self.schema), {"now": now}
+                ).fetchone()
+        except pg_errors.QueryCanceled:
+            logger.warning("prepared records by age: cancelled after %s", _AGES_STATEMENT_TIMEOUT)
+            return
+        assert row is not None
+        columns = ("total", "oldest", *(c for _, c in _metrics.AGE_BUCKETS[1:]))
+        values = dict(zip(columns, row, strict=True))
+        for label, column in _metrics.AGE_BUCKETS:
+            _metrics.PREPARED.labels(label).set(values[column])
+        oldest = values["oldest"]
+        _metrics.OLDEST_PREPARED.set(
+            max(0.0, (now - oldest).total_seconds()) if isinstance(oldest, datetime) else 0.0
+        )
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Rounds until ``stop()``: at once while batches come full, else every poll interval."""
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                result = self.run_once()
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                kind = "database" if isinstance(exc, psycopg.Error) else type(exc).__name__
+                logger.error("check round failed (%s): %s", kind, exc, exc_info=kind != "database")
+                self._stop.wait(min(_MAX_FAILURE_WAIT_S, 0.5 * 2 ** min(failures, 10)))
+                continue
+            if not result.full:
+                self._stop.wait(self.settings.poll_interval.total_seconds())
+        self._close()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the checker is already started")
+        if self._closed:
+            raise RuntimeError("the checker is stopped")
+        self._thread = threading.Thread(target=self.run, name="outbox-checker", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the round in flight (its requests are bounded by their timeouts), then
+        close connections and workers. Safe to call twice, and without ``start()``."""
+        self._stop.set()
+        if self._thread is not None:
+            grace = 30.0 if timeout is None else timeout
+            self._thread.join(grace)
+            if self._thread.is_alive():
+                logger.error("check round still running after %ss; leaving it", grace)
+            return
+        with self._round_lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for endpoint in self._endpoints.values():
+            endpoint.pool.shutdown(wait=False, cancel_futures=True)
+            endpoint.client.close()
+        self._drop_connection()
+
+    def __enter__(self) -> Checker:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # --- probes ------------------------------------------------------------------------------
+
+    def alive(self, stale_after_s: float = 120.0) -> bool:
+        """False when the round thread died or has not finished a round for a long time."""
+        if self._thread is None:
+            return not self._closed
+        return self._thread.is_alive() and time.monotonic() - self._last_round_at < stale_after_s
+
+    def ready(self) -> dict[str, Any]:
+        """What /readyz reports. ``ready`` needs the database only: an endpoint that is down is
+        the producer's problem and must not take the sidecar (and its pod) out of service."""
+        try:
+            with psycopg.connect(self._dsn, connect_timeout=3) as probe:
+                probe.execute("SELECT 1")
+            database = True
+        except psycopg.Error:
+            database = False
+        return {
+            "ready": database and not self._closed,
+            "database": database,
+            "last_round_ok": self._last_round_ok,
+            "circuits": {g: e.breaker.state.name.lower() for g, e in self._endpoints.items()},
+            "checker_id": self.checker_id,
+        }

@@ -1,0 +1,149 @@
+"""`outboxctl rearm | resolve | checker` against the real Postgres (and a real check endpoint)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+
+import outbox
+from checker import Checker, CheckerSettings
+from outbox.checkback import CheckHandler, CheckRequest, TransactionStatus, serve
+from relay.cli import main
+
+SECRET = "whsec_" + base64.b64encode(b"c" * 32).decode()
+GROUP = "billing"
+
+
+def prepare(dsn: str, *, check_immunity: float | None = None) -> str:
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        written = outbox.prepare(
+            conn, "billing.charged", {"id": 1}, producer_group=GROUP, check_immunity=check_immunity
+        )
+    return written.tx_id
+
+
+def discard(dsn: str, tx_id: str) -> None:
+    """Discarded by a checker at max age (so: with a reason, audited, not shipped)."""
+    s = CheckerSettings(endpoints={})
+    with Checker(s, dsn, clock=lambda: datetime.now(UTC) + timedelta(hours=73)) as checker:
+        assert checker.run_once().discarded >= 1
+    assert state(dsn, tx_id) == "discarded"
+
+
+def state(dsn: str, tx_id: str) -> str:
+    with psycopg.connect(dsn) as conn:
+        found = {
+            r[0]
+            for r in conn.execute(
+                "SELECT state FROM outbox.outbox_record WHERE tx_id = %s", (tx_id,)
+            )
+        }
+    assert len(found) == 1
+    return found.pop()
+
+
+def last_audit(dsn: str, tx_id: str) -> tuple[str, str, dict[str, object]]:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT actor, action, detail FROM outbox.audit_log WHERE tx_id = %s"
+            " ORDER BY id DESC LIMIT 1",
+            (tx_id,),
+        ).fetchone()
+    assert row is not None
+    return row[0], row[1], row[2]
+
+
+def test_rearm_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    tx_id = prepare(pg_dsn)
+    discard(pg_dsn, tx_id)
+    argv = ["rearm", "--dsn", pg_dsn, "--producer-group", GROUP, "--tx-id", tx_id]
+    code = main([*argv, "--checks", "3", "--actor", "carol", "--reason", "fixed", "--json"])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["action"], printed["to_state"], printed["check_count"]) == (
+        "rearm",
+        "prepared",
+        3,
+    )
+    assert state(pg_dsn, tx_id) == "prepared"
+    assert last_audit(pg_dsn, tx_id)[:2] == ("carol", "rearm")
+
+    # again: it is prepared now, so there is nothing to re-arm
+    assert main([*argv, "--actor", "carol"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot re-arm" in err
+    assert "prepared" in err
+
+
+def test_resolve_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    tx_id = prepare(pg_dsn)
+    argv = ["resolve", "--dsn", pg_dsn, "--producer-group", GROUP, "--tx-id", tx_id]
+    assert main([*argv, "--rollback", "--actor", "dave", "--reason", "refunded"]) == 0
+    assert "prepared -> rolled_back" in capsys.readouterr().out
+    assert state(pg_dsn, tx_id) == "rolled_back"
+    actor, action, detail = last_audit(pg_dsn, tx_id)
+    assert (actor, action, detail["decision"], detail["reason"]) == (
+        "dave",
+        "resolve",
+        "ROLLBACK",
+        "refunded",
+    )
+    assert main([*argv, "--commit", "--actor", "dave", "--reason", "oops"]) == 1
+    assert "cannot commit" in capsys.readouterr().err
+    assert main([*argv, "--commit", "--actor", "dave", "--reason", "  "]) == 2
+    assert state(pg_dsn, tx_id) == "rolled_back"
+    with pytest.raises(SystemExit):  # --commit or --rollback is required
+        main([*argv, "--actor", "dave", "--reason", "x"])
+
+
+@pytest.fixture
+def root_logging() -> Iterator[None]:
+    """`outboxctl checker` configures logging for its process; give pytest its handlers back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_checker_once_from_a_config_file(
+    pg_dsn: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    root_logging: None,
+) -> None:
+    asked: list[str] = []
+
+    def resolver(request: CheckRequest) -> TransactionStatus:
+        asked.append(request.tx_id)
+        return TransactionStatus.COMMIT
+
+    tx_id = prepare(pg_dsn, check_immunity=0)
+    with serve(CheckHandler(resolver, [SECRET])) as server:
+        config = tmp_path / "sidecar.toml"
+        config.write_text(
+            f"""
+log_format = "text"
+
+[database]
+dsn = "{pg_dsn}"
+
+[checker.endpoints.{GROUP}]
+url = "{server.url}"
+secrets = ["{SECRET}"]
+"""
+        )
+        monkeypatch.setenv("OUTBOX_CONFIG_FILE", str(config))  # restored after the test
+        assert main(["checker", "--config", str(config), "--once", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["outcomes"] == {"commit": 1}
+    assert asked == [tx_id]
+    assert state(pg_dsn, tx_id) == "committed"

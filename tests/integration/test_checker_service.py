@@ -1,0 +1,1129 @@
+"""The checker against the real Postgres and real HTTP endpoints on loopback.
+
+Endpoints are `outbox.checkback.serve(CheckHandler(...))` (the producer side as applications run
+it) or, for misbehaving endpoints, a tiny HTTP server of the test's own. Time is the checker's
+injectable clock, moved by the tests: nothing here sleeps to synchronise.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import shutil
+import ssl
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from prometheus_client import REGISTRY
+
+import outbox
+from checker import (
+    CheckerSettings,
+    CheckRoundResult,
+    HttpCheckClient,
+    TransactionBusyError,
+    rearm,
+    resolve,
+)
+from checker.config import EndpointSettings
+from checker.service import Checker, utc_now
+from outbox import IllegalTransitionError, Record, UnknownTransactionError
+from outbox.checkback import (
+    HEADER_ID,
+    CheckHandler,
+    CheckRequest,
+    RunningServer,
+    Signer,
+    TransactionStatus,
+    build_response,
+    serve,
+)
+
+SECRET = "whsec_" + base64.b64encode(b"s" * 32).decode()
+OTHER_SECRET = "whsec_" + base64.b64encode(b"o" * 32).decode()
+GROUP = "orders"
+S = timedelta(seconds=1)
+LEASE = 5 * S + 10 * S  # default endpoint timeout + default lease margin
+
+COMMIT, ROLLBACK, UNKNOWN = (
+    TransactionStatus.COMMIT,
+    TransactionStatus.ROLLBACK,
+    TransactionStatus.UNKNOWN,
+)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+class Clock:
+    """The checker's clock; tests set and move it."""
+
+    def __init__(self, now: datetime | None = None) -> None:
+        self.now = now or datetime.now(UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+class Resolver:
+    """The application's resolver: answers per tx id, records every request it gets."""
+
+    def __init__(self, default: TransactionStatus = UNKNOWN) -> None:
+        self.default = default
+        self.answers: dict[str, TransactionStatus] = {}
+        self.asked: list[CheckRequest] = []
+        self.lock = threading.Lock()
+        self.before_answer: Callable[[CheckRequest], None] | None = None
+
+    def __call__(self, request: CheckRequest) -> TransactionStatus:
+        with self.lock:
+            self.asked.append(request)
+        if self.before_answer is not None:
+            self.before_answer(request)
+        return self.answers.get(request.tx_id, self.default)
+
+    def count(self, tx_id: str) -> int:
+        with self.lock:
+            return sum(1 for r in self.asked if r.tx_id == tx_id)
+
+
+@dataclass
+class Endpoint:
+    url: str
+    resolver: Resolver
+
+
+Reply = tuple[int, dict[str, str], bytes]
+
+
+class RawServer:
+    """A tiny HTTP server of the test's own: `reply(headers, body)` decides the whole answer."""
+
+    def __init__(
+        self, reply: Callable[[dict[str, str], bytes], Reply], tls: ssl.SSLContext | None = None
+    ) -> None:
+        self.requests = 0
+
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                outer.requests += 1
+                status, headers, data = reply({k.lower(): v for k, v in self.headers.items()}, body)
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        if tls is not None:
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.httpd.server_address[1]}/outbox/check"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def signed_answer(
+    headers: dict[str, str], body: bytes, status: TransactionStatus, secret: str = SECRET
+) -> Reply:
+    request = json.loads(body)
+    answer_headers, answer = build_response(
+        Signer(secret), request_id=headers[HEADER_ID], tx_id=request["tx_id"], status=status
+    )
+    return 200, answer_headers, answer
+
+
+def prepare(
+    dsn: str,
+    group: str = GROUP,
+    *,
+    records: int = 1,
+    tx_id: str | None = None,
+    check_immunity: float | None = None,
+) -> tuple[str, datetime]:
+    """A prepared transaction; returns its tx id and the records' created_at."""
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        written = outbox.prepare_many(
+            conn,
+            [
+                Record("orders.paid", {"n": i}, key=f"k{i}", headers={"trace": f"t{i}"})
+                for i in range(records)
+            ],
+            tx_id=tx_id,
+            producer_group=group,
+            check_immunity=check_immunity,
+        )
+        created = conn.execute(
+            "SELECT min(created_at) FROM outbox.outbox_record WHERE tx_id = %s", (written.tx_id,)
+        ).fetchone()
+    assert created is not None
+    return written.tx_id, created[0]
+
+
+def rows(dsn: str, tx_id: str) -> list[dict[str, Any]]:
+    with psycopg.connect(dsn) as conn:
+        cur = conn.execute(
+            "SELECT id, state, check_count, next_check_at, last_checked_at, reason, ended_at,"
+            " committed_xid::text AS committed_xid, topic, key, value, headers, created_at"
+            " FROM outbox.outbox_record WHERE tx_id = %s ORDER BY id",
+            (tx_id,),
+        )
+        names = [c.name for c in cur.description or []]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+
+def one(dsn: str, tx_id: str) -> dict[str, Any]:
+    found = rows(dsn, tx_id)
+    assert len({(r["state"], r["check_count"], r["next_check_at"]) for r in found}) == 1, (
+        "records of one transaction must share state and check bookkeeping"
+    )
+    return found[0]
+
+
+def audit(dsn: str, tx_id: str) -> list[dict[str, Any]]:
+    with psycopg.connect(dsn) as conn:
+        cur = conn.execute(
+            "SELECT actor, action, producer_group, detail FROM outbox.audit_log"
+            " WHERE tx_id = %s ORDER BY id",
+            (tx_id,),
+        )
+        return [
+            {"actor": a, "action": b, "producer_group": c, "detail": d}
+            for a, b, c, d in cur.fetchall()
+        ]
+
+
+def endpoint_settings(url: str, **overrides: Any) -> dict[str, Any]:
+    return {"url": url, "secrets": [SECRET], **overrides}
+
+
+def settings(endpoints: dict[str, dict[str, Any]], **overrides: Any) -> CheckerSettings:
+    base: dict[str, Any] = {"backoff_jitter": 0.0, "metrics_interval": "PT0S"}
+    return CheckerSettings.model_validate({**base, **overrides, "endpoints": endpoints})
+
+
+# --- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def endpoint() -> Iterator[Endpoint]:
+    resolver = Resolver()
+    with serve(CheckHandler(resolver, [SECRET])) as running:
+        yield Endpoint(running.url, resolver)
+
+
+@pytest.fixture
+def raw_servers() -> Iterator[Callable[..., RawServer]]:
+    started: list[RawServer] = []
+
+    def start(reply: Callable[[dict[str, str], bytes], Reply], **kwargs: Any) -> RawServer:
+        server = RawServer(reply, **kwargs)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()
+
+
+@pytest.fixture
+def make_checker(pg_dsn: str) -> Iterator[Callable[..., Checker]]:
+    made: list[Checker] = []
+
+    def make(s: CheckerSettings, clock: Clock, **kwargs: Any) -> Checker:
+        kwargs.setdefault("rng", random.Random(0))
+        checker = Checker(s, pg_dsn, clock=clock, **kwargs)
+        made.append(checker)
+        return checker
+
+    yield make
+    for checker in made:
+        checker.stop()
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+# --- answers ---------------------------------------------------------------------------------
+
+
+def test_commit_answer_commits_every_record_and_wakes_the_relay(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    endpoint.resolver.default = COMMIT
+    tx_id, created = prepare(pg_dsn, records=3)
+    clock = Clock(created + 6 * S)  # exactly the default check immunity
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+    before = metric("outbox_checker_checks_total", producer_group=GROUP, outcome="commit")
+    with psycopg.connect(pg_dsn, autocommit=True) as listen:
+        listen.execute("LISTEN outbox_wakeup")
+        result = checker.run_once()
+        woken = list(listen.notifies(timeout=10, stop_after=1))
+    assert (result.due, result.checked, result.committed) == (1, 1, 1)
+    assert len(woken) == 1
+    records = rows(pg_dsn, tx_id)
+    assert [r["state"] for r in records] == ["committed"] * 3
+    assert all(r["committed_xid"] is not None and r["next_check_at"] is None for r in records)
+    [request] = endpoint.resolver.asked
+    assert (request.producer_group, request.tx_id, request.check_count) == (GROUP, tx_id, 1)
+    assert request.first_prepared_at == created
+    assert [(r.id, r.topic, r.key, r.headers) for r in request.records] == [
+        (rec["id"], "orders.paid", f"k{i}".encode(), {"trace": f"t{i}"})
+        for i, rec in enumerate(records)
+    ]
+    after = metric("outbox_checker_checks_total", producer_group=GROUP, outcome="commit")
+    assert after == before + 1
+
+
+def test_rollback_answer_rolls_back(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    endpoint.resolver.default = ROLLBACK
+    tx_id, created = prepare(pg_dsn, records=2)
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}), Clock(created + 7 * S)
+    )
+    assert checker.run_once().rolled_back == 1
+    assert [(r["state"], r["committed_xid"], r["ended_at"]) for r in rows(pg_dsn, tx_id)] == [
+        ("rolled_back", None, None)
+    ] * 2
+
+
+def test_unknown_backs_off_exponentially_and_asks_again(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    tx_id, created = prepare(pg_dsn)
+    clock = Clock(created + 10 * S)
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+
+    assert checker.run_once().unknown == 1
+    row = one(pg_dsn, tx_id)
+    assert (row["state"], row["check_count"]) == ("prepared", 1)
+    assert row["next_check_at"] == clock.now + 30 * S  # check_interval, no jitter here
+    assert row["last_checked_at"] == clock.now
+
+    first = clock.now
+    clock.now = first + 30 * S - timedelta(microseconds=1)
+    assert checker.run_once().checked == 0
+    clock.now = first + 30 * S
+    assert checker.run_once().unknown == 1
+    row = one(pg_dsn, tx_id)
+    assert row["check_count"] == 2
+    assert row["next_check_at"] == clock.now + 60 * S  # times backoff_multiplier
+    assert [r.check_count for r in endpoint.resolver.asked] == [1, 2]
+
+
+def test_jitter_spreads_the_next_checks(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    created = [prepare(pg_dsn)[1] for _ in range(20)]
+    clock = Clock(max(created) + 10 * S)
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}, backoff_jitter=0.5), clock
+    )
+    assert checker.run_once().unknown == 20
+    with psycopg.connect(pg_dsn) as conn:
+        waits = [
+            r[0] - clock.now for r in conn.execute("SELECT next_check_at FROM outbox.outbox_record")
+        ]
+    assert all(15 * S <= w <= 30 * S for w in waits)
+    assert len(set(waits)) > 10
+
+
+def test_check_immunity_default_and_per_record(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    default_tx, created = prepare(pg_dsn)
+    own_tx, own_created = prepare(pg_dsn, check_immunity=60)
+    assert own_created - created < S
+    clock = Clock(created)
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+
+    clock.now = created + 6 * S - timedelta(microseconds=1)
+    assert checker.run_once().due == 0
+    clock.now = created + 6 * S
+    assert checker.run_once().due == 1
+    assert [r.tx_id for r in endpoint.resolver.asked] == [default_tx]
+
+    clock.now = own_created + 60 * S - timedelta(microseconds=1)
+    checker.run_once()
+    assert endpoint.resolver.count(own_tx) == 0
+    clock.now = own_created + 60 * S
+    checker.run_once()
+    assert endpoint.resolver.count(own_tx) == 1
+
+
+# --- endpoints that fail: nothing changes but the check bookkeeping --------------------------
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _garbage(headers: dict[str, str], body: bytes) -> Reply:
+    junk = b"<html>not an answer</html>"
+    return 200, Signer(SECRET).sign("msg_garbage", int(datetime.now(UTC).timestamp()), junk), junk
+
+
+def _unsigned(headers: dict[str, str], body: bytes) -> Reply:
+    _, _, answer = signed_answer(headers, body, COMMIT)  # a genuine COMMIT, without signature
+    return 200, {"content-type": "application/json"}, answer
+
+
+def _wrongly_signed(headers: dict[str, str], body: bytes) -> Reply:
+    return signed_answer(headers, body, COMMIT, secret=OTHER_SECRET)
+
+
+def _too_large(headers: dict[str, str], body: bytes) -> Reply:
+    status, answer_headers, answer = signed_answer(headers, body, COMMIT)
+    padded = answer[:-1] + b"," + b'"pad":"' + b"x" * 70_000 + b'"}'
+    return status, answer_headers, padded
+
+
+FAILURES = {
+    "down": "connect_error",
+    "http_500": "http_error",
+    "garbage": "bad_response",
+    "unsigned": "bad_signature",
+    "wrongly_signed": "bad_signature",
+    "too_large": "too_large",
+    "redirect": "redirect",
+    "slow": "timeout",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FAILURES))
+def test_failed_check_changes_only_the_bookkeeping(
+    kind: str,
+    pg_dsn: str,
+    endpoint: Endpoint,
+    raw_servers: Callable[..., RawServer],
+    make_checker: Callable[..., Checker],
+) -> None:
+    endpoint.resolver.default = COMMIT  # the honest endpoint would commit
+    overrides: dict[str, Any] = {}
+    release = threading.Event()
+    running: RunningServer | None = None
+    if kind == "down":
+        url = f"http://127.0.0.1:{_closed_port()}/outbox/check"
+    elif kind == "http_500":
+
+        def broken(_request: CheckRequest) -> TransactionStatus:
+            raise RuntimeError("the application's database is down")
+
+        running = serve(CheckHandler(broken, [SECRET]))
+        url = running.url
+    elif kind == "slow":
+
+        def blocked(_request: CheckRequest) -> TransactionStatus:
+            release.wait(30)
+            return COMMIT
+
+        running = serve(CheckHandler(blocked, [SECRET]))
+        url = running.url
+        overrides = {"timeout": "PT0.3S", "connect_timeout": "PT0.3S"}
+    elif kind == "redirect":
+        url = raw_servers(lambda h, b: (307, {"location": endpoint.url}, b"")).url
+    else:
+        replies = {
+            "garbage": _garbage,
+            "unsigned": _unsigned,
+            "wrongly_signed": _wrongly_signed,
+            "too_large": _too_large,
+        }
+        url = raw_servers(replies[kind]).url
+    try:
+        tx_id, created = prepare(pg_dsn, records=2)
+        before = rows(pg_dsn, tx_id)
+        clock = Clock(created + 7 * S)
+        checker = make_checker(settings({GROUP: endpoint_settings(url, **overrides)}), clock)
+        result = checker.run_once()
+    finally:
+        release.set()
+        if running is not None:
+            running.close()
+    assert result.checked == 1
+    assert result.outcomes == Counter({FAILURES[kind]: 1})
+    after = rows(pg_dsn, tx_id)
+    bookkeeping = {"check_count", "next_check_at", "last_checked_at"}
+    for old, new in zip(before, after, strict=True):
+        assert {k: v for k, v in old.items() if k not in bookkeeping} == {
+            k: v for k, v in new.items() if k not in bookkeeping
+        }
+        assert (new["check_count"], new["next_check_at"]) == (1, clock.now + 30 * S)
+    assert endpoint.resolver.asked == []  # the redirect was not followed
+
+
+def test_replayed_answer_to_another_request_changes_nothing(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    raw_servers: Callable[..., RawServer],
+    make_checker: Callable[..., Checker],
+) -> None:
+    """A man in the middle captures a genuine COMMIT answer and replays it for a later check."""
+    captured: list[Reply] = []
+
+    def replay(headers: dict[str, str], body: bytes) -> Reply:
+        if not captured:
+            captured.append(signed_answer(headers, body, COMMIT))
+        return captured[0]
+
+    url = raw_servers(replay).url
+    s = settings({GROUP: endpoint_settings(url)})
+    first, created = prepare(pg_dsn)
+    seen_it = Clock(created + 7 * S)
+    witness = make_checker(s, seen_it)
+    assert witness.run_once().committed == 1  # the genuine answer, captured on the way
+    # a checker that never saw that answer: signature and timestamp are fine, the request id not
+    second, created = prepare(pg_dsn)
+    result = make_checker(s, Clock(created + 7 * S)).run_once()
+    assert result.outcomes == Counter({"mismatch": 1})
+    # the checker that saw it refuses the reused message id before anything else
+    third, created = prepare(pg_dsn)
+    seen_it.now = created + 7 * S
+    assert witness.run_once().outcomes == Counter({"bad_signature": 1})
+    assert one(pg_dsn, first)["state"] == "committed"
+    for tx_id in (second, third):
+        assert (one(pg_dsn, tx_id)["state"], one(pg_dsn, tx_id)["check_count"]) == ("prepared", 1)
+
+
+def test_tls_is_verified(
+    pg_dsn: str,
+    raw_servers: Callable[..., RawServer],
+    make_checker: Callable[..., Checker],
+    tmp_path: Path,
+) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    url = raw_servers(lambda h, b: signed_answer(h, b, COMMIT), tls=tls).url
+    untrusted, created = prepare(pg_dsn)
+    clock = Clock(created + 7 * S)
+    result = make_checker(settings({GROUP: endpoint_settings(url)}), clock).run_once()
+    assert result.outcomes == Counter({"connect_error": 1})
+    assert one(pg_dsn, untrusted)["state"] == "prepared"
+
+    trusted = make_checker(
+        settings({GROUP: endpoint_settings(url, ca_file=str(cert))}), Clock(clock.now + 30 * S)
+    )
+    assert trusted.run_once().committed == 1
+    assert one(pg_dsn, untrusted)["state"] == "committed"
+
+
+# --- limits: discard -------------------------------------------------------------------------
+
+
+def test_max_checks_discards_and_audits(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    tx_id, created = prepare(pg_dsn, records=2)
+    clock = Clock(created + 7 * S)
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}, max_checks=2), clock)
+    assert checker.run_once().unknown == 1
+    clock.now += 30 * S
+    assert checker.run_once().unknown == 1
+    clock.now += 60 * S
+    with psycopg.connect(pg_dsn, autocommit=True) as listen:
+        listen.execute("LISTEN outbox_wakeup")
+        result = checker.run_once()
+        woken = list(listen.notifies(timeout=10, stop_after=1))
+    assert (result.discarded, result.checked) == (1, 0)
+    assert len(woken) == 1  # the relay ships discarded records: wake it
+    assert endpoint.resolver.count(tx_id) == 2
+    for row in rows(pg_dsn, tx_id):
+        assert row["state"] == "discarded"
+        assert row["reason"] == "max checks (2) reached"
+        assert row["ended_at"] is None
+        assert row["committed_xid"] is None
+        assert row["next_check_at"] is None
+    [entry] = audit(pg_dsn, tx_id)
+    assert entry["action"] == "discard"
+    assert entry["actor"].startswith("checker:")
+    assert entry["detail"]["reason"] == "max checks (2) reached"
+    assert entry["detail"]["check_count"] == 2
+    assert entry["detail"]["record_ids"] == [r["id"] for r in rows(pg_dsn, tx_id)]
+    clock.now += 3600 * S
+    assert checker.run_once().due == 0  # nothing more to do with it
+
+
+def test_max_prepared_age_discards_even_without_an_endpoint(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    configured, created = prepare(pg_dsn)
+    unconfigured, _ = prepare(pg_dsn, "nobody")
+    clock = Clock(created + timedelta(hours=72, seconds=1))
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+    result = checker.run_once()
+    assert (result.discarded, result.checked) == (2, 0)
+    assert endpoint.resolver.asked == []
+    for tx_id in (configured, unconfigured):
+        row = one(pg_dsn, tx_id)
+        assert (row["state"], row["reason"], row["ended_at"]) == (
+            "discarded",
+            "max prepared age (72h) reached",
+            None,
+        )
+        assert [a["action"] for a in audit(pg_dsn, tx_id)] == ["discard"]
+
+
+def test_group_without_endpoint_is_left_alone_and_logged_once(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tx_id, created = prepare(pg_dsn, "nobody")
+    clock = Clock(created + 7 * S)
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+    before = metric(
+        "outbox_checker_checks_not_sent_total", producer_group="other", why="no_endpoint"
+    )
+    result = checker.run_once()
+    assert (result.due, result.checked, result.not_sent) == (1, 0, 1)
+    row = one(pg_dsn, tx_id)
+    assert (row["state"], row["check_count"]) == ("prepared", 0)
+    assert row["next_check_at"] == clock.now + timedelta(minutes=10)  # out of the others' way
+    clock.now = row["next_check_at"]
+    assert checker.run_once().not_sent == 1
+    logged = [r for r in caplog.records if "no endpoint is configured" in r.getMessage()]
+    assert len(logged) == 1
+    assert "nobody" in logged[0].getMessage()
+    after = metric(
+        "outbox_checker_checks_not_sent_total", producer_group="other", why="no_endpoint"
+    )
+    assert after == before + 2
+
+
+def test_late_commit_after_rollback_changes_nothing(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """The application rolls back while the check is in flight, and its endpoint says COMMIT."""
+    tx_id, created = prepare(pg_dsn)
+
+    def roll_back_first(request: CheckRequest) -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            outbox.rollback(conn, request.tx_id, producer_group=GROUP)
+
+    endpoint.resolver.before_answer = roll_back_first
+    endpoint.resolver.default = COMMIT
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}), Clock(created + 7 * S)
+    )
+    result = checker.run_once()
+    assert (result.committed, result.conflicts) == (1, 1)
+    assert one(pg_dsn, tx_id)["state"] == "rolled_back"
+
+
+def test_partly_prepared_transaction_is_moved_out_of_the_way(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """Published and prepared under one tx id: never checked, and never blocks the others."""
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, "orders.paid", 1, tx_id="mixed-1", producer_group=GROUP)
+        outbox.prepare(conn, "orders.paid", 2, tx_id="mixed-1", producer_group=GROUP)
+    normal, created = prepare(pg_dsn)
+    endpoint.resolver.default = COMMIT
+    clock = Clock(created + 7 * S)
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}, batch_size=1), clock)
+    first = checker.run_once()  # the mixed one is older: it comes first
+    assert (first.due, first.checked, first.not_sent) == (1, 0, 1)
+    assert checker.run_once().committed == 1
+    assert [r.tx_id for r in endpoint.resolver.asked] == [normal]
+    states = sorted((r["state"], r["check_count"]) for r in rows(pg_dsn, "mixed-1"))
+    assert states == [("committed", 0), ("prepared", 0)]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        resolve(conn, GROUP, "mixed-1", ROLLBACK, actor="erin", reason="half of it never happened")
+    states = sorted(r["state"] for r in rows(pg_dsn, "mixed-1"))
+    assert states == ["committed", "rolled_back"]
+
+
+def test_total_timeout_holds_against_a_server_dripping_bytes(
+    raw_servers: Callable[..., RawServer],
+) -> None:
+    """Every read gets a byte in time, so only the watchdog's total deadline can end it."""
+    stop = threading.Event()
+
+    class Dripping(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["content-length"]))
+            self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            while not stop.wait(0.05):  # the server's slowness, not a synchronisation
+                self.wfile.write(b"x-drip: y\r\n")
+                self.wfile.flush()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Dripping)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/outbox/check"
+    client = HttpCheckClient(
+        EndpointSettings.model_validate(
+            endpoint_settings(url, timeout="PT0.5S", connect_timeout="PT0.5S")
+        )
+    )
+    request = CheckRequest(
+        producer_group=GROUP,
+        tx_id="tx-1",
+        check_count=1,
+        first_prepared_at=datetime.now(UTC),
+        records=[],
+    )
+    try:
+        started = time.monotonic()
+        answer = client.check(request)
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        client.close()
+        httpd.shutdown()
+        httpd.server_close()
+    assert answer.outcome == "timeout"
+    assert 0.5 <= elapsed < 2.0
+
+
+# --- several checkers, crashes, dead endpoints -----------------------------------------------
+
+
+def test_three_checkers_ask_about_each_transaction_once_per_interval(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    tx_ids = []
+    for _ in range(40):
+        tx_id, created = prepare(pg_dsn, records=2)
+        tx_ids.append(tx_id)
+    clock = Clock(created + 7 * S)
+    s = settings({GROUP: endpoint_settings(endpoint.url, concurrency=8)}, batch_size=15)
+    checkers = [make_checker(s, clock) for _ in range(3)]
+
+    def rounds_together() -> list[CheckRoundResult]:
+        barrier = threading.Barrier(3)
+        results: list[CheckRoundResult | None] = [None] * 3
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                barrier.wait(10)
+                results[i] = checkers[i].run_once()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        return [r for r in results if r is not None]
+
+    for interval in (1, 2):
+        checked = 0
+        for _ in range(10):  # until every due transaction has been asked about
+            results = rounds_together()
+            checked += sum(r.checked for r in results)
+            if all(r.due == 0 for r in results):
+                break
+        counts = Counter(r.tx_id for r in endpoint.resolver.asked)
+        assert counts == Counter({tx: interval for tx in tx_ids}), counts.most_common(3)
+        assert checked == len(tx_ids)
+        clock.now += 30 * S * interval  # the backoff after check 1, then after check 2
+
+
+class SimulatedCrash(BaseException):
+    """What a kill -9 looks like to the round: nothing after the claim happens."""
+
+
+def test_checker_killed_mid_check_leaves_the_transaction_due_after_the_lease(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    endpoint.resolver.default = COMMIT
+    tx_id, created = prepare(pg_dsn, records=2)
+    clock = Clock(created + 7 * S)
+    s = settings({GROUP: endpoint_settings(endpoint.url)})
+
+    class Crashing:
+        def check(self, request: CheckRequest) -> Any:
+            raise SimulatedCrash
+
+        def close(self) -> None:
+            pass
+
+    doomed = make_checker(s, clock, http=lambda _g, _e: Crashing())
+    with pytest.raises(SimulatedCrash):
+        doomed.run_once()
+    row = one(pg_dsn, tx_id)
+    assert (row["state"], row["check_count"], row["next_check_at"]) == (
+        "prepared",
+        1,
+        clock.now + LEASE,
+    )
+    claimed_at = clock.now
+    survivor = make_checker(s, clock)
+    clock.now = claimed_at + LEASE - timedelta(microseconds=1)
+    assert survivor.run_once().due == 0  # still leased: nobody asks meanwhile
+    assert endpoint.resolver.asked == []
+    clock.now = claimed_at + LEASE
+    assert survivor.run_once().committed == 1
+    assert [r.check_count for r in endpoint.resolver.asked] == [2]
+    assert one(pg_dsn, tx_id)["state"] == "committed"
+
+
+def test_late_answer_after_the_lease_does_not_undo_a_newer_claim(
+    pg_dsn: str, make_checker: Callable[..., Checker]
+) -> None:
+    """Checker A's request outlives its lease; B claims again; A's late UNKNOWN changes nothing."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_first(request: CheckRequest) -> TransactionStatus:
+        if request.check_count == 1:
+            entered.set()
+            release.wait(60)
+        return UNKNOWN
+
+    with serve(CheckHandler(slow_first, [SECRET])) as server:
+        tx_id, created = prepare(pg_dsn)
+        clock = Clock(created + 7 * S)
+        claimed_at = clock.now
+        s = settings({GROUP: endpoint_settings(server.url, timeout="PT60S")})
+        a, b = make_checker(s, clock), make_checker(s, clock)
+        late: list[CheckRoundResult] = []
+        a_round = threading.Thread(target=lambda: late.append(a.run_once()))
+        a_round.start()
+        try:
+            assert entered.wait(30)
+            lease = 60 * S + 10 * S  # this endpoint's timeout + lease margin
+            clock.now = claimed_at + lease
+            assert b.run_once().unknown == 1  # check 2, by B
+        finally:
+            release.set()
+        a_round.join(60)
+    assert late[0].unknown == 1  # A got its answer, too late to matter
+    row = one(pg_dsn, tx_id)
+    assert row["check_count"] == 2
+    assert row["next_check_at"] == claimed_at + lease + 60 * S  # B's backoff after check 2
+
+
+def test_dead_endpoint_does_not_starve_a_healthy_one_in_the_same_round(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    endpoint.resolver.default = COMMIT
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(_request: CheckRequest) -> TransactionStatus:
+        entered.set()
+        release.wait(60)
+        return UNKNOWN
+
+    with serve(CheckHandler(stuck, [SECRET])) as dead:
+        try:
+            dead_txs = [prepare(pg_dsn, "dead")[0] for _ in range(3)]
+            healthy_txs = []
+            for _ in range(5):
+                tx_id, created = prepare(pg_dsn)
+                healthy_txs.append(tx_id)
+            s = settings(
+                {
+                    "dead": endpoint_settings(dead.url, concurrency=1, timeout="PT60S"),
+                    GROUP: endpoint_settings(endpoint.url, concurrency=2),
+                },
+                # the dead group's transactions come first in the round
+            )
+            checker = make_checker(s, Clock(created + 7 * S))
+            outcome: list[CheckRoundResult] = []
+            with psycopg.connect(pg_dsn, autocommit=True) as listen:
+                listen.execute("LISTEN outbox_wakeup")
+                round_thread = threading.Thread(target=lambda: outcome.append(checker.run_once()))
+                round_thread.start()
+                # commits NOTIFY the relay: look at the states whenever one is announced
+                for _ in listen.notifies(timeout=30):
+                    if all(one(pg_dsn, tx)["state"] == "committed" for tx in healthy_txs):
+                        break
+            # every healthy transaction is committed while the dead endpoint still holds the round
+            assert all(one(pg_dsn, tx)["state"] == "committed" for tx in healthy_txs)
+            assert entered.wait(30)
+            assert round_thread.is_alive()
+            assert all(one(pg_dsn, tx)["state"] == "committed" for tx in healthy_txs)
+        finally:
+            release.set()
+        round_thread.join(60)
+    [result] = outcome
+    assert result.committed == len(healthy_txs)
+    assert all(one(pg_dsn, tx)["state"] == "prepared" for tx in dead_txs)
+
+
+def test_open_circuit_reschedules_without_asking_or_counting_then_probes(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    failing = {"on": True}
+
+    def flaky(request: CheckRequest) -> TransactionStatus:
+        if failing["on"]:
+            raise RuntimeError("down")
+        return COMMIT
+
+    with serve(CheckHandler(flaky, [SECRET])) as server:
+        txs = []
+        for _ in range(3):
+            tx_id, created = prepare(pg_dsn)
+            txs.append(tx_id)
+        clock = Clock(created + 7 * S)
+        s = settings(
+            {GROUP: endpoint_settings(server.url, concurrency=1)},
+            circuit_failure_threshold=2,
+            circuit_cooldown="PT60S",
+        )
+        checker = make_checker(s, clock)
+        t0 = clock.now
+        first = checker.run_once()
+        assert first.outcomes == Counter({"http_error": 2})
+        assert first.not_sent == 1  # the breaker opened before the third went out
+        counts = {tx: one(pg_dsn, tx)["check_count"] for tx in txs}
+        assert sorted(counts.values()) == [0, 1, 1]  # the third check was given back
+        assert metric("outbox_checker_circuit_state", producer_group=GROUP) == 2
+
+        clock.now = t0 + 30 * S  # the two failed ones are due again; the circuit is still open
+        second = checker.run_once()
+        assert (second.checked, second.not_sent) == (0, 2)
+        assert {tx: one(pg_dsn, tx)["check_count"] for tx in txs} == counts
+        assert all(one(pg_dsn, tx)["next_check_at"] == t0 + 60 * S for tx in txs)
+
+        failing["on"] = False
+        clock.now = t0 + 60 * S  # half-open: one probe
+        third = checker.run_once()
+        assert third.committed == 1
+        assert metric("outbox_checker_circuit_state", producer_group=GROUP) == 0
+        assert checker.run_once().committed == 2  # closed again: the rest go out
+    assert all(one(pg_dsn, tx)["state"] == "committed" for tx in txs)
+
+
+# --- manual tools ----------------------------------------------------------------------------
+
+
+def _discarded(pg_dsn: str, make_checker: Callable[..., Checker], url: str) -> tuple[str, Clock]:
+    tx_id, created = prepare(pg_dsn, records=2)
+    clock = Clock(created + timedelta(hours=73))
+    make_checker(settings({GROUP: endpoint_settings(url)}), clock).run_once()
+    assert one(pg_dsn, tx_id)["state"] == "discarded"
+    return tx_id, clock
+
+
+def test_rearm_puts_a_discarded_transaction_back_and_it_is_checked_again(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    endpoint.resolver.default = COMMIT
+    tx_id, clock = _discarded(pg_dsn, make_checker, endpoint.url)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        result = rearm(conn, GROUP, tx_id, actor="alice", reason="endpoint fixed", now=clock.now)
+    assert result.changed
+    assert len(result.record_ids) == 2
+    row = one(pg_dsn, tx_id)
+    assert (row["state"], row["check_count"], row["reason"]) == ("prepared", 0, None)
+    assert row["next_check_at"] == clock.now
+    entry = audit(pg_dsn, tx_id)[-1]
+    assert (entry["actor"], entry["action"]) == ("alice", "rearm")
+    assert entry["detail"]["reason"] == "endpoint fixed"
+
+    # re-armed past max age: still past it, so a checker would discard it again at once. An
+    # operator re-arms after raising max_prepared_age (or resolves by hand).
+    patient = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}, max_prepared_age="PT100H"), clock
+    )
+    assert patient.run_once().committed == 1
+    assert [r.check_count for r in endpoint.resolver.asked] == [1]
+
+
+def test_rearm_refuses_what_is_not_discarded_or_already_shipped(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    shipped, _ = _discarded(pg_dsn, make_checker, endpoint.url)
+    prepared, _ = prepare(pg_dsn)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(  # what the relay does once the dead-letter copy is out
+            "UPDATE outbox.outbox_record SET ended_at = now() WHERE tx_id = %s", (shipped,)
+        )
+        with pytest.raises(IllegalTransitionError, match="prepared"):
+            rearm(conn, GROUP, prepared, actor="alice")
+        with pytest.raises(IllegalTransitionError, match="already shipped"):
+            rearm(conn, GROUP, shipped, actor="alice")
+        with pytest.raises(UnknownTransactionError):
+            rearm(conn, GROUP, "no-such-tx", actor="alice")
+    assert one(pg_dsn, prepared)["state"] == "prepared"
+    assert one(pg_dsn, shipped)["state"] == "discarded"
+    assert [a["action"] for a in audit(pg_dsn, shipped)] == ["discard"]
+
+
+def test_rearm_and_resolve_refuse_records_another_process_holds(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    tx_id, _ = _discarded(pg_dsn, make_checker, endpoint.url)
+    with psycopg.connect(pg_dsn) as relay, psycopg.connect(pg_dsn, autocommit=True) as conn:
+        relay.execute(  # the relay shipping them right now
+            "SELECT id FROM outbox.outbox_record WHERE tx_id = %s FOR UPDATE", (tx_id,)
+        )
+        with pytest.raises(TransactionBusyError):
+            rearm(conn, GROUP, tx_id, actor="alice")
+        with pytest.raises(TransactionBusyError):
+            resolve(conn, GROUP, tx_id, COMMIT, actor="alice", reason="x")
+        relay.rollback()
+    assert one(pg_dsn, tx_id)["state"] == "discarded"
+
+
+def test_resolve_by_hand_is_audited(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    discarded, _ = _discarded(pg_dsn, make_checker, endpoint.url)
+    prepared, _ = prepare(pg_dsn, records=2)
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as listen,
+        psycopg.connect(pg_dsn, autocommit=True) as conn,
+    ):
+        listen.execute("LISTEN outbox_wakeup")
+        result = resolve(conn, GROUP, prepared, COMMIT, actor="bob", reason="paid, says the PSP")
+        assert len(list(listen.notifies(timeout=10, stop_after=1))) == 1
+        assert (result.from_state, result.to_state, result.changed) == (
+            "prepared",
+            "committed",
+            True,
+        )
+        gone = resolve(conn, GROUP, discarded, "ROLLBACK", actor="bob", reason="never paid")
+        assert (gone.from_state, gone.to_state) == ("discarded", "rolled_back")
+        again = resolve(conn, GROUP, prepared, COMMIT, actor="bob", reason="twice")
+        assert not again.changed
+        assert again.audit_id is None
+        with pytest.raises(IllegalTransitionError, match="rolled_back"):
+            resolve(conn, GROUP, discarded, COMMIT, actor="bob", reason="changed my mind")
+        with pytest.raises(ValueError):
+            resolve(conn, GROUP, prepared, COMMIT, actor="bob", reason=" ")
+    assert [(r["state"], r["committed_xid"] is not None) for r in rows(pg_dsn, prepared)] == [
+        ("committed", True)
+    ] * 2
+    row = one(pg_dsn, discarded)
+    assert (row["state"], row["reason"], row["committed_xid"]) == ("rolled_back", None, None)
+    entry = audit(pg_dsn, prepared)[-1]
+    assert (entry["actor"], entry["action"], entry["producer_group"]) == ("bob", "resolve", GROUP)
+    assert entry["detail"]["decision"] == "COMMIT"
+    assert entry["detail"]["reason"] == "paid, says the PSP"
+    assert entry["detail"]["record_ids"] == [r["id"] for r in rows(pg_dsn, prepared)]
+    assert [a["action"] for a in audit(pg_dsn, discarded)] == ["discard", "resolve"]
+
+
+# --- the service -----------------------------------------------------------------------------
+
+
+def test_start_stop_and_probes(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    endpoint.resolver.default = COMMIT
+    tx_id, _ = prepare(pg_dsn, check_immunity=0)
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}, poll_interval="PT0.05S"), utc_now
+    )
+    with psycopg.connect(pg_dsn, autocommit=True) as listen:
+        listen.execute("LISTEN outbox_wakeup")
+        checker.start()
+        assert len(list(listen.notifies(timeout=30, stop_after=1))) == 1
+    assert one(pg_dsn, tx_id)["state"] == "committed"
+    assert checker.alive()
+    report = checker.ready()
+    assert report["ready"]
+    assert report["database"]
+    assert report["circuits"] == {GROUP: "closed"}
+    checker.stop(10)
+    checker.stop(10)  # twice is fine
+    assert not checker.alive()
+    with pytest.raises(RuntimeError):
+        checker.run_once()
+
+
+def test_prepared_age_gauges(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    _, created = prepare(pg_dsn, records=3)
+    prepare(pg_dsn, "nobody", records=2)
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}), Clock(created + timedelta(hours=2))
+    )
+    checker.run_once()
+    assert metric("outbox_checker_prepared_records", older_than="0s") == 5
+    assert metric("outbox_checker_prepared_records", older_than="1h") == 5
+    assert metric("outbox_checker_prepared_records", older_than="6h") == 0
+    assert metric("outbox_checker_oldest_prepared_age_seconds") >= 7200
+
+
+def test_client_reuses_connections_and_survives_a_closed_one(endpoint: Endpoint) -> None:
+    endpoint.resolver.default = COMMIT
+    client = HttpCheckClient(EndpointSettings.model_validate(endpoint_settings(endpoint.url)))
+    try:
+        request = CheckRequest(
+            producer_group=GROUP,
+            tx_id="tx-1",
+            check_count=1,
+            first_prepared_at=datetime.now(UTC),
+            records=[],
+        )
+        assert client.check(request).outcome == "commit"
+        conn = client._local.conn
+        assert client.check(request).outcome == "commit"
+        assert client._local.conn is conn  # kept alive
+        conn.sock.shutdown(2)  # as if the server had closed it while idle
+        assert client.check(request).outcome == "commit"
+        assert len(endpoint.resolver.asked) == 3
+    finally:
+        client.close()

@@ -1,0 +1,125 @@
+"""Checker settings, small helpers, and the public surface of the `checker` package."""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+from datetime import timedelta
+
+import pytest
+from pydantic import ValidationError
+
+import checker
+from checker._claim import wire_headers
+from checker.config import CheckerSettings, EndpointSettings
+from checker.service import CheckRoundResult, _duration
+from relay.config import SidecarSettings
+
+SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
+
+
+def endpoint(**overrides: object) -> dict[str, object]:
+    return {"url": "https://orders.internal/outbox/check", "secrets": [SECRET], **overrides}
+
+
+def test_defaults_are_rocketmqs() -> None:
+    s = CheckerSettings()
+    assert s.check_immunity == timedelta(seconds=6)
+    assert s.max_checks == 15
+    assert s.max_prepared_age == timedelta(hours=72)
+    assert s.endpoints == {}
+
+
+def test_secrets_are_masked() -> None:
+    s = CheckerSettings(endpoints={"orders": endpoint()})
+    assert SECRET not in repr(s)
+    assert SECRET not in s.model_dump_json()
+    assert s.endpoints["orders"].secrets[0].get_secret_value() == SECRET
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"secrets": []},
+        {"connect_timeout": "PT10S", "timeout": "PT5S"},
+        {"timeout": "PT0S"},
+        {"concurrency": 0},
+        {"url": "ftp://x/y"},
+        {"unexpected": 1},
+    ],
+)
+def test_endpoint_rejects(bad: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        EndpointSettings.model_validate(endpoint(**bad))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"check_interval": "PT0S"},
+        {"backoff_jitter": 1.0},
+        {"max_checks": 0},
+        {"lease_margin": "-PT1S"},
+    ],
+)
+def test_checker_rejects(bad: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        CheckerSettings.model_validate(bad)
+
+
+def test_endpoints_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://x@h/db")
+    monkeypatch.setenv(
+        "OUTBOX_CHECKER__ENDPOINTS",
+        json.dumps({"orders": {"url": "http://127.0.0.1:8081/outbox/check", "secrets": [SECRET]}}),
+    )
+    monkeypatch.setenv("OUTBOX_CHECKER__MAX_CHECKS", "3")
+    s = SidecarSettings()
+    assert s.checker.max_checks == 3
+    assert str(s.checker.endpoints["orders"].url) == "http://127.0.0.1:8081/outbox/check"
+
+
+def test_wire_headers_first_wins_and_text() -> None:
+    stored = [
+        ["trace", base64.b64encode(b"abc").decode()],
+        ["trace", base64.b64encode(b"second").decode()],
+        ["empty", None],
+        ["binary", base64.b64encode(b"\xff\xfe").decode()],
+    ]
+    assert wire_headers(stored) == {"trace": "abc", "empty": "", "binary": "\ufffd\ufffd"}
+    assert wire_headers("garbage") == {}
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (timedelta(hours=72), "72h"),
+        (timedelta(minutes=90), "90m"),
+        (timedelta(seconds=45), "45s"),
+        (timedelta(days=14), "14d"),
+        (timedelta(seconds=1.5), "1.5s"),
+    ],
+)
+def test_duration_reads_well(value: timedelta, text: str) -> None:
+    assert _duration(value) == text
+
+
+def test_round_result_counts() -> None:
+    r = CheckRoundResult(checked=5)
+    r.outcomes.update({"commit": 2, "unknown": 1, "timeout": 2})
+    assert (r.committed, r.rolled_back, r.unknown, r.failed) == (2, 0, 1, 2)
+    assert r.as_dict()["outcomes"] == {"commit": 2, "unknown": 1, "timeout": 2}
+
+
+def test_all_is_complete() -> None:
+    module = importlib.import_module("checker")
+    public = {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and getattr(value, "__module__", "checker").startswith("checker")
+        and not isinstance(value, type(importlib))
+    }
+    assert set(checker.__all__) >= public, public - set(checker.__all__)
+    assert all(hasattr(checker, name) for name in checker.__all__)
