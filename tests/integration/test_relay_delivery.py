@@ -256,3 +256,29 @@ def test_the_running_relay_wakes_on_commit_or_polls(
     assert time.monotonic() - started < 10
     relay.stop(10)
     relay.stop(10)  # a second stop is harmless
+
+
+def test_discarded_transactions_reach_the_dead_letter_topic_with_a_marker(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """The checker's discard (state discarded, reason) is shipped by the relay."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            written = outbox.prepare_many(conn, [Record(topic, "a"), Record(topic, "b")])
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'discarded', reason = 'max checks (15)' "
+            "WHERE tx_id = %s",
+            (written.tx_id,),
+        )
+        conn.commit()
+    relay = relay_factory()
+    assert relay.run_once().ended == 2
+    dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
+    assert values(dead) == [b"a", b"b"]
+    assert {dict(m.headers() or [])["outbox-reason"] for m in dead} == {b"max checks (15)"}
+    assert consume_all(kafka_bootstrap, topic, "read_committed") == []
+    assert sorted(
+        m.id for m in markers(kafka_bootstrap, relay) if m.op.value == "discarded"
+    ) == list(written.ids)
+    assert rows(pg_dsn) == []
