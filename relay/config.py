@@ -3,7 +3,7 @@
 Sources, highest priority first: constructor arguments, environment variables (prefix `OUTBOX_`,
 nested with `__`, e.g. `OUTBOX_KAFKA__BOOTSTRAP_SERVERS`, `OUTBOX_RELAY__BATCH_SIZE`), secrets
 mounted as files (`OUTBOX_SECRETS_DIR`, default `/run/secrets/outbox` when it exists: a file
-named `database__dsn` holds that setting), then a TOML config file (`--config` or
+named `outbox_database__dsn` holds that setting, like the environment variable), then a TOML config file (`--config` or
 `OUTBOX_CONFIG_FILE`). Nothing is read at import time: call `load_settings()`.
 """
 
@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
+    NestedSecretsSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -138,6 +139,7 @@ class SidecarSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="OUTBOX_",
         env_nested_delimiter="__",
+        secrets_nested_delimiter="__",
         extra="forbid",
         frozen=True,
     )
@@ -160,21 +162,25 @@ class SidecarSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        sources.append(file_secret_settings)
-        config_file = os.environ.get("OUTBOX_CONFIG_FILE")
-        if config_file:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+        sources.append(NestedSecretsSettingsSource(file_secret_settings))
+        if settings_cls.model_config.get("toml_file"):  # set by load_settings
+            sources.append(TomlConfigSettingsSource(settings_cls))
         return tuple(sources)
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> SidecarSettings:
     """Read the settings from the environment, mounted secrets and an optional TOML file."""
-    if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist")
-        os.environ["OUTBOX_CONFIG_FILE"] = str(path)
     secrets_dir = os.environ.get("OUTBOX_SECRETS_DIR") or (
         str(DEFAULT_SECRETS_DIR) if DEFAULT_SECRETS_DIR.is_dir() else None
     )
-    return SidecarSettings(_secrets_dir=secrets_dir, **overrides)
+    config_file = config_file or os.environ.get("OUTBOX_CONFIG_FILE")
+    if not config_file:
+        return SidecarSettings(_secrets_dir=secrets_dir, **overrides)
+    path = Path(config_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+
+    class FromFile(SidecarSettings):
+        model_config = SettingsConfigDict(toml_file=path)
+
+    return FromFile(_secrets_dir=secrets_dir, **overrides)

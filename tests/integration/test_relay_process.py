@@ -1,0 +1,61 @@
+"""The relay process as operators see it: probes, metrics, graceful SIGTERM hand-over."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+import psycopg
+
+import outbox
+from tests.fixtures.relay import RelayProcess
+from tests.integration.test_relay_crashes import FAST, undelivered, wait_for
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:  # noqa: S310
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+
+def test_probes_metrics_and_graceful_shutdown(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_process: Callable[..., RelayProcess]
+) -> None:
+    topic = topic_factory()
+    port = free_port()
+    relay = relay_process(http_port=port, **FAST)
+    wait_for(lambda: get(port, "/readyz")[0] == 200, 60, "the relay to be ready")
+    ready = json.loads(get(port, "/readyz")[1])
+    assert ready["relay"]["database"] is True
+    assert ready["relay"]["broker"] is True
+    wait_for(lambda: json.loads(get(port, "/readyz")[1])["relay"]["shards"] == [0], 30, "a shard")
+    assert get(port, "/healthz")[0] == 200
+    assert get(port, "/nope")[0] == 404
+
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        for i in range(3):
+            outbox.publish(conn, topic, f"m{i}")
+    wait_for(lambda: undelivered(pg_dsn) == 0, 30, "delivery")
+    metrics = get(port, "/metrics")[1].decode()
+    assert f'outbox_relay_records_delivered_total{{topic="{topic}"}} 3.0' in metrics
+    assert "outbox_relay_kafka_commit_seconds_count" in metrics
+    assert "outbox_relay_shards_owned 1.0" in metrics
+
+    assert relay.terminate(timeout=30) == 0, relay.output()
+    assert "received SIGTERM" in relay.output()
+    with psycopg.connect(pg_dsn) as conn:  # handed back, not left to expire
+        assert conn.execute("SELECT owner FROM outbox.shard_lease").fetchall() == [(None,)]
+        assert conn.execute("SELECT count(*) FROM outbox.relay_member").fetchone() == (0,)

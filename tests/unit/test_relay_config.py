@@ -1,0 +1,77 @@
+"""Sidecar settings: environment, mounted secrets, TOML file, librdkafka rendering, masking."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from relay.config import KafkaSettings, load_settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_"):
+            monkeypatch.delenv(name)
+
+
+def test_environment_with_nested_sections(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://app@db/app")
+    monkeypatch.setenv("OUTBOX_RELAY__SHARDS", "8")
+    monkeypatch.setenv("OUTBOX_RELAY__LINGER", "PT0.005S")
+    monkeypatch.setenv("OUTBOX_KAFKA__EXTRA", '{"compression.type": "zstd"}')
+    settings = load_settings()
+    assert settings.relay.shards == 8
+    assert settings.relay.linger.total_seconds() == 0.005
+    assert settings.kafka.to_librdkafka()["compression.type"] == "zstd"
+
+
+def test_secrets_mounted_as_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "outbox_database__dsn").write_text("postgresql://secret@db/app")
+    (tmp_path / "outbox_kafka__sasl_password").write_text("hunter2")
+    monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
+    settings = load_settings()
+    assert settings.database.dsn.get_secret_value() == "postgresql://secret@db/app"
+    assert settings.kafka.to_librdkafka()["sasl.password"] == "hunter2"
+
+
+def test_toml_file_and_env_overrides_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = tmp_path / "sidecar.toml"
+    config.write_text(
+        '[database]\ndsn = "postgresql://file@db/app"\n[relay]\nbatch_size = 50\nshards = 2\n'
+    )
+    monkeypatch.setenv("OUTBOX_RELAY__SHARDS", "3")
+    settings = load_settings(config)
+    assert (settings.relay.batch_size, settings.relay.shards) == (50, 3)
+
+
+def test_a_missing_config_file_is_named() -> None:
+    with pytest.raises(FileNotFoundError, match="nope.toml"):
+        load_settings("nope.toml")
+
+
+def test_unknown_settings_are_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://x")
+    monkeypatch.setenv("OUTBOX_RELAY__BATCHSIZE", "10")  # a typo must not pass silently
+    with pytest.raises(ValidationError, match="batchsize"):
+        load_settings()
+
+
+def test_secrets_are_masked_but_rendered_for_librdkafka() -> None:
+    kafka = KafkaSettings(
+        bootstrap_servers="b:9093",
+        security_protocol="sasl_ssl",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="relay",
+        sasl_password="hunter2",  # type: ignore[arg-type]
+    )
+    assert "hunter2" not in repr(kafka)
+    assert "hunter2" not in kafka.model_dump_json()
+    conf = kafka.to_librdkafka()
+    assert conf["sasl.password"] == "hunter2"
+    assert conf["security.protocol"] == "sasl_ssl"
+    assert "ssl.ca.location" not in conf
