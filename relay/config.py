@@ -1,10 +1,11 @@
 """Configuration of the sidecar process (relay and checker), with pydantic-settings.
 
-Sources, highest priority first: constructor arguments, environment variables (prefix `OUTBOX_`,
-nested with `__`, e.g. `OUTBOX_KAFKA__BOOTSTRAP_SERVERS`, `OUTBOX_RELAY__BATCH_SIZE`), secrets
-mounted as files (`OUTBOX_SECRETS_DIR`, default `/run/secrets/outbox` when it exists: a file
-named `outbox_database__dsn` holds that setting, like the environment variable), then a TOML config file (`--config` or
-`OUTBOX_CONFIG_FILE`). Nothing is read at import time: call `load_settings()`.
+Sources, highest priority first: constructor arguments, environment variables (prefix
+`OUTBOX_`, nested with `__`, e.g. `OUTBOX_KAFKA__BOOTSTRAP_SERVERS`, `OUTBOX_RELAY__BATCH_SIZE`),
+secrets mounted as files named like those variables (`OUTBOX_SECRETS_DIR`, default
+`/run/secrets/outbox` when it exists; e.g. a file `outbox_database__dsn`), then a TOML config
+file (`--config` or `OUTBOX_CONFIG_FILE`). Nothing is read at import time: call
+`load_settings()`.
 """
 
 from __future__ import annotations

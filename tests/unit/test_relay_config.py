@@ -50,7 +50,7 @@ def test_toml_file_and_env_overrides_it(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 
 def test_a_missing_config_file_is_named() -> None:
-    with pytest.raises(FileNotFoundError, match="nope.toml"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.toml"):
         load_settings("nope.toml")
 
 
