@@ -23,6 +23,7 @@ from outbox.migrations import current_version, latest_version
 from relay import sidecar
 from relay.config import SidecarSettings, load_settings
 from relay.status import outbox_status
+from spark.findings import read_findings
 
 
 def _dsn(args: argparse.Namespace) -> str:
@@ -62,7 +63,10 @@ def _cmd_schema_version(args: argparse.Namespace) -> int:
 
 
 def _cmd_grants(args: argparse.Namespace) -> int:
-    print(outbox_sql.grants_sql(args.schema, args.writer_role, args.relay_role).as_string(None))
+    grants = outbox_sql.grants_sql(
+        args.schema, args.writer_role, args.relay_role, args.reconciler_role
+    )
+    print(grants.as_string(None))
     return 0
 
 
@@ -97,6 +101,27 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_reconcile(args: argparse.Namespace) -> int:
+    from spark.job import main as reconcile_main  # PySpark is an optional extra: import late
+
+    return reconcile_main(args.job_args)
+
+
+def _cmd_findings(args: argparse.Namespace) -> int:
+    found = read_findings(_dsn(args), args.schema, kinds=args.kind or None, limit=args.limit)
+    if args.json:
+        print(json.dumps([f.as_dict() for f in found], default=str))
+        return 0
+    for f in found:
+        where = f"{f.kafka_partition}:{f.kafka_offset}" if f.kafka_partition is not None else "-"
+        print(
+            f"{f.event_time:%Y-%m-%d %H:%M:%S}  {f.kind:15} {f.topic}  id {f.outbox_id}  at {where}"
+        )
+    if not found:
+        print("no findings")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outboxctl", description="Kafka transactional outbox sidecar: run and inspect it."
@@ -119,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--writer-role", required=True, help="the application's role")
     p.add_argument("--relay-role", required=True, help="the sidecar's role")
+    p.add_argument("--reconciler-role", required=True, help="the Spark reconciliation's role")
     p.set_defaults(func=_cmd_grants)
 
     config = argparse.ArgumentParser(add_help=False)
@@ -135,11 +161,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", parents=[common], help="records by state, relays and leases")
     p.set_defaults(func=_cmd_status)
 
+    p = sub.add_parser(
+        "reconcile",
+        help="run the Spark reconciliation (arguments as python -m spark.job; --help there)",
+        add_help=False,
+    )
+    p.add_argument("job_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_reconcile)
+    p = sub.add_parser("findings", parents=[common], help="list reconciliation findings")
+    p.add_argument("--kind", action="append", help="only this kind (repeatable)")
+    p.add_argument("--limit", type=int, default=100)
+    p.set_defaults(func=_cmd_findings)
+
     checker_cli.add_commands(sub, common)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["reconcile"]:  # the job parses its own arguments, --help included
+        return _cmd_reconcile(argparse.Namespace(job_args=argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

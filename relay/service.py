@@ -201,9 +201,17 @@ class Relay:
                     listen = self._connect(autocommit=True)
                     listen.execute(f"LISTEN {wakeup_channel(self.schema)}")
                     self._listen = listen  # only once listening: notifications queue from here
-                woke = any(True for _ in self._listen.notifies(timeout=timeout, stop_after=1))
-                # drain what else arrived: one round serves them all
-                if woke:
+                # In short slices, so that stop() is never kept waiting for a long poll interval.
+                deadline = time.monotonic() + timeout
+                woke = False
+                while not woke and not self._stop.is_set():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    woke = any(
+                        True for _ in self._listen.notifies(timeout=min(left, 0.25), stop_after=1)
+                    )
+                if woke:  # drain what else arrived: one round serves them all
                     for _ in self._listen.notifies(timeout=0):
                         pass
             except psycopg.Error:

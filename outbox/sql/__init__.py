@@ -62,12 +62,15 @@ def schema_sql(schema: str) -> sql.Composed:
     return with_schema(_read("schema.sql"), schema)
 
 
-def grants_sql(schema: str, writer_role: str, relay_role: str) -> sql.Composed:
+def grants_sql(
+    schema: str, writer_role: str, relay_role: str, reconciler_role: str
+) -> sql.Composed:
     """grants.example.sql rendered for the given schema and roles."""
     return sql.SQL(_read("grants.example.sql")).format(
         schema=sql.Identifier(schema),
         writer=sql.Identifier(writer_role),
         relay=sql.Identifier(relay_role),
+        reconciler=sql.Identifier(reconciler_role),
     )
 
 

@@ -1,8 +1,10 @@
 -- Least-privilege grants, an example to adapt. Render it for your roles with
---   outboxctl grants --writer-role app --relay-role outbox_relay [--schema outbox]
+--   outboxctl grants --writer-role app --relay-role outbox_relay \
+--       --reconciler-role outbox_recon [--schema outbox]
 -- {writer}: the application. It inserts records and ends its own half records; it can neither read
 --   record contents nor delete. (It can set `state`, so it is trusted with its own records.)
 -- {relay}: the sidecar (relay and checker). It reads, changes state, deletes, and keeps leases.
+-- {reconciler}: the Spark reconciliation. It reads the ledger and writes its findings.
 
 GRANT USAGE ON SCHEMA {schema} TO {writer}, {relay};
 
@@ -15,3 +17,8 @@ GRANT SELECT, UPDATE, DELETE ON {schema}.outbox_record TO {relay};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.shard_lease, {schema}.relay_member TO {relay};
 GRANT SELECT, INSERT ON {schema}.audit_log TO {relay};
 GRANT SELECT ON {schema}.schema_migration TO {writer}, {relay};
+
+GRANT USAGE ON SCHEMA {schema} TO {reconciler};
+GRANT SELECT ON {schema}.outbox_record, {schema}.schema_migration TO {reconciler};
+GRANT SELECT, INSERT ON {schema}.reconciliation_finding TO {reconciler};
+GRANT SELECT, INSERT, UPDATE ON {schema}.reconciliation_window TO {reconciler};

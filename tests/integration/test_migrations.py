@@ -101,11 +101,12 @@ def test_a_newer_schema_than_the_library_is_refused(empty_db: str) -> None:
 
 def test_least_privilege_grants(pg_dsn: str) -> None:
     suffix = uuid.uuid4().hex[:8]
-    writer, relay = f"writer_{suffix}", f"relay_{suffix}"
+    writer, relay, reconciler = f"writer_{suffix}", f"relay_{suffix}", f"recon_{suffix}"
+    roles = (writer, relay, reconciler)
     with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        for role in (writer, relay):
+        for role in roles:
             admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-        admin.execute(outbox_sql.grants_sql("outbox", writer, relay))
+        admin.execute(outbox_sql.grants_sql("outbox", writer, relay, reconciler))
     try:
         with psycopg.connect(pg_dsn, user=writer) as app:
             with app.transaction():
@@ -127,8 +128,13 @@ def test_least_privilege_grants(pg_dsn: str) -> None:
             sidecar.execute("DELETE FROM outbox.outbox_record")
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 sidecar.execute("INSERT INTO outbox.outbox_record (producer_group) VALUES ('x')")
+        with psycopg.connect(pg_dsn, user=reconciler) as spark_job:
+            spark_job.execute("SELECT count(*) FROM outbox.outbox_record")
+            spark_job.execute("SELECT count(*) FROM outbox.reconciliation_finding")
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                spark_job.execute("DELETE FROM outbox.outbox_record")
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            for role in (writer, relay):
+            for role in roles:
                 admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
                 admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

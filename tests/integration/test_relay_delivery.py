@@ -254,7 +254,9 @@ def test_the_running_relay_wakes_on_commit_or_polls(
             break
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"wake up"]
     assert time.monotonic() - started < 10
+    stopping = time.monotonic()
     relay.stop(10)
+    assert time.monotonic() - stopping < 5  # never kept waiting for the long poll interval
     relay.stop(10)  # a second stop is harmless
 
 

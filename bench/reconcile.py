@@ -1,0 +1,271 @@
+"""Reconciliation throughput on local[2], against the relay's rate, and the detection delay.
+
+One run, one scratch database, one broker, N records of 1 KiB on a 3-partition topic:
+  baseline   BASELINE, A STAND-IN FOR THE RELAY (not merged yet): a raw confluent-kafka
+             transactional produce of the N records with their outbox headers and their N op
+             markers, 500 records per transaction, no Postgres. `relay_rate()` is the hook where
+             the relay's own rate plugs in; it reports null until then.
+  reconcile  the job with Trigger.AvailableNow on local[2] (shuffle partitions 2) over those N
+             records, their markers and their N ledger rows: records reconciled per second,
+             cold (the first query in the JVM) and warm (same data, a fresh checkpoint).
+  detection  the continuous job (trigger T, deadline D), no traffic: a record is dropped at t0
+             (ledger: delivered, nothing on Kafka); the delay until its `missing` finding is in
+             the sink (median and max of --drops). Goal: D + 2T, which holds while one
+             judgement (reported: judge_seconds_median) takes less than a trigger interval.
+Final line: JSON.
+
+    .venv/bin/python -m bench.reconcile [--records 50000] [--deadline 5s] [--trigger 5s] [--drops 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from confluent_kafka import Message, Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from bench._services import scratch_database, service_env
+from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, OpMarker
+
+VALUE = os.urandom(512).hex().encode()  # 1 KiB
+PER_TX = 500
+KEYS = 1000
+
+
+def relay_rate(dsn: str, bootstrap: str, records: int) -> float | None:
+    """HOOK for the relay's throughput (records/s) in this same run; None until it is merged.
+
+    When `relay.service.Relay` lands: fill the outbox with `records` committed rows (as
+    bench/relay.py's `fill_outbox` does), run `Relay(settings).run_once()` until nothing is
+    left, and return records / elapsed seconds. The JSON line then carries it beside the
+    stand-in baseline and the reconcile/relay ratio.
+    """
+    return None
+
+
+def create_topics(bootstrap: str, *names_partitions: tuple[str, int]) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    new = [NewTopic(n, num_partitions=p, replication_factor=1) for n, p in names_partitions]
+    for future in admin.create_topics(new).values():
+        future.result(30)
+
+
+def delete_topics(bootstrap: str, *names: str) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.delete_topics(list(names)).values():
+        future.result(30)
+
+
+def fill_ledger(dsn: str, topic: str, count: int) -> list[tuple[int, str, bytes, datetime]]:
+    """`count` committed rows, commit time in id order; (id, tx_id, key, commit_ts)."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            """
+            INSERT INTO outbox.outbox_record (producer_group, tx_id, topic, key, value, key_hash,
+                                              state, committed_xid, commit_ts)
+            SELECT 'bench', 'tx-' || (g / %(per_tx)s), %(topic)s,
+                   convert_to((g %% %(keys)s)::text, 'UTF8'), %(value)s,
+                   hashtextextended((g %% %(keys)s)::text, 0), 'committed', pg_current_xact_id(),
+                   clock_timestamp()
+            FROM generate_series(0, %(n)s - 1) AS g
+            RETURNING id, tx_id, key, commit_ts
+            """,
+            {"per_tx": PER_TX, "topic": topic, "keys": KEYS, "value": VALUE, "n": count},
+        ).fetchall()
+    return sorted(rows)
+
+
+def produce(
+    bootstrap: str, topic: str, markers: str, rows: list[tuple[int, str, bytes, datetime]]
+) -> tuple[float, dict[int, tuple[int, int]]]:
+    """The stand-in baseline: records + op markers in Kafka transactions; (seconds, positions)."""
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "transactional.id": f"bench-reconcile-{uuid.uuid4().hex}",
+            "linger.ms": 2,
+        }
+    )
+    producer.init_transactions(30)
+    positions: dict[int, tuple[int, int]] = {}
+
+    def report(outbox_id: int) -> Any:
+        def on_delivery(err: Any, msg: Message) -> None:
+            if err is None:
+                positions[outbox_id] = (msg.partition() or 0, msg.offset() or 0)
+
+        return on_delivery
+
+    started = time.perf_counter()
+    for start in range(0, len(rows), PER_TX):
+        chunk = rows[start : start + PER_TX]
+        producer.begin_transaction()
+        for outbox_id, tx_id, key, _ in chunk:
+            producer.produce(
+                topic,
+                VALUE,
+                key,
+                headers=[(OUTBOX_ID_HEADER, str(outbox_id).encode()), (OUTBOX_TX_ID_HEADER, tx_id)],
+                on_delivery=report(outbox_id),
+            )
+        producer.flush(60)  # the relay writes a marker once it knows where its record landed
+        for outbox_id, tx_id, key, commit_ts in chunk:
+            partition, offset = positions[outbox_id]
+            marker_key, marker_value = OpMarker(
+                op=Op.DELIVERED, id=outbox_id, tx_id=tx_id, producer_group="bench", topic=topic,
+                key=key, shard=0, partition=partition, offset=offset, commit_ts=commit_ts,
+                relay="bench", epoch=1,
+            ).encode()  # fmt: skip
+            producer.produce(markers, marker_value, marker_key)
+        producer.commit_transaction(60)
+    return time.perf_counter() - started, positions
+
+
+def mark_delivered(dsn: str, positions: dict[int, tuple[int, int]]) -> None:
+    with psycopg.connect(dsn) as conn:
+        conn.execute("CREATE TEMPORARY TABLE pos (id bigint, p integer, o bigint)")
+        with conn.cursor().copy("COPY pos (id, p, o) FROM STDIN") as copy:
+            for outbox_id, (p, o) in positions.items():
+                copy.write_row((outbox_id, p, o))
+        conn.execute(
+            "UPDATE outbox.outbox_record r SET state = 'delivered', ended_at = clock_timestamp(),"
+            " kafka_partition = pos.p, kafka_offset = pos.o FROM pos WHERE r.id = pos.id"
+        )
+
+
+def drop_one(dsn: str, topic: str) -> int:
+    """A record the relay says it delivered (now) that never reached Kafka."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "INSERT INTO outbox.outbox_record (producer_group, tx_id, topic, key, key_hash, state,"
+            " committed_xid, commit_ts, ended_at, kafka_partition, kafka_offset)"
+            " VALUES ('bench', 'dropped', %s, 'x', 0, 'delivered', pg_current_xact_id(), now(),"
+            " now(), 0, 1000000000) RETURNING id",
+            (topic,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=50_000)
+    parser.add_argument("--deadline", default="5s")
+    parser.add_argument("--trigger", default="5s", help="at least one judgement's duration")
+    parser.add_argument("--drops", type=int, default=3, help="dropped records, one at a time")
+    args = parser.parse_args()
+
+    from spark.config import ReconcileSettings, parse_duration
+    from spark.findings import read_findings
+    from spark.job import ReconcileJob, build_session
+
+    env = service_env()
+    bootstrap = env["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
+    jars = tuple(j for j in env["OUTBOX_SPARK_JARS"].split(",") if j)
+    tag = uuid.uuid4().hex[:8]
+    topic, markers = f"bench.reconcile.{tag}", f"bench.reconcile.markers.{tag}"
+    deadline, trigger = parse_duration(args.deadline), parse_duration(args.trigger)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    create_topics(bootstrap, (topic, 3), (markers, 2))
+    tmp = tempfile.TemporaryDirectory(prefix="bench-reconcile-")
+    try:
+        with scratch_database() as dsn:
+            n = args.records
+            rows = fill_ledger(dsn, topic, n)
+            produce_s, positions = produce(bootstrap, topic, markers, rows)
+            mark_delivered(dsn, positions)
+            baseline = n / produce_s
+            print(
+                f"baseline (stand-in for the relay: raw Kafka transactional produce of {n:,} "
+                f"records + markers): {baseline:,.0f} records/s",
+                flush=True,
+            )
+            relay = relay_rate(dsn, bootstrap, n)
+
+            def settings(checkpoint: str) -> ReconcileSettings:
+                return ReconcileSettings(
+                    dsn=dsn, bootstrap_servers=bootstrap, topics=(topic,), marker_topic=markers,
+                    deadline=deadline, trigger=trigger, checkpoint=checkpoint, master="local[2]",
+                    jars=jars, shuffle_partitions=2,
+                )  # fmt: skip
+
+            spark, _ = build_session(settings(f"{tmp.name}/cold"))
+            spark.sparkContext.setLogLevel("ERROR")
+            time.sleep(deadline.total_seconds() + 0.5)  # every record is due
+            runs: dict[str, float] = {}
+            for name in ("cold", "warm"):
+                started = time.perf_counter()
+                report = ReconcileJob(settings(f"{tmp.name}/{name}"), spark).run_once()
+                runs[name] = time.perf_counter() - started
+                print(
+                    f"reconcile {name}: {n / runs[name]:,.0f} records/s ({runs[name]:.1f} s; "
+                    f"{report.copies:,} copies, {report.found_total} findings)",
+                    flush=True,
+                )
+                if (report.copies, report.found_total) != (n, 0):
+                    raise RuntimeError(f"the clean data was not judged clean:\n{report.format()}")
+
+            # Detection delay: the continuous job, no traffic, dropped records one at a time.
+            job = ReconcileJob(settings(f"{tmp.name}/stream"), spark)
+            job.start()
+            delays: list[float] = []
+            judge_s: list[float] = []
+            try:
+                while job.last_report is None:  # the first micro-batch (the N records) is in
+                    time.sleep(0.2)
+                for _ in range(args.drops):
+                    dropped = drop_one(dsn, topic)
+                    t0 = time.monotonic()
+                    while not any(
+                        f.outbox_id == dropped for f in read_findings(dsn, kinds=["missing"])
+                    ):
+                        if time.monotonic() - t0 > 120:
+                            raise TimeoutError("a dropped record was not reported in 120 s")
+                        time.sleep(0.1)
+                    delays.append(time.monotonic() - t0)
+                    if job.last_report is not None:
+                        judge_s.append(sum(job.last_report.seconds.values()))
+                    print(f"detection delay: {delays[-1]:.1f} s", flush=True)
+            finally:
+                job.stop()
+            goal = deadline.total_seconds() + 2 * trigger.total_seconds()
+            spark.stop()
+    finally:
+        tmp.cleanup()
+        delete_topics(bootstrap, topic, markers)
+
+    result = {
+        "benchmark": "reconcile",
+        "records": n,
+        "spark_master": "local[2]",
+        "reconcile_records_per_s": {k: round(n / v) for k, v in runs.items()},
+        "baseline_kafka_produce_records_per_s": round(baseline),
+        "baseline_is": "stand-in for the relay: raw transactional produce of records + op "
+        "markers, 500 per transaction, no Postgres",
+        "relay_records_per_s": relay,
+        "ratio_reconcile_warm_vs_baseline": round(n / runs["warm"] / baseline, 3),
+        "ratio_reconcile_warm_vs_relay": round(n / runs["warm"] / relay, 3) if relay else None,
+        "detection_delay_s": {
+            "median": round(statistics.median(delays), 2),
+            "max": round(max(delays), 2),
+        },
+        "detection_goal_s": goal,
+        "judge_seconds_median": round(statistics.median(judge_s), 2),
+        "deadline_s": deadline.total_seconds(),
+        "trigger_s": trigger.total_seconds(),
+        "at": datetime.now(UTC).isoformat(),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Settings of the reconciliation job, and the time windows it judges.
+
+Nothing here imports PySpark: `outboxctl` and the unit tests use it without a JVM.
+
+Time model. The job keeps the op markers and the copies seen on the delivered topics for the
+`horizon` (its observation store), and judges a record only once the `deadline` has passed since
+the time that matters for it, so that its counterparts (the copy for a marker, the marker for a
+copy, the copy for a committed ledger row) have had that long to appear:
+
+    store_low            lo                                   hi          as_of
+       |---- deadline ----|------------ judged ----------------|-- deadline --|
+       |<-------------------------------- horizon ------------------------->|
+
+`as_of` is a time up to which Kafka has been read completely (a micro-batch's start, the start of
+an availableNow run, or `--to` of an audit), never simply "now", so that a copy that is only late
+in being read is not taken for a missing one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Self
+
+from psycopg.conninfo import conninfo_to_dict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from outbox._core import OutboxConfig
+from spark._errors import ReconcileConfigError
+
+FINDING_KINDS = ("missing", "duplicate", "orphan", "marker_mismatch", "out_of_order")
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> timedelta:
+    """'90' (seconds), '500ms', '30s', '5m', '1h', '2d', or a sum such as '1m30s'."""
+    raw = text.strip().lower().replace(" ", "")
+    try:
+        return timedelta(seconds=float(raw))
+    except ValueError:
+        pass
+    pos, seconds = 0, 0.0
+    for match in _DURATION_PART.finditer(raw):
+        if match.start() != pos:
+            break
+        seconds += float(match[1]) * _UNITS[match[2]]
+        pos = match.end()
+    if pos != len(raw) or not raw:
+        raise ValueError(f"{text!r} is not a duration (e.g. 90, 500ms, 30s, 5m, 1h, 1m30s)")
+    return timedelta(seconds=seconds)
+
+
+def parse_time(text: str) -> datetime:
+    """An ISO 8601 instant; without a zone it is taken as UTC."""
+    value = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def spark_interval(delta: timedelta) -> str:
+    """A duration as Spark writes it ('1500 milliseconds'), for triggers and windows."""
+    return f"{round(delta.total_seconds() * 1000)} milliseconds"
+
+
+def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
+    """A libpq connection string as the PostgreSQL JDBC driver takes it: (url, properties).
+
+    The password goes into the properties (Spark redacts it), never into the URL.
+    """
+    params = conninfo_to_dict(dsn)
+    hosts = str(params.get("host") or params.get("hostaddr") or "localhost").split(",")
+    ports = str(params.get("port") or "5432").split(",")
+    if len(ports) == 1:
+        ports = ports * len(hosts)
+    if any(h.startswith("/") for h in hosts):
+        raise ReconcileConfigError(
+            "the JDBC driver cannot use a Unix socket: give a host in --dsn, or pass --jdbc-url"
+        )
+    dbname = params.get("dbname") or params.get("user") or "postgres"
+    url = "jdbc:postgresql://{}/{}".format(
+        ",".join(f"{h}:{p}" for h, p in zip(hosts, ports, strict=True)), dbname
+    )
+    props: dict[str, str] = {"driver": "org.postgresql.Driver"}
+    renamed = {
+        "user": "user",
+        "password": "password",
+        "sslmode": "sslmode",
+        "sslrootcert": "sslrootcert",
+        "sslcert": "sslcert",
+        "sslkey": "sslkey",
+        "application_name": "ApplicationName",
+        "connect_timeout": "connectTimeout",
+        "options": "options",
+    }
+    for libpq, jdbc in renamed.items():
+        if params.get(libpq) is not None:
+            props[jdbc] = str(params[libpq])
+    props.setdefault("connectTimeout", "10")  # seconds, as libpq's connect_timeout
+    return url, props
+
+
+class ReconcileSettings(BaseModel):
+    """Everything the job reads at start (`python -m spark.job --help` documents each)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dsn: SecretStr = Field(description="libpq connection string of the outbox's database.")
+    schema_name: str = Field(default="outbox", description="Schema of the outbox tables.")
+    jdbc_url: str | None = Field(
+        default=None, description="JDBC URL of the same database (default: built from dsn)."
+    )
+    bootstrap_servers: str = Field(min_length=1)
+    kafka_options: dict[str, str] = Field(
+        default_factory=dict,
+        description="Further Kafka consumer properties (security.protocol, sasl.*, ssl.*).",
+    )
+    topics: tuple[str, ...] = Field(default=(), description="Delivered topics, by name.")
+    topic_pattern: str | None = Field(default=None, description="Delivered topics, a Java regex.")
+    marker_topic: str = "outbox.op-markers"
+    ignored_topics: tuple[str, ...] = Field(
+        default=("outbox.dead-letter",),
+        description="Topics a pattern may match whose records are not deliveries.",
+    )
+    deadline: timedelta = Field(
+        default=timedelta(seconds=60),
+        description="How long a record may take to appear on its topic (and a marker or copy "
+        "to meet its counterpart) before it is reported.",
+    )
+    horizon: timedelta = Field(
+        default=timedelta(minutes=15),
+        description="How long observations are kept and findings re-judged.",
+    )
+    ledger_retention: timedelta | None = Field(
+        default=None,
+        description="The relay's delivered_retention; unknown ids newer than this are orphans. "
+        "Default: derived from the oldest ended row the ledger still keeps.",
+    )
+    summary_window: timedelta = Field(default=timedelta(minutes=1))
+    trigger: timedelta = Field(default=timedelta(seconds=10))
+    checkpoint: str | None = Field(
+        default=None, description="Checkpoint location (any Hadoop file system URI)."
+    )
+    once: bool = Field(default=False, description="Process what is there now, then stop.")
+    audit_from: datetime | None = None
+    audit_to: datetime | None = None
+    master: str | None = Field(default=None, description="Default: local[*] outside spark-submit.")
+    jars: tuple[str, ...] = Field(default=(), description="Local jar paths for spark.jars.")
+    shuffle_partitions: int | None = Field(default=None, ge=1)
+    max_lookup_ids: int = Field(
+        default=100_000, ge=0, description="Most ledger rows looked up by id per judgement."
+    )
+
+    @field_validator("schema_name")
+    @classmethod
+    def _identifier(cls, v: str) -> str:
+        return OutboxConfig(schema_name=v).schema_name
+
+    @field_validator("deadline", "horizon", "summary_window", "trigger")
+    @classmethod
+    def _positive(cls, v: timedelta) -> timedelta:
+        if v <= timedelta(0):
+            raise ValueError("must be positive")
+        return v
+
+    @field_validator("audit_from", "audit_to")
+    @classmethod
+    def _aware(cls, v: datetime | None) -> datetime | None:
+        return v.replace(tzinfo=UTC) if v is not None and v.tzinfo is None else v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if bool(self.topics) == bool(self.topic_pattern):
+            raise ValueError("give the delivered topics either by name or by pattern")
+        if self.marker_topic in self.topics:
+            raise ValueError("the op-marker topic is not a delivered topic")
+        if (self.audit_from is None) != (self.audit_to is None):
+            raise ValueError("an audit needs both --from and --to")
+        if self.audit_from is not None and self.audit_to is not None:
+            if self.audit_from >= self.audit_to:
+                raise ValueError("--from must be before --to")
+        elif self.checkpoint is None:
+            raise ValueError("a streaming run needs a checkpoint location")
+        if self.horizon < 2 * self.deadline + 2 * self.trigger:
+            raise ValueError("the horizon must cover two deadlines and two trigger intervals")
+        return self
+
+    @property
+    def audit(self) -> bool:
+        return self.audit_from is not None
+
+    def kafka_source_options(self) -> dict[str, str]:
+        """Options of Spark's Kafka source shared by the streaming and the audit reads."""
+        options = {f"kafka.{k}": v for k, v in self.kafka_options.items()}
+        options.update(
+            {
+                "kafka.bootstrap.servers": self.bootstrap_servers,
+                # only committed Kafka transactions: what a read_committed consumer sees
+                "kafka.isolation.level": "read_committed",
+                "includeHeaders": "true",
+            }
+        )
+        if self.topic_pattern:
+            # the op markers come through the same source; \Q..\E quotes the name as it is
+            options["subscribePattern"] = f"(?:{self.topic_pattern})|\\Q{self.marker_topic}\\E"
+        else:
+            options["subscribe"] = ",".join([*self.topics, self.marker_topic])
+        return options
+
+    def jdbc(self) -> tuple[str, dict[str, str]]:
+        url, props = jdbc_target(self.dsn.get_secret_value())
+        return (self.jdbc_url or url), props
+
+
+@dataclass(frozen=True)
+class JudgeWindow:
+    """Which records one judgement may decide, and with what the store holds (module docstring).
+
+    `include_stuck`: also report ledger rows still `committed` from before `lo` (a streaming job
+    must, or a relay that stopped longer than the horizon goes unreported; an audit of a past
+    window must not).
+    """
+
+    as_of: datetime
+    store_low: datetime
+    lo: datetime
+    hi: datetime
+    include_stuck: bool
+
+    @classmethod
+    def streaming(cls, as_of: datetime, deadline: timedelta, horizon: timedelta) -> Self:
+        store_low = as_of - horizon
+        return cls(as_of, store_low, store_low + deadline, as_of - deadline, include_stuck=True)
+
+    @classmethod
+    def audit(cls, start: datetime, end: datetime, now: datetime, deadline: timedelta) -> Self:
+        as_of = min(end + deadline, now)
+        hi = min(end, as_of - deadline)
+        if hi <= start:
+            raise ReconcileConfigError(
+                f"nothing to audit yet: records after {hi.isoformat()} are not due until the "
+                f"deadline ({deadline}) has passed"
+            )
+        return cls(as_of, start - deadline, start, hi, include_stuck=False)
+
+    @property
+    def empty(self) -> bool:
+        return self.hi <= self.lo
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "as_of": self.as_of.isoformat(),
+            "lo": self.lo.isoformat(),
+            "hi": self.hi.isoformat(),
+        }

@@ -1,0 +1,844 @@
+"""The reconciliation job: Kafka, the observation store, the ledger and the findings sink, wired.
+
+Three ways to run it, all with the transformations of `spark/transform.py`:
+
+  streaming   `--checkpoint DIR [--trigger 10s]`: a Structured Streaming query reads the delivered
+              topics and the op-marker topic (read_committed, with headers); every micro-batch
+              appends its observations to the store under the checkpoint and judges the horizon;
+              between batches an idle tick judges after each trigger that found nothing new,
+              so a dropped record is reported within deadline + two trigger intervals even
+              when no traffic comes (as long as one judgement takes less than a trigger
+              interval: bench/reconcile.py measures both).
+  once        `--checkpoint DIR --once`: the same query with Trigger.AvailableNow, then one
+              judgement; the next run resumes from the checkpoint.
+  audit       `--from T1 --to T2`: a batch read of Kafka for the window, no checkpoint.
+
+Exactly once into the sink: a micro-batch writes its observations to `batch-<id>` (overwritten
+when Spark replays the batch after a restart) and findings are merged on their natural key, so
+neither a replay nor a repeated judgement writes a finding twice (`spark/sink.py`). State stays
+bounded: observations older than the horizon are deleted, ledger reads are bounded by time
+(`spark/queries.sql`).
+
+On a cluster (the connector, its Kafka client and the JDBC driver as local jars; the driver's
+Python needs this project's dependencies -- psycopg, pydantic -- e.g. `pip install
+'kafka-outbox-sidecar[spark]'` on the submitting host in client mode; executors run only Spark's
+built-in functions and need none of our Python code):
+
+    python -m zipfile -c dist/outbox_spark.zip spark outbox relay
+    eval "$(scripts/services env)"    # or set OUTBOX_SPARK_JARS to your local jar paths
+    spark-submit \\
+        --master spark://master:7077 --deploy-mode client \\
+        --jars "$OUTBOX_SPARK_JARS" \\
+        --py-files dist/outbox_spark.zip \\
+        --conf spark.sql.shuffle.partitions=8 \\
+        spark/job.py \\
+        --dsn "postgresql://reconciler@db:5432/app" --schema outbox \\
+        --bootstrap kafka:9092 --topic-pattern 'orders\\..*' \\
+        --marker-topic outbox.op-markers --deadline 60s --trigger 10s \\
+        --checkpoint hdfs:///checkpoints/outbox-reconcile
+
+`$OUTBOX_SPARK_JARS` is the comma-separated list printed by `scripts/services.py spark-jars`:
+spark-sql-kafka-0-10_2.13, spark-token-provider-kafka-0-10_2.13, kafka-clients, commons-pool2 and
+postgresql (the JDBC driver). With the pip-installed PySpark of this project's virtualenv the
+same command is `PATH=.venv/bin:$PATH spark-submit --master 'local[2]' ...` (its launcher finds
+Spark through `python3` on the PATH). Without spark-submit: `python -m spark.job ... --jars
+"$OUTBOX_SPARK_JARS"` runs on local[*] (or --master).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from types import FrameType
+from typing import Any
+
+import psycopg
+from pydantic import ValidationError
+from pyspark import SparkContext
+from pyspark.errors import AnalysisException, StreamingQueryException
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming.query import StreamingQuery
+from pyspark.sql.types import LongType, StructField, StructType
+
+from spark import _sql, sink, transform
+from spark._errors import ReconcileConfigError, ReconcileError, ReconcileQueryError
+from spark.config import (
+    FINDING_KINDS,
+    JudgeWindow,
+    ReconcileSettings,
+    parse_duration,
+    parse_time,
+    spark_interval,
+)
+
+logger = logging.getLogger(__name__)
+
+QUERY_NAME = "outbox_reconcile"
+STORE_DIR = "observations"
+STORE_SCHEMA = StructType([*transform.OBSERVATION_SCHEMA.fields, StructField("batch", LongType())])
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+EXIT_FINDINGS = 3  # with --fail-on-findings
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _from_micros(us: int | None) -> datetime | None:
+    return None if us is None else EPOCH + timedelta(microseconds=us)
+
+
+def _millis(t: datetime) -> str:
+    return str(int(t.timestamp() * 1000))
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What one judgement saw and found (`format()` for people, `as_dict()` for --json)."""
+
+    detected_in: str
+    window: JudgeWindow
+    copies: int
+    markers: int
+    ledger_rows: int
+    found: dict[str, int]
+    new: dict[str, int]
+    windows: list[dict[str, Any]] = field(default_factory=list)
+    coverage_start: datetime | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
+
+    @property
+    def found_total(self) -> int:
+        return sum(self.found.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "detected_in": self.detected_in,
+            **self.window.as_dict(),
+            "copies": self.copies,
+            "markers": self.markers,
+            "ledger_rows": self.ledger_rows,
+            "found": {k: self.found.get(k, 0) for k in FINDING_KINDS},
+            "new": {k: self.new.get(k, 0) for k in FINDING_KINDS},
+            "coverage_start": self.coverage_start.isoformat() if self.coverage_start else None,
+            "windows": [
+                {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in w.items()}
+                for w in self.windows
+            ],
+            "seconds": self.seconds,
+        }
+
+    def format(self) -> str:
+        def t(value: datetime) -> str:
+            return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+        kinds = "  ".join(f"{k} {self.found.get(k, 0)}" for k in FINDING_KINDS)
+        lines = [
+            f"outbox reconcile ({self.detected_in}): as of {t(self.window.as_of)} UTC, "
+            f"judged {t(self.window.lo)} .. {t(self.window.hi)}",
+            f"  seen      {self.copies:,} copies on the topics, {self.markers:,} op markers, "
+            f"{self.ledger_rows:,} ledger rows",
+            f"  findings  {self.found_total} ({sum(self.new.values())} new)  {kinds}",
+        ]
+        if self.windows:
+            records = sum(w["records"] for w in self.windows)
+            worst = max(self.windows, key=lambda w: w["latency_p99_ms"] or 0.0)
+            lines.append(
+                f"  latency   {len(self.windows)} windows, {records:,} records; worst window "
+                f"{t(worst['window_start'])}: p50 {worst['latency_p50_ms']:.1f} ms, "
+                f"p95 {worst['latency_p95_ms']:.1f} ms, p99 {worst['latency_p99_ms']:.1f} ms, "
+                f"max {worst['latency_max_ms']:.1f} ms"
+            )
+        return "\n".join(lines)
+
+
+def build_session(settings: ReconcileSettings) -> tuple[SparkSession, bool]:
+    """The active session if there is one (spark-submit, a notebook, tests), else a new one.
+
+    Returns (session, owned): stop it only if owned. Outside spark-submit the master defaults to
+    local[*]; spark-submit's own --master wins.
+    """
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active, False
+    if SparkContext._active_spark_context is not None:  # running, though not in this thread
+        return SparkSession.builder.getOrCreate(), False
+    builder = SparkSession.builder.appName("outbox-reconcile")
+    master = settings.master
+    if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit
+        master = "local[*]"
+    if master is not None:
+        builder = builder.master(master)
+    if settings.jars:
+        builder = builder.config("spark.jars", ",".join(settings.jars))
+    if settings.shuffle_partitions is not None:
+        builder = builder.config("spark.sql.shuffle.partitions", str(settings.shuffle_partitions))
+    builder = builder.config("spark.sql.session.timeZone", "UTC")
+    return builder.getOrCreate(), True
+
+
+class ReconcileJob:
+    """One reconciliation job: `run_once()`, `audit()`, or `start()` / `stop()` / `run_forever()`.
+
+    `clock` is injectable (tests); every time the job judges by comes from it.
+    """
+
+    def __init__(
+        self,
+        settings: ReconcileSettings,
+        spark: SparkSession,
+        clock: Callable[[], datetime] = _utcnow,
+    ) -> None:
+        self.settings = settings
+        self.spark = spark
+        self._clock = clock
+        self._lock = threading.Lock()  # one judgement at a time: micro-batches and idle ticks
+        self._query: StreamingQuery | None = None
+        self._ticker: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._failure: BaseException | None = None
+        self._last_judged = clock()
+        self._last_as_of: datetime | None = None
+        self._run_as_of: datetime | None = None  # availableNow: the run's start
+        self.last_report: RunReport | None = None
+
+    # --- running ----------------------------------------------------------------------------
+
+    def run_once(self) -> RunReport:
+        """Read what Kafka holds now (Trigger.AvailableNow), then judge once."""
+        if self.settings.audit:
+            raise ReconcileConfigError("an audit (--from/--to) runs with audit()")
+        as_of = self._clock()  # availableNow reads up to the offsets of its start
+        self._run_as_of = as_of
+        self._stopping.clear()
+        try:
+            query = self._start_query(available_now=True)
+            self._await(query)
+        finally:
+            self._run_as_of = None
+        with self._lock:
+            return self.judge(as_of, "final")
+
+    def start(self) -> None:
+        """Start the continuous query and the idle ticker; returns at once."""
+        if self._query is not None:
+            return
+        self._stopping.clear()
+        self._failure = None
+        self._last_judged = self._clock()
+        self._query = self._start_query(available_now=False)
+        self._ticker = threading.Thread(target=self._tick_loop, name="reconcile-tick", daemon=True)
+        self._ticker.start()
+
+    def stop(self) -> None:
+        """Stop the query and the ticker. A second stop does nothing."""
+        self._stopping.set()
+        with self._lock:  # let a judgement in progress finish rather than interrupt it
+            query, self._query = self._query, None
+            if query is not None and query.isActive:
+                query.stop()
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None and ticker is not threading.current_thread():
+            ticker.join(timeout=60)
+
+    def run_forever(self) -> None:
+        """start(), then wait until the query ends or stop() is called; raise what failed."""
+        self.start()
+        query = self._query
+        try:
+            while query is not None and not self._stopping.is_set():
+                try:
+                    if self._await(query, timeout_s=1):
+                        break
+                except ReconcileQueryError:
+                    if not self._stopping.is_set():  # else: a batch refused to start, fine
+                        raise
+            if self._failure is not None:
+                raise ReconcileQueryError("the idle judgement failed") from self._failure
+        finally:
+            self.stop()
+
+    def audit(self) -> RunReport:
+        """Judge the window --from .. --to with a batch read of Kafka (no checkpoint)."""
+        start, end = self.settings.audit_from, self.settings.audit_to
+        if start is None or end is None:
+            raise ReconcileConfigError("an audit needs --from and --to")
+        window = JudgeWindow.audit(start, end, self._clock(), self.settings.deadline)
+        with _connector_needed():
+            kafka = self._audit_read(window)
+        obs = self._observations(kafka).where(
+            F.col("ts").between(F.lit(window.store_low), F.lit(window.as_of))
+        )
+        with self._lock:
+            return self._judge(obs.withColumn("batch", F.lit(None).cast("long")), window, "audit")
+
+    def _audit_read(self, window: JudgeWindow) -> DataFrame:
+        return (
+            self.spark.read.format("kafka")
+            .options(**self.settings.kafka_source_options())
+            .option("startingTimestamp", _millis(window.store_low))
+            .option("startingOffsetsByTimestampStrategy", "latest")
+            # not endingTimestamp: Kafka finds times by its index, in which a transaction's
+            # commit marker carries the broker's time; up to the end, then filtered, is exact
+            .option("endingOffsets", "latest")
+            .load()
+        )
+
+    # --- the streaming query ----------------------------------------------------------------
+
+    def _checkpoint(self) -> str:
+        if self.settings.checkpoint is None:
+            raise ReconcileConfigError("a streaming run needs --checkpoint")
+        return self.settings.checkpoint.rstrip("/")
+
+    def _store(self) -> str:
+        return f"{self._checkpoint()}/{STORE_DIR}"
+
+    def _start_query(self, *, available_now: bool) -> StreamingQuery:
+        # a progress report for every trigger that finds nothing new (see _idle_as_of)
+        self.spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "0")
+        # A new checkpoint starts one horizon back; a checkpoint's own offsets win after that.
+        start_ms = _millis(self._clock() - self.settings.horizon)
+        with _connector_needed():
+            stream = (
+                self.spark.readStream.format("kafka")
+                .options(**self.settings.kafka_source_options())
+                .option("startingTimestamp", start_ms)
+                .option("startingOffsetsByTimestampStrategy", "latest")
+                .load()
+            )
+        writer = (
+            stream.writeStream.queryName(QUERY_NAME)
+            .foreachBatch(self._on_batch)
+            .option("checkpointLocation", self._checkpoint())
+        )
+        if available_now:
+            writer = writer.trigger(availableNow=True)
+        else:
+            writer = writer.trigger(processingTime=spark_interval(self.settings.trigger))
+        return writer.start()
+
+    def _await(self, query: StreamingQuery, timeout_s: int | None = None) -> bool:
+        try:
+            if timeout_s is None:
+                query.awaitTermination()
+                return True
+            return bool(query.awaitTermination(timeout_s))
+        except StreamingQueryException as exc:
+            raise ReconcileQueryError(f"the reconciliation query failed: {exc}") from exc
+
+    def _observations(self, kafka: DataFrame) -> DataFrame:
+        return transform.observations(
+            kafka,
+            marker_topic=self.settings.marker_topic,
+            ignored_topics=self.settings.ignored_topics,
+        )
+
+    def _on_batch(self, batch: DataFrame, batch_id: int) -> None:
+        """foreachBatch: store the batch's observations (replay-safe), then judge."""
+        with self._lock:
+            if self._stopping.is_set():  # fail the batch: it is not committed, so it runs again
+                raise _Stopping("the reconciliation is stopping")
+            as_of = self._run_as_of or self._clock()
+            obs = self._observations(batch).where(
+                F.col("ts") >= F.lit(as_of - self.settings.horizon)
+            )
+            (
+                obs.withColumn("batch", F.lit(batch_id).cast("long"))
+                .coalesce(2)
+                .write.mode("overwrite")
+                .parquet(f"{self._store()}/batch-{batch_id:012d}")
+            )
+            if self._run_as_of is None:  # continuous: judge now; availableNow: once at the end
+                self.judge(as_of, f"batch {batch_id}", current_batch=batch_id)
+
+    def _tick_loop(self) -> None:
+        poll = min(1.0, self.settings.trigger.total_seconds() / 2)
+        while not self._stopping.wait(poll):
+            try:
+                self._tick()
+            except Exception as exc:
+                logger.exception("idle judgement failed; stopping the reconciliation")
+                self._failure = exc
+                self._stopping.set()
+                query = self._query
+                if query is not None and query.isActive:
+                    query.stop()
+
+    def _tick(self) -> None:
+        """Judge between micro-batches (no traffic): after each trigger that found nothing new,
+        at most about once per trigger interval."""
+        gap = self.settings.trigger / 2
+        if self._clock() - self._last_judged < gap:
+            return
+        with self._lock:
+            now = self._clock()
+            as_of = self._idle_as_of(now)
+            if now - self._last_judged < gap or self._stopping.is_set():
+                return  # a micro-batch judged meanwhile
+            if self._last_as_of is not None and as_of <= self._last_as_of:
+                return  # no trigger since the last judgement: nothing new is known
+            self.judge(as_of, "tick")
+
+    def _idle_as_of(self, now: datetime) -> datetime:
+        """Up to when Kafka has been read completely, with no micro-batch since.
+
+        The last trigger that found no new data says so for its own start (the query reports
+        every such trigger: noDataProgressEventInterval is 0); without one, the last trigger was
+        at most one interval ago.
+        """
+        trigger = self.settings.trigger
+        query = self._query
+        progress = query.lastProgress if query is not None else None
+        if progress is not None and progress.numInputRows == 0:
+            try:
+                stamp = parse_time(progress.timestamp)
+            except ValueError:
+                stamp = None
+            if stamp is not None and now - 2 * trigger <= stamp <= now:
+                return stamp
+        return now - trigger
+
+    # --- judging ----------------------------------------------------------------------------
+
+    def judge(
+        self, as_of: datetime, detected_in: str, *, current_batch: int | None = None
+    ) -> RunReport:
+        """Judge the horizon up to `as_of` from the observation store; trim the store."""
+        window = JudgeWindow.streaming(as_of, self.settings.deadline, self.settings.horizon)
+        self._last_as_of = as_of
+        obs = self._read_store()
+        return self._judge(obs, window, detected_in, trim_before=current_batch)
+
+    def _store_batches(self) -> dict[int, str]:
+        jvm: Any = self.spark._jvm  # Hadoop's FileSystem: the store may be on HDFS, S3, ...
+        root = jvm.org.apache.hadoop.fs.Path(self._store())
+        fs = root.getFileSystem(self.spark._jsc.hadoopConfiguration())
+        if not fs.exists(root):
+            return {}
+        found: dict[int, str] = {}
+        for status in fs.listStatus(root):
+            name = status.getPath().getName()
+            if status.isDirectory() and name.startswith("batch-") and name[6:].isdigit():
+                found[int(name[6:])] = status.getPath().toString()
+        return found
+
+    def _delete(self, path: str) -> None:
+        jvm: Any = self.spark._jvm
+        p = jvm.org.apache.hadoop.fs.Path(path)
+        p.getFileSystem(self.spark._jsc.hadoopConfiguration()).delete(p, True)
+
+    def _read_store(self) -> DataFrame:
+        paths = list(self._store_batches().values())
+        if not paths:
+            return self.spark.createDataFrame([], STORE_SCHEMA)
+        return self.spark.read.schema(STORE_SCHEMA).parquet(*paths)
+
+    def _read_ledger(
+        self,
+        window: JudgeWindow,
+        obs: DataFrame,
+        conn: psycopg.Connection[Any],
+        cached: list[DataFrame],
+    ) -> tuple[DataFrame, bool]:
+        """The ledger rows of the window (JDBC) plus those of other ids seen on Kafka (psycopg).
+
+        Returns (ledger, complete): not complete when more ids were seen than max_lookup_ids;
+        then no id may be called unknown. The window is read once (persisted, added to
+        `cached`): the ids looked up and the judgement see the same rows.
+        """
+        url, props = self.settings.jdbc()
+        query = _sql.text(
+            "ledger_window",
+            self.settings.schema_name,
+            ended_from=window.store_low,
+            ended_until=window.as_of + self.settings.horizon,
+        )
+        window_rows = (
+            self.spark.read.format("jdbc")
+            .option("url", url)
+            .option("query", query)
+            .option("fetchsize", "10000")
+            .options(**props)
+            .load()
+            .select([F.col(f.name).cast(f.dataType) for f in transform.LEDGER_SCHEMA.fields])
+        ).persist()
+        cached.append(window_rows)
+        others = (
+            obs.select("outbox_id")
+            .distinct()
+            .join(window_rows.select(F.col("id").alias("outbox_id")), "outbox_id", "left_anti")
+        )
+        limit = self.settings.max_lookup_ids
+        ids = [row.outbox_id for row in others.limit(limit + 1).collect()]
+        complete = len(ids) <= limit
+        if not complete:
+            logger.warning(
+                "more than %d ids seen on Kafka are not in the ledger window: looked up %d, "
+                "unknown ids are not judged this time",
+                limit,
+                limit,
+            )
+        rows = sink.ledger_rows_by_ids(conn, self.settings.schema_name, ids[:limit])
+        if not rows:
+            return window_rows, complete
+        looked_up = self.spark.createDataFrame(rows, transform.LEDGER_SCHEMA)
+        ledger = window_rows.unionByName(looked_up).dropDuplicates(["id"]).persist()
+        cached.append(ledger)
+        return ledger, complete
+
+    def _coverage(self, conn: psycopg.Connection[Any]) -> datetime | None:
+        """Since when the ledger still has every row (see transform.classify_copies)."""
+        deadline = self.settings.deadline
+        if self.settings.ledger_retention is not None:
+            if self.settings.ledger_retention <= timedelta(0):
+                return None
+            return self._clock() - self.settings.ledger_retention + deadline
+        oldest = sink.oldest_ended(conn, self.settings.schema_name)
+        return None if oldest is None else oldest + deadline
+
+    def _judge(
+        self,
+        obs: DataFrame,
+        window: JudgeWindow,
+        detected_in: str,
+        *,
+        trim_before: int | None = None,
+    ) -> RunReport:
+        settings = self.settings
+        started = self._clock()
+        timings: dict[str, float] = {}
+        clock = _Stopwatch(timings)
+        obs = obs.persist()
+        cached: list[DataFrame] = [obs]
+        try:
+            with clock("store"):  # one pass: the counts for the report and the trim
+                batches = (
+                    obs.groupBy("batch", "source")
+                    .agg(F.count(F.lit(1)).alias("n"), F.unix_micros(F.max("ts")).alias("newest"))
+                    .collect()
+                )
+            seen: Counter[str] = Counter()
+            newest: dict[int, int] = {}
+            for row in batches:
+                seen[row["source"]] += row["n"]
+                if row["batch"] is not None:
+                    newest[row["batch"]] = max(newest.get(row["batch"], 0), row["newest"] or 0)
+            with sink.connect(settings.dsn.get_secret_value()) as conn:
+                conn.autocommit = True
+                with clock("ledger"):
+                    ledger, complete = self._read_ledger(window, obs, conn, cached)
+                    ledger_rows = ledger.count()
+                    coverage = self._coverage(conn) if complete else None
+                judgement = transform.judge(
+                    obs,
+                    ledger,
+                    window,
+                    coverage_start=coverage,
+                    summary_window=settings.summary_window,
+                )
+                cached.append(judgement.classified.persist())
+                with clock("judge"):
+                    windows = [_window_row(r) for r in _windows_out(judgement.windows).collect()]
+                    findings = _finding_rows(judgement.findings)
+                with clock("sink"):
+                    new = sink.write_judgement(
+                        conn, settings.schema_name, findings, windows, detected_in=detected_in
+                    )
+            if settings.checkpoint is not None and not settings.audit:
+                with clock("trim"):
+                    self._trim(newest, window, trim_before)
+        finally:
+            for df in cached:
+                df.unpersist()
+        self._last_judged = started  # the idle ticker counts from the start of a judgement
+        report = RunReport(
+            detected_in=detected_in,
+            window=window,
+            copies=seen[transform.RECORD],
+            markers=seen[transform.MARKER],
+            ledger_rows=ledger_rows,
+            found=dict(Counter(row[0] for row in findings)),
+            new=dict(new),
+            windows=windows,
+            coverage_start=coverage,
+            seconds=timings,
+        )
+        if report.found_total:
+            logger.warning("reconciliation: %s", report.format())
+        else:
+            logger.info("reconciliation: %s", report.format())
+        self.last_report = report
+        return report
+
+    def _trim(self, newest: dict[int, int], window: JudgeWindow, current: int | None) -> None:
+        """Delete the store's batches whose newest observation is older than the horizon."""
+        low = window.store_low
+        for batch_id, path in self._store_batches().items():
+            if current is not None and batch_id >= current:
+                continue
+            stamp = _from_micros(newest.get(batch_id))
+            if stamp is None or stamp < low:
+                self._delete(path)
+
+
+@contextmanager
+def _connector_needed() -> Iterator[None]:
+    try:
+        yield
+    except AnalysisException as exc:
+        if "data source: kafka" not in str(exc).lower():
+            raise
+        raise ReconcileConfigError(
+            "Spark's Kafka connector is not on the classpath: pass --jars (or set "
+            "OUTBOX_SPARK_JARS) with the jars `scripts/services.py spark-jars` lists"
+        ) from exc
+
+
+class _Stopping(Exception):
+    """Raised in a micro-batch that starts while the job stops, so that Spark replays it."""
+
+
+class _Stopwatch:
+    """`with clock("stage"):` adds the stage's wall time to a dict (the report's `seconds`)."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into = into
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.into[stage] = round(self.into.get(stage, 0.0) + time.perf_counter() - started, 3)
+
+
+def _finding_rows(findings: DataFrame) -> list[tuple[Any, ...]]:
+    """Findings collected to the driver (they are anomalies: few), as sink rows."""
+    out = findings.select(
+        *[c for c in transform.FINDING_COLUMNS if c != "event_time"],
+        F.unix_micros("event_time").alias("event_time_us"),
+    )
+    return [
+        tuple(
+            _from_micros(row["event_time_us"]) if c == "event_time" else row[c]
+            for c in transform.FINDING_COLUMNS
+        )
+        for row in out.collect()
+    ]
+
+
+def _windows_out(windows: DataFrame) -> DataFrame:
+    return windows.select(
+        F.unix_micros("window_start").alias("window_start"),
+        F.unix_micros("window_end").alias("window_end"),
+        "records",
+        "latency_p50_ms",
+        "latency_p95_ms",
+        "latency_p99_ms",
+        "latency_max_ms",
+    ).orderBy("window_start")
+
+
+def _window_row(row: Any) -> dict[str, Any]:
+    out = row.asDict()
+    out["window_start"] = _from_micros(out["window_start"])
+    out["window_end"] = _from_micros(out["window_end"])
+    return dict(out)
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def _duration(text: str) -> timedelta:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _time(text: str) -> datetime:
+    try:
+        return parse_time(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an ISO 8601 time") from exc
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m spark.job",
+        description="Reconcile the outbox ledger, the op markers and the delivered topics.",
+    )
+    db = p.add_argument_group("ledger and findings (Postgres)")
+    db.add_argument("--dsn", help="libpq connection string (default: $OUTBOX_DATABASE_URL)")
+    db.add_argument("--schema", default="outbox", help="schema of the outbox tables")
+    db.add_argument("--jdbc-url", help="JDBC URL for Spark's reads (default: from --dsn)")
+    k = p.add_argument_group("Kafka")
+    k.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers")
+    topics = k.add_mutually_exclusive_group(required=True)
+    topics.add_argument("--topics", help="delivered topics, comma-separated")
+    topics.add_argument("--topic-pattern", help="delivered topics, a Java regex")
+    k.add_argument("--marker-topic", default="outbox.op-markers", help="the op-marker topic")
+    k.add_argument(
+        "--ignore-topic",
+        action="append",
+        default=None,
+        help="a topic whose records are not deliveries (repeatable; default: outbox.dead-letter)",
+    )
+    k.add_argument(
+        "--kafka-option",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Kafka consumer property, e.g. security.protocol=SASL_SSL (repeatable)",
+    )
+    j = p.add_argument_group("judging")
+    j.add_argument("--deadline", type=_duration, default="60s", help="time to appear (60s)")
+    j.add_argument("--horizon", type=_duration, default="15m", help="state kept (15m)")
+    j.add_argument(
+        "--ledger-retention",
+        type=_duration,
+        help="the relay's delivered_retention (default: derived from the ledger)",
+    )
+    j.add_argument("--summary-window", type=_duration, default="1m", help="latency window (1m)")
+    r = p.add_argument_group("running")
+    r.add_argument("--checkpoint", help="checkpoint location (streaming and --once)")
+    r.add_argument("--trigger", type=_duration, default="10s", help="micro-batch interval (10s)")
+    r.add_argument("--once", action="store_true", help="read what is there (availableNow), stop")
+    r.add_argument("--from", dest="audit_from", type=_time, help="audit window start (ISO 8601)")
+    r.add_argument("--to", dest="audit_to", type=_time, help="audit window end (ISO 8601)")
+    r.add_argument("--master", help="Spark master (default: local[*] outside spark-submit)")
+    r.add_argument(
+        "--jars",
+        default=os.environ.get("OUTBOX_SPARK_JARS", ""),
+        help="local jar paths, comma-separated (default: $OUTBOX_SPARK_JARS)",
+    )
+    r.add_argument("--shuffle-partitions", type=int, help="spark.sql.shuffle.partitions")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="the report as one JSON line")
+    out.add_argument(
+        "--fail-on-findings",
+        action="store_true",
+        help=f"exit with status {EXIT_FINDINGS} when the run found anything (--once, audits)",
+    )
+    out.add_argument("--log-level", default="WARNING", help="log level (WARNING)")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
+    """The settings of parsed arguments; raises ReconcileConfigError when they cannot work."""
+    dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
+    if not dsn:
+        raise ReconcileConfigError("no database: pass --dsn or set OUTBOX_DATABASE_URL")
+    values: dict[str, Any] = {
+        "dsn": dsn,
+        "schema_name": args.schema,
+        "jdbc_url": args.jdbc_url,
+        "bootstrap_servers": args.bootstrap,
+        "kafka_options": dict(args.kafka_option),
+        "topics": tuple(t.strip() for t in args.topics.split(",") if t.strip())
+        if args.topics
+        else (),
+        "topic_pattern": args.topic_pattern,
+        "marker_topic": args.marker_topic,
+        "deadline": _as_delta(args.deadline),
+        "horizon": _as_delta(args.horizon),
+        "ledger_retention": args.ledger_retention,
+        "summary_window": _as_delta(args.summary_window),
+        "trigger": _as_delta(args.trigger),
+        "checkpoint": args.checkpoint,
+        "once": args.once,
+        "audit_from": args.audit_from,
+        "audit_to": args.audit_to,
+        "master": args.master,
+        "jars": tuple(j for j in args.jars.split(",") if j),
+        "shuffle_partitions": args.shuffle_partitions,
+    }
+    if args.ignore_topic is not None:
+        values["ignored_topics"] = tuple(args.ignore_topic)
+    try:
+        return ReconcileSettings(**values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ReconcileConfigError(problems) from None
+
+
+def _as_delta(value: timedelta | str) -> timedelta:
+    return value if isinstance(value, timedelta) else parse_duration(value)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m spark.job` and `outboxctl reconcile`: run, print the report, return the status.
+
+    0: done (nothing found, or --fail-on-findings not given); 3: --fail-on-findings and the run
+    found something; 2: bad arguments. Errors raise ReconcileError (an OutboxError) or psycopg's.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:  # the process's own entry point has not configured it
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("spark").setLevel(args.log_level.upper())
+    try:
+        settings = settings_from_args(args)
+    except ReconcileConfigError as exc:
+        parser.error(str(exc))
+    spark, owned = build_session(settings)
+    try:
+        job = ReconcileJob(settings, spark)
+        if settings.audit:
+            report = job.audit()
+        elif settings.once:
+            report = job.run_once()
+        else:
+            _stop_on_sigterm(job)
+            try:
+                job.run_forever()
+            except KeyboardInterrupt:
+                job.stop()
+            return 0
+        print(json.dumps(report.as_dict()) if args.json else report.format(), flush=True)
+        return EXIT_FINDINGS if args.fail_on_findings and report.found_total else 0
+    finally:
+        if owned:
+            spark.stop()
+
+
+def _stop_on_sigterm(job: ReconcileJob) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        job.stop()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ReconcileError, psycopg.Error) as exc:
+        print(f"spark.job: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,80 @@
+"""The job's Postgres side: the findings sink and the ledger look-ups, with plain psycopg.
+
+Why psycopg from the driver rather than Spark's JDBC writer: findings are few (each is an anomaly)
+and summary windows fewer still, so streaming them to the driver costs little; psycopg then gives
+what the JDBC writer cannot: COPY into a temporary table and one `INSERT ... ON CONFLICT DO
+NOTHING` on the natural key, plus the window upserts, in ONE transaction. A replayed micro-batch,
+a restart or a repeated audit therefore inserts nothing twice, and `RETURNING` says what is new.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from spark import _sql
+from spark._errors import ReconcileConfigError
+
+CONNECT_TIMEOUT_S = 10
+
+
+def connect(dsn: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(dsn, connect_timeout=CONNECT_TIMEOUT_S)
+
+
+@contextmanager
+def schema_needed(schema: str) -> Iterator[None]:
+    """Say what to do when the sink tables are missing (a schema before migration 0002)."""
+    try:
+        yield
+    except psycopg.errors.UndefinedTable as exc:
+        raise ReconcileConfigError(
+            f"schema {schema!r} has no reconciliation tables: run `outboxctl migrate` "
+            f"(migration 0002) first ({exc.diag.message_primary})"
+        ) from exc
+
+
+def write_judgement(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    findings: Iterable[Sequence[Any]],
+    windows: Iterable[Mapping[str, Any]],
+    *,
+    detected_in: str,
+) -> Counter[str]:
+    """Merge findings (rows in transform.FINDING_COLUMNS order) and upsert summary windows in one
+    transaction; return how many findings of each kind were new."""
+    new: Counter[str] = Counter()
+    with schema_needed(schema), conn.transaction(), conn.cursor() as cur:
+        cur.execute(_sql.query("create_finding_stage", schema))
+        with cur.copy(_sql.query("copy_finding_stage", schema)) as copy:
+            for row in findings:
+                copy.write_row(row)
+        cur.execute(_sql.query("merge_findings", schema), {"detected_in": detected_in})
+        new.update(kind for (kind,) in cur.fetchall())
+        rows = list(windows)
+        if rows:
+            cur.executemany(_sql.query("upsert_window", schema), rows)
+    return new
+
+
+def ledger_rows_by_ids(
+    conn: psycopg.Connection[Any], schema: str, ids: Sequence[int]
+) -> list[tuple[Any, ...]]:
+    """Ledger rows of these ids (transform.LEDGER_SCHEMA order); unknown ids give no row."""
+    if not ids:
+        return []
+    with conn.cursor() as cur:
+        cur.execute(_sql.query("ledger_by_ids", schema), {"ids": list(ids)})
+        return cur.fetchall()
+
+
+def oldest_ended(conn: psycopg.Connection[Any], schema: str) -> datetime | None:
+    """The oldest `ended_at` the ledger still keeps (None: it keeps no ended rows)."""
+    row = conn.execute(_sql.query("ledger_oldest_ended", schema)).fetchone()
+    return None if row is None else row[0]

@@ -1,0 +1,556 @@
+"""The reconciliation as pure DataFrame transformations: Kafka and ledger rows in, findings out.
+
+No I/O and no clock here: `spark/job.py` reads Kafka, the observation store and the ledger, and
+passes the time window; these functions only combine DataFrames, so a test runs them on a few
+in-memory rows. Only Spark's built-in functions are used (no Python UDFs): executors need no
+Python code of ours.
+
+Three views of each outbox record (by its id):
+  ledger   `outbox_record`: state, commit time, where the relay says it delivered the record
+  markers  the op-marker topic: the relay's `delivered` / `rolled_back` / ... marker
+  copies   the delivered topics: each record carrying the `outbox-id` header
+
+The *claimed position* of a record is where the ledger (a delivered row) or else its first
+`delivered` marker says it landed; a copy at the claimed position, or the first copy when nothing
+is claimed, is the record's *canonical* copy. Findings, one of each kind per record at most
+(duplicate and orphan: per extra copy), most specific first:
+  orphan           a copy of a record that was never committed (ledger: prepared, rolled back or
+                   discarded; or no ledger row but a rolled_back / discarded marker), of an id the
+                   ledger does not know although its retention covers the copy's time, or a copy
+                   on another topic than the ledger's
+  duplicate        any other copy than the canonical one
+  marker_mismatch  a canonical copy of a known record without a `delivered` marker
+                   ('record_without_marker'); a `delivered` marker without a copy on its topic
+                   when the ledger does not say committed/delivered ('marker_without_record')
+  missing          a committed or delivered ledger row without a copy on its topic (this takes
+                   the place of marker_without_record while the ledger keeps the row)
+  out_of_order     a canonical copy placed (offset) after a copy of the same topic, partition and
+                   key whose record committed later (commit time, then id: the relay's order)
+and per summary window of delivery time: the canonical copies and the latency from commit time
+to Kafka timestamp (p50, p95, p99, max).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from relay.markers import (
+    OUTBOX_ID_HEADER,
+    OUTBOX_PRODUCER_GROUP_HEADER,
+    OUTBOX_TX_ID_HEADER,
+    Op,
+)
+from spark.config import JudgeWindow, spark_interval
+
+RECORD = "record"
+MARKER = "marker"
+
+COMMITTED_STATES = ("committed", "delivered")
+NEVER_COMMITTED_STATES = ("prepared", "rolled_back", "discarded")
+NEVER_COMMITTED_OPS = (Op.ROLLED_BACK.value, Op.DISCARDED.value)
+RECORD_WITHOUT_MARKER = "record_without_marker"
+MARKER_WITHOUT_RECORD = "marker_without_record"
+LATENCY_ACCURACY = 10_000
+
+# What Spark's Kafka source gives with includeHeaders=true.
+KAFKA_SCHEMA = StructType(
+    [
+        StructField("key", BinaryType()),
+        StructField("value", BinaryType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("timestamp", TimestampType()),
+        StructField("timestampType", IntegerType()),
+        StructField(
+            "headers",
+            ArrayType(
+                StructType([StructField("key", StringType()), StructField("value", BinaryType())])
+            ),
+        ),
+    ]
+)
+
+# An op marker's JSON value (relay/markers.py, version 1). commit_ts is parsed after reading, so
+# that a malformed time loses only itself, not the marker.
+MARKER_VALUE_SCHEMA = StructType(
+    [
+        StructField("v", IntegerType()),
+        StructField("op", StringType()),
+        StructField("id", LongType()),
+        StructField("tx_id", StringType()),
+        StructField("producer_group", StringType()),
+        StructField("topic", StringType()),
+        StructField("key", StringType()),
+        StructField("shard", IntegerType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("commit_ts", StringType()),
+        StructField("reason", StringType()),
+        StructField("relay", StringType()),
+        StructField("epoch", LongType()),
+    ]
+)
+
+# One row per copy or marker read from Kafka: what the observation store keeps (no values).
+# `target_*` is where the record is: the copy's own position, or where the marker says it landed.
+OBSERVATION_SCHEMA = StructType(
+    [
+        StructField("source", StringType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("ts", TimestampType()),
+        StructField("outbox_id", LongType()),
+        StructField("tx_id", StringType()),
+        StructField("producer_group", StringType()),
+        StructField("key", BinaryType()),
+        StructField("op", StringType()),
+        StructField("target_topic", StringType()),
+        StructField("target_partition", IntegerType()),
+        StructField("target_offset", LongType()),
+        StructField("commit_ts", TimestampType()),
+    ]
+)
+
+# The ledger columns a judgement reads (spark/queries.sql, ledger_window).
+LEDGER_SCHEMA = StructType(
+    [
+        StructField("id", LongType()),
+        StructField("producer_group", StringType()),
+        StructField("tx_id", StringType()),
+        StructField("topic", StringType()),
+        StructField("key", BinaryType()),
+        StructField("state", StringType()),
+        StructField("commit_time", TimestampType()),
+        StructField("ended_at", TimestampType()),
+        StructField("kafka_partition", IntegerType()),
+        StructField("kafka_offset", LongType()),
+    ]
+)
+
+# The sink's columns (reconciliation_finding), detail as JSON text.
+FINDING_SCHEMA = StructType(
+    [
+        StructField("kind", StringType()),
+        StructField("topic", StringType()),
+        StructField("outbox_id", LongType()),
+        StructField("occurrence", StringType()),
+        StructField("producer_group", StringType()),
+        StructField("tx_id", StringType()),
+        StructField("kafka_partition", IntegerType()),
+        StructField("kafka_offset", LongType()),
+        StructField("event_time", TimestampType()),
+        StructField("detail", StringType()),
+    ]
+)
+FINDING_COLUMNS = tuple(f.name for f in FINDING_SCHEMA.fields)
+
+WINDOW_SCHEMA = StructType(
+    [
+        StructField("window_start", TimestampType()),
+        StructField("window_end", TimestampType()),
+        StructField("records", LongType()),
+        StructField("latency_p50_ms", DoubleType()),
+        StructField("latency_p95_ms", DoubleType()),
+        StructField("latency_p99_ms", DoubleType()),
+        StructField("latency_max_ms", DoubleType()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    findings: DataFrame  # FINDING_SCHEMA
+    windows: DataFrame  # WINDOW_SCHEMA
+    classified: DataFrame  # every copy with its verdict (persist it: two outputs read it)
+
+
+def _header(name: str) -> Column:
+    """The first value of a Kafka header as text (NULL when absent)."""
+    matching = F.filter("headers", lambda h: h["key"] == F.lit(name))
+    return F.get(matching, 0)["value"].cast("string")
+
+
+def observations(
+    kafka: DataFrame, *, marker_topic: str, ignored_topics: tuple[str, ...] = ()
+) -> DataFrame:
+    """Kafka source rows (KAFKA_SCHEMA) as observations (OBSERVATION_SCHEMA), in one pass.
+
+    Records of the op-marker topic are markers; records of other topics are copies when they carry
+    an outbox id header. Anything else (records of other producers, malformed markers, records of
+    `ignored_topics` such as the dead-letter topic) is dropped.
+    """
+    is_marker = F.col("topic") == F.lit(marker_topic)
+    marker = F.from_json(F.when(is_marker, F.col("value").cast("string")), MARKER_VALUE_SCHEMA)
+    rows = kafka.where(~F.col("topic").isin(list(ignored_topics))) if ignored_topics else kafka
+    obs = rows.select(
+        F.when(is_marker, F.lit(MARKER)).otherwise(F.lit(RECORD)).alias("source"),
+        "topic",
+        "partition",
+        "offset",
+        F.col("timestamp").alias("ts"),
+        F.when(is_marker, marker["id"])
+        .otherwise(_header(OUTBOX_ID_HEADER).try_cast("bigint"))
+        .alias("outbox_id"),
+        F.when(is_marker, marker["tx_id"]).otherwise(_header(OUTBOX_TX_ID_HEADER)).alias("tx_id"),
+        F.when(is_marker, marker["producer_group"])
+        .otherwise(_header(OUTBOX_PRODUCER_GROUP_HEADER))
+        .alias("producer_group"),
+        F.when(is_marker, F.try_to_binary(marker["key"], F.lit("base64")))
+        .otherwise(F.col("key"))
+        .alias("key"),
+        F.when(is_marker, marker["op"]).alias("op"),
+        F.when(is_marker, marker["topic"]).otherwise(F.col("topic")).alias("target_topic"),
+        F.when(is_marker, marker["partition"])
+        .otherwise(F.col("partition"))
+        .alias("target_partition"),
+        F.when(is_marker, marker["offset"]).otherwise(F.col("offset")).alias("target_offset"),
+        F.when(is_marker, marker["commit_ts"].try_cast("timestamp")).alias("commit_ts"),
+        F.when(is_marker, F.coalesce(marker["v"], F.lit(1))).alias("_version"),
+    )
+    return obs.where(
+        F.col("outbox_id").isNotNull() & (F.col("_version").isNull() | (F.col("_version") == 1))
+    ).drop("_version")
+
+
+def copies(obs: DataFrame) -> DataFrame:
+    """The copies of records seen on the delivered topics."""
+    return obs.where(F.col("source") == RECORD).select(
+        "outbox_id", "topic", "partition", "offset", "ts", "key", "tx_id", "producer_group"
+    )
+
+
+def markers(obs: DataFrame) -> DataFrame:
+    """The op markers, with the position they claim for their record."""
+    return obs.where(F.col("source") == MARKER).select(
+        "outbox_id",
+        "op",
+        F.col("ts").alias("m_ts"),
+        F.col("target_topic").alias("m_topic"),
+        F.col("target_partition").alias("m_partition"),
+        F.col("target_offset").alias("m_offset"),
+        "commit_ts",
+        F.col("tx_id").alias("m_tx_id"),
+        F.col("producer_group").alias("m_producer_group"),
+    )
+
+
+def _position(topic: str, partition: str, offset: str) -> Column:
+    return F.struct(
+        F.col(topic).alias("topic"),
+        F.col(partition).alias("partition"),
+        F.col(offset).alias("offset"),
+    )
+
+
+def marker_facts(marker_rows: DataFrame) -> DataFrame:
+    """Per outbox id: its delivered markers, the position the first claims, its commit time."""
+    delivered = F.col("op") == Op.DELIVERED.value
+    return marker_rows.groupBy("outbox_id").agg(
+        F.count(F.when(delivered, 1)).alias("delivered_markers"),
+        F.min_by(
+            F.when(delivered, _position("m_topic", "m_partition", "m_offset")),
+            F.when(delivered, F.struct("m_ts", "m_offset")),
+        ).alias("marker_position"),
+        F.min(F.when(delivered, F.col("commit_ts"))).alias("marker_commit_ts"),
+        F.bool_or(F.col("op").isin(*NEVER_COMMITTED_OPS)).alias("never_committed_marker"),
+        F.first("m_producer_group", ignorenulls=True).alias("marker_producer_group"),
+        F.first("m_tx_id", ignorenulls=True).alias("marker_tx_id"),
+    )
+
+
+def _judged(col: str, window: JudgeWindow) -> Column:
+    return F.col(col).between(F.lit(window.lo), F.lit(window.hi))
+
+
+def classify_copies(
+    copy_rows: DataFrame,
+    ledger: DataFrame,
+    facts: DataFrame,
+    window: JudgeWindow,
+    *,
+    coverage_start: datetime | None,
+) -> DataFrame:
+    """Every copy with its canonical flag, its record's commit time and its finding, if any.
+
+    `coverage_start`: copies at or after it whose id the ledger does not know are orphans (the
+    ledger keeps every row since then); None when that cannot be known (no retention).
+    """
+    rows = ledger.select(
+        F.col("id").alias("outbox_id"),
+        "state",
+        F.col("topic").alias("l_topic"),
+        F.col("commit_time").alias("l_commit_time"),
+        F.col("kafka_partition").alias("l_partition"),
+        F.col("kafka_offset").alias("l_offset"),
+        F.col("producer_group").alias("l_producer_group"),
+        F.col("tx_id").alias("l_tx_id"),
+    )
+    c = copy_rows.join(rows, "outbox_id", "left").join(facts, "outbox_id", "left")
+
+    known = F.col("state").isNotNull()
+    delivered_markers = F.coalesce(F.col("delivered_markers"), F.lit(0))
+    never_committed_marker = F.coalesce(F.col("never_committed_marker"), F.lit(False))
+    ledger_position = F.when(
+        (F.col("state") == "delivered") & F.col("l_offset").isNotNull(),
+        _position("l_topic", "l_partition", "l_offset"),
+    )
+    claimed = F.coalesce(ledger_position, F.col("marker_position"))
+    # the same partitioning and order (frames may differ): Spark computes both in one pass
+    by_id = Window.partitionBy("outbox_id").orderBy("ts", "partition", "offset")
+    all_of_id = by_id.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    first_copy = F.row_number().over(by_id) == 1
+    canonical = F.when(
+        claimed.isNotNull(), claimed == _position("topic", "partition", "offset")
+    ).otherwise(first_copy)
+
+    never_committed = F.col("state").isin(*NEVER_COMMITTED_STATES) | (
+        ~known & never_committed_marker
+    )
+    unknown = ~known & (delivered_markers == 0) & ~never_committed_marker
+    covered = F.col("ts") >= F.lit(coverage_start) if coverage_start is not None else F.lit(False)
+    orphan_reason = (
+        F.when(
+            never_committed,
+            F.when(known, F.concat(F.lit("ledger_"), F.col("state"))).otherwise(
+                F.lit("never_committed_marker")
+            ),
+        )
+        .when(unknown & covered, F.lit("unknown_to_ledger"))
+        .when(known & (F.col("l_topic") != F.col("topic")), F.lit("wrong_topic"))
+    )
+    kind = (
+        F.when(orphan_reason.isNotNull(), F.lit("orphan"))
+        .when(~F.col("canonical"), F.lit("duplicate"))
+        .when(known & (delivered_markers == 0), F.lit("marker_mismatch"))
+    )
+    occurrence = F.when(F.col("kind") == "marker_mismatch", F.lit(RECORD_WITHOUT_MARKER)).when(
+        F.col("kind").isNotNull(),
+        F.concat_ws(":", F.col("partition").cast("string"), F.col("offset").cast("string")),
+    )
+    return (
+        c.withColumn("canonical", canonical)
+        .withColumn("claimed", claimed)
+        .withColumn("copies", F.count(F.lit(1)).over(all_of_id))
+        .withColumn("reason", orphan_reason)
+        .withColumn("kind", kind)
+        .withColumn("occurrence", occurrence)
+        .withColumn(
+            "commit_time",
+            F.coalesce(
+                F.when(F.col("state").isin(*COMMITTED_STATES), F.col("l_commit_time")),
+                F.col("marker_commit_ts"),
+            ),
+        )
+        .withColumn("delivered_markers", delivered_markers)
+        .withColumn("judged", _judged("ts", window))
+    )
+
+
+def copy_findings(classified: DataFrame) -> DataFrame:
+    """The orphan, duplicate and record_without_marker findings of the judged copies."""
+    found = classified.where(F.col("judged") & F.col("kind").isNotNull())
+    return found.select(
+        "kind",
+        "topic",
+        "outbox_id",
+        "occurrence",
+        F.coalesce("l_producer_group", "marker_producer_group", "producer_group").alias(
+            "producer_group"
+        ),
+        F.coalesce("l_tx_id", "marker_tx_id", "tx_id").alias("tx_id"),
+        F.col("partition").alias("kafka_partition"),
+        F.col("offset").alias("kafka_offset"),
+        F.col("ts").alias("event_time"),
+        F.to_json(
+            F.struct(
+                F.col("reason"),
+                F.col("state").alias("ledger_state"),
+                F.col("claimed.topic").alias("claimed_topic"),
+                F.col("claimed.partition").alias("claimed_partition"),
+                F.col("claimed.offset").alias("claimed_offset"),
+                F.col("copies"),
+                F.col("delivered_markers"),
+            )
+        ).alias("detail"),
+    )
+
+
+def missing_records(ledger: DataFrame, copy_rows: DataFrame, window: JudgeWindow) -> DataFrame:
+    """Committed or delivered ledger rows, due, of which no copy is on their topic.
+
+    A delivered row is due by its end (when the relay wrote its marker), a committed one by its
+    commit time; with `window.include_stuck` also committed rows from before the window.
+    """
+    seen = copy_rows.select(F.col("outbox_id").alias("id"), "topic")
+    due_at = F.when(F.col("state") == "delivered", F.coalesce("ended_at", "commit_time")).otherwise(
+        F.col("commit_time")
+    )
+    stuck = (F.col("state") == "committed") & (F.col("due_at") < F.lit(window.lo))
+    due = (F.col("due_at") <= F.lit(window.hi)) & (
+        (F.col("due_at") >= F.lit(window.lo)) | (F.lit(window.include_stuck) & stuck)
+    )
+    rows = (
+        ledger.where(F.col("state").isin(*COMMITTED_STATES))
+        .withColumn("due_at", due_at)
+        .where(due)
+        .join(seen, ["id", "topic"], "left_anti")
+    )
+    return rows.select(
+        F.lit("missing").alias("kind"),
+        "topic",
+        F.col("id").alias("outbox_id"),
+        F.lit("").alias("occurrence"),
+        "producer_group",
+        "tx_id",
+        "kafka_partition",
+        "kafka_offset",
+        F.col("due_at").alias("event_time"),
+        F.to_json(
+            F.struct(
+                F.col("state").alias("ledger_state"),
+                F.col("commit_time"),
+                F.col("ended_at"),
+                stuck.alias("stuck"),
+            )
+        ).alias("detail"),
+    )
+
+
+def markers_without_record(
+    marker_rows: DataFrame, copy_rows: DataFrame, ledger: DataFrame, window: JudgeWindow
+) -> DataFrame:
+    """Judged `delivered` markers without a copy on their topic, where the ledger cannot say
+    `missing` instead (no row any more, or a row that was never committed)."""
+    seen = copy_rows.select("outbox_id", F.col("topic").alias("m_topic"))
+    states = ledger.select(F.col("id").alias("outbox_id"), "state")
+    rows = (
+        marker_rows.where((F.col("op") == Op.DELIVERED.value) & _judged("m_ts", window))
+        .join(seen, ["outbox_id", "m_topic"], "left_anti")
+        .join(states, "outbox_id", "left")
+        .where(F.col("state").isNull() | ~F.col("state").isin(*COMMITTED_STATES))
+    )
+    return rows.select(
+        F.lit("marker_mismatch").alias("kind"),
+        F.col("m_topic").alias("topic"),
+        "outbox_id",
+        F.lit(MARKER_WITHOUT_RECORD).alias("occurrence"),
+        F.col("m_producer_group").alias("producer_group"),
+        F.col("m_tx_id").alias("tx_id"),
+        F.col("m_partition").alias("kafka_partition"),
+        F.col("m_offset").alias("kafka_offset"),
+        F.col("m_ts").alias("event_time"),
+        F.to_json(F.struct(F.col("state").alias("ledger_state"), F.col("commit_ts"))).alias(
+            "detail"
+        ),
+    )
+
+
+def out_of_order(classified: DataFrame) -> DataFrame:
+    """Judged canonical copies placed after a copy (same topic, partition, key) that committed
+    later. Of a swapped pair only the earlier-committed record is reported."""
+    order = F.struct(F.col("commit_time").alias("commit_time"), F.col("outbox_id").alias("id"))
+    before = (
+        Window.partitionBy("topic", "partition", "key")
+        .orderBy("offset")
+        .rowsBetween(Window.unboundedPreceding, -1)
+    )
+    rows = (
+        classified.where(
+            F.col("canonical") & F.col("key").isNotNull() & F.col("commit_time").isNotNull()
+        )
+        .withColumn("order", order)
+        .withColumn("later", F.max("order").over(before))
+        .where(F.col("judged") & (F.col("later") > F.col("order")))
+    )
+    return rows.select(
+        F.lit("out_of_order").alias("kind"),
+        "topic",
+        "outbox_id",
+        F.lit("").alias("occurrence"),
+        F.coalesce("l_producer_group", "marker_producer_group", "producer_group").alias(
+            "producer_group"
+        ),
+        F.coalesce("l_tx_id", "marker_tx_id", "tx_id").alias("tx_id"),
+        F.col("partition").alias("kafka_partition"),
+        F.col("offset").alias("kafka_offset"),
+        F.col("ts").alias("event_time"),
+        F.to_json(
+            F.struct(
+                F.col("commit_time"),
+                F.base64("key").alias("key"),
+                F.col("later.id").alias("placed_after_id"),
+                F.col("later.commit_time").alias("placed_after_commit_time"),
+            )
+        ).alias("detail"),
+    )
+
+
+def latency_windows(classified: DataFrame, window: JudgeWindow, size: timedelta) -> DataFrame:
+    """Per summary window of Kafka time inside the judged range: canonical copies and the
+    latency from commit to topic in milliseconds."""
+    latency = (F.unix_micros("ts") - F.unix_micros("commit_time")) / F.lit(1000.0)
+    rows = classified.where(F.col("canonical") & F.col("commit_time").isNotNull())
+    grouped = rows.groupBy(F.window("ts", spark_interval(size)).alias("w")).agg(
+        F.count(F.lit(1)).alias("records"),
+        F.percentile_approx(latency, [0.5, 0.95, 0.99], LATENCY_ACCURACY).alias("p"),
+        F.max(latency).alias("latency_max_ms"),
+    )
+    return grouped.where(
+        (F.col("w.start") >= F.lit(window.lo)) & (F.col("w.end") <= F.lit(window.hi))
+    ).select(
+        F.col("w.start").alias("window_start"),
+        F.col("w.end").alias("window_end"),
+        "records",
+        F.col("p")[0].cast("double").alias("latency_p50_ms"),
+        F.col("p")[1].cast("double").alias("latency_p95_ms"),
+        F.col("p")[2].cast("double").alias("latency_p99_ms"),
+        F.col("latency_max_ms").cast("double"),
+    )
+
+
+def judge(
+    obs: DataFrame,
+    ledger: DataFrame,
+    window: JudgeWindow,
+    *,
+    coverage_start: datetime | None,
+    summary_window: timedelta,
+) -> Judgement:
+    """All findings and summary windows of one judgement (see the module docstring).
+
+    `obs` holds each Kafka record once (the store writes each micro-batch to its own directory,
+    overwritten on replay; an audit reads each offset once).
+    """
+    copy_rows = copies(obs)
+    marker_rows = markers(obs)
+    classified = classify_copies(
+        copy_rows, ledger, marker_facts(marker_rows), window, coverage_start=coverage_start
+    )
+    findings = (
+        copy_findings(classified)
+        .unionByName(missing_records(ledger, copy_rows, window))
+        .unionByName(markers_without_record(marker_rows, copy_rows, ledger, window))
+        .unionByName(out_of_order(classified))
+    )
+    return Judgement(
+        findings=findings,
+        windows=latency_windows(classified, window, summary_window),
+        classified=classified,
+    )

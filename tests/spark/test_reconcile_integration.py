@@ -1,0 +1,348 @@
+"""The reconciliation job against the real broker and Postgres: a clean run, then five faults.
+
+The relay is not merged yet, so `RelayStandIn` plays it with the contract the relay keeps
+(relay/markers.py, outbox_record): records with the outbox headers plus their op markers in ONE
+Kafka transaction, then the rows marked delivered with commit_ts, ended_at and their position.
+When `relay.service.Relay` lands, `RelayStandIn.run_once` gives way to
+`Relay(settings).run_once()` (and real timestamps: sleep past the deadline instead of stamping
+the past); the injected faults keep using `deliver()` / `copy_again()`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+import pytest
+from confluent_kafka import KafkaException, Message, Producer
+
+import outbox
+from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, OpMarker
+from spark.findings import read_findings, read_windows
+from tests.fixtures.kafka import TIMEOUT_S
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+GROUP = "shop"
+DEADLINE = "5s"
+
+
+@dataclass(frozen=True)
+class Row:
+    id: int
+    producer_group: str
+    tx_id: str
+    topic: str
+    key: bytes | None
+    value: bytes | None
+
+
+class RelayStandIn:
+    """What the relay does for committed records, by the contract, at a chosen time `at`."""
+
+    def __init__(self, dsn: str, producer: Producer, marker_topic: str) -> None:
+        self.dsn = dsn
+        self.producer = producer
+        self.marker_topic = marker_topic
+
+    def pending(self) -> list[Row]:
+        with psycopg.connect(self.dsn) as conn:
+            rows = conn.execute(
+                "SELECT id, producer_group, tx_id, topic, key, value FROM outbox.outbox_record"
+                " WHERE state = 'committed' ORDER BY id"
+            ).fetchall()
+        return [Row(*r) for r in rows]
+
+    def run_once(self, at: datetime) -> int:
+        rows = self.pending()
+        self.deliver(rows, at=at)
+        return len(rows)
+
+    def deliver(
+        self,
+        rows: Sequence[Row],
+        *,
+        at: datetime,
+        copies: bool = True,
+        markers: bool = True,
+        claimed_offset: int | None = None,
+    ) -> None:
+        """Records (in the order given) and markers in one Kafka transaction, then the ledger.
+
+        Commit times follow the ids (the commit order); `copies=False` claims `claimed_offset`.
+        """
+        commit = {
+            r.id: at - timedelta(seconds=1) + timedelta(milliseconds=i)
+            for i, r in enumerate(sorted(rows, key=lambda r: r.id))
+        }
+        positions: dict[int, tuple[int, int]] = {}
+        self.producer.begin_transaction()
+        if copies:
+            delivered = self._produce(rows, at)
+            positions.update(delivered)
+        else:
+            positions.update({r.id: (0, claimed_offset or 10**6) for r in rows})
+        if markers:
+            for r in rows:
+                partition, offset = positions[r.id]
+                key, value = OpMarker(
+                    op=Op.DELIVERED,
+                    id=r.id,
+                    tx_id=r.tx_id,
+                    producer_group=r.producer_group,
+                    topic=r.topic,
+                    key=r.key,
+                    shard=0,
+                    partition=partition,
+                    offset=offset,
+                    commit_ts=commit[r.id],
+                    relay="stand-in",
+                    epoch=1,
+                ).encode()
+                self.producer.produce(self.marker_topic, value, key, timestamp=_ms(at))
+        self.producer.commit_transaction(TIMEOUT_S)
+        with psycopg.connect(self.dsn) as conn:
+            for r in rows:
+                conn.execute(
+                    "UPDATE outbox.outbox_record SET state = 'delivered', commit_ts = %s,"
+                    " ended_at = %s, kafka_partition = %s, kafka_offset = %s, state_changed_at = %s"
+                    " WHERE id = %s AND state = 'committed'",
+                    (commit[r.id], at + timedelta(milliseconds=10), *positions[r.id], at, r.id),
+                )
+
+    def copy_again(self, rows: Sequence[Row], at: datetime) -> None:
+        """Copies without markers or ledger changes, in a Kafka transaction of their own."""
+        self.producer.begin_transaction()
+        self._produce(rows, at)
+        self.producer.commit_transaction(TIMEOUT_S)
+
+    def _produce(self, rows: Sequence[Row], at: datetime) -> dict[int, tuple[int, int]]:
+        positions: dict[int, tuple[int, int]] = {}
+        errors: list[Any] = []
+
+        def report(outbox_id: int) -> Callable[[Any, Message], None]:
+            def on_delivery(err: Any, msg: Message) -> None:  # no headers in delivery reports
+                if err is not None:
+                    errors.append(err)
+                else:
+                    positions[outbox_id] = (msg.partition() or 0, msg.offset() or 0)
+
+            return on_delivery
+
+        for r in rows:
+            self.producer.produce(
+                r.topic,
+                r.value,
+                r.key,
+                headers=[(OUTBOX_ID_HEADER, str(r.id).encode()), (OUTBOX_TX_ID_HEADER, r.tx_id)],
+                timestamp=_ms(at),
+                on_delivery=report(r.id),
+            )
+        self.producer.flush(TIMEOUT_S)
+        if errors:
+            raise KafkaException(errors[0])
+        return positions
+
+
+def _ms(t: datetime) -> int:
+    return int(t.timestamp() * 1000)
+
+
+def publish(dsn: str, records: Sequence[outbox.Record]) -> list[Row]:
+    """One database transaction through the real library: committed ledger rows."""
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        written = outbox.Outbox(producer_group=GROUP).publish_many(conn, records)
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT id, producer_group, tx_id, topic, key, value FROM outbox.outbox_record"
+            " WHERE id = ANY(%s) ORDER BY id",
+            (list(written.ids),),
+        ).fetchall()
+    return [Row(*r) for r in rows]
+
+
+def reconcile(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]:
+    from spark.job import main
+
+    assert main([*argv, "--json"]) == 0
+    report: dict[str, Any] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return report
+
+
+def finding_keys(dsn: str) -> list[tuple[str, int, str]]:
+    return sorted((f.kind, f.outbox_id, f.occurrence) for f in read_findings(dsn))
+
+
+def test_clean_run_then_five_faults_each_reported_once(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    relay_factory: Callable[..., Any],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    orders, payments = topic_factory(partitions=2), topic_factory(partitions=1)
+    markers = topic_factory(partitions=2)
+    relay = RelayStandIn(pg_dsn, transactional_producer, markers)  # injects the faults
+    now = datetime.now(UTC)
+    clean_at, fault_at = now - timedelta(seconds=60), now - timedelta(seconds=30)
+
+    # A clean run: 3 transactions, 24 records, shared keys, two topics.
+    for t in range(3):
+        publish(
+            pg_dsn,
+            [
+                outbox.Record(orders if i % 3 else payments, {"t": t, "i": i}, key=f"c{i % 5}")
+                for i in range(8)
+            ],
+        )
+    # The real relay delivers them (keeping the ledger), then they age past the deadline.
+    real_relay = relay_factory(
+        op_marker_topic=markers, op_marker_partitions=2, delivered_retention="PT1H"
+    )
+    delivered, until = 0, time.monotonic() + 60
+    while delivered < 24:  # another transaction in the cluster may hold the horizon a moment
+        assert time.monotonic() < until, f"the relay delivered {delivered} of 24"
+        delivered += real_relay.run_once().delivered
+    time.sleep(timedelta(seconds=int(DEADLINE.removesuffix("s")) + 1).total_seconds())
+    base = [
+        "--dsn", pg_dsn, "--bootstrap", kafka_bootstrap, "--topics", f"{orders},{payments}",
+        "--marker-topic", markers, "--deadline", DEADLINE, "--summary-window", "10s",
+    ]  # fmt: skip
+    stream = [*base, "--checkpoint", str(tmp_path / "checkpoint"), "--once"]
+    clean = reconcile(capsys, stream)
+    assert (clean["copies"], clean["markers"]) == (24, 24)
+    assert clean["found"] == dict.fromkeys(clean["found"], 0)
+    assert read_findings(pg_dsn) == []
+    windows = read_windows(pg_dsn)
+    assert sum(w.records for w in windows) == 24
+    assert all(w.findings == dict.fromkeys(w.findings, 0) for w in windows)
+    assert all(w.latency_p50_ms is not None and w.latency_p50_ms >= 0 for w in windows)
+
+    # Five faults, by writing directly to Kafka and Postgres.
+    (dropped,) = publish(pg_dsn, [outbox.Record(orders, "dropped", key="f1")])
+    relay.deliver([dropped], at=fault_at, copies=False, markers=False)
+    first_clean = relay_rows(pg_dsn, orders)[0]
+    relay.copy_again([first_clean], at=fault_at)  # duplicate
+    with psycopg.connect(pg_dsn) as conn:
+        half = outbox.Outbox(producer_group=GROUP).prepare(conn, payments, "orphan", key="f3")
+        conn.commit()
+        outbox.Outbox(producer_group=GROUP).rollback(conn, half.tx_id)
+        conn.commit()
+    (orphan,) = [r for r in all_rows(pg_dsn) if r.id == half.ids[0]]
+    relay.copy_again([orphan], at=fault_at)
+    (unmarked,) = publish(pg_dsn, [outbox.Record(orders, "unmarked", key="f4")])
+    relay.deliver([unmarked], at=fault_at, markers=False)
+    (first,) = publish(pg_dsn, [outbox.Record(orders, "first", key="pair")])
+    (second,) = publish(pg_dsn, [outbox.Record(orders, "second", key="pair")])
+    relay.deliver([second, first], at=fault_at)  # the later commit goes out first
+
+    expected = sorted(
+        [
+            ("duplicate", first_clean.id),
+            ("marker_mismatch", unmarked.id),
+            ("missing", dropped.id),
+            ("orphan", orphan.id),
+            ("out_of_order", first.id),
+        ]
+    )
+    faults = reconcile(capsys, stream)
+    assert faults["found"] == dict.fromkeys(faults["found"], 1)
+    assert faults["new"] == faults["found"]
+    assert sorted((f.kind, f.outbox_id) for f in read_findings(pg_dsn)) == expected
+    before = {(f.kind, f.outbox_id): (f.id, f.detected_in) for f in read_findings(pg_dsn)}
+
+    # A restart that replays the last micro-batch (its commit is lost) repeats nothing.
+    commits = tmp_path / "checkpoint" / "commits"
+    last = max(int(p.name) for p in commits.iterdir() if p.name.isdigit())
+    for name in (str(last), f".{last}.crc"):  # the commit and Hadoop's checksum of it
+        (commits / name).unlink(missing_ok=True)
+    again = reconcile(capsys, stream)
+    assert again["new"] == dict.fromkeys(again["new"], 0)
+    assert {(f.kind, f.outbox_id): (f.id, f.detected_in) for f in read_findings(pg_dsn)} == before
+
+    # An audit of the same time with a batch read finds the same five, none new.
+    audit = reconcile(
+        capsys,
+        [*base, "--from", (clean_at - timedelta(seconds=5)).isoformat(),
+         "--to", (fault_at + timedelta(seconds=5)).isoformat()],
+    )  # fmt: skip
+    assert audit["found"] == faults["found"]
+    assert audit["new"] == dict.fromkeys(audit["new"], 0)
+    assert len(read_findings(pg_dsn)) == 5
+
+
+def all_rows(dsn: str) -> list[Row]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT id, producer_group, tx_id, topic, key, value FROM outbox.outbox_record"
+            " ORDER BY id"
+        ).fetchall()
+    return [Row(*r) for r in rows]
+
+
+def relay_rows(dsn: str, topic: str) -> list[Row]:
+    return [r for r in all_rows(dsn) if r.topic == topic]
+
+
+def test_continuous_job_reports_a_dropped_record_without_traffic(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    from spark.config import ReconcileSettings
+    from spark.job import ReconcileJob
+
+    orders, markers = topic_factory(), topic_factory()
+    settings = ReconcileSettings(
+        dsn=pg_dsn,
+        bootstrap_servers=kafka_bootstrap,
+        topics=(orders,),
+        marker_topic=markers,
+        deadline=timedelta(seconds=2),
+        trigger=timedelta(seconds=1),
+        horizon=timedelta(minutes=2),
+        checkpoint=str(tmp_path / "checkpoint"),
+    )
+    job = ReconcileJob(settings, spark)
+    job.start()
+    job.start()  # a second start does nothing
+    try:
+        deadline = time.monotonic() + 90
+        while job.last_report is None:  # the query's first micro-batch has been judged
+            assert time.monotonic() < deadline, "the job did not judge its first micro-batch"
+            time.sleep(0.2)
+        (dropped,) = publish(pg_dsn, [outbox.Record(orders, "lost", key="k")])
+        with psycopg.connect(pg_dsn) as conn:  # the relay says delivered; Kafka has nothing
+            conn.execute(
+                "UPDATE outbox.outbox_record SET state = 'delivered', commit_ts = now(),"
+                " ended_at = now(), kafka_partition = 0, kafka_offset = 0 WHERE id = %s",
+                (dropped.id,),
+            )
+        deadline = time.monotonic() + 90
+        while not read_findings(pg_dsn, kinds=["missing"]):  # no traffic: an idle tick finds it
+            assert time.monotonic() < deadline, "the dropped record was not reported"
+            time.sleep(0.5)
+    finally:
+        job.stop()
+        job.stop()  # so does a second stop
+    (finding,) = read_findings(pg_dsn)
+    assert (finding.kind, finding.outbox_id, finding.detected_in) == ("missing", dropped.id, "tick")
+
+
+def test_reading_findings_of_an_unmigrated_schema_says_what_to_do(pg_dsn: str) -> None:
+    from spark import ReconcileConfigError
+
+    with pytest.raises(ReconcileConfigError, match="outboxctl migrate"):
+        read_findings(pg_dsn, schema="not_migrated")

@@ -1,0 +1,244 @@
+"""The reconciliation's DataFrame transformations on a few in-memory rows (one JVM for all)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, OpMarker
+from spark.config import JudgeWindow
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+T = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+TOPIC = "orders"
+MARKERS = "outbox.op-markers"
+DEAD_LETTER = "outbox.dead-letter"
+DEADLINE = timedelta(seconds=60)
+HORIZON = timedelta(minutes=15)
+STREAM_WINDOW = JudgeWindow.streaming(T + timedelta(minutes=10), DEADLINE, HORIZON)
+
+
+def s(seconds: float) -> datetime:
+    return T + timedelta(seconds=seconds)
+
+
+class Kafka:
+    """Rows as Spark's Kafka source gives them, with per-topic offsets."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[Any, ...]] = []
+        self.marker_offset = 0
+
+    def copy(
+        self, outbox_id: int | None, offset: int, at: datetime, key: bytes | None = b"k"
+    ) -> None:
+        headers = (
+            [(OUTBOX_ID_HEADER, str(outbox_id).encode()), (OUTBOX_TX_ID_HEADER, b"tx")]
+            if outbox_id is not None
+            else []
+        )
+        self.rows.append((key, b"value", TOPIC, 0, offset, at, 0, headers))
+
+    def marker(
+        self,
+        outbox_id: int,
+        at: datetime,
+        *,
+        offset: int | None,
+        commit: datetime | None,
+        op: Op = Op.DELIVERED,
+        key: bytes | None = b"k",
+    ) -> None:
+        marker = OpMarker(
+            op=op,
+            id=outbox_id,
+            tx_id="tx",
+            producer_group="orders-service",
+            topic=TOPIC,
+            key=key,
+            shard=0,
+            partition=0 if offset is not None else None,
+            offset=offset,
+            commit_ts=commit,
+            relay="relay-1",
+            epoch=1,
+        )
+        k, v = marker.encode()
+        self.rows.append((k, v, MARKERS, 0, self.marker_offset, at, 0, []))
+        self.marker_offset += 1
+
+    def raw(self, topic: str, value: bytes, headers: list[tuple[str, bytes]], at: datetime) -> None:
+        self.rows.append((None, value, topic, 0, 1000 + len(self.rows), at, 0, headers))
+
+    def frame(self, spark: SparkSession) -> DataFrame:
+        from spark.transform import KAFKA_SCHEMA
+
+        return spark.createDataFrame(self.rows, KAFKA_SCHEMA)
+
+
+def ledger_row(
+    outbox_id: int,
+    state: str,
+    commit: datetime | None,
+    ended: datetime | None = None,
+    offset: int | None = None,
+    key: bytes | None = b"k",
+) -> tuple[Any, ...]:
+    return (
+        outbox_id,
+        "orders-service",
+        "tx",
+        TOPIC,
+        key,
+        state,
+        commit,
+        ended,
+        0 if offset is not None else None,
+        offset,
+    )
+
+
+def scenario(spark: SparkSession) -> tuple[DataFrame, DataFrame]:
+    """Each id one case; see the expected findings in test_judge_finds_each_kind_once."""
+    from spark.transform import LEDGER_SCHEMA, observations
+
+    kafka, ledger = Kafka(), []
+    # 1 clean: ledger, marker and copy agree
+    ledger.append(ledger_row(1, "delivered", s(0), s(1), offset=0, key=b"k1"))
+    kafka.copy(1, 0, s(1), key=b"k1")
+    kafka.marker(1, s(1), offset=0, commit=s(0), key=b"k1")
+    # 2 missing: the ledger says delivered at offset 99, nothing is there
+    ledger.append(ledger_row(2, "delivered", s(2), s(3), offset=99, key=b"k2"))
+    # 3 duplicate: a second copy at offset 5, a minute later
+    ledger.append(ledger_row(3, "delivered", s(3), s(4), offset=1, key=b"k3"))
+    kafka.copy(3, 1, s(4), key=b"k3")
+    kafka.marker(3, s(4), offset=1, commit=s(3), key=b"k3")
+    kafka.copy(3, 5, s(60), key=b"k3")
+    # 4 orphan: rolled back in the ledger, yet on the topic (its dead-letter copy is ignored)
+    ledger.append(ledger_row(4, "rolled_back", None, key=b"k4"))
+    kafka.copy(4, 2, s(5), key=b"k4")
+    kafka.raw(DEAD_LETTER, b"x", [(OUTBOX_ID_HEADER, b"4")], s(5))
+    # 5 marker_mismatch: on the topic and delivered in the ledger, no marker
+    ledger.append(ledger_row(5, "delivered", s(5), s(6), offset=3, key=b"k5"))
+    kafka.copy(5, 3, s(6), key=b"k5")
+    # 6, 7 out_of_order: same key; 6 committed first but sits after 7
+    ledger.append(ledger_row(6, "delivered", s(7), s(10), offset=6, key=b"pair"))
+    ledger.append(ledger_row(7, "delivered", s(8), s(9), offset=4, key=b"pair"))
+    kafka.copy(7, 4, s(9), key=b"pair")
+    kafka.marker(7, s(9), offset=4, commit=s(8), key=b"pair")
+    kafka.copy(6, 6, s(10), key=b"pair")
+    kafka.marker(6, s(10), offset=6, commit=s(7), key=b"pair")
+    # 8 marker_mismatch: a delivered marker, no copy, no ledger row any more
+    kafka.marker(8, s(11), offset=50, commit=s(10), key=b"k8")
+    # 9 orphan: an id the ledger does not know, after the coverage start
+    kafka.copy(9, 7, s(12), key=b"k9")
+    # 10 not due yet: committed 10 s before as_of
+    ledger.append(ledger_row(10, "committed", STREAM_WINDOW.as_of - timedelta(seconds=10)))
+    # 11 unknown, but from before the coverage start: cannot be judged
+    kafka.copy(11, 8, s(5), key=b"k11")
+    # 12 stuck: still committed from long before the window
+    ledger.append(ledger_row(12, "committed", s(-600), key=b"k12"))
+    # 13 a delivered marker without copy while the ledger has the row: missing, not mismatch
+    ledger.append(ledger_row(13, "delivered", s(13), s(14), offset=77, key=b"k13"))
+    kafka.marker(13, s(14), offset=77, commit=s(13), key=b"k13")
+    # 14 clean while the relay has not marked the row delivered yet
+    ledger.append(ledger_row(14, "committed", s(14.5), key=b"k14"))
+    kafka.copy(14, 9, s(15), key=b"k14")
+    kafka.marker(14, s(15), offset=9, commit=s(14.5), key=b"k14")
+    # noise: a record of another producer, a malformed marker
+    kafka.raw(TOPIC, b"not ours", [], s(16))
+    kafka.raw(MARKERS, b"{not json", [], s(16))
+
+    obs = observations(kafka.frame(spark), marker_topic=MARKERS, ignored_topics=(DEAD_LETTER,))
+    return obs, spark.createDataFrame(ledger, LEDGER_SCHEMA)
+
+
+def test_observations_parse_copies_and_markers(spark: SparkSession) -> None:
+    from spark.transform import MARKER, OBSERVATION_SCHEMA, RECORD
+
+    obs, _ = scenario(spark)
+    assert [f.name for f in obs.schema.fields] == [f.name for f in OBSERVATION_SCHEMA.fields]
+    rows = {(r.source, r.outbox_id, r.offset): r for r in obs.collect()}
+    # the dead-letter copy, the foreign record and the malformed marker are gone
+    assert {r.topic for r in rows.values()} == {TOPIC, MARKERS}
+    assert sum(1 for r in rows.values() if r.source == RECORD) == 10
+    copy = rows[(RECORD, 1, 0)]
+    assert (copy.tx_id, copy.key, copy.target_offset, copy.op) == ("tx", b"k1", 0, None)
+    marker = next(r for r in rows.values() if r.source == MARKER and r.outbox_id == 7)
+    assert (marker.op, marker.key, marker.target_topic, marker.target_offset) == (
+        "delivered",
+        b"pair",
+        TOPIC,
+        4,
+    )
+    assert marker.producer_group == "orders-service"
+    assert marker.commit_ts is not None
+
+
+def findings_of(
+    obs: DataFrame, ledger: DataFrame, window: JudgeWindow
+) -> dict[tuple[str, int, str], dict[str, Any]]:
+    from spark.transform import judge
+
+    judgement = judge(
+        obs, ledger, window, coverage_start=s(11), summary_window=timedelta(minutes=1)
+    )
+    return {(r.kind, r.outbox_id, r.occurrence): r.asDict() for r in judgement.findings.collect()}
+
+
+def test_judge_finds_each_kind_once(spark: SparkSession) -> None:
+    from spark.transform import judge
+
+    obs, ledger = scenario(spark)
+    judgement = judge(
+        obs, ledger, STREAM_WINDOW, coverage_start=s(11), summary_window=timedelta(minutes=1)
+    )
+    found = {(r.kind, r.outbox_id, r.occurrence): r.asDict() for r in judgement.findings.collect()}
+    assert sorted(found) == sorted(
+        [
+            ("missing", 2, ""),
+            ("duplicate", 3, "0:5"),
+            ("orphan", 4, "0:2"),
+            ("marker_mismatch", 5, "record_without_marker"),
+            ("out_of_order", 6, ""),
+            ("marker_mismatch", 8, "marker_without_record"),
+            ("orphan", 9, "0:7"),
+            ("missing", 12, ""),
+            ("missing", 13, ""),
+        ]
+    )
+    missing = found[("missing", 2, "")]
+    assert (missing["topic"], missing["kafka_offset"], missing["producer_group"]) == (
+        TOPIC,
+        99,
+        "orders-service",
+    )
+    assert json.loads(found[("missing", 12, "")]["detail"])["stuck"] is True
+    duplicate = json.loads(found[("duplicate", 3, "0:5")]["detail"])
+    assert (duplicate["claimed_offset"], duplicate["copies"]) == (1, 2)
+    assert json.loads(found[("orphan", 4, "0:2")]["detail"])["reason"] == "ledger_rolled_back"
+    assert json.loads(found[("orphan", 9, "0:7")]["detail"])["reason"] == "unknown_to_ledger"
+    assert json.loads(found[("out_of_order", 6, "")]["detail"])["placed_after_id"] == 7
+    assert found[("marker_mismatch", 8, "marker_without_record")]["kafka_offset"] == 50
+
+    (window,) = judgement.windows.selectExpr("unix_micros(window_start) AS start_us", "*").collect()
+    # canonical copies with a known commit time delivered in [T, T+1m): ids 1, 3, 5, 6, 7, 14
+    assert (window.start_us, window.records) == (int(T.timestamp()) * 1_000_000, 6)
+    assert window.latency_p50_ms == 1000.0
+    assert window.latency_max_ms == 3000.0
+
+    # An audit of a past window reports no stuck rows from before it, and nothing not yet due.
+    audit = JudgeWindow.audit(s(0), s(30), now=s(60), deadline=timedelta(seconds=20))
+    audited = findings_of(obs, ledger, audit)
+    assert ("missing", 12, "") not in audited
+    assert ("duplicate", 3, "0:5") not in audited  # its copy came at T+60, after the window
+    assert ("missing", 2, "") in audited
+
+
+def test_nothing_is_judged_before_its_deadline(spark: SparkSession) -> None:
+    obs, ledger = scenario(spark)
+    early = JudgeWindow.streaming(s(20), DEADLINE, HORIZON)  # judges up to T-40s only
+    assert set(findings_of(obs, ledger, early)) == {("missing", 12, "")}

@@ -1,0 +1,234 @@
+"""The reconciliation job's pure-Python parts: settings, time windows, command line, SQL, report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+import spark
+from spark import _sql
+from spark.config import (
+    JudgeWindow,
+    ReconcileSettings,
+    jdbc_target,
+    parse_duration,
+    parse_time,
+    spark_interval,
+)
+from spark.findings import read_findings
+
+T = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+BASE = {
+    "dsn": "postgresql://u:secret@db:5432/app",
+    "bootstrap_servers": "k:9092",
+    "topics": ("orders",),
+    "checkpoint": "/tmp/cp",
+}
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 90), ("1.5", 1.5), ("500ms", 0.5), ("30s", 30), ("5m", 300), ("1h", 3600),
+     ("2d", 172800), ("1m30s", 90), (" 10 s ", 10)],
+)  # fmt: skip
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize("text", ["", "s", "5x", "5m3", "m5", "1h 2q"])
+def test_parse_duration_refuses(text: str) -> None:
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration(text)
+
+
+def test_parse_time_and_spark_interval() -> None:
+    assert parse_time("2026-01-01T12:00:00Z") == T
+    assert parse_time("2026-01-01T12:00:00") == T  # no zone: UTC
+    assert parse_time("2026-01-01T13:00:00+01:00") == T
+    assert spark_interval(timedelta(seconds=1.5)) == "1500 milliseconds"
+
+
+def test_jdbc_target_from_a_dsn() -> None:
+    url, props = jdbc_target("postgresql://app:s3cret@db.example:6543/shop?sslmode=require")
+    assert url == "jdbc:postgresql://db.example:6543/shop"
+    assert props == {
+        "driver": "org.postgresql.Driver",
+        "user": "app",
+        "password": "s3cret",
+        "sslmode": "require",
+        "connectTimeout": "10",
+    }
+    url, props = jdbc_target("host=a,b port=5433 dbname=x user=u application_name=rec")
+    assert url == "jdbc:postgresql://a:5433,b:5433/x"
+    assert props["ApplicationName"] == "rec"
+    assert "s3cret" not in url
+
+
+def test_jdbc_target_refuses_a_unix_socket() -> None:
+    with pytest.raises(spark.ReconcileConfigError, match="Unix socket"):
+        jdbc_target("host=/var/run/postgresql dbname=x")
+
+
+def test_settings_render_the_kafka_source() -> None:
+    by_name = ReconcileSettings(**BASE, kafka_options={"security.protocol": "SASL_SSL"})
+    options = by_name.kafka_source_options()
+    assert options["subscribe"] == "orders,outbox.op-markers"
+    assert options["kafka.isolation.level"] == "read_committed"
+    assert options["includeHeaders"] == "true"
+    assert options["kafka.security.protocol"] == "SASL_SSL"
+    by_pattern = ReconcileSettings(**{**BASE, "topics": (), "topic_pattern": r"orders\..*"})
+    assert by_pattern.kafka_source_options()["subscribePattern"] == (
+        r"(?:orders\..*)|\Qoutbox.op-markers\E"
+    )
+    assert "secret" not in repr(by_name)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"topics": ()}, "either by name or by pattern"),
+        ({"topic_pattern": "x.*"}, "either by name or by pattern"),
+        ({"topics": ("outbox.op-markers",)}, "not a delivered topic"),
+        ({"checkpoint": None}, "needs a checkpoint"),
+        ({"audit_from": T}, "both --from and --to"),
+        ({"audit_from": T, "audit_to": T}, "before --to"),
+        ({"deadline": timedelta(minutes=10)}, "two deadlines"),
+        ({"trigger": timedelta(0)}, "positive"),
+        ({"schema_name": "bad-name"}, "identifier"),
+    ],
+)
+def test_settings_refuse_what_cannot_work(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ReconcileSettings(**{**BASE, **change})
+
+
+def test_an_audit_needs_no_checkpoint() -> None:
+    settings = ReconcileSettings(
+        **{**BASE, "checkpoint": None, "audit_from": T, "audit_to": T + timedelta(hours=1)}
+    )
+    assert settings.audit
+
+
+def test_streaming_window() -> None:
+    w = JudgeWindow.streaming(T, timedelta(seconds=60), timedelta(minutes=15))
+    assert (w.store_low, w.lo, w.hi) == (
+        T - timedelta(minutes=15),
+        T - timedelta(minutes=14),
+        T - timedelta(seconds=60),
+    )
+    assert w.include_stuck
+    assert not w.empty
+
+
+def test_audit_window_waits_for_the_deadline() -> None:
+    d = timedelta(seconds=60)
+    past = JudgeWindow.audit(T, T + timedelta(hours=1), now=T + timedelta(days=1), deadline=d)
+    assert (past.lo, past.hi, past.as_of) == (T, T + timedelta(hours=1), T + timedelta(hours=1) + d)
+    assert not past.include_stuck
+    ongoing = JudgeWindow.audit(
+        T, T + timedelta(hours=1), now=T + timedelta(minutes=30), deadline=d
+    )
+    assert ongoing.hi == T + timedelta(minutes=29)  # only what is due
+    with pytest.raises(spark.ReconcileConfigError, match="nothing to audit yet"):
+        JudgeWindow.audit(T, T + timedelta(hours=1), now=T + timedelta(seconds=30), deadline=d)
+
+
+def test_command_line_to_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spark.job import build_parser, settings_from_args
+
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://u@db/app")
+    args = build_parser().parse_args(
+        ["--bootstrap", "k:9092", "--topic-pattern", "orders.*", "--deadline", "30s",
+         "--trigger", "5s", "--checkpoint", "s3a://b/cp", "--once", "--kafka-option",
+         "security.protocol=SSL", "--ignore-topic", "dlq", "--jars", "a.jar,b.jar"]
+    )  # fmt: skip
+    settings = settings_from_args(args)
+    assert settings.dsn.get_secret_value() == "postgresql://u@db/app"
+    assert (settings.deadline, settings.trigger) == (timedelta(seconds=30), timedelta(seconds=5))
+    assert (settings.once, settings.ignored_topics, settings.jars) == (
+        True,
+        ("dlq",),
+        ("a.jar", "b.jar"),
+    )
+    assert settings.kafka_options == {"security.protocol": "SSL"}
+    args = build_parser().parse_args(
+        ["--bootstrap", "k", "--topics", "a,b", "--from", "2026-01-01T00:00:00Z",
+         "--to", "2026-01-02T00:00:00Z"]
+    )  # fmt: skip
+    audit = settings_from_args(args)
+    assert audit.audit
+    assert (audit.topics, audit.checkpoint) == (("a", "b"), None)
+
+
+def test_command_line_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from spark.job import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--dsn", "postgresql://x", "--bootstrap", "k", "--topics", "a"])
+    assert exited.value.code == 2
+    assert "needs a checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--dsn", "x", "--bootstrap", "k", "--topics", "a", "--deadline", "soon"])
+
+
+def test_every_query_renders() -> None:
+    names = list(_sql._queries())
+    assert {"ledger_window", "merge_findings", "read_findings", "read_windows"} <= set(names)
+    text = _sql.text("ledger_window", "my_schema", ended_from=T, ended_until=T)
+    assert '"my_schema".outbox_record' in text
+    assert "'2026-01-01 12:00:00+00:00'::timestamptz" in text
+    for name in names:
+        if name != "ledger_window":
+            assert "{" not in _sql.query(name, "s").as_string(None)
+
+
+def test_read_findings_refuses_unknown_kinds_before_connecting() -> None:
+    with pytest.raises(ValueError, match="unknown finding kinds"):
+        read_findings("postgresql://nowhere.invalid/x", kinds=["missing", "lost"])
+
+
+def test_report_text_and_json() -> None:
+    from spark.job import RunReport
+
+    window = JudgeWindow.streaming(T, timedelta(seconds=60), timedelta(minutes=15))
+    report = RunReport(
+        detected_in="final",
+        window=window,
+        copies=1200,
+        markers=1190,
+        ledger_rows=1205,
+        found={"missing": 2, "duplicate": 1},
+        new={"missing": 1},
+        windows=[
+            {"window_start": T, "window_end": T + timedelta(minutes=1), "records": 1190,
+             "latency_p50_ms": 12.0, "latency_p95_ms": 30.5, "latency_p99_ms": 48.0,
+             "latency_max_ms": 210.0}
+        ],
+    )  # fmt: skip
+    text = report.format()
+    assert "1,200 copies" in text
+    assert "findings  3 (1 new)  missing 2  duplicate 1  orphan 0" in text
+    assert "p99 48.0 ms" in text
+    as_json = json.loads(json.dumps(report.as_dict()))
+    assert as_json["found"]["orphan"] == 0
+    assert as_json["new"]["missing"] == 1
+    assert as_json["windows"][0]["window_start"] == T.isoformat()
+
+
+def test_public_surface_is_complete_and_needs_no_pyspark() -> None:
+    public = {
+        name
+        for name, value in vars(spark).items()
+        if not name.startswith("_")
+        and getattr(value, "__module__", "spark").startswith("spark")
+        and not isinstance(value, type(sys))
+    }
+    assert set(spark.__all__) >= public
+    assert all(hasattr(spark, name) for name in spark.__all__)
+    # `outboxctl findings` must work where PySpark is not installed
+    code = "import sys, spark, spark.findings; assert 'pyspark' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
