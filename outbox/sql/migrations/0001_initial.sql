@@ -64,9 +64,10 @@ CREATE TABLE {schema}.outbox_record (
 -- The relay stamps commit times of committed rows that are not stamped yet...
 CREATE INDEX outbox_record_unstamped_idx
     ON {schema}.outbox_record (committed_xid) WHERE state = 'committed' AND commit_ts IS NULL;
--- ...and claims stamped rows in commit order.
+-- ...and claims stamped rows in commit order: the index is that order, so a claim reads its
+-- batch off the index instead of sorting the whole backlog.
 CREATE INDEX outbox_record_committed_idx
-    ON {schema}.outbox_record (commit_ts, id) WHERE state = 'committed';
+    ON {schema}.outbox_record (commit_ts, committed_xid, id) WHERE state = 'committed';
 -- Rolled back, discarded and parked rows wait for their op marker (and dead-letter copy).
 CREATE INDEX outbox_record_unmarked_idx
     ON {schema}.outbox_record (id)
