@@ -1,10 +1,10 @@
 """Reconciliation throughput on local[2], against the relay's rate, and the detection delay.
 
 One run, one scratch database, one broker, N records of 1 KiB on a 3-partition topic:
-  baseline   BASELINE, A STAND-IN FOR THE RELAY (not merged yet): a raw confluent-kafka
-             transactional produce of the N records with their outbox headers and their N op
-             markers, 500 records per transaction, no Postgres. `relay_rate()` is the hook where
-             the relay's own rate plugs in; it reports null until then.
+  baseline   a raw confluent-kafka transactional produce of the N records with their outbox
+             headers and their N op markers, 500 records per transaction, no Postgres (it also
+             writes the data the reconciliation reads).
+  relay      the relay's own rate: `relay_rate()`, a real relay process draining N records.
   reconcile  the job with Trigger.AvailableNow on local[2] (shuffle partitions 2) over those N
              records, their markers and their N ledger rows: records reconciled per second,
              cold (the first query in the JVM) and warm (same data, a fresh checkpoint).
@@ -42,14 +42,15 @@ KEYS = 1000
 
 
 def relay_rate(dsn: str, bootstrap: str, records: int) -> float | None:
-    """HOOK for the relay's throughput (records/s) in this same run; None until it is merged.
+    """The relay's own throughput (records/s) in this same run, on the same broker.
 
-    When `relay.service.Relay` lands: fill the outbox with `records` committed rows (as
-    bench/relay.py's `fill_outbox` does), run `Relay(settings).run_once()` until nothing is
-    left, and return records / elapsed seconds. The JSON line then carries it beside the
-    stand-in baseline and the reconcile/relay ratio.
+    bench/relay.py's drain: `records` committed rows in a scratch database of their own (this
+    run's `dsn` holds the reconciliation's ledger), a real `outboxctl relay` process.
     """
-    return None
+    from bench.relay import drain
+
+    with scratch_database() as relay_dsn:
+        return drain(relay_dsn, bootstrap, records)[0]
 
 
 def create_topics(bootstrap: str, *names_partitions: tuple[str, int]) -> None:
