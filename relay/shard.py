@@ -69,6 +69,14 @@ class Row:
     commit_ts: datetime | None = None
     reason: str | None = None
 
+    @classmethod
+    def from_db(cls, r: tuple[Any, ...], **rest: Any) -> Row:
+        """From a query row whose first columns are those of relay.sql's record queries."""
+        return cls(
+            id=r[0], producer_group=r[1], tx_id=r[2], topic=r[3], key=r[4], value=r[5],
+            headers=r[6], partition=r[7], key_hash=r[8], **rest,
+        )  # fmt: skip
+
     def kafka_headers(self) -> list[tuple[str, bytes | None]]:
         given = [(n or "", None if v is None else base64.b64decode(v)) for n, v in self.headers]
         return [
@@ -229,20 +237,7 @@ class ShardWorker:
             ).fetchall()
             by_tx: dict[str, list[Row]] = {}
             for r in rows:
-                row = Row(
-                    id=r[0],
-                    producer_group=r[1],
-                    tx_id=r[2],
-                    topic=r[3],
-                    key=r[4],
-                    value=r[5],
-                    headers=r[6],
-                    partition=r[7],
-                    key_hash=r[8],
-                    state="committed",
-                    committed_xid=r[9],
-                    commit_ts=r[10],
-                )
+                row = Row.from_db(r, state="committed", committed_xid=r[9], commit_ts=r[10])
                 by_tx.setdefault(row.committed_xid or "", []).append(row)
             count = 0
             for xid, ts in order:
@@ -257,21 +252,7 @@ class ShardWorker:
             self._q("relay_unmarked"),
             {"shard": self.shard, "shards": s.shards, "limit": s.batch_size},
         ):
-            batch.ended.append(
-                Row(
-                    id=r[0],
-                    producer_group=r[1],
-                    tx_id=r[2],
-                    topic=r[3],
-                    key=r[4],
-                    value=r[5],
-                    headers=r[6],
-                    partition=r[7],
-                    key_hash=r[8],
-                    state=r[9],
-                    reason=r[10],
-                )
-            )
+            batch.ended.append(Row.from_db(r, state=r[9], reason=r[10]))
         return batch
 
     def _may_send(
