@@ -49,11 +49,9 @@ class OutcomeUnknown(Exception):
 class Sent:
     """One produced record and, once its delivery report arrived, where it went or why not."""
 
-    index: int
     partition: int | None = None
     offset: int | None = None
     error: KafkaError | None = None
-    done: bool = False
 
 
 class ShardProducer:
@@ -100,10 +98,9 @@ class ShardProducer:
         partition: int | None = None,
     ) -> Sent:
         """Produce one record; raises KafkaException at once for what librdkafka refuses locally."""
-        sent = Sent(index=len(self._sent))
+        sent = Sent()
 
         def report(err: KafkaError | None, msg: Message) -> None:
-            sent.done = True
             sent.error = err
             if err is None:
                 sent.partition, sent.offset = msg.partition(), msg.offset()

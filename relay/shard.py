@@ -94,10 +94,6 @@ class ShardRound:
     parked: int = 0
     full: bool = False  # the claim hit the batch size: more is waiting
 
-    @property
-    def did_work(self) -> bool:
-        return bool(self.delivered or self.ended or self.parked)
-
 
 @dataclass
 class _Batch:
@@ -304,7 +300,9 @@ class ShardWorker:
         for row in ended:
             if row.state in ("discarded", "parked"):
                 sent[row.id] = self._send_dead_letter(row)
-        for row_id, report in _failed(sent, self.producer.flush()).items():
+        self.producer.flush()
+        failed = {row_id: s for row_id, s in sent.items() if s.error is not None}
+        for row_id, report in failed.items():
             if report.error is not None and report.error.code() in PERMANENT_RECORD_ERRORS:
                 poison[row_id] = f"refused by the broker: {report.error.str()}"
             else:
@@ -449,8 +447,3 @@ class ShardWorker:
 
     def close(self) -> None:
         self.producer.close()
-
-
-def _failed(sent: dict[int, Sent], failures: list[Sent]) -> dict[int, Sent]:
-    failed_ids = {id(f) for f in failures}
-    return {row_id: s for row_id, s in sent.items() if id(s) in failed_ids}
