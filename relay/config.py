@@ -115,7 +115,7 @@ class RelaySettings(BaseModel):
     op_marker_partitions: int = Field(default=4, ge=1)
     op_marker_retention: timedelta = timedelta(days=7)
     dead_letter_topic: str = "outbox.dead-letter"
-    batch_size: int = Field(default=500, ge=1, le=100_000)
+    batch_size: int = Field(default=1000, ge=1, le=100_000)
     linger: timedelta = Field(
         default=timedelta(milliseconds=0), description="Wait this long to fill a batch."
     )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,10 +47,11 @@ class OutcomeUnknown(Exception):
     """commit_transaction failed in a way that leaves its outcome unknown: recover from markers."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Sent:
     """One produced record and, once its delivery report arrived, where it went or why not."""
 
+    tag: Any = None  # the caller's: what this record stands for
     partition: int | None = None
     offset: int | None = None
     error: KafkaError | None = None
@@ -72,6 +75,7 @@ class ShardProducer:
         }
         self._producer: Producer | None = None
         self._sent: list[Sent] = []
+        self._reported: deque[Sent] = deque()
 
     def init(self) -> None:
         """(Re)create the producer and init transactions: fences any older instance of us."""
@@ -87,6 +91,7 @@ class ShardProducer:
 
     def begin(self) -> None:
         self._sent = []
+        self._reported.clear()
         self._call(self.producer.begin_transaction)
 
     def send(
@@ -96,14 +101,17 @@ class ShardProducer:
         key: bytes | None,
         headers: list[tuple[str, bytes | None]],
         partition: int | None = None,
+        tag: Any = None,
     ) -> Sent:
         """Produce one record; raises KafkaException at once for what librdkafka refuses locally."""
-        sent = Sent()
+        sent = Sent(tag)
+        reported = self._reported
 
         def report(err: KafkaError | None, msg: Message) -> None:
             sent.error = err
             if err is None:
                 sent.partition, sent.offset = msg.partition(), msg.offset()
+            reported.append(sent)
 
         kwargs: dict[str, Any] = {
             "value": value,
@@ -122,12 +130,26 @@ class ShardProducer:
         self._sent.append(sent)
         return sent
 
-    def flush(self) -> list[Sent]:
-        """Wait for every delivery report of this transaction; return what failed."""
-        remaining = self.producer.flush(self.timeout_s)
-        if remaining:
-            raise OutcomeUnknown(f"{remaining} records had no delivery report in {self.timeout_s}s")
-        return [s for s in self._sent if s.error is not None]
+    def reports(self) -> Iterator[Sent]:
+        """Each record of this transaction as its delivery report arrives, until all have one.
+
+        Records the caller sends while iterating are waited for too: a caller can send what
+        depends on a report (an op marker needs its record's offset) without a second flush.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        done = 0
+        while done < len(self._sent):
+            while self._reported:
+                done += 1
+                yield self._reported.popleft()
+            if done >= len(self._sent):
+                break
+            if time.monotonic() > deadline:
+                raise OutcomeUnknown(
+                    f"{len(self._sent) - done} records had no delivery report in {self.timeout_s}s"
+                )
+            # flush, not poll: a flush sends what is queued at once instead of after linger.ms
+            self.producer.flush(0.1)
 
     def commit(self) -> None:
         """Commit; retriable errors are retried within the timeout, then the outcome is unknown."""

@@ -25,6 +25,7 @@ from relay.config import SidecarSettings
 from relay.kafka import Fenced, OutcomeUnknown, Topics
 from relay.leases import LeaseManager
 from relay.shard import LeaseLost, ShardRound, ShardWorker
+from relay.sharding import shard_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,18 @@ class Relay:
         metrics.SHARDS_OWNED.set(len(self.workers))
         self._last_heartbeat = time.monotonic()
 
+    def trim_archive(self, limit: int = 10_000) -> int:
+        """Delete up to `limit` archived rows past delivered_retention; how many went."""
+        retention = self.settings.relay.delivered_retention
+        if not retention:
+            return 0
+        with self.conn.transaction():
+            cur = self.conn.execute(
+                queries.query("relay_trim_archive", self.schema),
+                {"retention": retention, "limit": limit},
+            )
+        return cur.rowcount
+
     def _drop_worker(self, shard: int) -> None:
         worker = self.workers.pop(shard, None)
         if worker is not None:
@@ -135,15 +148,20 @@ class Relay:
             >= self.settings.relay.heartbeat_interval.total_seconds()
         ):
             self.heartbeat()
+            self.trim_archive()
         result = RelayRound(shards=len(self.workers))
         if not self.workers:
             return result
         owned = sorted(self.workers)
-        params = {"shards": self.settings.relay.shards, "owned": owned}
+        params = shard_ranges(owned, self.settings.relay.shards)
         with self.conn.transaction():
-            self.conn.execute(queries.query("relay_stamp_commit_ts", self.schema), params)
+            self.conn.execute(queries.query("relay_stamp_plan", self.schema))
+            # Unprepared: custom plans, which can estimate the key ranges.
+            self.conn.execute(
+                queries.query("relay_stamp_commit_ts", self.schema), params, prepare=False
+            )
             row = self.conn.execute(
-                queries.query("relay_hold_back", self.schema), params
+                queries.query("relay_hold_back", self.schema), params, prepare=False
             ).fetchone()
         hold_back = row[0] if row else None
         for shard in owned:

@@ -22,7 +22,7 @@ import base64
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -45,6 +45,7 @@ from relay.markers import (
     OpMarker,
     marker_partition,
 )
+from relay.sharding import shard_of, shard_range
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class Row:
     topic: str
     key: bytes | None
     value: bytes | None
-    headers: list[list[str | None]]
+    headers: list[list[str | None]] | None  # None: no headers
     partition: int | None
     key_hash: int
     state: str
@@ -78,7 +79,9 @@ class Row:
         )  # fmt: skip
 
     def kafka_headers(self) -> list[tuple[str, bytes | None]]:
-        given = [(n or "", None if v is None else base64.b64decode(v)) for n, v in self.headers]
+        given = [
+            (n or "", None if v is None else base64.b64decode(v)) for n, v in self.headers or ()
+        ]
         return [
             *given,
             (OUTBOX_ID_HEADER, str(self.id).encode()),
@@ -105,6 +108,11 @@ class _Batch:
         return [r for tx in self.transactions for r in tx]
 
 
+def _range_params(shard: int, shards: int) -> dict[str, int]:
+    lo, hi = shard_range(shard, shards)
+    return {"lo": lo, "hi": hi}
+
+
 class ShardWorker:
     def __init__(
         self,
@@ -123,6 +131,7 @@ class ShardWorker:
         self.kafka_conf = kafka_conf
         self.topics = topics
         self.marker_partition = marker_partition(self.shard, settings.op_marker_partitions)
+        self.key_range = _range_params(self.shard, settings.shards)
         self.producer = ShardProducer(
             kafka_conf,
             f"{settings.transactional_id_prefix}-{self.shard}",
@@ -150,7 +159,7 @@ class ShardWorker:
         markers, end_offset = self._read_markers(self.lease.marker_offset)
         with conn.transaction():
             self._lock_lease(conn)
-            self._end_rows(conn, [(m.id, m.partition, m.offset) for m in markers])
+            self._end_rows(conn, markers)
             conn.execute(
                 self._q("relay_set_marker_offset"),
                 {**self._lease_params(), "partition": self.marker_partition, "offset": end_offset},
@@ -216,55 +225,48 @@ class ShardWorker:
     def _claim(self, conn: psycopg.Connection[Any], hold_back: datetime | None) -> _Batch:
         s = self.settings
         batch = _Batch()
-        head = conn.execute(
-            self._q("relay_head"),
-            {
-                "shard": self.shard,
-                "shards": s.shards,
-                "hold_back": hold_back,
-                "limit": s.batch_size,
-            },
-        ).fetchall()
-        if head:
-            order = list(OrderedDict.fromkeys((xid, ts) for _id, xid, ts in head))
-            rows = conn.execute(
-                self._q("relay_transaction_rows"),
-                {"commit_ts": [ts for _x, ts in order], "xids": [x for x, _t in order]},
-            ).fetchall()
-            by_tx: dict[str, list[Row]] = {}
-            for r in rows:
-                row = Row.from_db(r, state="committed", committed_xid=r[9], commit_ts=r[10])
-                by_tx.setdefault(row.committed_xid or "", []).append(row)
-            count = 0
-            for xid, ts in order:
-                tx_rows = by_tx.get(xid, [])
-                if not tx_rows or not self._may_send(conn, tx_rows, xid, ts):
-                    break
-                batch.transactions.append(tx_rows)
-                count += len(tx_rows)
-                if count >= s.batch_size:
-                    break
+        by_tx: dict[str, list[Row]] = {}  # in commit order: the query sorts, dicts keep order
+        conn.execute(self._q("relay_claim_plan"))
+        for r in conn.execute(
+            self._q("relay_claim"),
+            {**self.key_range, "hold_back": hold_back, "limit": s.batch_size},
+            binary=True,
+            prepare=False,  # a custom plan: a generic one cannot estimate the key range
+        ):
+            row = Row.from_db(r, state="committed", committed_xid=r[9], commit_ts=r[10])
+            by_tx.setdefault(r[9], []).append(row)
+        count = 0
+        for xid, tx_rows in by_tx.items():
+            if not self._may_send(conn, tx_rows, xid, tx_rows[0].commit_ts):
+                break
+            batch.transactions.append(tx_rows)
+            count += len(tx_rows)
+            if count >= s.batch_size:
+                break
         for r in conn.execute(
             self._q("relay_unmarked"),
-            {"shard": self.shard, "shards": s.shards, "limit": s.batch_size},
+            {**self.key_range, "limit": s.batch_size},
+            binary=True,
+            prepare=False,
         ):
             batch.ended.append(Row.from_db(r, state=r[9], reason=r[10]))
         return batch
 
     def _may_send(
-        self, conn: psycopg.Connection[Any], tx_rows: list[Row], xid: str, ts: datetime
+        self, conn: psycopg.Connection[Any], tx_rows: list[Row], xid: str, ts: datetime | None
     ) -> bool:
         n = self.settings.shards
-        spanned = {r.key_hash % n for r in tx_rows}
+        spanned = {shard_of(r.key_hash, n) for r in tx_rows}
         if spanned == {self.shard}:
             return True
-        home = min(tx_rows, key=lambda r: r.id).key_hash % n
+        home = shard_of(min(tx_rows, key=lambda r: r.id).key_hash, n)
         if home != self.shard:
             return False  # its home shard sends it; we wait behind it
         for other in spanned - {self.shard}:
             row = conn.execute(
                 self._q("relay_shard_has_earlier"),
-                {"shard": other, "shards": n, "commit_ts": ts, "xid": xid},
+                {**_range_params(other, n), "commit_ts": ts, "xid": xid},
+                prepare=False,
             ).fetchone()
             if row and row[0]:
                 return False
@@ -285,13 +287,13 @@ class ShardWorker:
         poison = self._preflight(committed)
         _failpoints.hit(_failpoints.BEFORE_PRODUCE)
         self.producer.begin()
-        sent: dict[int, Sent] = {}
+        sent: dict[int, Sent] = {}  # records and dead-letter copies, by row id
         for row in committed:
             if row.id in poison:
                 continue
             try:
                 sent[row.id] = self.producer.send(
-                    row.topic, row.value, row.key, row.kafka_headers(), row.partition
+                    row.topic, row.value, row.key, row.kafka_headers(), row.partition, tag=row
                 )
             except KafkaException as exc:
                 if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
@@ -300,37 +302,51 @@ class ShardWorker:
         for row in ended:
             if row.state in ("discarded", "parked"):
                 sent[row.id] = self._send_dead_letter(row)
-        self.producer.flush()
-        failed = {row_id: s for row_id, s in sent.items() if s.error is not None}
-        for row_id, report in failed.items():
-            if report.error is not None and report.error.code() in PERMANENT_RECORD_ERRORS:
-                poison[row_id] = f"refused by the broker: {report.error.str()}"
-            else:
-                self.producer.abort()
-                raise KafkaException(report.error)
-        if poison and any(r.id in poison for r in committed if r.id in sent):
-            # A record failed in flight: the transaction is doomed. Abort, park, go again.
-            self.producer.abort()
-            self._park(conn, poison)
-            result.parked = len(poison)
-            return result
 
-        markers = [self._marker(row, sent.get(row.id)) for row in committed if row.id in sent]
-        markers += [self._marker(row, sent.get(row.id)) for row in ended]
-        if not markers:  # only poison: nothing to send
-            self.producer.abort()
-            self._park(conn, poison)
-            result.parked = len(poison)
-            return result
-        marker_sends = []
-        for marker in markers:
+        # Each marker goes out as soon as its record's report says where the record landed;
+        # rows with nothing on a topic (rolled back) get theirs at once.
+        markers: list[OpMarker] = []
+        marker_sends: list[Sent] = []
+
+        def mark(row: Row, report: Sent | None) -> None:
+            marker = self._marker(row, report)
             key, value = marker.encode()
+            markers.append(marker)
             marker_sends.append(
                 self.producer.send(
                     self.settings.op_marker_topic, value, key, [], self.marker_partition
                 )
             )
-        if self.producer.flush():
+
+        for row in ended:
+            if row.id not in sent:
+                mark(row, None)
+        failed: list[Sent] = []
+        for report in self.producer.reports():
+            if report.tag is None:
+                continue  # a marker
+            if report.error is not None:
+                failed.append(report)
+            elif not failed:  # else the transaction is doomed: no more sends
+                mark(report.tag, report)
+        for report in failed:
+            if report.error is not None and report.error.code() in PERMANENT_RECORD_ERRORS:
+                poison[report.tag.id] = f"refused by the broker: {report.error.str()}"
+            else:
+                self.producer.abort()
+                raise KafkaException(report.error)
+        if failed:
+            # A record failed in flight: the transaction is doomed. Abort, park, go again.
+            self.producer.abort()
+            self._park(conn, poison)
+            result.parked = len(poison)
+            return result
+        if not markers:  # only poison: nothing to send
+            self.producer.abort()
+            self._park(conn, poison)
+            result.parked = len(poison)
+            return result
+        if any(m.error is not None for m in marker_sends):
             self.producer.abort()
             raise RuntimeError(
                 f"op markers could not be written to {self.settings.op_marker_topic}"
@@ -350,7 +366,7 @@ class ShardWorker:
         try:
             with conn.transaction():
                 self._lock_lease(conn)
-                self._end_rows(conn, [(m.id, m.partition, m.offset) for m in markers])
+                self._end_rows(conn, markers)
                 conn.execute(
                     self._q("relay_set_marker_offset"),
                     {
@@ -366,11 +382,10 @@ class ShardWorker:
             raise
         self.lease = Lease(self.shard, self.lease.epoch, self.marker_partition, next_offset)
 
-        for row in committed:
-            if row.id in sent:
-                metrics.DELIVERED.labels(row.topic).inc()
-        for marker in markers:
-            metrics.ENDED.labels(marker.op.value).inc()
+        for topic, count in Counter(m.topic for m in markers if m.op is Op.DELIVERED).items():
+            metrics.DELIVERED.labels(topic).inc(count)
+        for op, count in Counter(m.op.value for m in markers).items():
+            metrics.ENDED.labels(op).inc(count)
         result.delivered = sum(1 for r in committed if r.id in sent)
         result.ended = len(ended)
         result.parked = len(poison)
@@ -381,12 +396,12 @@ class ShardWorker:
         headers = [*row.kafka_headers(), (OUTBOX_REASON_HEADER, (row.reason or "").encode())]
         topic = self.settings.dead_letter_topic
         try:
-            return self.producer.send(topic, row.value, row.key, headers)
+            return self.producer.send(topic, row.value, row.key, headers, tag=row)
         except KafkaException as exc:
             if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
                 raise
             headers.append((OUTBOX_VALUE_OMITTED_HEADER, exc.args[0].str().encode()))
-            return self.producer.send(topic, None, row.key, headers)
+            return self.producer.send(topic, None, row.key, headers, tag=row)
 
     def _preflight(self, rows: list[Row]) -> dict[int, str]:
         """Records that can never be delivered as they are: unknown topic, bad partition."""
@@ -425,18 +440,24 @@ class ShardWorker:
         if conn.execute(self._q("relay_lock_lease"), self._lease_params()).fetchone() is None:
             raise LeaseLost(f"shard {self.shard} (epoch {self.lease.epoch}) is no longer ours")
 
-    def _end_rows(
-        self, conn: psycopg.Connection[Any], ends: list[tuple[int, int | None, int | None]]
-    ) -> None:
-        if not ends:
-            return
-        ids = [e[0] for e in ends]
-        conn.execute(
-            self._q("relay_end_rows"),
-            {"ids": ids, "partitions": [e[1] for e in ends], "offsets": [e[2] for e in ends]},
-        )
-        if not self.settings.delivered_retention:
-            conn.execute(self._q("relay_delete_ended"), {"ids": ids})
+    def _end_rows(self, conn: psycopg.Connection[Any], markers: list[OpMarker]) -> None:
+        """End the rows of committed markers: delete them, or keep them for the archive."""
+        if self.settings.delivered_retention:
+            kept, deleted = markers, []
+        else:  # parked rows stay for inspection and redrive, archive or not
+            kept = [m for m in markers if m.op is Op.PARKED]
+            deleted = [m.id for m in markers if m.op is not Op.PARKED]
+        if deleted:
+            conn.execute(self._q("relay_delete_rows"), {"ids": deleted})
+        if kept:
+            conn.execute(
+                self._q("relay_end_rows"),
+                {
+                    "ids": [m.id for m in kept],
+                    "partitions": [m.partition for m in kept],
+                    "offsets": [m.offset for m in kept],
+                },
+            )
 
     def _park(self, conn: psycopg.Connection[Any], poison: dict[int, str]) -> None:
         with conn.transaction():

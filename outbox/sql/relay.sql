@@ -1,5 +1,13 @@
 -- Queries of the sidecar's relay, loaded by name like queries.sql.
--- A record's shard is ((key_hash % shards) + shards) % shards: key_hash may be negative.
+-- A shard is a range of key hashes, [lo, hi] (relay/sharding.py); a set of shards is given as
+-- two arrays, lo[] and hi[].
+
+-- name: relay_stamp_plan
+-- Before relay_stamp_commit_ts and relay_hold_back, in their transaction: statistics taken
+-- while a backlog was unstamped make the planner expect every row unstamped, and it then reads
+-- the whole table every round (JIT-compiled, too) instead of the small unstamped index.
+SELECT set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true),
+       set_config('max_parallel_workers_per_gather', '0', true);
 
 -- name: relay_stamp_commit_ts
 -- Rows below the xid horizon belong to finished transactions: their commit time is final.
@@ -8,7 +16,8 @@ UPDATE {schema}.outbox_record
 SET commit_ts = coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
 WHERE state = 'committed' AND commit_ts IS NULL
   AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
-  AND ((key_hash %% %(shards)s) + %(shards)s) %% %(shards)s = ANY(%(owned)s::integer[]);
+  AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
+              WHERE key_hash BETWEEN o.lo AND o.hi);
 
 -- name: relay_hold_back
 -- Committed rows not stamped yet (their transaction id is above the horizon, or they were not
@@ -16,44 +25,59 @@ WHERE state = 'committed' AND commit_ts IS NULL
 SELECT min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at))
 FROM {schema}.outbox_record
 WHERE state = 'committed' AND commit_ts IS NULL
-  AND ((key_hash %% %(shards)s) + %(shards)s) %% %(shards)s = ANY(%(owned)s::integer[]);
+  AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
+              WHERE key_hash BETWEEN o.lo AND o.hi);
 
--- name: relay_head
--- The shard's next rows in commit order; the caller completes their transactions.
-SELECT id, committed_xid::text, commit_ts
-FROM {schema}.outbox_record
-WHERE state = 'committed' AND commit_ts IS NOT NULL
-  AND (%(hold_back)s::timestamptz IS NULL OR commit_ts < %(hold_back)s::timestamptz)
-  AND ((key_hash %% %(shards)s) + %(shards)s) %% %(shards)s = %(shard)s
-ORDER BY commit_ts, committed_xid, id
-LIMIT %(limit)s;
+-- name: relay_claim_plan
+-- Before relay_claim, in its transaction: the claim must walk the commit-order index and stop
+-- after a batch. Statistics taken while rows were unstamped (a burst, a backlog) make the planner
+-- think few rows are stamped, and it then sorts the whole backlog on every claim instead.
+SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true);
 
--- name: relay_transaction_rows
--- Every committed row of the given transactions, whatever their shard (all of a transaction's
--- records share its commit time, so the commit-order index finds them).
-SELECT id, producer_group, tx_id, topic, key, value, headers, partition, key_hash,
-       committed_xid::text, commit_ts
-FROM {schema}.outbox_record
-WHERE state = 'committed' AND commit_ts = ANY(%(commit_ts)s::timestamptz[])
-  AND committed_xid = ANY(%(xids)s::xid8[])
-ORDER BY commit_ts, committed_xid, id;
+-- name: relay_claim
+-- The shard's next transactions in commit order, each complete: the shard's first `limit` rows
+-- pick the transactions, and every committed row of those comes back, whatever its shard (all
+-- of a transaction's rows share its commit time, so the commit-order index finds them).
+-- Columns are qualified in ORDER BY: a bare name would sort by the output column (the text
+-- cast), off the index and in the wrong order.
+WITH head AS (
+    SELECT DISTINCT h.commit_ts, h.committed_xid
+    FROM (
+        SELECT r.commit_ts, r.committed_xid
+        FROM {schema}.outbox_record AS r
+        WHERE r.state = 'committed' AND r.commit_ts IS NOT NULL
+          AND (%(hold_back)s::timestamptz IS NULL OR r.commit_ts < %(hold_back)s::timestamptz)
+          AND r.key_hash BETWEEN %(lo)s AND %(hi)s
+        ORDER BY r.commit_ts, r.committed_xid, r.id
+        LIMIT %(limit)s
+    ) AS h
+)
+SELECT r.id, r.producer_group, r.tx_id, r.topic, r.key, r.value,
+       nullif(r.headers, '[]'::jsonb), r.partition, r.key_hash,
+       r.committed_xid::text, r.commit_ts
+FROM head
+JOIN {schema}.outbox_record AS r
+  ON r.commit_ts = head.commit_ts AND r.committed_xid = head.committed_xid
+WHERE r.state = 'committed'
+ORDER BY r.commit_ts, r.committed_xid, r.id;
 
 -- name: relay_shard_has_earlier
 -- Does shard `shard` hold a committed row that must go out before (commit_ts, xid)?
 SELECT EXISTS (
     SELECT 1 FROM {schema}.outbox_record
     WHERE state = 'committed'
-      AND ((key_hash %% %(shards)s) + %(shards)s) %% %(shards)s = %(shard)s
+      AND key_hash BETWEEN %(lo)s AND %(hi)s
       AND (commit_ts IS NULL
            OR (commit_ts, committed_xid) < (%(commit_ts)s::timestamptz, %(xid)s::xid8))
 );
 
 -- name: relay_unmarked
 -- Rolled back, discarded and parked rows whose op marker (and dead-letter copy) is not out yet.
-SELECT id, producer_group, tx_id, topic, key, value, headers, partition, key_hash, state, reason
+SELECT id, producer_group, tx_id, topic, key, value, nullif(headers, '[]'::jsonb), partition,
+       key_hash, state, reason
 FROM {schema}.outbox_record
 WHERE ended_at IS NULL AND state IN ('rolled_back', 'discarded', 'parked')
-  AND ((key_hash %% %(shards)s) + %(shards)s) %% %(shards)s = %(shard)s
+  AND key_hash BETWEEN %(lo)s AND %(hi)s
 ORDER BY id
 LIMIT %(limit)s;
 
@@ -65,8 +89,8 @@ WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s
 FOR UPDATE;
 
 -- name: relay_end_rows
--- Record the end of rows whose op markers are committed in Kafka: delivered rows (and the
--- position they landed at), rolled back, discarded and parked ones.
+-- Record the end of rows whose op markers are committed in Kafka, kept for the archive (and
+-- parked rows, always kept): the state, and for delivered rows where they landed.
 UPDATE {schema}.outbox_record AS r
 SET state = CASE WHEN r.state = 'committed' THEN 'delivered' ELSE r.state END,
     ended_at = now(),
@@ -77,14 +101,21 @@ FROM unnest(%(ids)s::bigint[], %(partitions)s::integer[], %(offsets)s::bigint[])
 WHERE r.id = e.id AND r.ended_at IS NULL
   AND r.state IN ('committed', 'rolled_back', 'discarded', 'parked');
 
--- name: relay_delete_ended
--- Without retention, ended rows go at once; parked rows stay for inspection and redrive.
+-- name: relay_delete_rows
+-- Without an archive, rows whose op markers are committed in Kafka go at once.
 DELETE FROM {schema}.outbox_record
-WHERE id = ANY(%(ids)s::bigint[]) AND ended_at IS NOT NULL AND state <> 'parked';
+WHERE id = ANY(%(ids)s::bigint[]) AND ended_at IS NULL
+  AND state IN ('committed', 'rolled_back', 'discarded');
 
 -- name: relay_trim_archive
+-- Ended rows past the archive's retention, a bounded slice at a time (parked rows stay until
+-- they are redriven or resolved).
 DELETE FROM {schema}.outbox_record
-WHERE ended_at < now() - %(retention)s::interval AND state <> 'parked';
+WHERE id IN (
+    SELECT id FROM {schema}.outbox_record
+    WHERE ended_at < now() - %(retention)s::interval AND state <> 'parked'
+    LIMIT %(limit)s
+);
 
 -- name: relay_set_marker_offset
 UPDATE {schema}.shard_lease

@@ -231,6 +231,30 @@ def test_delivered_rows_are_archived_with_their_position(
         assert dict(msg.headers() or [])["outbox-id"] == str(record_id).encode()
 
 
+def test_the_archive_is_trimmed_after_its_retention_parked_rows_stay(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        for i in range(5):
+            outbox.publish(conn, topic, f"v{i}")
+        outbox.publish(conn, "no.such.topic", "poison")
+    relay = relay_factory(delivered_retention="PT1H")
+    relay.run_once()
+    relay.run_once()  # the parked record's dead-letter copy and marker
+    assert sorted(r[1] for r in rows(pg_dsn)) == ["delivered"] * 5 + ["parked"]
+    assert relay.trim_archive() == 0  # nothing is an hour old yet
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            "UPDATE outbox.outbox_record SET ended_at = ended_at - interval '2 hours'"
+            " WHERE id IN (SELECT id FROM outbox.outbox_record ORDER BY id LIMIT 3)"
+            " OR state = 'parked'"
+        )
+    assert relay.trim_archive(limit=2) == 2  # a bounded slice at a time
+    assert relay.trim_archive() == 1
+    assert sorted(r[1] for r in rows(pg_dsn)) == ["delivered"] * 2 + ["parked"]
+
+
 @pytest.mark.parametrize("listen_notify", [True, False])
 def test_the_running_relay_wakes_on_commit_or_polls(
     pg_dsn: str,
