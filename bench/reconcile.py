@@ -12,9 +12,15 @@ One run, one scratch database, one broker, N records of 1 KiB on a 3-partition t
              (ledger: delivered, nothing on Kafka); the delay until its `missing` finding is in
              the sink (median and max of --drops). Goal: D + 2T, which holds while one
              judgement (reported: judge_seconds_median) takes less than a trigger interval.
+  streaming  the continuous job (trigger T) while --stream-records more records and their
+             markers stream in: records reconciled per second of micro-batch time (store write
+             and judgement included) over the micro-batches with data, until it has caught up.
+             A running job judges only what became due since its last judgement, so this is its
+             capacity to keep up with traffic, the figure to hold against the relay's rate.
 Final line: JSON.
 
     .venv/bin/python -m bench.reconcile [--records 50000] [--deadline 5s] [--trigger 5s] [--drops 3]
+                                        [--stream-records 200000]
 """
 
 from __future__ import annotations
@@ -157,12 +163,56 @@ def drop_one(dsn: str, topic: str) -> int:
     return int(row[0])
 
 
+def streaming_capacity(
+    job: Any, dsn: str, bootstrap: str, topic: str, markers: str, count: int
+) -> dict[str, Any]:
+    """The continuous job while `count` records (and their markers) stream in as fast as the
+    stand-in produces them: records reconciled per second of micro-batch time (store write and
+    judgement included), over the micro-batches that had data, after the first."""
+    from spark.config import parse_time
+
+    job.start()
+    try:
+        while job.last_report is None:  # the first micro-batch: what the topics held before
+            time.sleep(0.2)
+        first = job._query.lastProgress.batchId
+        rows = fill_ledger(dsn, topic, count)
+        produce_s, positions = produce(bootstrap, topic, markers, rows)
+        mark_delivered(dsn, positions)
+        produced = datetime.now(UTC)
+        started = time.monotonic()
+        while True:  # until a trigger that started after the last commit finds nothing new
+            last = job._query.lastProgress
+            if last.numInputRows == 0 and parse_time(last.timestamp) > produced:
+                break
+            if time.monotonic() - started > 600:
+                raise TimeoutError("the running job did not catch up in 600 s")
+            time.sleep(0.5)
+        batches = [p for p in job._query.recentProgress if p.batchId > first and p.numInputRows > 0]
+        last_report = job.last_report
+    finally:
+        job.stop()
+    rows_in = sum(p.numInputRows for p in batches)  # a record and its marker
+    durations = [p.durationMs["triggerExecution"] / 1000 for p in batches]
+    return {
+        "records": count,
+        "produced_per_s": round(count / produce_s),
+        "batches": len(batches),
+        "records_per_s": round(rows_in / 2 / sum(durations)) if durations else 0,
+        "batch_seconds_median": round(statistics.median(durations), 2) if durations else 0.0,
+        "last_judgement_copies": last_report.copies if last_report else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=50_000)
     parser.add_argument("--deadline", default="5s")
     parser.add_argument("--trigger", default="5s", help="at least one judgement's duration")
     parser.add_argument("--drops", type=int, default=3, help="dropped records, one at a time")
+    parser.add_argument(
+        "--stream-records", type=int, default=200_000, help="records streamed to a running job"
+    )
     args = parser.parse_args()
 
     from spark.config import ReconcileSettings, parse_duration
@@ -239,6 +289,15 @@ def main() -> None:
             finally:
                 job.stop()
             goal = deadline.total_seconds() + 2 * trigger.total_seconds()
+            steady = streaming_capacity(
+                ReconcileJob(settings(f"{tmp.name}/steady"), spark), dsn, bootstrap, topic,
+                markers, args.stream_records,
+            )  # fmt: skip
+            print(
+                f"streaming: {steady['records_per_s']:,.0f} records/s over "
+                f"{steady['batches']} micro-batches of median {steady['batch_seconds_median']} s",
+                flush=True,
+            )
             spark.stop()
     finally:
         tmp.cleanup()
@@ -261,6 +320,8 @@ def main() -> None:
         },
         "detection_goal_s": goal,
         "judge_seconds_median": round(statistics.median(judge_s), 2),
+        "streaming": steady,
+        "ratio_streaming_vs_relay": round(steady["records_per_s"] / relay, 3) if relay else None,
         "deadline_s": deadline.total_seconds(),
         "trigger_s": trigger.total_seconds(),
         "at": datetime.now(UTC).isoformat(),

@@ -213,6 +213,12 @@ class ReconcileSettings(BaseModel):
         return (self.jdbc_url or url), props
 
 
+def _floor(t: datetime, size: timedelta) -> datetime:
+    """The start of the summary window (aligned to the epoch, as Spark's window()) holding t."""
+    epoch = datetime(1970, 1, 1, tzinfo=t.tzinfo or UTC)
+    return t - (t - epoch) % size
+
+
 @dataclass(frozen=True)
 class JudgeWindow:
     """Which records one judgement may decide, and with what the store holds (module docstring).
@@ -227,11 +233,38 @@ class JudgeWindow:
     lo: datetime
     hi: datetime
     include_stuck: bool
+    windows_from: datetime | None = None  # summary windows starting here or later (None: lo)
 
     @classmethod
     def streaming(cls, as_of: datetime, deadline: timedelta, horizon: timedelta) -> Self:
         store_low = as_of - horizon
         return cls(as_of, store_low, store_low + deadline, as_of - deadline, include_stuck=True)
+
+    @classmethod
+    def following(
+        cls,
+        judged_to: datetime | None,
+        as_of: datetime,
+        deadline: timedelta,
+        horizon: timedelta,
+        summary_window: timedelta,
+    ) -> Self:
+        """The next judgement of a running job that judged up to `judged_to` before.
+
+        It decides what became due since, and once more the last deadline before that (a copy
+        whose Kafka time is a little older than its arrival is still judged), with one more
+        deadline of observations around it as the context, instead of the whole horizon: the
+        cost of a judgement follows the traffic since the last one, not the horizon. Without an
+        earlier judgement inside the horizon (a start, a restart) it judges the whole horizon.
+        """
+        full = cls.streaming(as_of, deadline, horizon)
+        if judged_to is None or judged_to - deadline <= full.lo:
+            return full
+        lo = judged_to - deadline
+        # the summary window that was still open at `judged_to` is emitted whole now
+        windows_from = _floor(judged_to, summary_window)
+        store_low = max(full.store_low, min(lo - deadline, windows_from))
+        return cls(as_of, store_low, lo, as_of - deadline, True, windows_from)
 
     @classmethod
     def audit(cls, start: datetime, end: datetime, now: datetime, deadline: timedelta) -> Self:
@@ -247,6 +280,10 @@ class JudgeWindow:
     @property
     def empty(self) -> bool:
         return self.hi <= self.lo
+
+    @property
+    def summaries_from(self) -> datetime:
+        return self.lo if self.windows_from is None else self.windows_from
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -4,7 +4,9 @@ Three ways to run it, all with the transformations of `spark/transform.py`:
 
   streaming   `--checkpoint DIR [--trigger 10s]`: a Structured Streaming query reads the delivered
               topics and the op-marker topic (read_committed, with headers); every micro-batch
-              appends its observations to the store under the checkpoint and judges the horizon;
+              appends its observations to the store under the checkpoint and judges what became
+              due since the last judgement, with one deadline of context around it (the first
+              judgement of a process judges the whole horizon: JudgeWindow.following);
               between batches an idle tick judges after each trigger that found nothing new,
               so a dropped record is reported within deadline + two trigger intervals even
               when no traffic comes (as long as one judgement takes less than a trigger
@@ -67,7 +69,7 @@ import psycopg
 from pydantic import ValidationError
 from pyspark import SparkContext
 from pyspark.errors import AnalysisException, StreamingQueryException
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import LongType, StructField, StructType
@@ -211,6 +213,8 @@ class ReconcileJob:
         self._failure: BaseException | None = None
         self._last_judged = clock()
         self._last_as_of: datetime | None = None
+        self._judged_to: datetime | None = None  # in memory: a restarted job judges it all once
+        self._batch_newest: dict[int, int] = {}  # store batch -> its newest observation (µs)
         self._run_as_of: datetime | None = None  # availableNow: the run's start
         self.last_report: RunReport | None = None
 
@@ -355,12 +359,15 @@ class ReconcileJob:
             obs = self._observations(batch).where(
                 F.col("ts") >= F.lit(as_of - self.settings.horizon)
             )
+            newest = Observation(f"batch-{batch_id}")  # computed by the write itself
             (
                 obs.withColumn("batch", F.lit(batch_id).cast("long"))
+                .observe(newest, F.unix_micros(F.max("ts")).alias("newest"))
                 .coalesce(2)
                 .write.mode("overwrite")
                 .parquet(f"{self._store()}/batch-{batch_id:012d}")
             )
+            self._batch_newest[batch_id] = newest.get.get("newest") or 0  # 0: empty, trimmed
             if self._run_as_of is None:  # continuous: judge now; availableNow: once at the end
                 self.judge(as_of, f"batch {batch_id}", current_batch=batch_id)
 
@@ -386,41 +393,46 @@ class ReconcileJob:
         with self._lock:
             now = self._clock()
             as_of = self._idle_as_of(now)
-            if now - self._last_judged < gap or self._stopping.is_set():
-                return  # a micro-batch judged meanwhile
+            if now - self._last_judged < gap or self._stopping.is_set() or as_of is None:
+                return  # a micro-batch judged meanwhile, or no trigger has ended yet
             if self._last_as_of is not None and as_of <= self._last_as_of:
                 return  # no trigger since the last judgement: nothing new is known
             self.judge(as_of, "tick")
 
-    def _idle_as_of(self, now: datetime) -> datetime:
-        """Up to when Kafka has been read completely, with no micro-batch since.
+    def _idle_as_of(self, now: datetime) -> datetime | None:
+        """Up to when Kafka has been read completely: the start of the last trigger that ended.
 
-        The last trigger that found no new data says so for its own start (the query reports
-        every such trigger: noDataProgressEventInterval is 0); without one, the last trigger was
-        at most one interval ago.
+        A trigger reads what was committed when it started, and its progress is reported once
+        its micro-batch (store write and judgement included) is done. The query reports every
+        trigger that finds nothing new too (noDataProgressEventInterval is 0), so without traffic
+        this is at most one interval old. Not "now minus an interval": a micro-batch can take
+        longer than the interval, and what was committed meanwhile is not read yet.
         """
-        trigger = self.settings.trigger
         query = self._query
         progress = query.lastProgress if query is not None else None
-        if progress is not None and progress.numInputRows == 0:
-            try:
-                stamp = parse_time(progress.timestamp)
-            except ValueError:
-                stamp = None
-            if stamp is not None and now - 2 * trigger <= stamp <= now:
-                return stamp
-        return now - trigger
+        if progress is None:
+            return None
+        try:
+            return min(parse_time(progress.timestamp), now)
+        except ValueError:
+            return None
 
     # --- judging ----------------------------------------------------------------------------
 
     def judge(
         self, as_of: datetime, detected_in: str, *, current_batch: int | None = None
     ) -> RunReport:
-        """Judge the horizon up to `as_of` from the observation store; trim the store."""
-        window = JudgeWindow.streaming(as_of, self.settings.deadline, self.settings.horizon)
+        """Judge what became due up to `as_of` from the observation store; trim the store."""
+        settings = self.settings
+        window = JudgeWindow.following(
+            self._judged_to, as_of, settings.deadline, settings.horizon, settings.summary_window
+        )
         self._last_as_of = as_of
-        obs = self._read_store()
-        return self._judge(obs, window, detected_in, trim_before=current_batch)
+        # Parquet skips the row groups of older batches by their statistics of `ts`.
+        obs = self._read_store().where(F.col("ts") >= F.lit(window.store_low))
+        report = self._judge(obs, window, detected_in, trim_before=current_batch)
+        self._judged_to = window.hi
+        return report
 
     def _store_batches(self) -> dict[int, str]:
         jvm: Any = self.spark._jvm  # Hadoop's FileSystem: the store may be on HDFS, S3, ...
@@ -584,14 +596,25 @@ class ReconcileJob:
         return report
 
     def _trim(self, newest: dict[int, int], window: JudgeWindow, current: int | None) -> None:
-        """Delete the store's batches whose newest observation is older than the horizon."""
-        low = window.store_low
+        """Delete the store's batches whose newest observation is older than the horizon.
+
+        A judgement reads only its context, so the newest observation of each batch is known
+        from its write (or from a judgement of the whole horizon, for batches of an earlier
+        run: a batch with nothing in the horizon is older than it).
+        """
+        self._batch_newest.update(newest)
+        whole_horizon = window.windows_from is None
+        low = window.as_of - self.settings.horizon
         for batch_id, path in self._store_batches().items():
             if current is not None and batch_id >= current:
                 continue
-            stamp = _from_micros(newest.get(batch_id))
+            known = self._batch_newest.get(batch_id)
+            if known is None and not whole_horizon:
+                continue
+            stamp = _from_micros(known)
             if stamp is None or stamp < low:
                 self._delete(path)
+                self._batch_newest.pop(batch_id, None)
 
 
 @contextmanager

@@ -513,7 +513,7 @@ def latency_windows(classified: DataFrame, window: JudgeWindow, size: timedelta)
         F.max(latency).alias("latency_max_ms"),
     )
     return grouped.where(
-        (F.col("w.start") >= F.lit(window.lo)) & (F.col("w.end") <= F.lit(window.hi))
+        (F.col("w.start") >= F.lit(window.summaries_from)) & (F.col("w.end") <= F.lit(window.hi))
     ).select(
         F.col("w.start").alias("window_start"),
         F.col("w.end").alias("window_end"),

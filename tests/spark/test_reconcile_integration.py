@@ -30,6 +30,8 @@ from tests.fixtures.kafka import TIMEOUT_S
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from spark.config import ReconcileSettings
+
 GROUP = "shop"
 DEADLINE = "5s"
 SUMMARY_WINDOW = "2s"
@@ -298,6 +300,25 @@ def relay_rows(dsn: str, topic: str) -> list[Row]:
     return [r for r in all_rows(dsn) if r.topic == topic]
 
 
+def running_settings(
+    dsn: str, bootstrap: str, topic: str, markers: str, tmp_path: Path, **more: Any
+) -> ReconcileSettings:
+    """A continuous job with a short deadline, trigger and horizon."""
+    from spark.config import ReconcileSettings
+
+    return ReconcileSettings(
+        dsn=dsn,
+        bootstrap_servers=bootstrap,
+        topics=(topic,),
+        marker_topic=markers,
+        deadline=timedelta(seconds=2),
+        trigger=timedelta(seconds=1),
+        horizon=timedelta(minutes=2),
+        checkpoint=str(tmp_path / "checkpoint"),
+        **more,
+    )
+
+
 def test_continuous_job_reports_a_dropped_record_without_traffic(
     spark: SparkSession,
     pg_dsn: str,
@@ -305,20 +326,10 @@ def test_continuous_job_reports_a_dropped_record_without_traffic(
     topic_factory: Callable[..., str],
     tmp_path: Path,
 ) -> None:
-    from spark.config import ReconcileSettings
     from spark.job import ReconcileJob
 
     orders, markers = topic_factory(), topic_factory()
-    settings = ReconcileSettings(
-        dsn=pg_dsn,
-        bootstrap_servers=kafka_bootstrap,
-        topics=(orders,),
-        marker_topic=markers,
-        deadline=timedelta(seconds=2),
-        trigger=timedelta(seconds=1),
-        horizon=timedelta(minutes=2),
-        checkpoint=str(tmp_path / "checkpoint"),
-    )
+    settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
     job = ReconcileJob(settings, spark)
     job.start()
     job.start()  # a second start does nothing
@@ -350,3 +361,59 @@ def test_reading_findings_of_an_unmigrated_schema_says_what_to_do(pg_dsn: str) -
 
     with pytest.raises(ReconcileConfigError, match="outboxctl migrate"):
         read_findings(pg_dsn, schema="not_migrated")
+
+
+def test_a_running_job_judges_what_is_new_and_summarises_every_window_once(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    relay_factory: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    from spark.job import ReconcileJob
+
+    orders, markers = topic_factory(partitions=2), topic_factory(partitions=2)
+    # summary windows longer than the deadline straddle the judgements' boundaries
+    settings = running_settings(
+        pg_dsn, kafka_bootstrap, orders, markers, tmp_path, summary_window=timedelta(seconds=5)
+    )
+    relay = relay_factory(
+        op_marker_topic=markers, op_marker_partitions=2, delivered_retention="PT1H"
+    )
+    job = ReconcileJob(settings, spark)
+    job.start()
+    try:
+        until = time.monotonic() + 90
+        while job.last_report is None:
+            assert time.monotonic() < until, "the job did not judge its first micro-batch"
+            time.sleep(0.2)
+        published: list[Row] = []
+        for burst in range(6):  # traffic across several micro-batches and summary windows
+            published += publish(
+                pg_dsn, [outbox.Record(orders, f"{burst}-{i}", key=f"k{i}") for i in range(4)]
+            )
+            delivered = 0
+            while delivered < 4:
+                delivered += relay.run_once().delivered
+            time.sleep(0.8)
+        RelayStandIn(pg_dsn, transactional_producer, markers).copy_again(
+            [published[0]], at=datetime.now(UTC)
+        )  # a duplicate, long after its original
+        last_sent = datetime.now(UTC)
+        closes = datetime.fromtimestamp((int(last_sent.timestamp()) // 5 + 1) * 5, UTC)
+        until = time.monotonic() + 90
+        while job.last_report.window.hi < closes:  # type: ignore[union-attr]
+            assert time.monotonic() < until, "the job did not judge past the last window"
+            time.sleep(0.2)
+        last = job.last_report
+    finally:
+        job.stop()
+    assert last is not None
+    assert last.window.store_low > last.window.as_of - settings.horizon  # its context only
+    assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [
+        ("duplicate", published[0].id)
+    ]
+    windows = read_windows(pg_dsn)
+    assert sum(w.records for w in windows) == len(published) == 24  # each canonical copy once

@@ -113,6 +113,30 @@ def test_an_audit_needs_no_checkpoint() -> None:
     assert settings.audit
 
 
+def test_a_running_job_judges_what_became_due_since_its_last_judgement() -> None:
+    deadline, horizon, summary = timedelta(seconds=60), timedelta(minutes=15), timedelta(minutes=1)
+    as_of = T + timedelta(minutes=20)
+    before = as_of - timedelta(seconds=10) - deadline  # the hi of a judgement 10 s ago
+    w = JudgeWindow.following(before, as_of, deadline, horizon, summary)
+    assert w.lo == before - deadline  # the last deadline once more, for copies a little late
+    assert w.hi == as_of - deadline
+    assert w.windows_from is not None
+    assert w.windows_from <= before < w.windows_from + summary  # the window still open then
+    assert w.windows_from.second == 0  # aligned like Spark's window()
+    assert w.store_low == min(w.lo - deadline, w.windows_from)  # the context, not the horizon
+    assert w.summaries_from == w.windows_from
+    assert w.include_stuck
+
+
+def test_without_a_recent_judgement_the_whole_horizon_is_judged() -> None:
+    deadline, horizon, summary = timedelta(seconds=60), timedelta(minutes=15), timedelta(minutes=1)
+    full = JudgeWindow.streaming(T, deadline, horizon)
+    assert JudgeWindow.following(None, T, deadline, horizon, summary) == full
+    long_ago = T - timedelta(hours=1)
+    assert JudgeWindow.following(long_ago, T, deadline, horizon, summary) == full
+    assert full.summaries_from == full.lo
+
+
 def test_streaming_window() -> None:
     w = JudgeWindow.streaming(T, timedelta(seconds=60), timedelta(minutes=15))
     assert (w.store_low, w.lo, w.hi) == (
