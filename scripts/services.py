@@ -1,6 +1,9 @@
 """Start, stop and describe the real local stack: PostgreSQL, a KRaft Kafka broker, Spark's jars.
 
-Usage: scripts/services up|down|status|env|spark-jars|restart postgres|kafka
+Usage: scripts/services up|down|status|env|spark-jars|helm|restart postgres|kafka
+
+`helm` prints the path of a Helm binary for the chart's tests: one on the PATH, else one built
+with `go install` into `.local/bin` (Helm is a Go module; the Go toolchain fetches it).
 
 Everything lives under `.local/` (ignored by git): binaries' data, resolved jars, logs, pid files.
 `up` is idempotent: what exists is reused and what runs is left running, so a second call returns in
@@ -412,6 +415,26 @@ def spark_jars() -> list[Path]:
     return sorted(dest.glob("*.jar"))
 
 
+HELM_VERSION = "v3.16.4"
+
+
+def helm_bin() -> Path:
+    on_path = shutil.which("helm")
+    if on_path:
+        return Path(on_path)
+    built = LOCAL / "bin" / "helm"
+    if not built.exists():
+        go = shutil.which("go")
+        if go is None:
+            fail("helm: neither helm nor a Go toolchain (to build it) is on the PATH")
+        log(f"building helm {HELM_VERSION} with go install (a minute or two, once)")
+        run(
+            [go, "install", f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"],
+            env={**os.environ, "GOBIN": str(built.parent)},
+        )
+    return built
+
+
 # --- commands ---------------------------------------------------------------------------------
 
 
@@ -467,6 +490,9 @@ def main(argv: list[str]) -> int:
         return 0
     if cmd == "spark-jars":  # only the jars, for machines whose services come from elsewhere
         print(env_lines()[-1])
+        return 0
+    if cmd == "helm":
+        print(helm_bin())
         return 0
     if cmd == "env":
         for line in env_lines():

@@ -12,7 +12,7 @@ pytest_plugins = [
     "tests.fixtures.relay",
 ]
 
-_LAYERS = {"unit", "integration", "spark", "acceptance"}
+_LAYERS = {"unit", "integration", "spark", "deploy"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,0 +1,72 @@
+{{- define "outbox-sidecar.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "outbox-sidecar.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "outbox-sidecar.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "outbox-sidecar.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "outbox-sidecar.labels" -}}
+{{ include "outbox-sidecar.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "outbox-sidecar.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "outbox-sidecar.secretName" -}}
+{{- required "existingSecret: the name of a Secret with the key outbox_database__dsn" .Values.existingSecret -}}
+{{- end -}}
+
+{{/* The sidecar container: the standalone Deployment uses it, and so can an application's
+chart, to run one relay in each of its pods (add the volumes of outbox-sidecar.volumes too). */}}
+{{- define "outbox-sidecar.container" -}}
+- name: outbox-sidecar
+  image: {{ include "outbox-sidecar.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args: ["run"]
+  env:
+    - name: OUTBOX_CONFIG_FILE
+      value: /etc/outbox/sidecar.toml
+    - name: OUTBOX_SECRETS_DIR
+      value: /run/secrets/outbox
+    - name: OUTBOX_HTTP__PORT
+      value: {{ .Values.httpPort | quote }}
+    {{- range $name, $value := .Values.env }}
+    - name: {{ $name }}
+      value: {{ $value | quote }}
+    {{- end }}
+  ports:
+    - {name: http, containerPort: {{ .Values.httpPort }}}
+  livenessProbe:
+    httpGet: {path: /healthz, port: http}
+    periodSeconds: 10
+    failureThreshold: 6
+  readinessProbe:
+    httpGet: {path: /readyz, port: http}
+    periodSeconds: 5
+  resources: {{- toYaml .Values.resources | nindent 4 }}
+  securityContext: {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - {name: outbox-config, mountPath: /etc/outbox, readOnly: true}
+    - {name: outbox-secrets, mountPath: /run/secrets/outbox, readOnly: true}
+{{- end -}}
+
+{{- define "outbox-sidecar.volumes" -}}
+- name: outbox-config
+  configMap: {name: {{ include "outbox-sidecar.fullname" . }}}
+- name: outbox-secrets
+  secret: {secretName: {{ include "outbox-sidecar.secretName" . }}}
+{{- end -}}
