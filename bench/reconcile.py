@@ -56,7 +56,7 @@ def relay_rate(dsn: str, bootstrap: str, records: int) -> float | None:
     from bench.relay import drain
 
     with scratch_database() as relay_dsn:
-        return drain(relay_dsn, bootstrap, records)[0]
+        return drain(relay_dsn, bootstrap, records).rate
 
 
 def create_topics(bootstrap: str, *names_partitions: tuple[str, int]) -> None:
@@ -168,14 +168,15 @@ def streaming_capacity(
 ) -> dict[str, Any]:
     """The continuous job while `count` records (and their markers) stream in as fast as the
     stand-in produces them: records reconciled per second of micro-batch time (store write and
-    judgement included), over the micro-batches that had data, after the first."""
+    judgement included), over the micro-batches with data after the first one."""
     from spark.config import parse_time
 
     job.start()
     try:
-        while job.last_report is None:  # the first micro-batch: what the topics held before
+        # the first micro-batch (what the topics held before), judged and reported
+        while job.last_report is None or job._query.lastProgress is None:
             time.sleep(0.2)
-        first = job._query.lastProgress.batchId
+        before = {p.batchId for p in job._query.recentProgress if p.numInputRows > 0}
         rows = fill_ledger(dsn, topic, count)
         produce_s, positions = produce(bootstrap, topic, markers, rows)
         mark_delivered(dsn, positions)
@@ -188,7 +189,9 @@ def streaming_capacity(
             if time.monotonic() - started > 600:
                 raise TimeoutError("the running job did not catch up in 600 s")
             time.sleep(0.5)
-        batches = [p for p in job._query.recentProgress if p.batchId > first and p.numInputRows > 0]
+        batches = [
+            p for p in job._query.recentProgress if p.numInputRows > 0 and p.batchId not in before
+        ]
         last_report = job.last_report
     finally:
         job.stop()
