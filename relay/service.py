@@ -122,17 +122,25 @@ class Relay:
         metrics.SHARDS_OWNED.set(len(self.workers))
         self._last_heartbeat = time.monotonic()
 
-    def trim_archive(self, limit: int = 10_000) -> int:
-        """Delete up to `limit` archived rows past delivered_retention; how many went."""
+    def trim_archive(self, limit: int = 10_000, budget_s: float | None = None) -> int:
+        """Delete archived rows past delivered_retention, `limit` rows per transaction (short
+        locks), until none are left or `budget_s` (default: half a heartbeat) is spent."""
         retention = self.settings.relay.delivered_retention
         if not retention:
             return 0
-        with self.conn.transaction():
-            cur = self.conn.execute(
-                queries.query("relay_trim_archive", self.schema),
-                {"retention": retention, "limit": limit},
-            )
-        return cur.rowcount
+        if budget_s is None:
+            budget_s = self.settings.relay.heartbeat_interval.total_seconds() / 2
+        deadline = time.monotonic() + budget_s
+        trimmed = 0
+        while True:
+            with self.conn.transaction():
+                cur = self.conn.execute(
+                    queries.query("relay_trim_archive", self.schema),
+                    {"retention": retention, "limit": limit},
+                )
+            trimmed += cur.rowcount
+            if cur.rowcount < limit or time.monotonic() > deadline:
+                return trimmed
 
     def _drop_worker(self, shard: int) -> None:
         worker = self.workers.pop(shard, None)
