@@ -50,6 +50,18 @@ from relay.sharding import shard_of, shard_range
 logger = logging.getLogger(__name__)
 
 
+_SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+
+
+def _size(row: Row) -> int:
+    return len(row.value or b"") + len(row.key or b"") + len(str(row.headers or ""))
+
+
+def _transaction_failed(exc: KafkaException) -> bool:
+    """produce() refused a record because the transaction already failed in the background."""
+    return bool(exc.args[0].code() == KafkaError._STATE)
+
+
 class LeaseLost(Exception):
     """The shard's lease changed hands: its rows are not ours to touch any more."""
 
@@ -138,6 +150,8 @@ class ShardWorker:
             settings.kafka_transaction_timeout,
         )
         self.needs_recovery = True
+        # dead-letter copies the broker refused, by row id: sent again without the value
+        self._copy_refused: dict[int, str] = {}
         if lease.marker_partition not in (None, self.marker_partition):
             raise RuntimeError(
                 f"shard {self.shard} recorded its op markers in partition "
@@ -223,6 +237,8 @@ class ShardWorker:
     # --- claim ------------------------------------------------------------------------------
 
     def _claim(self, conn: psycopg.Connection[Any], hold_back: datetime | None) -> _Batch:
+        """The next committed transactions in commit order, and the rows waiting for their op
+        marker (rolled back, discarded, parked)."""
         s = self.settings
         batch = _Batch()
         by_tx: dict[str, list[Row]] = {}  # in commit order: the query sorts, dicts keep order
@@ -243,14 +259,19 @@ class ShardWorker:
             count += len(tx_rows)
             if count >= s.batch_size:
                 break
-        for r in conn.execute(
-            self._q("relay_unmarked"),
-            {**self.key_range, "limit": s.batch_size},
-            binary=True,
-            prepare=False,
-        ):
-            batch.ended.append(Row.from_db(r, state=r[9], reason=r[10]))
+        batch.ended = self._unmarked(conn)
         return batch
+
+    def _unmarked(self, conn: psycopg.Connection[Any]) -> list[Row]:
+        return [
+            Row.from_db(r, state=r[9], reason=r[10])
+            for r in conn.execute(
+                self._q("relay_unmarked"),
+                {**self.key_range, "limit": self.settings.batch_size},
+                binary=True,
+                prepare=False,
+            )
+        ]
 
     def _may_send(
         self, conn: psycopg.Connection[Any], tx_rows: list[Row], xid: str, ts: datetime | None
@@ -279,6 +300,9 @@ class ShardWorker:
             self.recover(conn)
         with conn.transaction():
             batch = self._claim(conn, hold_back)
+        return self._ship(conn, batch)
+
+    def _ship(self, conn: psycopg.Connection[Any], batch: _Batch) -> ShardRound:
         committed, ended = batch.committed, batch.ended
         result = ShardRound(full=len(committed) >= self.settings.batch_size)
         if not committed and not ended:
@@ -288,6 +312,9 @@ class ShardWorker:
         _failpoints.hit(_failpoints.BEFORE_PRODUCE)
         self.producer.begin()
         sent: dict[int, Sent] = {}  # records and dead-letter copies, by row id
+        # Set when the transaction failed in the background (a record the broker refused):
+        # produce() then refuses everything; the refused record's report says which it was.
+        doomed = False
         for row in committed:
             if row.id in poison:
                 continue
@@ -296,12 +323,21 @@ class ShardWorker:
                     row.topic, row.value, row.key, row.kafka_headers(), row.partition, tag=row
                 )
             except KafkaException as exc:
+                if _transaction_failed(exc):
+                    doomed = True
+                    break
                 if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
                     raise
                 poison[row.id] = f"refused by the Kafka client: {exc.args[0].str()}"
-        for row in ended:
+        for row in ended if not doomed else ():
             if row.state in ("discarded", "parked"):
-                sent[row.id] = self._send_dead_letter(row)
+                try:
+                    sent[row.id] = self._send_dead_letter(row)
+                except KafkaException as exc:
+                    if not _transaction_failed(exc):
+                        raise
+                    doomed = True
+                    break
 
         # Each marker goes out as soon as its record's report says where the record landed;
         # rows with nothing on a topic (rolled back) get theirs at once.
@@ -309,14 +345,23 @@ class ShardWorker:
         marker_sends: list[Sent] = []
 
         def mark(row: Row, report: Sent | None) -> None:
+            nonlocal doomed
+            if doomed:
+                return
             marker = self._marker(row, report)
             key, value = marker.encode()
-            markers.append(marker)
-            marker_sends.append(
-                self.producer.send(
-                    self.settings.op_marker_topic, value, key, [], self.marker_partition
+            try:
+                marker_sends.append(
+                    self.producer.send(
+                        self.settings.op_marker_topic, value, key, [], self.marker_partition
+                    )
                 )
-            )
+            except KafkaException as exc:
+                if not _transaction_failed(exc):
+                    raise
+                doomed = True
+                return
+            markers.append(marker)
 
         for row in ended:
             if row.id not in sent:
@@ -327,17 +372,36 @@ class ShardWorker:
                 continue  # a marker
             if report.error is not None:
                 failed.append(report)
-            elif not failed:  # else the transaction is doomed: no more sends
-                mark(report.tag, report)
-        for report in failed:
-            if report.error is not None and report.error.code() in PERMANENT_RECORD_ERRORS:
-                poison[report.tag.id] = f"refused by the broker: {report.error.str()}"
+                doomed = True
             else:
+                mark(report.tag, report)
+        too_large: dict[str, Sent] = {}  # topic -> the largest record refused for its size
+        for report in failed:
+            error, row = report.error, report.tag
+            if error is None or error.code() not in PERMANENT_RECORD_ERRORS:
                 self.producer.abort()
-                raise KafkaException(report.error)
-        if failed:
-            # A record failed in flight: the transaction is doomed. Abort, park, go again.
+                raise KafkaException(error)
+            reason = f"refused by the broker: {error.str()}"
+            if row.state != "committed":  # its dead-letter copy: the next goes without the value
+                self._copy_refused[row.id] = reason
+            elif error.code() in _SIZE_ERRORS:
+                # The broker refuses a whole produce request: its other records share the
+                # error. The largest is the one too large; the others go again.
+                known = too_large.get(row.topic)
+                if known is None or _size(row) > _size(known.tag):
+                    too_large[row.topic] = report
+            else:  # the topic refuses them all (authorisation, policy)
+                poison[row.id] = reason
+        for report in too_large.values():
+            poison[report.tag.id] = f"refused by the broker: {report.error.str()}"  # type: ignore[union-attr]
+        if doomed:
+            # A record failed in flight: the transaction is lost. Abort, park, go again, with
+            # a new producer: after a broker's refusal librdkafka bumps the producer epoch and
+            # purges what the next transaction queues meanwhile.
             self.producer.abort()
+            self.needs_recovery = True
+            if not failed:
+                raise KafkaException(KafkaError(KafkaError._STATE, "the transaction failed"))
             self._park(conn, poison)
             result.parked = len(poison)
             return result
@@ -392,16 +456,20 @@ class ShardWorker:
         return result
 
     def _send_dead_letter(self, row: Row) -> Sent:
-        """A copy on the dead-letter topic, with the reason; without the value if too large."""
+        """A copy on the dead-letter topic, with the reason; without the value when the client
+        or, the round before, the broker refused it (too large for the dead-letter topic)."""
         headers = [*row.kafka_headers(), (OUTBOX_REASON_HEADER, (row.reason or "").encode())]
         topic = self.settings.dead_letter_topic
-        try:
-            return self.producer.send(topic, row.value, row.key, headers, tag=row)
-        except KafkaException as exc:
-            if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
-                raise
-            headers.append((OUTBOX_VALUE_OMITTED_HEADER, exc.args[0].str().encode()))
-            return self.producer.send(topic, None, row.key, headers, tag=row)
+        refused = self._copy_refused.pop(row.id, None)
+        if refused is None:
+            try:
+                return self.producer.send(topic, row.value, row.key, headers, tag=row)
+            except KafkaException as exc:
+                if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
+                    raise
+                refused = f"refused by the Kafka client: {exc.args[0].str()}"
+        headers.append((OUTBOX_VALUE_OMITTED_HEADER, refused.encode()))
+        return self.producer.send(topic, None, row.key, headers, tag=row)
 
     def _preflight(self, rows: list[Row]) -> dict[int, str]:
         """Records that can never be delivered as they are: unknown topic, bad partition."""

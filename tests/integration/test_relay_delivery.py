@@ -209,11 +209,85 @@ def test_poison_records_are_parked_and_the_rest_goes_on(
     dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
     assert len(dead) == 3
     assert all(dict(m.headers() or [])["outbox-reason"] for m in dead)
+    omitted = [dict(m.headers() or []).get("outbox-value-omitted") for m in dead]
+    assert sum(1 for o in omitted if o) == 1  # the copy too large for the client, value-less
+    assert next(o for o in omitted if o).startswith(b"refused by the Kafka client")
     parked_markers = [m.id for m in markers(kafka_bootstrap, relay) if m.op.value == "parked"]
     assert sorted(parked_markers) == sorted(parked)
     assert all(r[3] for r in rows(pg_dsn))  # parked rows stay, ended (shipped to the DLT)
     third = relay.run_once()
     assert (third.delivered, third.ended, third.parked) == (0, 0, 0)
+
+
+def drain(relay: Relay) -> int:
+    delivered, until = 0, time.monotonic() + 60
+    while True:
+        assert time.monotonic() < until, "the backlog did not drain"
+        result = relay.run_once()
+        delivered += result.delivered
+        if not result.full and not result.delivered and not result.ended:
+            return delivered
+
+
+def test_a_record_the_broker_refuses_in_a_backlog_is_parked_alone(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    # Transactions of 3 records over 4 keys, on a topic that refuses one record in the middle
+    # (the broker, not the client, and with it the rest of its produce request): that record
+    # is parked, everything else still goes out once, in commit order per key.
+    topic = topic_factory(partitions=3, config={"max.message.bytes": "2000"})
+    with psycopg.connect(pg_dsn) as conn:
+        for t in range(12):
+            with conn.transaction():
+                outbox.publish_many(
+                    conn,
+                    [
+                        Record(
+                            topic,
+                            "x" * 5000 if (t, i) == (7, 1) else f"{t}-{i}",
+                            key=f"k{(t + i) % 4}",
+                        )
+                        for i in range(3)
+                    ],
+                )
+    relay = relay_factory(batch_size=6)
+    first = relay.run_once()
+    assert first.full
+    assert first.delivered + drain(relay) == 35
+    got: dict[bytes, list[str]] = {}
+    for msg in consume_all(kafka_bootstrap, topic, "read_committed"):
+        got.setdefault(msg.key() or b"", []).append((msg.value() or b"").decode())
+    for key, sent in got.items():
+        order = [tuple(map(int, v.split("-"))) for v in sent]
+        assert order == sorted(order), f"{key!r} out of commit order: {sent}"
+    assert sorted(v for vs in got.values() for v in vs) == sorted(
+        f"{t}-{i}" for t in range(12) for i in range(3) if (t, i) != (7, 1)
+    )
+    parked = [r for r in rows(pg_dsn) if r[1] == "parked"]
+    assert len(parked) == 1
+    assert "Message size too large" in parked[0][2]
+
+
+def test_a_dead_letter_copy_the_broker_refuses_goes_again_without_its_value(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    # A dead-letter topic that takes less than the records' topics: the broker, not the client,
+    # refuses the copy. That must not become a loop of aborted transactions.
+    dead_letter = topic_factory(config={"max.message.bytes": "2000"})
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, "no.such.topic", b"x" * 5000, key="k")
+    relay = relay_factory(dead_letter_topic=dead_letter)
+    assert relay.run_once().parked == 1
+    rounds = [relay.run_once() for _ in range(3)]
+    assert [r.ended for r in rounds] == [0, 1, 0]  # refused, sent without the value, done
+    (copy,) = consume_all(kafka_bootstrap, dead_letter, "read_committed")
+    headers = dict(copy.headers() or [])
+    assert copy.value() is None
+    assert b"refused by the broker" in headers["outbox-value-omitted"]
+    assert headers["outbox-reason"] == b"topic 'no.such.topic' does not exist"
+    assert [m.op.value for m in markers(kafka_bootstrap, relay)] == ["parked"]
+    (row,) = rows(pg_dsn)
+    assert row[1:4] == ("parked", "topic 'no.such.topic' does not exist", True)
 
 
 def test_delivered_rows_are_archived_with_their_position(
