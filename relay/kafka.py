@@ -34,6 +34,7 @@ PERMANENT_RECORD_ERRORS = frozenset(
         KafkaError._INVALID_ARG,
     }
 )
+_ANY_PARTITION = -1  # librdkafka's RD_KAFKA_PARTITION_UA: the partitioner chooses
 _FENCED_ERRORS = frozenset(
     {KafkaError._FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError.PRODUCER_FENCED}
 )
@@ -99,7 +100,7 @@ class ShardProducer:
         topic: str,
         value: bytes | None,
         key: bytes | None,
-        headers: list[tuple[str, bytes | None]],
+        headers: list[tuple[str, str | bytes | None]],
         partition: int | None = None,
         tag: Any = None,
     ) -> Sent:
@@ -113,17 +114,16 @@ class ShardProducer:
                 sent.partition, sent.offset = msg.partition(), msg.offset()
             reported.append(sent)
 
-        kwargs: dict[str, Any] = {
-            "value": value,
-            "key": key,
-            "headers": headers,
-            "on_delivery": report,
-        }
-        if partition is not None:
-            kwargs["partition"] = partition
         while True:
             try:
-                self.producer.produce(topic, **kwargs)
+                self.producer.produce(
+                    topic,
+                    value,
+                    key,
+                    _ANY_PARTITION if partition is None else partition,
+                    on_delivery=report,
+                    headers=headers,
+                )
                 break
             except BufferError:  # local queue full: let deliveries drain
                 self.producer.poll(0.05)

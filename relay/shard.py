@@ -66,7 +66,7 @@ class LeaseLost(Exception):
     """The shard's lease changed hands: its rows are not ours to touch any more."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass is built 3x slower, per record
 class Row:
     id: int
     producer_group: str
@@ -90,7 +90,7 @@ class Row:
             headers=r[6], partition=r[7], key_hash=r[8], **rest,
         )  # fmt: skip
 
-    def kafka_headers(self) -> list[tuple[str, bytes | None]]:
+    def kafka_headers(self) -> list[tuple[str, str | bytes | None]]:
         given = [
             (n or "", None if v is None else base64.b64decode(v)) for n, v in self.headers or ()
         ]

@@ -290,6 +290,27 @@ def test_a_dead_letter_copy_the_broker_refuses_goes_again_without_its_value(
     assert row[1:4] == ("parked", "topic 'no.such.topic' does not exist", True)
 
 
+def test_a_record_that_names_its_partition_lands_there(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory(partitions=3)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish_many(
+            conn,
+            [Record(topic, f"p{p}-{k}", key=k, partition=p) for p in (2, 0, 1) for k in "ab"]
+            + [Record(topic, "any", key="a")],
+        )
+    assert relay_factory().run_once().delivered == 7
+    landed = {
+        (m.value() or b"").decode(): m.partition()
+        for m in consume_all(kafka_bootstrap, topic, "read_committed")
+    }
+    assert {v: p for v, p in landed.items() if v != "any"} == {
+        f"p{p}-{k}": p for p in (2, 0, 1) for k in "ab"
+    }
+    assert landed["any"] in (0, 1, 2)  # the partitioner's choice
+
+
 def test_delivered_rows_are_archived_with_their_position(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
