@@ -428,23 +428,32 @@ class ReconcileJob:
             self._judged_to, as_of, settings.deadline, settings.horizon, settings.summary_window
         )
         self._last_as_of = as_of
-        # Parquet skips the row groups of older batches by their statistics of `ts`.
-        obs = self._read_store().where(F.col("ts") >= F.lit(window.store_low))
+        if window.windows_from is None:  # the whole horizon
+            obs = self._read_store().where(F.col("ts") >= F.lit(window.store_low))
+        else:
+            # The context by arrival, not by Kafka time: a copy stamped long before it was
+            # appended (a producer retrying through an outage) arrives in a recent batch, and
+            # the ledger row it answers is due now. A batch holds what was appended before it
+            # was written; a trigger interval of margin for the clocks of file system and job.
+            since = window.store_low - settings.trigger
+            obs = self._read_store(written_since=since)
         report = self._judge(obs, window, detected_in, trim_before=current_batch)
         self._judged_to = window.hi
         return report
 
-    def _store_batches(self) -> dict[int, str]:
+    def _store_batches(self) -> dict[int, tuple[str, datetime]]:
+        """The store's batch directories: batch id -> (path, when it was written)."""
         jvm: Any = self.spark._jvm  # Hadoop's FileSystem: the store may be on HDFS, S3, ...
         root = jvm.org.apache.hadoop.fs.Path(self._store())
         fs = root.getFileSystem(self.spark._jsc.hadoopConfiguration())
         if not fs.exists(root):
             return {}
-        found: dict[int, str] = {}
+        found: dict[int, tuple[str, datetime]] = {}
         for status in fs.listStatus(root):
             name = status.getPath().getName()
             if status.isDirectory() and name.startswith("batch-") and name[6:].isdigit():
-                found[int(name[6:])] = status.getPath().toString()
+                written = EPOCH + timedelta(milliseconds=status.getModificationTime())
+                found[int(name[6:])] = (status.getPath().toString(), written)
         return found
 
     def _delete(self, path: str) -> None:
@@ -452,8 +461,12 @@ class ReconcileJob:
         p = jvm.org.apache.hadoop.fs.Path(path)
         p.getFileSystem(self.spark._jsc.hadoopConfiguration()).delete(p, True)
 
-    def _read_store(self) -> DataFrame:
-        paths = list(self._store_batches().values())
+    def _read_store(self, written_since: datetime | None = None) -> DataFrame:
+        paths = [
+            path
+            for path, written in self._store_batches().values()
+            if written_since is None or written >= written_since
+        ]
         if not paths:
             return self.spark.createDataFrame([], STORE_SCHEMA)
         return self.spark.read.schema(STORE_SCHEMA).parquet(*paths)
@@ -605,7 +618,7 @@ class ReconcileJob:
         self._batch_newest.update(newest)
         whole_horizon = window.windows_from is None
         low = window.as_of - self.settings.horizon
-        for batch_id, path in self._store_batches().items():
+        for batch_id, (path, _written) in self._store_batches().items():
             if current is not None and batch_id >= current:
                 continue
             known = self._batch_newest.get(batch_id)

@@ -417,3 +417,48 @@ def test_a_running_job_judges_what_is_new_and_summarises_every_window_once(
     ]
     windows = read_windows(pg_dsn)
     assert sum(w.records for w in windows) == len(published) == 24  # each canonical copy once
+
+
+def test_a_running_job_finds_a_copy_stamped_long_before_it_arrived(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    tmp_path: Path,
+) -> None:
+    """A producer that retried through an outage appends records with an old Kafka time; the
+    ledger row is due only now. The running job's context is what arrived lately, not what is
+    stamped lately, so the copy is found and nothing is reported."""
+    from spark.job import ReconcileJob
+
+    orders, markers = topic_factory(), topic_factory()
+    settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
+    job = ReconcileJob(settings, spark)
+    job.start()
+    try:
+        until = time.monotonic() + 90
+        while job.last_report is None:
+            assert time.monotonic() < until, "the job did not judge its first micro-batch"
+            time.sleep(0.2)
+        (late,) = publish(pg_dsn, [outbox.Record(orders, "late", key="k")])
+        RelayStandIn(pg_dsn, transactional_producer, markers).deliver(
+            [late], at=datetime.now(UTC) - timedelta(seconds=60)
+        )
+        with psycopg.connect(pg_dsn) as conn:  # ended now: due in the job's next judgements
+            conn.execute(
+                "UPDATE outbox.outbox_record SET ended_at = now() WHERE id = %s", (late.id,)
+            )
+            (ended,) = conn.execute(
+                "SELECT ended_at FROM outbox.outbox_record WHERE id = %s", (late.id,)
+            ).fetchone()  # type: ignore[misc]
+        until = time.monotonic() + 90
+        while job.last_report.window.hi <= ended + timedelta(seconds=1):  # type: ignore[union-attr]
+            assert time.monotonic() < until, "the job did not judge past the record's end"
+            time.sleep(0.2)
+        last = job.last_report
+    finally:
+        job.stop()
+    assert last is not None
+    assert last.window.windows_from is not None  # a judgement of what is new, not the horizon
+    assert read_findings(pg_dsn) == []
