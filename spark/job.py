@@ -428,16 +428,19 @@ class ReconcileJob:
             self._judged_to, as_of, settings.deadline, settings.horizon, settings.summary_window
         )
         self._last_as_of = as_of
+        late: DataFrame | None = None
         if window.windows_from is None:  # the whole horizon
             obs = self._read_store().where(F.col("ts") >= F.lit(window.store_low))
         else:
-            # The context by arrival, not by Kafka time: a copy stamped long before it was
-            # appended (a producer retrying through an outage) arrives in a recent batch, and
-            # the ledger row it answers is due now. A batch holds what was appended before it
-            # was written; a trigger interval of margin for the clocks of file system and job.
-            since = window.store_low - settings.trigger
-            obs = self._read_store(written_since=since)
-        report = self._judge(obs, window, detected_in, trim_before=current_batch)
+            # The store batches written since the context's start (a batch holds what was
+            # appended before it was written; a trigger interval of margin for the clocks of
+            # file system and job): the context by Kafka time, and the late arrivals, copies
+            # stamped before it (a producer retrying through an outage) that answer ledger
+            # rows due now.
+            recent = self._read_store(written_since=window.store_low - settings.trigger)
+            obs = recent.where(F.col("ts") >= F.lit(window.store_low))
+            late = recent.where(F.col("ts") < F.lit(window.store_low))
+        report = self._judge(obs, window, detected_in, trim_before=current_batch, late=late)
         self._judged_to = window.hi
         return report
 
@@ -541,6 +544,7 @@ class ReconcileJob:
         detected_in: str,
         *,
         trim_before: int | None = None,
+        late: DataFrame | None = None,
     ) -> RunReport:
         settings = self.settings
         started = self._clock()
@@ -573,6 +577,7 @@ class ReconcileJob:
                     window,
                     coverage_start=coverage,
                     summary_window=settings.summary_window,
+                    late=late,
                 )
                 cached.append(judgement.classified.persist())
                 with clock("judge"):

@@ -532,21 +532,25 @@ def judge(
     *,
     coverage_start: datetime | None,
     summary_window: timedelta,
+    late: DataFrame | None = None,
 ) -> Judgement:
     """All findings and summary windows of one judgement (see the module docstring).
 
     `obs` holds each Kafka record once (the store writes each micro-batch to its own directory,
-    overwritten on replay; an audit reads each offset once).
+    overwritten on replay; an audit reads each offset once). `late`: observations that arrived
+    lately with a Kafka time before `obs`'s; they only count as present (a ledger row they
+    answer is not missing), they are not judged themselves.
     """
     copy_rows = copies(obs)
     marker_rows = markers(obs)
+    present = copy_rows if late is None else copy_rows.unionByName(copies(late))
     classified = classify_copies(
         copy_rows, ledger, marker_facts(marker_rows), window, coverage_start=coverage_start
     )
     findings = (
         copy_findings(classified)
-        .unionByName(missing_records(ledger, copy_rows, window))
-        .unionByName(markers_without_record(marker_rows, copy_rows, ledger, window))
+        .unionByName(missing_records(ledger, present, window))
+        .unionByName(markers_without_record(marker_rows, present, ledger, window))
         .unionByName(out_of_order(classified))
     )
     return Judgement(

@@ -242,3 +242,29 @@ def test_nothing_is_judged_before_its_deadline(spark: SparkSession) -> None:
     obs, ledger = scenario(spark)
     early = JudgeWindow.streaming(s(20), DEADLINE, HORIZON)  # judges up to T-40s only
     assert set(findings_of(obs, ledger, early)) == {("missing", 12, "")}
+
+
+def test_a_late_arrival_counts_as_present_but_is_not_judged(spark: SparkSession) -> None:
+    from spark.transform import LEDGER_SCHEMA, judge, observations
+
+    # Record 1 ended (is due) inside the window; its copy and marker carry a Kafka time from
+    # long before, so they come as late arrivals, outside the judged observations.
+    kafka = Kafka()
+    kafka.copy(1, offset=0, at=s(-600))
+    kafka.marker(1, s(-600), offset=0, commit=s(-601))
+    late = observations(kafka.frame(spark), marker_topic=MARKERS)
+    ledger = spark.createDataFrame(
+        [ledger_row(1, "delivered", s(-601), ended=s(30), offset=0)], LEDGER_SCHEMA
+    )
+    window = JudgeWindow.streaming(s(100), timedelta(seconds=20), timedelta(minutes=2))
+    nothing = late.limit(0)
+
+    def kinds(late_rows: DataFrame | None) -> list[str]:
+        judgement = judge(
+            nothing, ledger, window, coverage_start=None, summary_window=timedelta(minutes=1),
+            late=late_rows,
+        )  # fmt: skip
+        return [r.kind for r in judgement.findings.collect()]
+
+    assert kinds(None) == ["missing"]  # without them: the row is due and nothing is seen
+    assert kinds(late) == []
