@@ -5,8 +5,8 @@ Three ways to run it, all with the transformations of `spark/transform.py`:
   streaming   `--checkpoint DIR [--trigger 10s]`: a Structured Streaming query reads the delivered
               topics and the op-marker topic (read_committed, with headers); every micro-batch
               appends its observations to the store under the checkpoint and judges what became
-              due since the last judgement, with one deadline of context around it (the first
-              judgement of a process judges the whole horizon: JudgeWindow.following);
+              due since the last judgement, with one deadline of context around it (a new
+              checkpoint's first judgement judges the whole horizon: JudgeWindow.following);
               between batches an idle tick judges after each trigger that found nothing new,
               so a dropped record is reported within deadline + two trigger intervals even
               when no traffic comes (as long as one judgement takes less than a trigger
@@ -213,7 +213,10 @@ class ReconcileJob:
         self._failure: BaseException | None = None
         self._last_judged = clock()
         self._last_as_of: datetime | None = None
-        self._judged_to: datetime | None = None  # in memory: a restarted job judges it all once
+        # Up to where a running job has judged: kept under the checkpoint, so that a restart
+        # goes on from there instead of judging the whole horizon again.
+        self._judged_to: datetime | None = None
+        self._continuous = False
         self._batch_newest: dict[int, int] = {}  # store batch -> its newest observation (µs)
         self._run_as_of: datetime | None = None  # availableNow: the run's start
         self.last_report: RunReport | None = None
@@ -242,6 +245,8 @@ class ReconcileJob:
         self._stopping.clear()
         self._failure = None
         self._last_judged = self._clock()
+        self._continuous = True
+        self._judged_to = self._load_judged_to()
         self._query = self._start_query(available_now=False)
         self._ticker = threading.Thread(target=self._tick_loop, name="reconcile-tick", daemon=True)
         self._ticker.start()
@@ -442,7 +447,39 @@ class ReconcileJob:
             late = recent.where(F.col("ts") < F.lit(window.store_low))
         report = self._judge(obs, window, detected_in, trim_before=current_batch, late=late)
         self._judged_to = window.hi
+        if self._continuous:  # a --once run judges its whole horizon every time
+            self._save_judged_to(window.hi)
         return report
+
+    def _judged_to_path(self) -> Any:
+        jvm: Any = self.spark._jvm
+        return jvm.org.apache.hadoop.fs.Path(f"{self._checkpoint()}/judged_to")
+
+    def _load_judged_to(self) -> datetime | None:
+        path = self._judged_to_path()
+        fs = path.getFileSystem(self.spark._jsc.hadoopConfiguration())
+        if not fs.exists(path):
+            return None
+        jvm: Any = self.spark._jvm
+        stream = fs.open(path)
+        try:
+            text = jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
+        finally:
+            stream.close()
+        try:
+            return parse_time(str(text).strip())
+        except ValueError:
+            logger.warning("ignored %s: not a time (%r)", path.toString(), text)
+            return None
+
+    def _save_judged_to(self, hi: datetime) -> None:
+        path = self._judged_to_path()
+        fs = path.getFileSystem(self.spark._jsc.hadoopConfiguration())
+        out = fs.create(path, True)  # overwrite: a crash mid-write leaves it unparseable, ignored
+        try:
+            out.writeBytes(hi.isoformat())
+        finally:
+            out.close()
 
     def _store_batches(self) -> dict[int, tuple[str, datetime]]:
         """The store's batch directories: batch id -> (path, when it was written)."""
@@ -617,19 +654,21 @@ class ReconcileJob:
         """Delete the store's batches whose newest observation is older than the horizon.
 
         A judgement reads only its context, so the newest observation of each batch is known
-        from its write (or from a judgement of the whole horizon, for batches of an earlier
-        run: a batch with nothing in the horizon is older than it).
+        from its write, or from a judgement of the whole horizon (a batch with nothing in the
+        horizon is older than it). For a batch of an earlier run, its write time bounds it:
+        it holds only what was appended before.
         """
         self._batch_newest.update(newest)
         whole_horizon = window.windows_from is None
         low = window.as_of - self.settings.horizon
-        for batch_id, (path, _written) in self._store_batches().items():
+        for batch_id, (path, written) in self._store_batches().items():
             if current is not None and batch_id >= current:
                 continue
             known = self._batch_newest.get(batch_id)
             if known is None and not whole_horizon:
-                continue
-            stamp = _from_micros(known)
+                stamp: datetime | None = written
+            else:
+                stamp = _from_micros(known)
             if stamp is None or stamp < low:
                 self._delete(path)
                 self._batch_newest.pop(batch_id, None)

@@ -355,6 +355,20 @@ def test_continuous_job_reports_a_dropped_record_without_traffic(
     (finding,) = read_findings(pg_dsn)
     assert (finding.kind, finding.outbox_id, finding.detected_in) == ("missing", dropped.id, "tick")
 
+    # A restart goes on from where the last run judged (kept under the checkpoint), not from the
+    # whole horizon again; the finding is not repeated.
+    again = ReconcileJob(settings, spark)
+    again.start()
+    try:
+        deadline = time.monotonic() + 90
+        while again.last_report is None:
+            assert time.monotonic() < deadline, "the restarted job did not judge"
+            time.sleep(0.2)
+    finally:
+        again.stop()
+    assert again.last_report.window.windows_from is not None
+    assert [f.id for f in read_findings(pg_dsn)] == [finding.id]
+
 
 def test_reading_findings_of_an_unmigrated_schema_says_what_to_do(pg_dsn: str) -> None:
     from spark import ReconcileConfigError
