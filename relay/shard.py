@@ -169,6 +169,8 @@ class ShardWorker:
 
     def recover(self, conn: psycopg.Connection[Any]) -> int:
         """Fence older producers of this shard, then end the rows whose markers are committed."""
+        with conn.transaction():  # first: a relay that lost the lease must not fence its heir
+            self._lock_lease(conn)
         self.producer.init()
         markers, end_offset = self._read_markers(self.lease.marker_offset)
         with conn.transaction():

@@ -404,3 +404,29 @@ def test_discarded_transactions_reach_the_dead_letter_topic_with_a_marker(
         m.id for m in markers(kafka_bootstrap, relay) if m.op.value == "discarded"
     ) == list(written.ids)
     assert rows(pg_dsn) == []
+
+
+def test_a_relay_that_lost_its_lease_does_not_fence_the_new_owner(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    from relay.shard import LeaseLost
+
+    topic = topic_factory()
+    old = relay_factory(lease_duration="PT1S")
+    old.run_once()  # owns shard 0
+    time.sleep(1.5)  # its lease expires; it does not know yet
+    settings = old.settings
+    heir = relay_factory(
+        settings.model_copy(
+            update={"relay": settings.relay.model_copy(update={"relay_id": "heir"})}
+        )
+    )
+    heir.run_once()  # takes shard 0 (same transactional.id), fencing the old producer
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "after the hand-over")
+    (stale,) = old.workers.values()
+    stale.needs_recovery = True  # e.g. after an error: it would re-initialise its producer
+    with pytest.raises(LeaseLost):
+        stale.deliver_once(old.conn, None)
+    assert heir.run_once().delivered == 1  # the heir was not fenced by the stale relay
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"after the hand-over"]
