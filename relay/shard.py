@@ -377,7 +377,7 @@ class ShardWorker:
                 doomed = True
             else:
                 mark(report.tag, report)
-        too_large: dict[str, Sent] = {}  # topic -> the largest record refused for its size
+        too_large: dict[str, tuple[Row, str]] = {}  # topic -> its largest record refused
         for report in failed:
             error, row = report.error, report.tag
             if error is None or error.code() not in PERMANENT_RECORD_ERRORS:
@@ -390,12 +390,11 @@ class ShardWorker:
                 # The broker refuses a whole produce request: its other records share the
                 # error. The largest is the one too large; the others go again.
                 known = too_large.get(row.topic)
-                if known is None or _size(row) > _size(known.tag):
-                    too_large[row.topic] = report
+                if known is None or _size(row) > _size(known[0]):
+                    too_large[row.topic] = (row, reason)
             else:  # the topic refuses them all (authorisation, policy)
                 poison[row.id] = reason
-        for report in too_large.values():
-            poison[report.tag.id] = f"refused by the broker: {report.error.str()}"  # type: ignore[union-attr]
+        poison.update({row.id: reason for row, reason in too_large.values()})
         if doomed:
             # A record failed in flight: the transaction is lost. Abort, park, go again, with
             # a new producer: after a broker's refusal librdkafka bumps the producer epoch and

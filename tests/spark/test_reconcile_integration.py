@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from spark.config import ReconcileSettings
+    from spark.job import ReconcileJob
 
 GROUP = "shop"
 DEADLINE = "5s"
@@ -300,6 +301,14 @@ def relay_rows(dsn: str, topic: str) -> list[Row]:
     return [r for r in all_rows(dsn) if r.topic == topic]
 
 
+def wait_for_first_judgement(job: ReconcileJob) -> None:
+    """Until the query's first micro-batch (what the topics held) has been judged."""
+    until = time.monotonic() + 90
+    while job.last_report is None:
+        assert time.monotonic() < until, "the job did not judge its first micro-batch"
+        time.sleep(0.2)
+
+
 def running_settings(
     dsn: str, bootstrap: str, topic: str, markers: str, tmp_path: Path, **more: Any
 ) -> ReconcileSettings:
@@ -334,10 +343,7 @@ def test_continuous_job_reports_a_dropped_record_without_traffic(
     job.start()
     job.start()  # a second start does nothing
     try:
-        deadline = time.monotonic() + 90
-        while job.last_report is None:  # the query's first micro-batch has been judged
-            assert time.monotonic() < deadline, "the job did not judge its first micro-batch"
-            time.sleep(0.2)
+        wait_for_first_judgement(job)
         (dropped,) = publish(pg_dsn, [outbox.Record(orders, "lost", key="k")])
         with psycopg.connect(pg_dsn) as conn:  # the relay says delivered; Kafka has nothing
             conn.execute(
@@ -360,10 +366,7 @@ def test_continuous_job_reports_a_dropped_record_without_traffic(
     again = ReconcileJob(settings, spark)
     again.start()
     try:
-        deadline = time.monotonic() + 90
-        while again.last_report is None:
-            assert time.monotonic() < deadline, "the restarted job did not judge"
-            time.sleep(0.2)
+        wait_for_first_judgement(again)
     finally:
         again.stop()
     assert again.last_report.window.windows_from is not None
@@ -399,10 +402,7 @@ def test_a_running_job_judges_what_is_new_and_summarises_every_window_once(
     job = ReconcileJob(settings, spark)
     job.start()
     try:
-        until = time.monotonic() + 90
-        while job.last_report is None:
-            assert time.monotonic() < until, "the job did not judge its first micro-batch"
-            time.sleep(0.2)
+        wait_for_first_judgement(job)
         published: list[Row] = []
         for burst in range(6):  # traffic across several micro-batches and summary windows
             published += publish(
@@ -451,10 +451,7 @@ def test_a_running_job_finds_a_copy_stamped_long_before_it_arrived(
     job = ReconcileJob(settings, spark)
     job.start()
     try:
-        until = time.monotonic() + 90
-        while job.last_report is None:
-            assert time.monotonic() < until, "the job did not judge its first micro-batch"
-            time.sleep(0.2)
+        wait_for_first_judgement(job)
         (late,) = publish(pg_dsn, [outbox.Record(orders, "late", key="k")])
         RelayStandIn(pg_dsn, transactional_producer, markers).deliver(
             [late], at=datetime.now(UTC) - timedelta(seconds=60)
