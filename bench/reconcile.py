@@ -40,7 +40,7 @@ from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bench._services import scratch_database, service_env
-from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, OpMarker
+from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, marker_entry, marker_messages
 
 VALUE = os.urandom(512).hex().encode()  # 1 KiB
 PER_TX = 500
@@ -125,14 +125,16 @@ def produce(
                 on_delivery=report(outbox_id),
             )
         producer.flush(60)  # the relay writes a marker once it knows where its record landed
-        for outbox_id, tx_id, key, commit_ts in chunk:
-            partition, offset = positions[outbox_id]
-            marker_key, marker_value = OpMarker(
-                op=Op.DELIVERED, id=outbox_id, tx_id=tx_id, producer_group="bench", topic=topic,
-                key=key, shard=0, partition=partition, offset=offset, commit_ts=commit_ts,
-                relay="bench", epoch=1,
-            ).encode()  # fmt: skip
-            producer.produce(markers, marker_value, marker_key)
+        entries = [
+            marker_entry(
+                Op.DELIVERED, id=outbox_id, tx_id=tx_id, producer_group="bench", topic=topic,
+                key=key, partition=positions[outbox_id][0], offset=positions[outbox_id][1],
+                commit_ts=commit_ts, reason=None,
+            )
+            for outbox_id, tx_id, key, commit_ts in chunk
+        ]  # fmt: skip
+        for value in marker_messages(entries, shard=0, relay="bench", epoch=1):
+            producer.produce(markers, value, b"0")
         producer.commit_transaction(60)
     return time.perf_counter() - started, positions
 

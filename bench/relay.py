@@ -33,6 +33,7 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bench._services import ROOT, scratch_database, service_env
+from relay.markers import decode_markers
 
 VALUE = os.urandom(512).hex().encode()  # 1 KiB
 BATCH = 1000  # the relay's default batch_size
@@ -149,7 +150,8 @@ def undelivered(dsn: str) -> bool:
 
 
 def marker_times(bootstrap: str, topic: str, count: int) -> list[int]:
-    """Create timestamps (ms) of the first `count` committed op markers, in log order."""
+    """Create timestamps (ms) of the first `count` committed op markers, in log order (the
+    markers of one message share its time)."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -166,7 +168,8 @@ def marker_times(bootstrap: str, topic: str, count: int) -> list[int]:
         while len(times) < count and time.monotonic() < deadline:
             for msg in consumer.consume(10_000, 1.0):
                 if msg.error() is None:
-                    times.append(msg.timestamp()[1])
+                    markers = decode_markers(msg.value() or b"")
+                    times.extend([msg.timestamp()[1]] * len(markers))
     finally:
         consumer.close()
     if len(times) < count:

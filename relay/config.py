@@ -114,6 +114,11 @@ class RelaySettings(BaseModel):
     op_marker_topic: str = "outbox.op-markers"
     op_marker_partitions: int = Field(default=4, ge=1)
     op_marker_retention: timedelta = timedelta(days=7)
+    op_marker_message_bytes: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        description="Markers per op-marker message, in bytes: below the topic's max.message.bytes.",
+    )
     dead_letter_topic: str = "outbox.dead-letter"
     batch_size: int = Field(default=1000, ge=1, le=100_000)
     linger: timedelta = Field(

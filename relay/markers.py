@@ -1,28 +1,38 @@
 """Op markers: the relay's record of every outbox record it ended (RocketMQ's op messages).
 
-For every record it ends, the relay writes one marker to the op-marker topic in the same Kafka
+For every record it ends, the relay writes a marker to the op-marker topic in the same Kafka
 transaction as the record itself (or its dead-letter copy). A `read_committed` reader of the topic
 therefore sees a marker if and only if the record's end is committed, which is what recovery and
 reconciliation rely on.
 
-Wire format (version 1), on the op-marker topic:
+Like RocketMQ 5's merged op messages, one Kafka message carries the markers of many records: a
+Kafka message per record doubled the relay's produce work and the broker's (bench/relay.py).
+
+Wire format (version 2, written), on the op-marker topic:
   partition  shard % op_marker_partitions (recovery reads only the partitions of its shards)
-  key        the record id, decimal ASCII
-  value      JSON: {"v": 1, "op": "delivered" | "rolled_back" | "discarded" | "parked",
-                    "id": int, "tx_id": str, "producer_group": str, "topic": str,
-                    "key": base64|null, "shard": int, "partition": int|null, "offset": int|null,
-                    "commit_ts": RFC 3339|null, "reason": str|null, "relay": str, "epoch": int}
+  key        the shard, decimal ASCII
+  value      JSON: {"v": 2, "shard": int, "relay": str, "epoch": int, "markers": [entry, ...]}
+             entry: {"op": "delivered" | "rolled_back" | "discarded" | "parked", "id": int,
+                     "tx_id": str, "producer_group": str, "topic": str, "key": base64|null,
+                     "partition": int|null, "offset": int|null, "commit_ts": RFC 3339|null,
+                     "reason": str|null}
              `partition` / `offset` are where a delivered record landed on its topic (for a
              discarded or parked record: where its copy landed on the dead-letter topic).
+             A message holds at most `op_marker_message_bytes` of entries (one entry at least).
+Version 1 (read, for markers written before): one marker per message, key the record id, value
+  one entry with "v": 1, "shard", "relay" and "epoch" in it.
 Delivered records carry the headers OUTBOX_ID_HEADER and OUTBOX_TX_ID_HEADER.
 """
 
 from __future__ import annotations
 
 import base64
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
 
@@ -31,6 +41,7 @@ OUTBOX_TX_ID_HEADER = "outbox-tx-id"
 OUTBOX_PRODUCER_GROUP_HEADER = "outbox-producer-group"
 OUTBOX_REASON_HEADER = "outbox-reason"  # on dead-letter copies
 OUTBOX_VALUE_OMITTED_HEADER = "outbox-value-omitted"  # a copy too large to carry its value
+MARKER_VERSION = 2
 
 
 class Op(StrEnum):
@@ -52,9 +63,11 @@ _Base64 = Annotated[
 
 
 class OpMarker(BaseModel):
+    """One record's marker as read back (either version), validated."""
+
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    v: Literal[1] = 1
+    v: Literal[1, 2] = 1
     op: Op
     id: int
     tx_id: str
@@ -70,12 +83,115 @@ class OpMarker(BaseModel):
     epoch: int
 
     def encode(self) -> tuple[bytes, bytes]:
-        """(key, value) for the op-marker topic."""
+        """(key, value) of this marker alone in version 1 (for tests of what older relays wrote)."""
         return str(self.id).encode("ascii"), self.model_dump_json().encode()
 
-    @classmethod
-    def decode(cls, value: bytes) -> OpMarker:
-        return cls.model_validate_json(value)
+
+class MarkerFormatError(ValueError):
+    """A message on the op-marker topic that is not a marker this relay can read."""
+
+
+def decode_markers(value: bytes) -> list[OpMarker]:
+    """The markers of one op-marker message, either version; MarkerFormatError if neither."""
+    try:
+        message = json.loads(value)
+        version = message.get("v", 1) if isinstance(message, dict) else None
+        if version == 1:
+            return [OpMarker.model_validate(message)]
+        if version == MARKER_VERSION:
+            envelope = {k: message[k] for k in ("shard", "relay", "epoch")}
+            return [OpMarker.model_validate({**e, **envelope, "v": 2}) for e in message["markers"]]
+    except (ValueError, KeyError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+        raise MarkerFormatError(f"not an op marker message: {exc}") from exc
+    raise MarkerFormatError(f"op marker message of unknown version {version!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class Ended:
+    """What the relay itself needs of a marker it wrote: which row ended, how, and where."""
+
+    op: Op
+    id: int
+    topic: str
+    partition: int | None
+    offset: int | None
+
+
+# ASCII only: an entry's length in characters is its length in bytes
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def marker_entry(
+    op: Op,
+    *,
+    id: int,
+    tx_id: str,
+    producer_group: str,
+    topic: str,
+    key: bytes | None,
+    partition: int | None,
+    offset: int | None,
+    commit_ts: datetime | None,
+    reason: str | None,
+) -> str:
+    """One entry of a version 2 message, as JSON text. Plain json, not OpMarker: this runs per
+    record on the relay's hot path, where building a pydantic model cost ~4 µs."""
+    return _dumps(
+        {
+            "op": op.value,
+            "id": id,
+            "tx_id": tx_id,
+            "producer_group": producer_group,
+            "topic": topic,
+            "key": None if key is None else base64.b64encode(key).decode("ascii"),
+            "partition": partition,
+            "offset": offset,
+            "commit_ts": None if commit_ts is None else commit_ts.isoformat(),
+            "reason": reason,
+        }
+    )
+
+
+class MarkerBatcher:
+    """Collects entries into version 2 messages of at most `max_bytes` of entries each."""
+
+    def __init__(self, *, shard: int, relay: str, epoch: int, max_bytes: int) -> None:
+        envelope: dict[str, Any] = {"v": MARKER_VERSION, "shard": shard, "relay": relay}
+        envelope["epoch"] = epoch
+        self._head = _dumps(envelope)[:-1] + ',"markers":['
+        self.key = str(shard).encode("ascii")
+        self.max_bytes = max_bytes
+        self._entries: list[str] = []
+        self._size = 0
+
+    def add(self, entry: str) -> bytes | None:
+        """Add an entry; returns a full message to send, or None while there is room."""
+        if self._entries and self._size + len(entry) > self.max_bytes:
+            message = self.take()
+            self._entries.append(entry)
+            self._size = len(entry) + 1
+            return message
+        self._entries.append(entry)
+        self._size += len(entry) + 1
+        return None
+
+    def take(self) -> bytes | None:
+        """The entries collected so far as one message (None when there are none)."""
+        if not self._entries:
+            return None
+        message = (self._head + ",".join(self._entries) + "]}").encode()
+        self._entries, self._size = [], 0
+        return message
+
+
+def marker_messages(
+    entries: Iterable[str], *, shard: int, relay: str, epoch: int, max_bytes: int = 256 * 1024
+) -> list[bytes]:
+    """Entries as whole version 2 messages (for writers other than the relay's hot path)."""
+    batcher = MarkerBatcher(shard=shard, relay=relay, epoch=epoch, max_bytes=max_bytes)
+    messages = [m for m in map(batcher.add, entries) if m is not None]
+    last = batcher.take()
+    return messages if last is None else [*messages, last]
 
 
 def marker_partition(shard: int, partitions: int) -> int:

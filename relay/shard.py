@@ -23,6 +23,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -41,8 +42,12 @@ from relay.markers import (
     OUTBOX_REASON_HEADER,
     OUTBOX_TX_ID_HEADER,
     OUTBOX_VALUE_OMITTED_HEADER,
+    Ended,
+    MarkerBatcher,
     Op,
     OpMarker,
+    decode_markers,
+    marker_entry,
     marker_partition,
 )
 from relay.sharding import shard_of, shard_range
@@ -229,9 +234,9 @@ class ShardWorker:
                     if error.code() == KafkaError._PARTITION_EOF:
                         continue
                     raise KafkaException(error)
-                marker = OpMarker.decode(msg.value() or b"")
-                if marker.shard == self.shard:
-                    markers.append(marker)
+                markers.extend(
+                    m for m in decode_markers(msg.value() or b"") if m.shard == self.shard
+                )
             return markers, high
         finally:
             consumer.close()
@@ -341,42 +346,60 @@ class ShardWorker:
                     doomed = True
                     break
 
-        # Each marker goes out as soon as its record's report says where the record landed;
-        # rows with nothing on a topic (rolled back) get theirs at once.
-        markers: list[OpMarker] = []
+        # Each marker is written as soon as its record's report says where the record landed
+        # (rows with nothing on a topic, rolled back, at once), many to a message; the last
+        # message goes when the last report is in.
+        markers: list[Ended] = []
         marker_sends: list[Sent] = []
+        batcher = MarkerBatcher(
+            shard=self.shard,
+            relay=self.relay_id,
+            epoch=self.lease.epoch,
+            max_bytes=self.settings.op_marker_message_bytes,
+        )
 
-        def mark(row: Row, report: Sent | None) -> None:
+        def send_markers(message: bytes | None) -> None:
             nonlocal doomed
-            if doomed:
+            if message is None or doomed:
                 return
-            marker = self._marker(row, report)
-            key, value = marker.encode()
             try:
                 marker_sends.append(
                     self.producer.send(
-                        self.settings.op_marker_topic, value, key, [], self.marker_partition
+                        self.settings.op_marker_topic,
+                        message,
+                        batcher.key,
+                        [],
+                        self.marker_partition,
                     )
                 )
             except KafkaException as exc:
                 if not _transaction_failed(exc):
                     raise
                 doomed = True
-                return
-            markers.append(marker)
+
+        def mark(row: Row, report: Sent | None) -> None:
+            ended_as = self._ended(row, report)
+            markers.append(ended_as)
+            send_markers(batcher.add(self._marker_entry(row, ended_as)))
 
         for row in ended:
             if row.id not in sent:
                 mark(row, None)
+        awaiting = len(sent)  # records and dead-letter copies without a report yet
+        if not awaiting:
+            send_markers(batcher.take())
         failed: list[Sent] = []
         for report in self.producer.reports():
             if report.tag is None:
-                continue  # a marker
+                continue  # a marker message
+            awaiting -= 1
             if report.error is not None:
                 failed.append(report)
                 doomed = True
-            else:
+            elif not doomed:
                 mark(report.tag, report)
+            if not awaiting:
+                send_markers(batcher.take())
         too_large: dict[str, tuple[Row, str]] = {}  # topic -> its largest record refused
         for report in failed:
             error, row = report.error, report.tag
@@ -485,22 +508,26 @@ class ShardWorker:
                 )
         return poison
 
-    def _marker(self, row: Row, sent: Sent | None) -> OpMarker:
+    @staticmethod
+    def _ended(row: Row, sent: Sent | None) -> Ended:
         op = Op.DELIVERED if row.state == "committed" else Op(row.state)
-        return OpMarker(
-            op=op,
+        if sent is None:
+            return Ended(op, row.id, row.topic, None, None)
+        return Ended(op, row.id, row.topic, sent.partition, sent.offset)
+
+    @staticmethod
+    def _marker_entry(row: Row, ended: Ended) -> str:
+        return marker_entry(
+            ended.op,
             id=row.id,
             tx_id=row.tx_id,
             producer_group=row.producer_group,
             topic=row.topic,
             key=row.key,
-            shard=self.shard,
-            partition=sent.partition if sent else None,
-            offset=sent.offset if sent else None,
+            partition=ended.partition,
+            offset=ended.offset,
             commit_ts=row.commit_ts,
             reason=row.reason,
-            relay=self.relay_id,
-            epoch=self.lease.epoch,
         )
 
     # --- database side ----------------------------------------------------------------------
@@ -509,7 +536,7 @@ class ShardWorker:
         if conn.execute(self._q("relay_lock_lease"), self._lease_params()).fetchone() is None:
             raise LeaseLost(f"shard {self.shard} (epoch {self.lease.epoch}) is no longer ours")
 
-    def _end_rows(self, conn: psycopg.Connection[Any], markers: list[OpMarker]) -> None:
+    def _end_rows(self, conn: psycopg.Connection[Any], markers: Sequence[Ended | OpMarker]) -> None:
         """End the rows of committed markers: delete them, or keep them for the archive."""
         if self.settings.delivered_retention:
             kept, deleted = markers, []

@@ -86,24 +86,31 @@ KAFKA_SCHEMA = StructType(
     ]
 )
 
-# An op marker's JSON value (relay/markers.py, version 1). commit_ts is parsed after reading, so
+# One marker of an op-marker message (relay/markers.py). commit_ts is parsed after reading, so
 # that a malformed time loses only itself, not the marker.
+_MARKER_ENTRY_FIELDS = [
+    StructField("op", StringType()),
+    StructField("id", LongType()),
+    StructField("tx_id", StringType()),
+    StructField("producer_group", StringType()),
+    StructField("topic", StringType()),
+    StructField("key", StringType()),
+    StructField("partition", IntegerType()),
+    StructField("offset", LongType()),
+    StructField("commit_ts", StringType()),
+    StructField("reason", StringType()),
+]
+MARKER_ENTRY_SCHEMA = StructType(_MARKER_ENTRY_FIELDS)
+# An op-marker message's JSON value: version 2 (an envelope with many entries) or version 1 (one
+# entry, its fields at the top).
 MARKER_VALUE_SCHEMA = StructType(
     [
         StructField("v", IntegerType()),
-        StructField("op", StringType()),
-        StructField("id", LongType()),
-        StructField("tx_id", StringType()),
-        StructField("producer_group", StringType()),
-        StructField("topic", StringType()),
-        StructField("key", StringType()),
         StructField("shard", IntegerType()),
-        StructField("partition", IntegerType()),
-        StructField("offset", LongType()),
-        StructField("commit_ts", StringType()),
-        StructField("reason", StringType()),
         StructField("relay", StringType()),
         StructField("epoch", LongType()),
+        StructField("markers", ArrayType(MARKER_ENTRY_SCHEMA)),
+        *_MARKER_ENTRY_FIELDS,
     ]
 )
 
@@ -197,8 +204,24 @@ def observations(
     `ignored_topics` such as the dead-letter topic) is dropped.
     """
     is_marker = F.col("topic") == F.lit(marker_topic)
-    marker = F.from_json(F.when(is_marker, F.col("value").cast("string")), MARKER_VALUE_SCHEMA)
+    message = F.from_json(F.when(is_marker, F.col("value").cast("string")), MARKER_VALUE_SCHEMA)
+    version = F.coalesce(message["v"], F.lit(1))
+    # One row per copy, and per marker of a message: a copy's row carries a null entry; a
+    # message of a version not known here yields none (dropped, like a malformed one).
+    entries = (
+        F.when(~is_marker, F.array(F.lit(None).cast(MARKER_ENTRY_SCHEMA)))
+        .when(version == 2, message["markers"])
+        .when(
+            version == 1,
+            F.array(F.struct(*[message[f.name].alias(f.name) for f in _MARKER_ENTRY_FIELDS])),
+        )
+    )
     rows = kafka.where(~F.col("topic").isin(list(ignored_topics))) if ignored_topics else kafka
+    rows = rows.select(
+        "topic", "partition", "offset", "timestamp", "key", "headers",
+        F.explode(entries).alias("marker"),
+    )  # fmt: skip
+    marker = F.col("marker")
     obs = rows.select(
         F.when(is_marker, F.lit(MARKER)).otherwise(F.lit(RECORD)).alias("source"),
         "topic",
@@ -222,11 +245,8 @@ def observations(
         .alias("target_partition"),
         F.when(is_marker, marker["offset"]).otherwise(F.col("offset")).alias("target_offset"),
         F.when(is_marker, marker["commit_ts"].try_cast("timestamp")).alias("commit_ts"),
-        F.when(is_marker, F.coalesce(marker["v"], F.lit(1))).alias("_version"),
     )
-    return obs.where(
-        F.col("outbox_id").isNotNull() & (F.col("_version").isNull() | (F.col("_version") == 1))
-    ).drop("_version")
+    return obs.where(F.col("outbox_id").isNotNull())
 
 
 def copies(obs: DataFrame) -> DataFrame:

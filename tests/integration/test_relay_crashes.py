@@ -18,7 +18,7 @@ from confluent_kafka import Message
 
 import outbox
 from relay import _failpoints
-from relay.markers import OpMarker
+from relay.markers import decode_markers
 from tests.fixtures.kafka import consume_all
 from tests.fixtures.relay import RelayProcess
 
@@ -66,7 +66,8 @@ def delivered_markers(bootstrap: str, topic: str) -> Counter[int]:
     return Counter(
         marker.id
         for m in consume_all(bootstrap, topic, "read_committed")
-        if (marker := OpMarker.decode(m.value() or b"")).op.value == "delivered"
+        for marker in decode_markers(m.value() or b"")
+        if marker.op.value == "delivered"
     )
 
 

@@ -13,7 +13,7 @@ from confluent_kafka import Message
 
 import outbox
 from outbox import Record
-from relay.markers import OpMarker
+from relay.markers import OpMarker, decode_markers
 from relay.service import Relay
 from tests.fixtures.kafka import consume_all
 
@@ -25,7 +25,9 @@ def values(msgs: list[Message]) -> list[bytes]:
 def markers(bootstrap: str, relay: Relay) -> list[OpMarker]:
     topic = relay.settings.relay.op_marker_topic
     return [
-        OpMarker.decode(m.value() or b"") for m in consume_all(bootstrap, topic, "read_committed")
+        marker
+        for m in consume_all(bootstrap, topic, "read_committed")
+        for marker in decode_markers(m.value() or b"")
     ]
 
 

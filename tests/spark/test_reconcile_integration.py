@@ -23,7 +23,7 @@ import pytest
 from confluent_kafka import KafkaException, Message, Producer
 
 import outbox
-from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, OpMarker
+from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, marker_entry, marker_messages
 from spark.findings import read_findings, read_windows
 from tests.fixtures.kafka import TIMEOUT_S
 
@@ -94,23 +94,16 @@ class RelayStandIn:
         else:
             positions.update({r.id: (0, claimed_offset or 10**6) for r in rows})
         if markers:
-            for r in rows:
-                partition, offset = positions[r.id]
-                key, value = OpMarker(
-                    op=Op.DELIVERED,
-                    id=r.id,
-                    tx_id=r.tx_id,
-                    producer_group=r.producer_group,
-                    topic=r.topic,
-                    key=r.key,
-                    shard=0,
-                    partition=partition,
-                    offset=offset,
-                    commit_ts=commit[r.id],
-                    relay="stand-in",
-                    epoch=1,
-                ).encode()
-                self.producer.produce(self.marker_topic, value, key, timestamp=_ms(at))
+            entries = [
+                marker_entry(
+                    Op.DELIVERED, id=r.id, tx_id=r.tx_id, producer_group=r.producer_group,
+                    topic=r.topic, key=r.key, partition=positions[r.id][0],
+                    offset=positions[r.id][1], commit_ts=commit[r.id], reason=None,
+                )
+                for r in rows
+            ]  # fmt: skip
+            for value in marker_messages(entries, shard=0, relay="stand-in", epoch=1):
+                self.producer.produce(self.marker_topic, value, b"0", timestamp=_ms(at))
         self.producer.commit_transaction(TIMEOUT_S)
         with psycopg.connect(self.dsn) as conn:
             for r in rows:

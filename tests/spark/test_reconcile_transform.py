@@ -6,7 +6,14 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, OpMarker
+from relay.markers import (
+    OUTBOX_ID_HEADER,
+    OUTBOX_TX_ID_HEADER,
+    MarkerBatcher,
+    Op,
+    OpMarker,
+    marker_entry,
+)
 from spark.config import JudgeWindow
 
 if TYPE_CHECKING:
@@ -52,21 +59,34 @@ class Kafka:
         op: Op = Op.DELIVERED,
         key: bytes | None = b"k",
     ) -> None:
-        marker = OpMarker(
-            op=op,
-            id=outbox_id,
-            tx_id="tx",
-            producer_group="orders-service",
-            topic=TOPIC,
-            key=key,
-            shard=0,
-            partition=0 if offset is not None else None,
-            offset=offset,
-            commit_ts=commit,
-            relay="relay-1",
-            epoch=1,
-        )
-        k, v = marker.encode()
+        """One marker alone in a message, as the relay writes it."""
+        self.markers([(outbox_id, offset, commit, op, key)], at)
+
+    def markers(
+        self,
+        entries: list[tuple[int, int | None, datetime | None, Op, bytes | None]],
+        at: datetime,
+    ) -> None:
+        """Several markers in one message (version 2): (id, offset, commit, op, key) each."""
+        batcher = MarkerBatcher(shard=0, relay="relay-1", epoch=1, max_bytes=1 << 20)
+        for outbox_id, offset, commit, op, key in entries:
+            batcher.add(
+                marker_entry(
+                    op, id=outbox_id, tx_id="tx", producer_group="orders-service", topic=TOPIC,
+                    key=key, partition=0 if offset is not None else None, offset=offset,
+                    commit_ts=commit, reason=None,
+                )
+            )  # fmt: skip
+        self.rows.append((batcher.key, batcher.take(), MARKERS, 0, self.marker_offset, at, 0, []))
+        self.marker_offset += 1
+
+    def marker_v1(self, outbox_id: int, at: datetime, *, offset: int, commit: datetime) -> None:
+        """A marker as relays before version 2 wrote it: one per message."""
+        k, v = OpMarker(
+            op=Op.DELIVERED, id=outbox_id, tx_id="tx", producer_group="orders-service",
+            topic=TOPIC, key=b"k", shard=0, partition=0, offset=offset, commit_ts=commit,
+            relay="relay-0", epoch=1,
+        ).encode()  # fmt: skip
         self.rows.append((k, v, MARKERS, 0, self.marker_offset, at, 0, []))
         self.marker_offset += 1
 
@@ -176,6 +196,27 @@ def test_observations_parse_copies_and_markers(spark: SparkSession) -> None:
     )
     assert marker.producer_group == "orders-service"
     assert marker.commit_ts is not None
+
+
+def test_observations_read_each_marker_of_a_message_and_older_versions(
+    spark: SparkSession,
+) -> None:
+    from spark.transform import MARKER, observations
+
+    kafka = Kafka()
+    kafka.markers([(21, 0, s(0), Op.DELIVERED, b"a"), (22, None, None, Op.ROLLED_BACK, None)], s(1))
+    kafka.marker_v1(23, s(2), offset=7, commit=s(1))
+    kafka.raw(MARKERS, json.dumps({"v": 3, "markers": [{"id": 24}]}).encode(), [], s(3))
+    obs = observations(kafka.frame(spark), marker_topic=MARKERS)
+    got = {
+        r.outbox_id: (r.op, r.key, r.target_offset, r.commit_ts is not None, r.offset)
+        for r in obs.where(obs.source == MARKER).collect()
+    }
+    assert got == {
+        21: ("delivered", b"a", 0, True, 0),  # both from the message at offset 0
+        22: ("rolled_back", None, None, False, 0),
+        23: ("delivered", b"k", 7, True, 1),
+    }  # a version this job does not know (24) is not guessed at
 
 
 def findings_of(

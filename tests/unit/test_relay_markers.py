@@ -1,0 +1,98 @@
+"""The op-marker wire format: what the relay writes is what recovery and reconciliation read."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from relay.markers import (
+    MarkerBatcher,
+    MarkerFormatError,
+    Op,
+    OpMarker,
+    decode_markers,
+    marker_entry,
+    marker_messages,
+)
+
+COMMIT = datetime(2026, 11, 22, 10, 0, 0, 123456, tzinfo=UTC)
+
+
+def entry(outbox_id: int, *, reason: str | None = None) -> str:
+    return marker_entry(
+        Op.DELIVERED if reason is None else Op.PARKED,
+        id=outbox_id,
+        tx_id=f"tx-{outbox_id}",
+        producer_group="orders",
+        topic="orders.created",
+        key=b"\x00k\xff",
+        partition=2,
+        offset=outbox_id * 10,
+        commit_ts=COMMIT,
+        reason=reason,
+    )
+
+
+def test_a_message_decodes_to_its_markers_with_the_envelope() -> None:
+    (message,) = marker_messages(
+        [entry(1), entry(2, reason="refused: ünïcode")], shard=3, relay="r-1", epoch=7
+    )
+    first, second = decode_markers(message)
+    assert first == OpMarker(
+        v=2, op=Op.DELIVERED, id=1, tx_id="tx-1", producer_group="orders",
+        topic="orders.created", key=b"\x00k\xff", shard=3, partition=2, offset=10,
+        commit_ts=COMMIT, reason=None, relay="r-1", epoch=7,
+    )  # fmt: skip
+    assert (second.op, second.id, second.reason) == (Op.PARKED, 2, "refused: ünïcode")
+    assert message.isascii()  # so that the batcher's count of characters is one of bytes
+
+
+def test_messages_stay_within_the_byte_limit_and_keep_every_entry_in_order() -> None:
+    entries = [entry(i) for i in range(100)]
+    limit = 4 * len(entries[0])
+    messages = marker_messages(entries, shard=0, relay="r", epoch=1, max_bytes=limit)
+    head = len(json.dumps({"v": 2, "shard": 0, "relay": "r", "epoch": 1}, separators=(",", ":")))
+    assert len(messages) > 20
+    assert all(len(m) <= limit + head + len(',"markers":[]') for m in messages)
+    assert [m.id for msg in messages for m in decode_markers(msg)] == list(range(100))
+
+
+def ids(message: bytes | None) -> list[int]:
+    assert message is not None
+    return [m.id for m in decode_markers(message)]
+
+
+def test_an_entry_larger_than_the_limit_goes_alone() -> None:
+    batcher = MarkerBatcher(shard=0, relay="r", epoch=1, max_bytes=1024)
+    assert batcher.add(entry(1)) is None
+    # too large: what came before goes first, then it alone
+    assert ids(batcher.add(entry(2, reason="x" * 5000))) == [1]
+    assert ids(batcher.add(entry(3))) == [2]
+    assert ids(batcher.take()) == [3]
+    assert batcher.take() is None
+
+
+def test_version_1_markers_are_still_read() -> None:
+    old = OpMarker(
+        op=Op.ROLLED_BACK, id=5, tx_id="t", producer_group="g", topic="x", shard=1,
+        relay="old", epoch=2,
+    )  # fmt: skip
+    _key, value = old.encode()
+    assert decode_markers(value) == [old]
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (b'{"v": 3, "markers": []}', "unknown version 3"),
+        (b"not json", "not an op marker message"),
+        (b'{"v": 2, "shard": 0, "relay": "r", "epoch": 1}', "not an op marker message"),
+        (b'{"v": 2, "shard": 0, "relay": "r", "epoch": 1, "markers": [{"id": 1}]}', "op"),
+        (b"[1, 2]", "unknown version None"),
+    ],
+)
+def test_what_is_not_a_marker_message_is_refused_with_the_reason(value: bytes, says: str) -> None:
+    with pytest.raises(MarkerFormatError, match=says):
+        decode_markers(value)
