@@ -250,12 +250,14 @@ class ShardWorker:
         batch = _Batch()
         by_tx: dict[str, list[Row]] = {}  # in commit order: the query sorts, dicts keep order
         conn.execute(self._q("relay_claim_plan"))
-        for r in conn.execute(
+        claimed = conn.execute(
             self._q("relay_claim"),
             {**self.key_range, "hold_back": hold_back, "limit": s.batch_size},
             binary=True,
             prepare=False,  # a custom plan: a generic one cannot estimate the key range
-        ):
+        )
+        unmarked = self._unmarked(conn)  # in a pipeline: one round trip with the claim
+        for r in claimed:
             row = Row.from_db(r, state="committed", committed_xid=r[9], commit_ts=r[10])
             by_tx.setdefault(r[9], []).append(row)
         count = 0
@@ -266,19 +268,16 @@ class ShardWorker:
             count += len(tx_rows)
             if count >= s.batch_size:
                 break
-        batch.ended = self._unmarked(conn)
+        batch.ended = [Row.from_db(r, state=r[9], reason=r[10]) for r in unmarked]
         return batch
 
-    def _unmarked(self, conn: psycopg.Connection[Any]) -> list[Row]:
-        return [
-            Row.from_db(r, state=r[9], reason=r[10])
-            for r in conn.execute(
-                self._q("relay_unmarked"),
-                {**self.key_range, "limit": self.settings.batch_size},
-                binary=True,
-                prepare=False,
-            )
-        ]
+    def _unmarked(self, conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
+        return conn.execute(
+            self._q("relay_unmarked"),
+            {**self.key_range, "limit": self.settings.batch_size},
+            binary=True,
+            prepare=False,
+        )
 
     def _may_send(
         self, conn: psycopg.Connection[Any], tx_rows: list[Row], xid: str, ts: datetime | None
@@ -305,7 +304,7 @@ class ShardWorker:
     def deliver_once(self, conn: psycopg.Connection[Any], hold_back: datetime | None) -> ShardRound:
         if self.needs_recovery:
             self.recover(conn)
-        with conn.transaction():
+        with conn.pipeline(), conn.transaction():  # pipelined: 2 round trips, not 5
             batch = self._claim(conn, hold_back)
         return self._ship(conn, batch)
 
@@ -452,8 +451,10 @@ class ShardWorker:
 
         next_offset = max(s.offset for s in marker_sends if s.offset is not None) + 1
         try:
-            with conn.transaction():
-                self._lock_lease(conn)
+            # Pipelined (2 round trips, not 5): the lease is checked before the commit, and
+            # the LeaseLost it raises rolls back what was sent after it.
+            with conn.pipeline(), conn.transaction():
+                lease = conn.execute(self._q("relay_lock_lease"), self._lease_params())
                 self._end_rows(conn, markers)
                 conn.execute(
                     self._q("relay_set_marker_offset"),
@@ -465,6 +466,7 @@ class ShardWorker:
                 )
                 if poison:
                     self._park(conn, poison)
+                self._check_lease(lease)
         except Exception:
             self.needs_recovery = True  # the markers are committed: recovery ends these rows
             raise
@@ -533,7 +535,10 @@ class ShardWorker:
     # --- database side ----------------------------------------------------------------------
 
     def _lock_lease(self, conn: psycopg.Connection[Any]) -> None:
-        if conn.execute(self._q("relay_lock_lease"), self._lease_params()).fetchone() is None:
+        self._check_lease(conn.execute(self._q("relay_lock_lease"), self._lease_params()))
+
+    def _check_lease(self, locked: psycopg.Cursor[Any]) -> None:
+        if locked.fetchone() is None:
             raise LeaseLost(f"shard {self.shard} (epoch {self.lease.epoch}) is no longer ours")
 
     def _end_rows(self, conn: psycopg.Connection[Any], markers: Sequence[Ended | OpMarker]) -> None:
