@@ -328,6 +328,35 @@ def test_delivered_rows_are_archived_with_their_position(
         assert dict(msg.headers() or [])["outbox-id"] == str(record_id).encode()
 
 
+def test_markers_share_messages_and_say_where_each_record_landed(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory(partitions=3)
+    with psycopg.connect(pg_dsn) as conn:
+        for tx in range(3):
+            with conn.transaction():
+                for i in range(10):
+                    outbox.publish(conn, topic, f"v{tx}-{i}", key=f"k{i}")
+        with conn.transaction():
+            half = outbox.prepare(conn, topic, "never")
+        with conn.transaction():
+            outbox.rollback(conn, half.tx_id)
+    relay = relay_factory(op_marker_message_bytes=1024)  # a few entries per message
+    assert relay.run_once().delivered == 30
+
+    landed = {
+        int(dict(m.headers() or [])["outbox-id"]): (m.partition(), m.offset())
+        for m in consume_all(kafka_bootstrap, topic, "read_committed")
+    }
+    messages = consume_all(kafka_bootstrap, relay.settings.relay.op_marker_topic, "read_committed")
+    markers = [marker for m in messages for marker in decode_markers(m.value() or b"")]
+    delivered = {m.id: (m.partition, m.offset) for m in markers if m.op.value == "delivered"}
+    assert delivered == landed  # every record, once, at its place
+    assert [m.op.value for m in markers].count("rolled_back") == 1
+    assert 1 < len(messages) < len(markers)
+    assert all(len(m.value() or b"") <= 2048 for m in messages)
+
+
 def test_the_archive_is_trimmed_after_its_retention_parked_rows_stay(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
