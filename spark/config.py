@@ -19,6 +19,7 @@ in being read is not taken for a missing one.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Self
@@ -57,6 +58,13 @@ def parse_time(text: str) -> datetime:
     """An ISO 8601 instant; without a zone it is taken as UTC."""
     value = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def trigger_end(started: str, duration_ms: Mapping[str, int] | None) -> datetime:
+    """When a trigger reported in a query's progress ended: its start plus its whole run."""
+    return parse_time(started) + timedelta(
+        milliseconds=(duration_ms or {}).get("triggerExecution", 0)
+    )
 
 
 def spark_interval(delta: timedelta) -> str:

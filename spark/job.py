@@ -83,6 +83,7 @@ from spark.config import (
     parse_duration,
     parse_time,
     spark_interval,
+    trigger_end,
 )
 
 logger = logging.getLogger(__name__)
@@ -219,6 +220,7 @@ class ReconcileJob:
         self._continuous = False
         self._batch_newest: dict[int, int] = {}  # store batch -> its newest observation (µs)
         self._run_as_of: datetime | None = None  # availableNow: the run's start
+        self._query_started: datetime | None = None  # continuous: the query's start
         self.last_report: RunReport | None = None
 
     # --- running ----------------------------------------------------------------------------
@@ -247,6 +249,7 @@ class ReconcileJob:
         self._last_judged = self._clock()
         self._continuous = True
         self._judged_to = self._load_judged_to()
+        self._query_started = self._clock()  # before any trigger of the query reads Kafka
         self._query = self._start_query(available_now=False)
         self._ticker = threading.Thread(target=self._tick_loop, name="reconcile-tick", daemon=True)
         self._ticker.start()
@@ -360,7 +363,7 @@ class ReconcileJob:
         with self._lock:
             if self._stopping.is_set():  # fail the batch: it is not committed, so it runs again
                 raise _Stopping("the reconciliation is stopping")
-            as_of = self._run_as_of or self._clock()
+            as_of = self._run_as_of or self._batch_as_of(self._clock())
             obs = self._observations(batch).where(
                 F.col("ts") >= F.lit(as_of - self.settings.horizon)
             )
@@ -373,8 +376,26 @@ class ReconcileJob:
                 .parquet(f"{self._store()}/batch-{batch_id:012d}")
             )
             self._batch_newest[batch_id] = newest.get.get("newest") or 0  # 0: empty, trimmed
-            if self._run_as_of is None:  # continuous: judge now; availableNow: once at the end
-                self.judge(as_of, f"batch {batch_id}", current_batch=batch_id)
+            if self._run_as_of is not None:  # availableNow: judged once, at the end
+                return
+            if self._last_as_of is not None and as_of <= self._last_as_of:
+                return  # an idle tick already judged as far: nothing new is known
+            self.judge(as_of, f"batch {batch_id}", current_batch=batch_id)
+
+    def _batch_as_of(self, now: datetime) -> datetime:
+        """Up to when the running micro-batch has read Kafka completely.
+
+        Not `now`: a trigger fixes the offsets it reads when it starts, and a slow micro-batch
+        reaches foreachBatch seconds later; records committed meanwhile are not in it and must
+        not be judged missing yet. The trigger started after the previous one ended (its
+        progress is reported once it is done), or after the query started.
+        """
+        query = self._query
+        progress = query.lastProgress if query is not None else None
+        started = self._query_started or now
+        if progress is None:
+            return min(started, now)
+        return min(max(started, trigger_end(progress.timestamp, progress.durationMs)), now)
 
     def _tick_loop(self) -> None:
         poll = min(1.0, self.settings.trigger.total_seconds() / 2)

@@ -18,6 +18,7 @@ from spark.config import (
     parse_duration,
     parse_time,
     spark_interval,
+    trigger_end,
 )
 from spark.findings import read_findings
 
@@ -50,6 +51,38 @@ def test_parse_time_and_spark_interval() -> None:
     assert parse_time("2026-01-01T12:00:00") == T  # no zone: UTC
     assert parse_time("2026-01-01T13:00:00+01:00") == T
     assert spark_interval(timedelta(seconds=1.5)) == "1500 milliseconds"
+
+
+def test_trigger_end_is_its_start_plus_its_whole_run() -> None:
+    started = "2026-01-01T12:00:00.000Z"
+    assert trigger_end(started, {"triggerExecution": 4358, "addBatch": 4000}) == T + timedelta(
+        milliseconds=4358
+    )
+    assert trigger_end(started, {}) == T  # nothing reported: its start, the safe side
+
+
+class _Query:
+    def __init__(self, progress: object) -> None:
+        self.lastProgress = progress
+
+
+class _Progress:
+    def __init__(self, timestamp: str, duration_ms: dict[str, int]) -> None:
+        self.timestamp, self.durationMs = timestamp, duration_ms
+
+
+def test_a_micro_batch_judges_as_of_what_it_read_not_when_it_runs() -> None:
+    """A slow trigger reaches foreachBatch seconds after it fixed its offsets: records committed
+    meanwhile are not in it, and `now` would call them missing."""
+    from spark.job import ReconcileJob
+
+    job = ReconcileJob(ReconcileSettings(**BASE), spark=None, clock=lambda: T)  # type: ignore[arg-type]
+    job._query_started = T - timedelta(seconds=30)
+    assert job._batch_as_of(T) == T - timedelta(seconds=30)  # the first trigger: the start
+    job._query = _Query(_Progress("2026-01-01T11:59:50Z", {"triggerExecution": 4000}))  # type: ignore[assignment]
+    assert job._batch_as_of(T) == T - timedelta(seconds=6)  # after the previous trigger ended
+    job._query = _Query(_Progress("2026-01-01T12:00:10Z", {"triggerExecution": 0}))  # type: ignore[assignment]
+    assert job._batch_as_of(T) == T  # never ahead of the clock
 
 
 def test_jdbc_target_from_a_dsn() -> None:
