@@ -257,7 +257,7 @@ class ShardWorker:
             prepare=False,  # a custom plan: a generic one cannot estimate the key range
         )
         unmarked = self._unmarked(conn)  # in a pipeline: one round trip with the claim
-        for r in claimed:
+        for r in claimed.fetchall():  # one call into the C loader, not one per row
             row = Row.from_db(r, state="committed", committed_xid=r[9], commit_ts=r[10])
             by_tx.setdefault(r[9], []).append(row)
         count = 0

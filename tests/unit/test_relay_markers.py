@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from datetime import UTC, datetime
 
@@ -47,6 +48,37 @@ def test_a_message_decodes_to_its_markers_with_the_envelope() -> None:
     )  # fmt: skip
     assert (second.op, second.id, second.reason) == (Op.PARKED, 2, "refused: ünïcode")
     assert message.isascii()  # so that the batcher's count of characters is one of bytes
+
+
+@pytest.mark.parametrize(
+    ("op", "text", "key", "partition", "offset", "commit_ts", "reason"),
+    [
+        (Op.DELIVERED, "orders.created", b"\x00k\xff", 2, 10**12, COMMIT, None),
+        (Op.ROLLED_BACK, 'quote " back\\slash \n tab\t', None, None, None, None, None),
+        (Op.PARKED, "ünïcode ✓ \u2028 \x01", b"", 0, 0, datetime(2026, 1, 1), 'refused: ✗ "x"'),
+    ],
+)
+def test_an_entry_is_exactly_what_json_writes_for_it(
+    op: Op,
+    text: str,
+    key: bytes | None,
+    partition: int | None,
+    offset: int | None,
+    commit_ts: datetime | None,
+    reason: str | None,
+) -> None:
+    fields = {
+        "op": op.value, "id": 7, "tx_id": text, "producer_group": text, "topic": text,
+        "key": None if key is None else base64.b64encode(key).decode("ascii"),
+        "partition": partition, "offset": offset,
+        "commit_ts": None if commit_ts is None else commit_ts.isoformat(), "reason": reason,
+    }  # fmt: skip
+    written = marker_entry(
+        op, id=7, tx_id=text, producer_group=text, topic=text, key=key, partition=partition,
+        offset=offset, commit_ts=commit_ts, reason=reason,
+    )  # fmt: skip
+    assert written == json.dumps(fields, separators=(",", ":"))
+    assert written.isascii()
 
 
 def test_messages_stay_within_the_byte_limit_and_keep_every_entry_in_order() -> None:
