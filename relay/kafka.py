@@ -15,7 +15,12 @@ from datetime import timedelta
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +228,17 @@ class Topics:
         count = 0 if topic is None or topic.error is not None else len(topic.partitions)
         self._known[name] = (now, count)
         return count
+
+    def max_message_bytes(self, name: str) -> int | None:
+        """The topic's max.message.bytes; None when the broker does not tell (no permission)."""
+        resource = ConfigResource(ResourceType.TOPIC, name)
+        try:
+            configs = self._admin.describe_configs([resource])[resource].result(10)
+        except KafkaException as exc:
+            logger.warning("could not read the configuration of topic %s: %s", name, exc)
+            return None
+        entry = configs.get("max.message.bytes")
+        return None if entry is None or entry.value is None else int(entry.value)
 
     def reachable(self) -> bool:
         try:

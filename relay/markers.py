@@ -16,6 +16,10 @@ Wire format (version 2, written), on the op-marker topic:
                      "tx_id": str, "producer_group": str, "topic": str, "key": base64|null,
                      "partition": int|null, "offset": int|null, "commit_ts": RFC 3339|null,
                      "reason": str|null}
+             `key` is null for a record without a key and for one whose key is longer than
+             MAX_MARKER_KEY_BYTES; `reason` is cut to MAX_MARKER_REASON_CHARS. An entry stays
+             small whatever its record: a key near the record size limit would make its marker
+             message too large for the topic, and the batch would be aborted round after round.
              `partition` / `offset` are where a delivered record landed on its topic (for a
              discarded or parked record: where its copy landed on the dead-letter topic).
              A message holds at most `op_marker_message_bytes` of entries (one entry at least).
@@ -43,6 +47,8 @@ OUTBOX_PRODUCER_GROUP_HEADER = "outbox-producer-group"
 OUTBOX_REASON_HEADER = "outbox-reason"  # on dead-letter copies
 OUTBOX_VALUE_OMITTED_HEADER = "outbox-value-omitted"  # a copy too large to carry its value
 MARKER_VERSION = 2
+MAX_MARKER_KEY_BYTES = 4096
+MAX_MARKER_REASON_CHARS = 1024
 
 
 class Op(StrEnum):
@@ -123,8 +129,14 @@ _dumps = json.JSONEncoder(separators=(",", ":")).encode
 _quote = json.encoder.encode_basestring_ascii  # C: a str as a JSON string, ASCII only
 
 
-def _text(value: str | None) -> str:
-    return "null" if value is None else _quote(value)
+def _key(value: bytes | None) -> str:
+    if value is None or len(value) > MAX_MARKER_KEY_BYTES:
+        return "null"
+    return f'"{base64.b64encode(value).decode("ascii")}"'
+
+
+def _reason(value: str | None) -> str:
+    return "null" if value is None else _quote(value[:MAX_MARKER_REASON_CHARS])
 
 
 def _number(value: int | None) -> str:
@@ -153,12 +165,11 @@ def marker_entry(
     (tests/unit/test_relay_markers.py holds them equal), built as text because this runs per
     record on the relay's hot path, where the dict and the encoder cost ~10 µs (a pydantic
     model more)."""
-    encoded_key = "null" if key is None else f'"{base64.b64encode(key).decode("ascii")}"'
     return (
         f'{{"op":"{op.value}","id":{id:d},"tx_id":{_quote(tx_id)},'
         f'"producer_group":{_quote(producer_group)},"topic":{_quote(topic)},'
-        f'"key":{encoded_key},"partition":{_number(partition)},"offset":{_number(offset)},'
-        f'"commit_ts":{_instant(commit_ts)},"reason":{_text(reason)}}}'
+        f'"key":{_key(key)},"partition":{_number(partition)},"offset":{_number(offset)},'
+        f'"commit_ts":{_instant(commit_ts)},"reason":{_reason(reason)}}}'
     )
 
 

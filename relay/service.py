@@ -30,6 +30,14 @@ from relay.sharding import shard_ranges
 logger = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 10.0
+LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
+# What a marker message may hold beyond op_marker_message_bytes: one more entry (its key and
+# reason are capped, relay/markers.py), the envelope, and Kafka's record overhead.
+MARKER_MESSAGE_MARGIN = 32 * 1024
+
+
+class RelayConfigError(ValueError):
+    """The relay's settings do not fit the broker's: nothing could be delivered as they are."""
 
 
 @dataclass
@@ -99,6 +107,7 @@ class Relay:
             {"cleanup.policy": "delete", "retention.ms": retention_ms},
         )
         self.topics.ensure(rs.dead_letter_topic, 1, {"cleanup.policy": "delete"})
+        self._check_marker_message_size()
         row = self.conn.execute("SHOW track_commit_timestamp").fetchone()
         self.conn.rollback()
         if not row or row[0] != "on":
@@ -107,6 +116,27 @@ class Relay:
                 "not commit time; turn it on for per-key commit order"
             )
         self._set_up = True
+
+    def _check_marker_message_size(self) -> None:
+        """A marker message the broker or the client refuses would abort every batch: refuse to
+        start instead, saying which limit op_marker_message_bytes is above."""
+        rs = self.settings.relay
+        limits = {
+            f"max.message.bytes of topic {rs.op_marker_topic}": self.topics.max_message_bytes(
+                rs.op_marker_topic
+            ),
+            "the producer's message.max.bytes": int(
+                self.kafka_conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES)
+            ),
+        }
+        for name, limit in limits.items():
+            if limit is not None and rs.op_marker_message_bytes + MARKER_MESSAGE_MARGIN > limit:
+                raise RelayConfigError(
+                    f"relay.op_marker_message_bytes is {rs.op_marker_message_bytes}, but {name} "
+                    f"is {limit}: set it to at most {limit - MARKER_MESSAGE_MARGIN} (a message "
+                    f"may exceed it by one entry and the envelope, {MARKER_MESSAGE_MARGIN} bytes "
+                    "at most)"
+                )
 
     def heartbeat(self) -> None:
         changes = self.leases.heartbeat(self.conn)

@@ -14,7 +14,7 @@ from confluent_kafka import Message
 import outbox
 from outbox import Record
 from relay.markers import OpMarker, decode_markers
-from relay.service import Relay
+from relay.service import Relay, RelayConfigError
 from tests.fixtures.kafka import consume_all
 
 
@@ -355,6 +355,43 @@ def test_markers_share_messages_and_say_where_each_record_landed(
     assert [m.op.value for m in markers].count("rolled_back") == 1
     assert 1 < len(messages) < len(markers)
     assert all(len(m.value() or b"") <= 2048 for m in messages)
+
+
+def test_a_record_with_a_key_too_large_for_a_marker_goes_out_once_without_a_loop(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A key of 800 KiB fits a record (1 MiB), not its marker: as base64 it is over the marker
+    topic's max.message.bytes, and every round would abort. The marker goes without the key."""
+    topic = topic_factory()
+    big_key = b"k" * (800 * 1024)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        record_id = outbox.publish(conn, topic, "v", key=big_key)
+        outbox.publish(conn, topic, "w", key="small")
+    relay = relay_factory()
+    assert relay.run_once().delivered == 2
+    assert relay.run_once().delivered == 0
+    delivered = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert sorted(m.key() or b"" for m in delivered) == sorted([big_key, b"small"])
+    by_id = {m.id: m for m in markers(kafka_bootstrap, relay)}
+    assert by_id[record_id].key is None  # omitted: the record on its topic has it
+    assert by_id[record_id].offset is not None
+    assert b"small" in {m.key for m in by_id.values()}
+    assert rows(pg_dsn) == []
+
+
+def test_marker_messages_larger_than_the_marker_topic_takes_are_refused_at_start(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    markers_topic = topic_factory(partitions=2, config={"max.message.bytes": "100000"})
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic_factory(), "v")
+    relay = relay_factory(op_marker_topic=markers_topic, op_marker_message_bytes=262144)
+    with pytest.raises(
+        RelayConfigError, match=rf"max.message.bytes of topic {markers_topic} is 100000"
+    ):
+        relay.run_once()
+    fitting = relay_factory(op_marker_topic=markers_topic, op_marker_message_bytes=65536)
+    assert fitting.run_once().delivered == 1
 
 
 def test_the_archive_is_trimmed_after_its_retention_parked_rows_stay(

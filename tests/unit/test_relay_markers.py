@@ -9,6 +9,8 @@ from datetime import UTC, datetime
 import pytest
 
 from relay.markers import (
+    MAX_MARKER_KEY_BYTES,
+    MAX_MARKER_REASON_CHARS,
     MarkerBatcher,
     MarkerFormatError,
     Op,
@@ -79,6 +81,23 @@ def test_an_entry_is_exactly_what_json_writes_for_it(
     )  # fmt: skip
     assert written == json.dumps(fields, separators=(",", ":"))
     assert written.isascii()
+
+
+def test_an_entry_stays_small_whatever_the_key_and_reason() -> None:
+    def written(key: bytes, reason: str) -> OpMarker:
+        text = marker_entry(
+            Op.PARKED, id=1, tx_id="t", producer_group="g", topic="x", key=key, partition=None,
+            offset=None, commit_ts=None, reason=reason,
+        )  # fmt: skip
+        (marker,) = decode_markers(marker_messages([text], shard=0, relay="r", epoch=1)[0])
+        return marker
+
+    at_limit = written(b"k" * MAX_MARKER_KEY_BYTES, "r" * MAX_MARKER_REASON_CHARS)
+    assert at_limit.key == b"k" * MAX_MARKER_KEY_BYTES
+    assert at_limit.reason == "r" * MAX_MARKER_REASON_CHARS
+    over = written(b"k" * (MAX_MARKER_KEY_BYTES + 1), "r" * 1_000_000)
+    assert over.key is None
+    assert over.reason == "r" * MAX_MARKER_REASON_CHARS
 
 
 def test_messages_stay_within_the_byte_limit_and_keep_every_entry_in_order() -> None:
