@@ -44,6 +44,7 @@ from relay.markers import (
     OUTBOX_VALUE_OMITTED_HEADER,
     Ended,
     MarkerBatcher,
+    MarkerFormatError,
     Op,
     OpMarker,
     decode_markers,
@@ -234,9 +235,20 @@ class ShardWorker:
                     if error.code() == KafkaError._PARTITION_EOF:
                         continue
                     raise KafkaException(error)
-                markers.extend(
-                    m for m in decode_markers(msg.value() or b"") if m.shard == self.shard
-                )
+                try:
+                    found = decode_markers(msg.value() or b"")
+                except MarkerFormatError as exc:
+                    # Not written by a relay (Kafka checks each message's CRC, so not a damaged
+                    # one of ours): it ends no row. Stopping here would stop the shard for good.
+                    logger.warning(
+                        "skipped message %s:%s of the op-marker topic: %s",
+                        tp.partition,
+                        msg.offset(),
+                        exc,
+                    )
+                    metrics.ERRORS.labels("marker_format").inc()
+                    continue
+                markers.extend(m for m in found if m.shard == self.shard)
             return markers, high
         finally:
             consumer.close()

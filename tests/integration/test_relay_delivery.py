@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka import Message
+from confluent_kafka import Message, Producer
 
 import outbox
 from outbox import Record
@@ -392,6 +392,23 @@ def test_marker_messages_larger_than_the_marker_topic_takes_are_refused_at_start
         relay.run_once()
     fitting = relay_factory(op_marker_topic=markers_topic, op_marker_message_bytes=65536)
     assert fitting.run_once().delivered == 1
+
+
+def test_recovery_skips_what_is_not_a_marker_on_the_marker_topic(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()  # the marker topic exists; shard 0 recovered up to its end
+    (worker,) = relay.workers.values()
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    producer.produce(relay.settings.relay.op_marker_topic, b"not a marker", partition=0)
+    assert producer.flush(10) == 0
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "after the stranger")
+    worker.needs_recovery = True  # as after a failed round: it reads past the stranger
+    assert relay.run_once().delivered == 1
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"after the stranger"]
 
 
 def test_the_archive_is_trimmed_after_its_retention_parked_rows_stay(
