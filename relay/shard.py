@@ -63,6 +63,11 @@ def _size(row: Row) -> int:
     return len(row.value or b"") + len(row.key or b"") + len(str(row.headers or ""))
 
 
+def _shipped_as(marker: Ended | OpMarker) -> str:
+    """The state a row had when the relay wrote this marker for it."""
+    return "committed" if marker.op is Op.DELIVERED else marker.op.value
+
+
 def _transaction_failed(exc: KafkaException) -> bool:
     """produce() refused a record because the transaction already failed in the background."""
     return bool(exc.args[0].code() == KafkaError._STATE)
@@ -178,10 +183,12 @@ class ShardWorker:
         with conn.transaction():  # first: a relay that lost the lease must not fence its heir
             self._lock_lease(conn)
         self.producer.init()
-        markers, end_offset = self._read_markers(self.lease.marker_offset)
+        start_offset = self.lease.marker_offset
+        markers, end_offset = self._read_markers(start_offset)
         with conn.transaction():
             self._lock_lease(conn)
-            self._end_rows(conn, markers)
+            # rows ended before the crash or changed by hand since do not count
+            ended = sum(max(c.rowcount, 0) for c in self._end_rows(conn, markers))
             conn.execute(
                 self._q("relay_set_marker_offset"),
                 {**self._lease_params(), "partition": self.marker_partition, "offset": end_offset},
@@ -190,10 +197,11 @@ class ShardWorker:
         self.needs_recovery = False
         metrics.RECOVERIES.inc()
         logger.info(
-            "shard %s recovered: %s committed markers after offset %s",
+            "shard %s recovered: %s committed markers from offset %s, %s rows ended by them",
             self.shard,
             len(markers),
-            self.lease.marker_offset,
+            start_offset,
+            ended,
         )
         return len(markers)
 
@@ -467,7 +475,7 @@ class ShardWorker:
             # the LeaseLost it raises rolls back what was sent after it.
             with conn.pipeline(), conn.transaction():
                 lease = conn.execute(self._q("relay_lock_lease"), self._lease_params())
-                self._end_rows(conn, markers)
+                ending = self._end_rows(conn, markers)
                 conn.execute(
                     self._q("relay_set_marker_offset"),
                     {
@@ -483,6 +491,14 @@ class ShardWorker:
             self.needs_recovery = True  # the markers are committed: recovery ends these rows
             raise
         self.lease = Lease(self.shard, self.lease.epoch, self.marker_partition, next_offset)
+        changed = self._count_changed(markers, ending)
+        if changed:
+            logger.warning(
+                "shard %s: %s rows were changed by hand (resolve, rearm, redrive) while their "
+                "op markers were being written; they stay as they are now",
+                self.shard,
+                changed,
+            )
 
         for topic, count in Counter(m.topic for m in markers if m.op is Op.DELIVERED).items():
             metrics.DELIVERED.labels(topic).inc(count)
@@ -553,24 +569,51 @@ class ShardWorker:
         if locked.fetchone() is None:
             raise LeaseLost(f"shard {self.shard} (epoch {self.lease.epoch}) is no longer ours")
 
-    def _end_rows(self, conn: psycopg.Connection[Any], markers: Sequence[Ended | OpMarker]) -> None:
-        """End the rows of committed markers: delete them, or keep them for the archive."""
+    def _end_rows(
+        self, conn: psycopg.Connection[Any], markers: Sequence[Ended | OpMarker]
+    ) -> list[psycopg.Cursor[Any]]:
+        """End the rows of committed markers: delete them, or keep them for the archive.
+
+        Each row only in the state its marker was written for (relay.sql, relay_end_rows); the
+        cursors' row counts say how many ended (read them once a pipeline has synced).
+        """
         if self.settings.delivered_retention:
-            kept, deleted = markers, []
+            kept, deleted = list(markers), []
         else:  # parked rows stay for inspection and redrive, archive or not
             kept = [m for m in markers if m.op is Op.PARKED]
-            deleted = [m.id for m in markers if m.op is not Op.PARKED]
+            deleted = [m for m in markers if m.op is not Op.PARKED]
+        cursors = []
         if deleted:
-            conn.execute(self._q("relay_delete_rows"), {"ids": deleted})
-        if kept:
-            conn.execute(
-                self._q("relay_end_rows"),
-                {
-                    "ids": [m.id for m in kept],
-                    "partitions": [m.partition for m in kept],
-                    "offsets": [m.offset for m in kept],
-                },
+            cursors.append(
+                conn.execute(
+                    self._q("relay_delete_rows"),
+                    {"ids": [m.id for m in deleted], "states": [_shipped_as(m) for m in deleted]},
+                )
             )
+        if kept:
+            cursors.append(
+                conn.execute(
+                    self._q("relay_end_rows"),
+                    {
+                        "ids": [m.id for m in kept],
+                        "states": [_shipped_as(m) for m in kept],
+                        "partitions": [m.partition for m in kept],
+                        "offsets": [m.offset for m in kept],
+                    },
+                )
+            )
+        return cursors
+
+    @staticmethod
+    def _count_changed(
+        markers: Sequence[Ended | OpMarker], ended: list[psycopg.Cursor[Any]]
+    ) -> int:
+        """Rows whose marker is out but that an operator changed meanwhile (resolve, rearm,
+        redrive): they stay as they are now, and the next rounds ship what they became."""
+        changed = len(markers) - sum(max(c.rowcount, 0) for c in ended)
+        if changed > 0:
+            metrics.ERRORS.labels("changed_while_shipped").inc(changed)
+        return changed
 
     def _park(self, conn: psycopg.Connection[Any], poison: dict[int, str]) -> None:
         with conn.transaction():

@@ -90,22 +90,26 @@ FOR UPDATE;
 
 -- name: relay_end_rows
 -- Record the end of rows whose op markers are committed in Kafka, kept for the archive (and
--- parked rows, always kept): the state, and for delivered rows where they landed.
+-- parked rows, always kept): the state, and for delivered rows where they landed. Only a row
+-- still in the state its marker was written for: one an operator changed meanwhile (a discarded
+-- transaction resolved or re-armed, a parked record redriven) stays for what it is now.
 UPDATE {schema}.outbox_record AS r
 SET state = CASE WHEN r.state = 'committed' THEN 'delivered' ELSE r.state END,
     ended_at = now(),
     kafka_partition = e.kafka_partition,
     kafka_offset = e.kafka_offset
-FROM unnest(%(ids)s::bigint[], %(partitions)s::integer[], %(offsets)s::bigint[])
-     AS e(id, kafka_partition, kafka_offset)
-WHERE r.id = e.id AND r.ended_at IS NULL
-  AND r.state IN ('committed', 'rolled_back', 'discarded', 'parked');
+FROM unnest(%(ids)s::bigint[], %(states)s::text[], %(partitions)s::integer[],
+            %(offsets)s::bigint[])
+     AS e(id, state, kafka_partition, kafka_offset)
+WHERE r.id = e.id AND r.state = e.state AND r.ended_at IS NULL;
 
 -- name: relay_delete_rows
--- Without an archive, rows whose op markers are committed in Kafka go at once.
-DELETE FROM {schema}.outbox_record
-WHERE id = ANY(%(ids)s::bigint[]) AND ended_at IS NULL
-  AND state IN ('committed', 'rolled_back', 'discarded');
+-- Without an archive, rows whose op markers are committed in Kafka go at once: each only in the
+-- state its marker was written for (see relay_end_rows).
+DELETE FROM {schema}.outbox_record AS r
+USING unnest(%(ids)s::bigint[], %(states)s::text[]) AS e(id, state)
+WHERE r.id = e.id AND r.state = e.state AND r.ended_at IS NULL
+  AND e.state IN ('committed', 'rolled_back', 'discarded');
 
 -- name: relay_trim_archive
 -- Ended rows past the archive's retention, a bounded slice at a time (parked rows stay until

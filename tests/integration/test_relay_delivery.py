@@ -491,6 +491,50 @@ def test_discarded_transactions_reach_the_dead_letter_topic_with_a_marker(
     assert rows(pg_dsn) == []
 
 
+@pytest.mark.parametrize("retention", ["PT0S", "PT1H"])
+def test_a_discarded_record_resolved_by_hand_while_the_relay_ships_it_is_not_lost(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    retention: str,
+) -> None:
+    """An operator commits a discarded transaction (`outboxctl resolve`) while the relay has its
+    dead-letter copy in a Kafka transaction: the relay's end of the row must not take the
+    committed record with it; it goes out in the next round."""
+    from checker import resolve
+
+    topic = topic_factory()
+    relay = relay_factory(delivered_retention=retention)
+    relay.run_once()  # set up, shard 0 taken: nothing to ship yet
+    (worker,) = relay.workers.values()
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            written = outbox.prepare(conn, topic, "late but wanted")
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'discarded', reason = 'max checks (15)' "
+            "WHERE tx_id = %s",
+            (written.tx_id,),
+        )
+        conn.commit()
+    commit = worker.producer.commit
+
+    def resolved_meanwhile() -> None:
+        with psycopg.connect(pg_dsn) as conn:
+            resolve(conn, "default", written.tx_id, "COMMIT", actor="ops", reason="it was paid")
+        commit()
+
+    worker.producer.commit = resolved_meanwhile  # type: ignore[method-assign]
+    assert relay.run_once().ended == 1  # the dead-letter copy and its marker
+    worker.producer.commit = commit  # type: ignore[method-assign]
+    assert relay.run_once().delivered == 1
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"late but wanted"]
+    dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
+    assert values(dead) == [b"late but wanted"]  # what the relay had shipped before the resolve
+    ops = [m.op.value for m in markers(kafka_bootstrap, relay)]
+    assert ops == ["discarded", "delivered"]
+
+
 def test_a_relay_that_lost_its_lease_does_not_fence_the_new_owner(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
