@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -30,6 +31,7 @@ from relay.sharding import shard_ranges
 logger = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 10.0
+STAMP_SLICE = 50_000  # rows per stamping transaction: ~1.5 s here, well inside a lease
 LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
 # What a marker message may hold beyond op_marker_message_bytes: one more entry (its key and
 # reason are capped, relay/markers.py), the envelope, and Kafka's record overhead.
@@ -181,27 +183,14 @@ class Relay:
     def run_once(self) -> RelayRound:
         if not self._set_up:
             self.setup()
-        if (
-            time.monotonic() - self._last_heartbeat
-            >= self.settings.relay.heartbeat_interval.total_seconds()
-        ):
+        if self._heartbeat_due():
             self.heartbeat()
             self.trim_archive()
         result = RelayRound(shards=len(self.workers))
         if not self.workers:
             return result
         owned = sorted(self.workers)
-        params = shard_ranges(owned, self.settings.relay.shards)
-        with self.conn.pipeline(), self.conn.transaction():  # 2 round trips, not 5
-            self.conn.execute(queries.query("relay_stamp_plan", self.schema))
-            # Unprepared: custom plans, which can estimate the key ranges.
-            self.conn.execute(
-                queries.query("relay_stamp_commit_ts", self.schema), params, prepare=False
-            )
-            row = self.conn.execute(
-                queries.query("relay_hold_back", self.schema), params, prepare=False
-            ).fetchone()
-        hold_back = row[0] if row else None
+        hold_back = self._stamp(shard_ranges(owned, self.settings.relay.shards))
         for shard in owned:
             worker = self.workers.get(shard)
             if worker is None:
@@ -214,6 +203,46 @@ class Relay:
                 self._drop_worker(shard)
         self.last_round_at = time.monotonic()
         return result
+
+    def _stamp(self, params: dict[str, Any]) -> datetime | None:
+        """Stamp the commit time of the owned shards' rows below the xid horizon; return the
+        hold-back (relay.sql, relay_hold_back). A large backlog is stamped a slice per
+        transaction, with leases renewed in between: one UPDATE of a million rows held the
+        horizon and its locks for a minute, longer than a lease."""
+
+        def stamp(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None]:
+            with self.conn.pipeline(), self.conn.transaction():  # 2 round trips, not 5
+                self.conn.execute(queries.query("relay_stamp_plan", self.schema))
+                # Unprepared: custom plans, which can estimate the key ranges.
+                stamped = self.conn.execute(
+                    queries.query("relay_stamp_commit_ts", self.schema),
+                    {**params, "limit": STAMP_SLICE},
+                    prepare=False,
+                )
+                held = None
+                if with_hold_back:
+                    held = self.conn.execute(
+                        queries.query("relay_hold_back", self.schema), params, prepare=False
+                    )
+            return stamped.rowcount, held  # the pipeline synced: both results are in
+
+        count, held = stamp(with_hold_back=True)  # the usual round: all stamped at once
+        while count >= STAMP_SLICE:
+            if self._heartbeat_due():
+                self.heartbeat()
+            count, held = stamp(with_hold_back=False)
+        if held is None:
+            with self.conn.transaction():
+                self.conn.execute(queries.query("relay_stamp_plan", self.schema))
+                held = self.conn.execute(
+                    queries.query("relay_hold_back", self.schema), params, prepare=False
+                )
+        row = held.fetchone()
+        return row[0] if row else None
+
+    def _heartbeat_due(self) -> bool:
+        interval = self.settings.relay.heartbeat_interval.total_seconds()
+        return time.monotonic() - self._last_heartbeat >= interval
 
     # --- the loop ---------------------------------------------------------------------------
 

@@ -11,13 +11,20 @@ SELECT set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)
 
 -- name: relay_stamp_commit_ts
 -- Rows below the xid horizon belong to finished transactions: their commit time is final.
--- Stamping it once lets the claim read rows in commit order from an index.
+-- Stamping it once lets the claim read rows in commit order from an index. At most `limit`
+-- rows a statement: a large backlog is stamped in short transactions, not one that holds the
+-- horizon and its row locks for a minute.
 UPDATE {schema}.outbox_record
 SET commit_ts = coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
-WHERE state = 'committed' AND commit_ts IS NULL
-  AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
-  AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
-              WHERE key_hash BETWEEN o.lo AND o.hi);
+WHERE id = ANY(ARRAY(  -- an array, not IN: primary key look-ups, not a join with the backlog
+    SELECT id FROM {schema}.outbox_record
+    WHERE state = 'committed' AND commit_ts IS NULL
+      AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
+      AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
+                  WHERE key_hash BETWEEN o.lo AND o.hi)
+    LIMIT %(limit)s
+))
+  AND state = 'committed' AND commit_ts IS NULL;
 
 -- name: relay_hold_back
 -- Committed rows not stamped yet (their transaction id is above the horizon, or they were not

@@ -411,6 +411,46 @@ def test_recovery_skips_what_is_not_a_marker_on_the_marker_topic(
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"after the stranger"]
 
 
+def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit_order(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import relay.service
+
+    topic = topic_factory(partitions=2)
+    with psycopg.connect(pg_dsn) as conn:
+        for tx in range(10):
+            with conn.transaction():
+                outbox.publish(conn, topic, f"{tx}-a", key="a")
+                outbox.publish(conn, topic, f"{tx}-b", key="b")
+    monkeypatch.setattr(relay.service, "STAMP_SLICE", 3)
+    r = relay_factory()
+    beats = 0
+    heartbeat = r.heartbeat
+
+    def counted() -> None:
+        nonlocal beats
+        beats += 1
+        heartbeat()
+
+    r.heartbeat = counted  # type: ignore[method-assign]
+    delivered = 0
+    while (done := r.run_once()).delivered or done.full:
+        delivered += done.delivered
+    assert delivered == 20
+    assert beats >= 1 + 20 // 3  # the round's own, then one between each full slice
+    by_key: dict[bytes, list[bytes]] = {}
+    for m in consume_all(kafka_bootstrap, topic, "read_committed"):
+        by_key.setdefault(m.key() or b"", []).append(m.value() or b"")
+    assert by_key == {
+        b"a": [f"{tx}-a".encode() for tx in range(10)],
+        b"b": [f"{tx}-b".encode() for tx in range(10)],
+    }
+
+
 def test_the_archive_is_trimmed_after_its_retention_parked_rows_stay(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
