@@ -15,8 +15,8 @@ import psycopg
 
 from outbox import _core
 from outbox._core import OutboxConfig, State, Transition, Written
-from outbox._errors import OutboxUsageError
-from outbox._local import LocalTransactionResult, parse_status, require_idle
+from outbox._errors import OutboxUsageError, TransactionStateError
+from outbox._local import LocalTransactionResult, parse_status, require_idle, settled_first
 from outbox._records import Headers, Record, check_immunity_interval, require_records
 from outbox._session import database_errors, require_transaction
 from outbox._txid import new_tx_id
@@ -173,6 +173,15 @@ class AsyncOutbox:
                     state = (
                         await end(conn, written.tx_id, producer_group=written.producer_group)
                     ).state
+        except TransactionStateError as exc:  # the checker or an operator ended it first
+            state = settled_first(exc, status)
+            logger.error(
+                "tx %s (%s) was already %s when the local transaction answered %s",
+                written.tx_id,
+                written.producer_group,
+                state.value,
+                status.value,
+            )
         except Exception:
             logger.warning(
                 "could not end tx %s (%s) after the local transaction said %s; "

@@ -9,7 +9,7 @@ import psycopg
 from psycopg.pq import TransactionStatus as PgTxStatus
 
 from outbox._core import State, Written
-from outbox._errors import OutboxUsageError
+from outbox._errors import IllegalTransitionError, OutboxUsageError, TransactionStateError
 from outbox.checkback import TransactionStatus
 
 
@@ -19,7 +19,10 @@ class LocalTransactionResult:
 
     `status` is what the local transaction answered; `state` is where the records are now:
     committed, rolled_back, or prepared (UNKNOWN, or the end could not be written: the checker
-    settles it).
+    settles it). When the checker or an operator ended the transaction first (the local
+    transaction outlasted its check immunity and the endpoint answered meanwhile), `state` is
+    what they decided, and `conflict` says whether it contradicts `status`: then the local work
+    and the records disagree, and only the application can reconcile them.
     """
 
     written: Written
@@ -29,6 +32,25 @@ class LocalTransactionResult:
     @property
     def tx_id(self) -> str:
         return self.written.tx_id
+
+    @property
+    def conflict(self) -> bool:
+        if self.status is TransactionStatus.COMMIT:
+            return self.state not in (State.COMMITTED, State.DELIVERED, State.PARKED)
+        if self.status is TransactionStatus.ROLLBACK:
+            return self.state is not State.ROLLED_BACK
+        return False
+
+
+def settled_first(exc: TransactionStateError, status: TransactionStatus) -> State:
+    """The state the checker or an operator left the records in, when the local transaction's
+    own end found them no longer prepared. Raises `exc` when that state cannot be told (the
+    relay has removed the rows already, or they differ): the local work is done all the same,
+    and must not be repeated."""
+    states = exc.current_states if isinstance(exc, IllegalTransitionError) else ()
+    if len(set(states)) != 1:
+        raise exc
+    return State(states[0])
 
 
 def require_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:

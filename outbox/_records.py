@@ -46,6 +46,8 @@ _PRODUCER_GROUP = re.compile(r"[a-zA-Z0-9._-]{1,128}")
 _TX_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 # The relay adds these to every record it delivers; a caller must not forge them.
 RESERVED_HEADER_PREFIX = "outbox-"
+MAX_CHECK_IMMUNITY = timedelta(days=365)
+MAX_PARTITION = 2**31 - 1  # Kafka's partitions are int32, and so is the column
 # Kafka's default max.request.size / message.max.bytes, in round numbers.
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
 
@@ -102,9 +104,20 @@ def check_immunity_interval(immunity: object) -> timedelta | None:
         raise InvalidRecordError(
             f"check_immunity must be a timedelta or seconds, got {type(immunity).__name__}"
         )
-    value = immunity if isinstance(immunity, timedelta) else timedelta(seconds=immunity)
+    try:
+        value = immunity if isinstance(immunity, timedelta) else timedelta(seconds=immunity)
+    except (OverflowError, ValueError):  # inf, nan, or past timedelta's range
+        raise InvalidRecordError(
+            f"check_immunity must be a finite number of seconds, at most "
+            f"{MAX_CHECK_IMMUNITY.days} days, got {immunity!r}"
+        ) from None
     if value < timedelta(0):
         raise InvalidRecordError(f"check_immunity must not be negative, got {value}")
+    if value > MAX_CHECK_IMMUNITY:
+        # the checker adds it to the record's time: past Postgres' range it failed every scan
+        raise InvalidRecordError(
+            f"check_immunity must be at most {MAX_CHECK_IMMUNITY.days} days, got {value}"
+        )
     return value
 
 
@@ -119,18 +132,33 @@ def default_serializer(obj: Any) -> bytes | None:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
+def _utf8(text: str, what: str) -> str:
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:  # a lone surrogate
+        raise ValueError(f"{what} is not valid Unicode: {exc.reason} at {exc.start}") from None
+    return text
+
+
 def _header_name(name: str) -> str:
     if not name:
         raise ValueError("header name must not be empty")
+    if "\x00" in name:
+        raise ValueError("header name must not contain NUL (the stored JSON cannot hold it)")
+    _utf8(name, "header name")
     if name.lower().startswith(RESERVED_HEADER_PREFIX):
         raise ValueError(f"header name {name!r} is reserved: the relay sets outbox-* headers")
     return name
 
 
+def _header_value(value: bytes | str | None) -> bytes | str | None:
+    return _utf8(value, "header value") if isinstance(value, str) else value
+
+
 class _Header(BaseModel):
     model_config = ConfigDict(frozen=True)
     name: Annotated[StrictStr, AfterValidator(_header_name)]
-    value: StrictBytes | StrictStr | None
+    value: Annotated[StrictBytes | StrictStr | None, AfterValidator(_header_value)]
 
 
 class _HeaderList(BaseModel):
@@ -138,7 +166,7 @@ class _HeaderList(BaseModel):
 
 
 class _Placement(BaseModel):
-    partition: Annotated[StrictInt, Field(ge=0)] | None
+    partition: Annotated[StrictInt, Field(ge=0, le=MAX_PARTITION)] | None
 
 
 def _headers_to_rows(headers: Headers | None) -> list[list[str | None]]:
@@ -198,7 +226,8 @@ def encode_record(
             partition = _Placement(partition=record.partition).partition
         except PydanticValidationError:
             raise InvalidRecordError(
-                f"partition must be a non-negative int or None, got {record.partition!r}"
+                f"partition must be an int from 0 to {MAX_PARTITION} or None, "
+                f"got {record.partition!r}"
             ) from None
         headers = _headers_to_rows(record.headers)
         key = _serialize("key", record.key, key_serializer)

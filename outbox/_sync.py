@@ -11,11 +11,12 @@ import psycopg
 
 from outbox import _core
 from outbox._core import OutboxConfig, State, Transition, Written
-from outbox._errors import OutboxUsageError
+from outbox._errors import OutboxUsageError, TransactionStateError
 from outbox._local import (
     LocalTransactionResult,
     parse_status,
     require_idle,
+    settled_first,
 )
 from outbox._records import Headers, Record, check_immunity_interval, require_records
 from outbox._session import database_errors, require_transaction
@@ -185,6 +186,9 @@ class Outbox:
         If `local_transaction` raises, the records stay prepared and the exception propagates.
         If step 3 fails (the database is unreachable), the records stay prepared and the result
         says so instead of raising: the local work is done, so retrying it would do it twice.
+        If the checker or an operator ended them first (the local transaction outlasted the
+        check immunity), the result says what they decided (`conflict`: it contradicts the
+        answer); if the relay has removed them since, TransactionStateError is raised.
         Records left prepared are settled by the checker, which asks the producer group's
         endpoint after `check_immunity`. `conn` must have no transaction open.
         """
@@ -204,6 +208,15 @@ class Outbox:
                 end = self.commit if status is TransactionStatus.COMMIT else self.rollback
                 with conn.transaction():
                     state = end(conn, written.tx_id, producer_group=written.producer_group).state
+        except TransactionStateError as exc:  # the checker or an operator ended it first
+            state = settled_first(exc, status)
+            logger.error(
+                "tx %s (%s) was already %s when the local transaction answered %s",
+                written.tx_id,
+                written.producer_group,
+                state.value,
+                status.value,
+            )
         except Exception:
             logger.warning(
                 "could not end tx %s (%s) after the local transaction said %s; "

@@ -311,3 +311,51 @@ def test_async_half_records_and_send_in_transaction(pg_dsn: str) -> None:
     rolled_back, committed = asyncio.run(main())
     assert states(pg_dsn, rolled_back) == ["rolled_back"]
     assert states(pg_dsn, committed) == ["committed"]
+
+
+def _settled_meanwhile(dsn: str, how: str) -> None:
+    """What the checker (or an operator) does while a long local transaction runs."""
+    with psycopg.connect(dsn) as other:
+        tx_id = other.execute(
+            "SELECT tx_id FROM outbox.outbox_record WHERE state = 'prepared'"
+        ).fetchone()[0]  # type: ignore[index]
+        if how == "rolled back":
+            outbox.rollback(other, tx_id)
+        else:  # committed, delivered, and the row removed by the relay
+            other.execute("DELETE FROM outbox.outbox_record WHERE tx_id = %s", (tx_id,))
+        other.commit()
+
+
+def test_send_in_transaction_reports_what_the_checker_decided_first(pg_dsn: str) -> None:
+    """The local transaction outlasted its check immunity; the endpoint answered ROLLBACK (no
+    payment yet) and the checker rolled the records back; then the local work succeeded."""
+
+    def local_transaction(written: Written) -> TransactionStatus:
+        _settled_meanwhile(pg_dsn, "rolled back")
+        return TransactionStatus.COMMIT
+
+    with psycopg.connect(pg_dsn) as conn:
+        result = outbox.send_in_transaction(conn, [Record("t", "a")], local_transaction)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert (result.status, result.state, result.conflict) == (
+        TransactionStatus.COMMIT,
+        State.ROLLED_BACK,
+        True,
+    )
+    assert states(pg_dsn, result.tx_id) == ["rolled_back"]
+
+
+def test_async_send_in_transaction_raises_when_the_records_are_gone_already(pg_dsn: str) -> None:
+    aoutbox = outbox.AsyncOutbox()
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+
+            def local_transaction(written: Written) -> TransactionStatus:
+                _settled_meanwhile(pg_dsn, "removed")
+                return TransactionStatus.ROLLBACK
+
+            await aoutbox.send_in_transaction(conn, [Record("t", "a")], local_transaction)
+
+    with pytest.raises(outbox.UnknownTransactionError):
+        asyncio.run(main())

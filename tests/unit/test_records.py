@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 
 import pytest
 
 import outbox
 from outbox import Record
-from outbox._records import check_topic, default_serializer, encode_record
+from outbox._records import (
+    check_immunity_interval,
+    check_topic,
+    default_serializer,
+    encode_record,
+)
 from outbox._txid import new_tx_id
 
 
@@ -89,3 +95,34 @@ def test_config_validates_at_construction() -> None:
         outbox.OutboxConfig(max_record_bytes=0)
     with pytest.raises(ValueError, match="Extra inputs"):
         outbox.OutboxConfig(shema_name="typo")  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        (Record("t", "v", partition=2**31), "partition must be an int from 0 to 2147483647"),
+        (Record("t", "v", headers={"a\x00b": "v"}), "must not contain NUL"),
+        (Record("t", "v", headers={"\ud800": "v"}), "header name is not valid Unicode"),
+        (Record("t", "v", headers={"a": "\udfff"}), "header value is not valid Unicode"),
+    ],
+)
+def test_what_postgres_would_refuse_is_refused_before_any_sql(record: Record, says: str) -> None:
+    """Refused by the database instead, it would abort the caller's whole transaction."""
+    with pytest.raises(outbox.InvalidRecordError, match=says):
+        encode(record)
+
+
+@pytest.mark.parametrize(
+    ("immunity", "says"),
+    [
+        (float("inf"), "finite number of seconds"),
+        (float("nan"), "finite number of seconds"),
+        (10**20, "finite number of seconds"),
+        (timedelta(days=366), "at most 365 days"),
+        (-1, "must not be negative"),
+    ],
+)
+def test_check_immunity_is_finite_and_bounded(immunity: object, says: str) -> None:
+    with pytest.raises(outbox.InvalidRecordError, match=says):
+        check_immunity_interval(immunity)
+    assert check_immunity_interval(timedelta(days=365)) == timedelta(days=365)
