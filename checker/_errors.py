@@ -6,7 +6,7 @@
     │   └── IllegalTransitionError       rearm / resolve do not apply to the records' states
     └── CheckerError
         └── TransactionBusyError         another process holds the records' locks right now
-                                         (the relay shipping them, a checker claiming them):
+                                         (a checker claiming them):
                                          nothing changed, try again
 
 Manual tools (``rearm``, ``resolve``) raise these; the checker service itself never raises them

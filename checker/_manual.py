@@ -8,9 +8,13 @@
   NOTIFYs the relay like any other.
 
 Each runs in one database transaction (a savepoint if the caller has one open) that first locks
-every record of the transaction with NOWAIT: if the relay is shipping the records right now or a
-checker is claiming them, the call fails with ``TransactionBusyError`` and changes nothing.
-Every change writes an ``audit_log`` row (actor, action, group, tx id, detail).
+every record of the transaction with NOWAIT: if a checker is claiming them right now, the call
+fails with ``TransactionBusyError`` and changes nothing. The relay holds no row locks while it
+ships a discarded transaction (its dead-letter copies and ``discarded`` op markers), so a call in
+those milliseconds goes through: the relay then leaves the records as the call made them (it ends
+a row only in the state it shipped), and what they became is shipped too. The op-marker topic
+then holds both ends of the records, in the order they happened. Every change writes an
+``audit_log`` row (actor, action, group, tx id, detail).
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def _lock(conn: Conn, schema: str, group: str, tx_id: str) -> list[_Row]:
     except pg_errors.LockNotAvailable:
         raise TransactionBusyError(
             f"the records of tx id {tx_id!r} in producer group {group!r} are locked by another "
-            "process right now (the relay shipping them, or a checker claiming them); "
+            "process right now (a checker claiming them); "
             "nothing changed: try again",
             producer_group=group,
             tx_id=tx_id,

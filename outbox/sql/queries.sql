@@ -127,11 +127,13 @@ CROSS JOIN LATERAL (
     WHERE a.producer_group = l.producer_group AND a.tx_id = l.tx_id
 ) AS n
 GROUP BY l.producer_group, l.tx_id, n.prepared, n.records
+-- A record without its own immunity has the default, here as in the candidate scan: with
+-- min() ignoring it, a transaction mixing the two was a candidate every round, never due.
 HAVING coalesce(max(l.next_check_at),
-                min(l.created_at) + coalesce(min(l.check_immunity), %(default_immunity)s))
+                min(l.created_at) + min(coalesce(l.check_immunity, %(default_immunity)s)))
        <= %(now)s
 ORDER BY coalesce(max(l.next_check_at),
-                  min(l.created_at) + coalesce(min(l.check_immunity), %(default_immunity)s)),
+                  min(l.created_at) + min(coalesce(l.check_immunity, %(default_immunity)s))),
          l.producer_group, l.tx_id;
 
 -- name: checker_claim

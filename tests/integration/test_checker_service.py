@@ -379,6 +379,23 @@ def test_check_immunity_default_and_per_record(
     assert endpoint.resolver.count(own_tx) == 1
 
 
+def test_a_transaction_mixing_default_and_own_immunity_is_due_at_the_earlier(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.prepare(conn, "orders.paid", "default", tx_id="mixed", producer_group=GROUP)
+        outbox.prepare(
+            conn, "orders.paid", "own", tx_id="mixed", producer_group=GROUP, check_immunity=60
+        )
+        created = conn.execute("SELECT min(created_at) FROM outbox.outbox_record").fetchone()
+    assert created is not None
+    clock = Clock(created[0])
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+    clock.now = created[0] + 6 * S
+    assert checker.run_once().due == 1
+    assert endpoint.resolver.count("mixed") == 1
+
+
 # --- endpoints that fail: nothing changes but the check bookkeeping --------------------------
 
 
@@ -1013,15 +1030,15 @@ def test_rearm_and_resolve_refuse_records_another_process_holds(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
     tx_id, _ = _discarded(pg_dsn, make_checker, endpoint.url)
-    with psycopg.connect(pg_dsn) as relay, psycopg.connect(pg_dsn, autocommit=True) as conn:
-        relay.execute(  # the relay shipping them right now
+    with psycopg.connect(pg_dsn) as holder, psycopg.connect(pg_dsn, autocommit=True) as conn:
+        holder.execute(  # another process (a checker claiming them) holds their locks
             "SELECT id FROM outbox.outbox_record WHERE tx_id = %s FOR UPDATE", (tx_id,)
         )
         with pytest.raises(TransactionBusyError):
             rearm(conn, GROUP, tx_id, actor="alice")
         with pytest.raises(TransactionBusyError):
             resolve(conn, GROUP, tx_id, COMMIT, actor="alice", reason="x")
-        relay.rollback()
+        holder.rollback()
     assert one(pg_dsn, tx_id)["state"] == "discarded"
 
 
