@@ -145,7 +145,11 @@ class Relay:
         for shard in changes.lost:
             self._drop_worker(shard)
         for shard in changes.to_release:
-            self._drop_worker(shard)
+            worker = self.workers.pop(shard, None)
+            if worker is not None:
+                worker.close()
+            # Not _drop_worker(): it forgets the lease, and release() then had nothing to hand
+            # back; the shard waited for its lease to run out before another relay took it.
             self.leases.release(self.conn, shard)
         for lease in changes.gained:
             self.workers[lease.shard] = ShardWorker(

@@ -43,8 +43,9 @@ SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true);
 
 -- name: relay_claim
 -- The shard's next transactions in commit order, each complete: the shard's first `limit` rows
--- pick the transactions, and every committed row of those comes back, whatever its shard (all
--- of a transaction's rows share its commit time, so the commit-order index finds them).
+-- pick the transactions, and every committed row of those comes back, whatever its shard: the
+-- stamped ones through the commit-order index, and those another shard's relay has not stamped
+-- yet (unstamped rows last), so that the caller sees which shards a transaction spans.
 -- Columns are qualified in ORDER BY: a bare name would sort by the output column (the text
 -- cast), off the index and in the wrong order.
 WITH head AS (
@@ -61,21 +62,40 @@ WITH head AS (
 )
 SELECT r.id, r.producer_group, r.tx_id, r.topic, r.key, r.value,
        nullif(r.headers, '[]'::jsonb), r.partition, r.key_hash,
-       r.committed_xid::text, r.commit_ts
+       r.committed_xid::text, r.commit_ts, r.committed_xid AS xid
 FROM head
 JOIN {schema}.outbox_record AS r
   ON r.commit_ts = head.commit_ts AND r.committed_xid = head.committed_xid
 WHERE r.state = 'committed'
-ORDER BY r.commit_ts, r.committed_xid, r.id;
+UNION ALL
+SELECT u.*
+FROM head
+CROSS JOIN LATERAL (  -- lateral: a look-up per transaction, never a scan of all unstamped rows
+    SELECT r.id, r.producer_group, r.tx_id, r.topic, r.key, r.value,
+           nullif(r.headers, '[]'::jsonb), r.partition, r.key_hash,
+           r.committed_xid::text, r.commit_ts, r.committed_xid
+    FROM {schema}.outbox_record AS r
+    WHERE r.committed_xid = head.committed_xid AND r.state = 'committed'
+      AND r.commit_ts IS NULL
+    OFFSET 0  -- kept a subquery: pulled up, it became a hash join over every unstamped row
+) AS u
+ORDER BY commit_ts, xid, id;  -- xid8, not its text (output columns only, after a UNION)
 
 -- name: relay_shard_has_earlier
--- Does shard `shard` hold a committed row that must go out before (commit_ts, xid)?
+-- Does shard `shard` hold a committed row that must go out before (commit_ts, xid)? A row its
+-- relay has not stamped yet counts by its real commit time: under steady traffic there is nearly
+-- always one, and counting them all as earlier stopped the home shard for as long as it lasted.
 SELECT EXISTS (
     SELECT 1 FROM {schema}.outbox_record
-    WHERE state = 'committed'
+    WHERE state = 'committed' AND commit_ts IS NOT NULL
       AND key_hash BETWEEN %(lo)s AND %(hi)s
-      AND (commit_ts IS NULL
-           OR (commit_ts, committed_xid) < (%(commit_ts)s::timestamptz, %(xid)s::xid8))
+      AND (commit_ts, committed_xid) < (%(commit_ts)s::timestamptz, %(xid)s::xid8)
+) OR EXISTS (
+    SELECT 1 FROM {schema}.outbox_record
+    WHERE state = 'committed' AND commit_ts IS NULL
+      AND key_hash BETWEEN %(lo)s AND %(hi)s
+      AND (coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at),
+           committed_xid) < (%(commit_ts)s::timestamptz, %(xid)s::xid8)
 );
 
 -- name: relay_unmarked

@@ -451,6 +451,80 @@ def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit
     }
 
 
+def _two_relays_a_shard_each(relay_factory: Any) -> tuple[Relay, Relay]:
+    first = relay_factory(shards=2)
+    settings = first.settings
+    second = relay_factory(
+        settings.model_copy(
+            update={"relay": settings.relay.model_copy(update={"relay_id": "second"})}
+        )
+    )
+    for r in (first, second, first, second):  # the first takes both, hands one back
+        r.heartbeat()
+    assert {len(first.workers), len(second.workers)} == {1}
+    return first, second
+
+
+def test_a_transaction_across_shards_goes_once_whole_from_its_home_shard(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """The relay of the other shard runs first, while the home shard's rows are not stamped:
+    it must wait, not send its part alone (a split transaction, or, racing the home relay that
+    sends it whole, the same records twice)."""
+    from relay.sharding import shard_of
+
+    topic = topic_factory(partitions=2)
+    first, second = _two_relays_a_shard_each(relay_factory)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        ids = [outbox.publish(conn, topic, f"v{i}", key=f"k{i}") for i in range(12)]
+        hashes = dict(
+            conn.execute(
+                "SELECT id, key_hash FROM outbox.outbox_record WHERE id = ANY(%s)", (ids,)
+            ).fetchall()
+        )
+    home = shard_of(hashes[min(ids)], 2)
+    assert {shard_of(h, 2) for h in hashes.values()} == {0, 1}
+    by_shard = {next(iter(r.workers)): r for r in (first, second)}
+    other = by_shard[1 - home]
+    assert other.run_once().delivered == 0  # the home shard's rows are not stamped yet
+    assert by_shard[home].run_once().delivered == 12
+    assert other.run_once().delivered == 0
+    delivered = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert sorted(values(delivered)) == sorted(f"v{i}".encode() for i in range(12))
+    marked = [m for m in markers(kafka_bootstrap, first) if m.id in hashes]
+    assert sorted(m.id for m in marked) == sorted(ids)
+    assert {m.shard for m in marked} == {home}  # one relay, one Kafka transaction
+
+
+def test_a_later_transaction_not_stamped_yet_does_not_hold_the_home_shard_back(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    from relay.sharding import shard_of
+
+    topic = topic_factory(partitions=2)
+    first, second = _two_relays_a_shard_each(relay_factory)
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            ids = [outbox.publish(conn, topic, f"t{i}", key=f"k{i}") for i in range(12)]
+            rows_ = conn.execute(
+                "SELECT id, key_hash, key FROM outbox.outbox_record WHERE id = ANY(%s)", (ids,)
+            ).fetchall()
+        home = shard_of(min(rows_)[1], 2)
+        other_key = next(bytes(k) for _, h, k in rows_ if shard_of(h, 2) != home)
+        with conn.transaction():  # later, only in the other shard, which nobody stamped yet
+            outbox.publish(conn, topic, "later", key=other_key)
+    by_shard = {next(iter(r.workers)): r for r in (first, second)}
+    assert by_shard[home].run_once().delivered == 12
+    assert by_shard[1 - home].run_once().delivered == 1
+    same_key = [
+        m.value()
+        for m in consume_all(kafka_bootstrap, topic, "read_committed")
+        if m.key() == other_key
+    ]
+    assert len(same_key) == 2
+    assert same_key[-1] == b"later"  # after the earlier transaction's record of the key
+
+
 def test_the_archive_is_trimmed_after_its_retention_parked_rows_stay(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
