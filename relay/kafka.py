@@ -135,6 +135,11 @@ class ShardProducer:
         self._sent.append(sent)
         return sent
 
+    def send_queued(self) -> None:
+        """Send what is queued now and wait for it: what is produced next goes in new batches."""
+        if self.producer.flush(self.timeout_s) > 0:
+            raise OutcomeUnknown(f"queued records not sent in {self.timeout_s}s")
+
     def reports(self) -> Iterator[Sent]:
         """Each record of this transaction as its delivery report arrives, until all have one.
 

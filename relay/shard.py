@@ -57,10 +57,8 @@ logger = logging.getLogger(__name__)
 
 
 _SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
-
-
-def _size(row: Row) -> int:
-    return len(row.value or b"") + len(row.key or b"") + len(str(row.headers or ""))
+# What librdkafka reports for the records it drops after another one failed the transaction.
+_PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 
 
 def _shipped_as(marker: Ended | OpMarker) -> str:
@@ -163,6 +161,9 @@ class ShardWorker:
         self.needs_recovery = True
         # dead-letter copies the broker refused, by row id: sent again without the value
         self._copy_refused: dict[int, str] = {}
+        # records refused in a batch too large for their topic: each goes again in a batch of
+        # its own, and only one refused alone is parked
+        self._alone: set[int] = set()
         if lease.marker_partition not in (None, self.marker_partition):
             raise RuntimeError(
                 f"shard {self.shard} recorded its op markers in partition "
@@ -344,10 +345,15 @@ class ShardWorker:
         for row in committed:
             if row.id in poison:
                 continue
+            alone = row.id in self._alone
             try:
+                if alone:
+                    self.producer.send_queued()  # what came before goes in batches of its own
                 sent[row.id] = self.producer.send(
                     row.topic, row.value, row.key, row.kafka_headers(), row.partition, tag=row
                 )
+                if alone:
+                    self.producer.send_queued()  # and this record in a batch alone
             except KafkaException as exc:
                 if _transaction_failed(exc):
                     doomed = True
@@ -419,24 +425,25 @@ class ShardWorker:
                 mark(report.tag, report)
             if not awaiting:
                 send_markers(batcher.take())
-        too_large: dict[str, tuple[Row, str]] = {}  # topic -> its largest record refused
+        refused = any(
+            r.error is not None and r.error.code() in PERMANENT_RECORD_ERRORS for r in failed
+        )
         for report in failed:
             error, row = report.error, report.tag
+            if error is not None and error.code() in _PURGED and refused:
+                continue  # dropped because another record failed: it goes again
             if error is None or error.code() not in PERMANENT_RECORD_ERRORS:
                 self.producer.abort()
                 raise KafkaException(error)
             reason = f"refused by the broker: {error.str()}"
             if row.state != "committed":  # its dead-letter copy: the next goes without the value
                 self._copy_refused[row.id] = reason
-            elif error.code() in _SIZE_ERRORS:
-                # The broker refuses a whole produce request: its other records share the
-                # error. The largest is the one too large; the others go again.
-                known = too_large.get(row.topic)
-                if known is None or _size(row) > _size(known[0]):
-                    too_large[row.topic] = (row, reason)
-            else:  # the topic refuses them all (authorisation, policy)
+            elif error.code() in _SIZE_ERRORS and row.id not in self._alone:
+                # The broker checks a whole batch of records against the topic's
+                # max.message.bytes, and refuses all of it: each goes again alone.
+                self._alone.add(row.id)
+            else:  # too large alone, or the topic refuses them all (authorisation, policy)
                 poison[row.id] = reason
-        poison.update({row.id: reason for row, reason in too_large.values()})
         if doomed:
             # A record failed in flight: the transaction is lost. Abort, park, go again, with
             # a new producer: after a broker's refusal librdkafka bumps the producer epoch and
@@ -491,6 +498,8 @@ class ShardWorker:
             self.needs_recovery = True  # the markers are committed: recovery ends these rows
             raise
         self.lease = Lease(self.shard, self.lease.epoch, self.marker_partition, next_offset)
+        if self._alone:
+            self._alone.difference_update(m.id for m in markers)
         changed = self._count_changed(markers, ending)
         if changed:
             logger.warning(
@@ -618,6 +627,7 @@ class ShardWorker:
     def _park(self, conn: psycopg.Connection[Any], poison: dict[int, str]) -> None:
         with conn.transaction():
             for row_id, reason in poison.items():
+                self._alone.discard(row_id)
                 conn.execute(self._q("relay_park"), {"ids": [row_id], "reason": reason})
                 logger.warning("parked record %s: %s", row_id, reason)
                 metrics.PARKED.labels(reason.split(":")[0][:40]).inc()

@@ -270,6 +270,29 @@ def test_a_record_the_broker_refuses_in_a_backlog_is_parked_alone(
     assert "Message size too large" in parked[0][2]
 
 
+def test_records_that_fit_alone_are_not_parked_when_their_batch_is_refused(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """The broker checks a whole batch of records against max.message.bytes: eight records of
+    5000 bytes on one key, each of which fits a topic of 20000, are refused together. Each goes
+    again alone, and all arrive, in order."""
+    topic = topic_factory(config={"max.message.bytes": "20000"})
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(8):
+            with conn.transaction():
+                outbox.publish(conn, topic, f"{i}:".encode() + b"x" * 5000, key="k")
+    relay = relay_factory()
+    rounds = 0
+    while any(r[1] == "committed" for r in rows(pg_dsn)):
+        rounds += 1
+        assert rounds < 10, "the records did not go out"
+        relay.run_once()
+    delivered = consume_all(kafka_bootstrap, topic, "read_committed")
+    arrived = [(m.value() or b"").split(b":")[0] for m in delivered]
+    assert arrived == [str(i).encode() for i in range(8)]
+    assert [r for r in rows(pg_dsn) if r[1] == "parked"] == []
+
+
 def test_a_dead_letter_copy_the_broker_refuses_goes_again_without_its_value(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
