@@ -38,6 +38,10 @@ LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.byt
 MARKER_MESSAGE_MARGIN = 32 * 1024
 
 
+def _backoff(failures: int) -> float:
+    return min(_MAX_BACKOFF_S, 0.25 * 2.0**failures)
+
+
 class RelayConfigError(ValueError):
     """The relay's settings do not fit the broker's: nothing could be delivered as they are."""
 
@@ -195,17 +199,32 @@ class Relay:
             return result
         owned = sorted(self.workers)
         hold_back = self._stamp(shard_ranges(owned, self.settings.relay.shards))
+        tried, failed = 0, []
         for shard in owned:
             worker = self.workers.get(shard)
-            if worker is None:
+            if worker is None or worker.retry_at > time.monotonic():
                 continue
+            tried += 1
             try:
                 result.add(worker.deliver_once(self.conn, hold_back))
+                worker.failures = 0
             except (Fenced, LeaseLost) as exc:
                 logger.warning("shard %s fenced: %s", shard, exc)
                 metrics.ERRORS.labels("fenced").inc()
                 self._drop_worker(shard)
+            except psycopg.Error:
+                raise  # the connection all shards share: the round fails
+            except Exception as exc:
+                # One shard's trouble (a topic without a leader, a marker partition stuck)
+                # must not stop the others: it backs off alone, and recovers before it goes on.
+                worker.failures += 1
+                worker.needs_recovery = True
+                worker.retry_at = time.monotonic() + _backoff(worker.failures)
+                self._count_failure(exc, f"shard {shard}")
+                failed.append(exc)
         self.last_round_at = time.monotonic()
+        if failed and len(failed) == tried:
+            raise failed[0]  # nothing went: the loop backs off
         return result
 
     def _stamp(self, params: dict[str, Any]) -> datetime | None:
@@ -260,7 +279,7 @@ class Relay:
             except Exception as exc:
                 failures += 1
                 self._on_failure(exc)
-                self._stop.wait(min(_MAX_BACKOFF_S, 0.25 * 2**failures))
+                self._stop.wait(_backoff(failures))
                 continue
             if not result.full:
                 self._wait_for_work()
@@ -268,17 +287,22 @@ class Relay:
 
     def _on_failure(self, exc: Exception) -> None:
         if isinstance(exc, psycopg.Error):
-            kind = "database"
             self._drop_connection()
+        for worker in self.workers.values():
+            worker.needs_recovery = True  # whatever was in flight is settled from the markers
+        self._count_failure(exc, "relay round")
+
+    @staticmethod
+    def _count_failure(exc: Exception, what: str) -> None:
+        if isinstance(exc, psycopg.Error):
+            kind = "database"
         elif isinstance(exc, KafkaException | OutcomeUnknown):
             kind = "kafka"
         else:
             kind = type(exc).__name__
         metrics.ERRORS.labels(kind).inc()
-        for worker in self.workers.values():
-            worker.needs_recovery = True  # whatever was in flight is settled from the markers
         logger.error(
-            "relay round failed (%s): %s", kind, exc, exc_info=kind not in ("database", "kafka")
+            "%s failed (%s): %s", what, kind, exc, exc_info=kind not in ("database", "kafka")
         )
 
     def _wait_for_work(self) -> None:

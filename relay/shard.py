@@ -159,6 +159,8 @@ class ShardWorker:
             settings.kafka_transaction_timeout,
         )
         self.needs_recovery = True
+        self.failures = 0  # rounds failed in a row; the relay backs this shard off until retry_at
+        self.retry_at = 0.0
         # dead-letter copies the broker refused, by row id: sent again without the value
         self._copy_refused: dict[int, str] = {}
         # records refused in a batch too large for their topic: each goes again in a batch of

@@ -548,6 +548,42 @@ def test_a_later_transaction_not_stamped_yet_does_not_hold_the_home_shard_back(
     assert same_key[-1] == b"later"  # after the earlier transaction's record of the key
 
 
+def test_one_shard_in_trouble_backs_off_alone_the_others_go_on(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    from confluent_kafka import KafkaError, KafkaException
+
+    from relay.sharding import shard_of
+
+    topic = topic_factory()
+    relay = relay_factory(shards=2)
+    relay.heartbeat()
+    assert sorted(relay.workers) == [0, 1]
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(10):
+            with conn.transaction():
+                outbox.publish(conn, topic, f"v{i}", key=f"k{i}")
+        shards = [
+            shard_of(h, 2)
+            for (h,) in conn.execute("SELECT key_hash FROM outbox.outbox_record").fetchall()
+        ]
+    troubled = relay.workers[0]
+
+    def no_leader(*args: Any) -> Any:
+        raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, "no leader"))
+
+    troubled.deliver_once = no_leader  # type: ignore[method-assign]
+    before = time.monotonic()
+    assert relay.run_once().delivered == shards.count(1)  # shard 1 goes on
+    assert troubled.needs_recovery
+    assert troubled.failures == 1
+    assert troubled.retry_at >= before + 0.5  # it backs off alone
+    relay.workers[1].retry_at = time.monotonic() + 60  # as if in trouble too
+    troubled.retry_at = 0.0
+    with pytest.raises(KafkaException):  # nothing went: the round fails, and the loop waits
+        relay.run_once()
+
+
 def test_the_archive_is_trimmed_after_its_retention_parked_rows_stay(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
