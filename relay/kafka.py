@@ -45,6 +45,12 @@ _FENCED_ERRORS = frozenset(
 )
 
 
+# Metadata errors that say the topic is not there for us; any other one passes.
+_TOPIC_MISSING = frozenset(
+    {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.TOPIC_AUTHORIZATION_FAILED}
+)
+
+
 class Fenced(Exception):
     """Another producer with our transactional.id took over: this shard is no longer ours."""
 
@@ -223,14 +229,22 @@ class Topics:
         self._known.pop(name, None)
 
     def partitions(self, name: str, *, refresh: bool = False) -> int:
-        """Partition count of `name`, 0 when it does not exist."""
+        """Partition count of `name`, 0 when it does not exist (or we may not see it).
+
+        Raises KafkaException for any other error in the metadata (a partition without a
+        leader, just after the topic was created or during an election): that passes, and a 0
+        would have parked the topic's records for good.
+        """
         now = time.monotonic()
         cached = self._known.get(name)
         if cached and not refresh and now - cached[0] < self._ttl:
             return cached[1]
-        metadata = self._admin.list_topics(name, timeout=10)
-        topic = metadata.topics.get(name)
-        count = 0 if topic is None or topic.error is not None else len(topic.partitions)
+        topic = self._admin.list_topics(name, timeout=10).topics.get(name)
+        if topic is not None and topic.error is not None:
+            if topic.error.code() not in _TOPIC_MISSING:
+                raise KafkaException(topic.error)
+            topic = None
+        count = 0 if topic is None else len(topic.partitions)
         self._known[name] = (now, count)
         return count
 

@@ -494,7 +494,7 @@ class ShardWorker:
                     },
                 )
                 if poison:
-                    self._park(conn, poison)
+                    self._park(conn, poison, lease_locked=True)
                 self._check_lease(lease)
         except Exception:
             self.needs_recovery = True  # the markers are committed: recovery ends these rows
@@ -626,8 +626,12 @@ class ShardWorker:
             metrics.ERRORS.labels("changed_while_shipped").inc(changed)
         return changed
 
-    def _park(self, conn: psycopg.Connection[Any], poison: dict[int, str]) -> None:
+    def _park(
+        self, conn: psycopg.Connection[Any], poison: dict[int, str], *, lease_locked: bool = False
+    ) -> None:
         with conn.transaction():
+            if not lease_locked:  # a relay that lost its lease must not park the heir's rows
+                self._lock_lease(conn)
             for row_id, reason in poison.items():
                 self._alone.discard(row_id)
                 conn.execute(self._q("relay_park"), {"ids": [row_id], "reason": reason})

@@ -584,6 +584,29 @@ def test_one_shard_in_trouble_backs_off_alone_the_others_go_on(
         relay.run_once()
 
 
+def test_a_relay_that_lost_its_lease_parks_nothing(pg_dsn: str, relay_factory: Any) -> None:
+    from relay.shard import LeaseLost
+    from relay.sharding import shard_ranges
+
+    old = relay_factory(lease_duration="PT1S")
+    old.run_once()  # owns shard 0
+    time.sleep(1.5)  # its lease expires; it does not know yet
+    settings = old.settings
+    heir = relay_factory(
+        settings.model_copy(
+            update={"relay": settings.relay.model_copy(update={"relay_id": "heir"})}
+        )
+    )
+    heir.heartbeat()  # takes shard 0
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, "no.such.topic", "the heir's to park")
+    (stale,) = old.workers.values()
+    old._stamp(shard_ranges([0], 1))  # as its round would, before the shard's delivery
+    with pytest.raises(LeaseLost):
+        stale.deliver_once(old.conn, None)
+    assert [r[1] for r in rows(pg_dsn)] == ["committed"]
+
+
 def test_the_archive_is_trimmed_after_its_retention_parked_rows_stay(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
