@@ -21,6 +21,7 @@ from outbox import sql as queries
 from outbox._errors import (
     DuplicateTransactionError,
     IllegalTransitionError,
+    OutboxUsageError,
     UnknownTransactionError,
 )
 from outbox._records import (
@@ -143,15 +144,25 @@ def insert(
     schema = cfg.schema_name
     if tx_id is not None:
         # A caller-given tx id belongs to one database transaction only.
-        params = {"producer_group": group, "tx_id": tx_id}
+        params = {"producer_group": group, "tx_id": tx_id, "state": state.value}
         yield queries.query("lock_tx_id", schema), params
         rows = yield queries.query("tx_id_used_elsewhere", schema), params
-        if rows[0][0]:
+        elsewhere, other_kind = rows[0]
+        if elsewhere:
             raise DuplicateTransactionError(
                 f"tx id {tx_id!r} of producer group {group!r} is already used by another "
                 "database transaction; give each transaction its own tx id",
                 producer_group=group,
                 tx_id=tx_id,
+            )
+        if other_kind:
+            kinds = (
+                ("prepared", "published") if state is State.COMMITTED else ("published", "prepared")
+            )
+            raise OutboxUsageError(
+                f"tx id {tx_id!r} of producer group {group!r} already holds {kinds[0]} records "
+                f"in this transaction; {kinds[1]} ones need a tx id of their own (a commit or "
+                "rollback would move the prepared ones and not the others)"
             )
     common = {
         "producer_group": group,

@@ -48,10 +48,16 @@ ORDER BY inserted.id;
 SELECT pg_advisory_xact_lock(hashtextextended(%(producer_group)s || '/' || %(tx_id)s, 7411));
 
 -- name: tx_id_used_elsewhere
+-- (used by another database transaction, used in this one for the other kind of record:
+-- published and prepared records under one tx id would end apart)
 SELECT EXISTS (
     SELECT 1 FROM {schema}.outbox_record
     WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
       AND writer_xid <> pg_current_xact_id()
+), EXISTS (
+    SELECT 1 FROM {schema}.outbox_record
+    WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
+      AND writer_xid = pg_current_xact_id() AND (state = 'prepared') <> (%(state)s = 'prepared')
 );
 
 -- name: end_transaction

@@ -359,3 +359,17 @@ def test_async_send_in_transaction_raises_when_the_records_are_gone_already(pg_d
 
     with pytest.raises(outbox.UnknownTransactionError):
         asyncio.run(main())
+
+
+@pytest.mark.parametrize("first", ["publish", "prepare"])
+def test_published_and_prepared_records_do_not_share_a_tx_id(pg_dsn: str, first: str) -> None:
+    """A rollback would move the prepared ones only: the library refuses the mix, and the
+    caller's transaction stays usable."""
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        write = {"publish": outbox.publish, "prepare": outbox.prepare}
+        second = "prepare" if first == "publish" else "publish"
+        write[first](conn, "t", "one", tx_id="shared")
+        with pytest.raises(outbox.OutboxUsageError, match="need a tx id of their own"):
+            write[second](conn, "t", "two", tx_id="shared")
+        write[first](conn, "t", "three", tx_id="shared")  # the same kind again is fine
+    assert len(states(pg_dsn, "shared")) == 2
