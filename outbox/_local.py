@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,8 @@ from psycopg.pq import TransactionStatus as PgTxStatus
 from outbox._core import State, Written
 from outbox._errors import IllegalTransitionError, OutboxUsageError, TransactionStateError
 from outbox.checkback import TransactionStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +45,7 @@ class LocalTransactionResult:
         return False
 
 
-def settled_first(exc: TransactionStateError, status: TransactionStatus) -> State:
+def settled_first(exc: TransactionStateError, written: Written, status: TransactionStatus) -> State:
     """The state the checker or an operator left the records in, when the local transaction's
     own end found them no longer prepared. Raises `exc` when that state cannot be told (the
     relay has removed the rows already, or they differ): the local work is done all the same,
@@ -50,6 +53,13 @@ def settled_first(exc: TransactionStateError, status: TransactionStatus) -> Stat
     states = exc.current_states if isinstance(exc, IllegalTransitionError) else ()
     if len(set(states)) != 1:
         raise exc
+    logger.error(
+        "tx %s (%s) was already %s when the local transaction answered %s",
+        written.tx_id,
+        written.producer_group,
+        states[0],
+        status.value,
+    )
     return State(states[0])
 
 

@@ -209,14 +209,7 @@ class Outbox:
                 with conn.transaction():
                     state = end(conn, written.tx_id, producer_group=written.producer_group).state
         except TransactionStateError as exc:  # the checker or an operator ended it first
-            state = settled_first(exc, status)
-            logger.error(
-                "tx %s (%s) was already %s when the local transaction answered %s",
-                written.tx_id,
-                written.producer_group,
-                state.value,
-                status.value,
-            )
+            state = settled_first(exc, written, status)
         except Exception:
             logger.warning(
                 "could not end tx %s (%s) after the local transaction said %s; "

@@ -474,14 +474,16 @@ def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit
     }
 
 
+def same_settings_other_id(relay_factory: Any, relay: Relay, relay_id: str) -> Relay:
+    """Another relay of the same outbox, as another pod's sidecar would be."""
+    settings = relay.settings
+    relay_settings = settings.relay.model_copy(update={"relay_id": relay_id})
+    return relay_factory(settings.model_copy(update={"relay": relay_settings}))  # type: ignore[no-any-return]
+
+
 def _two_relays_a_shard_each(relay_factory: Any) -> tuple[Relay, Relay]:
     first = relay_factory(shards=2)
-    settings = first.settings
-    second = relay_factory(
-        settings.model_copy(
-            update={"relay": settings.relay.model_copy(update={"relay_id": "second"})}
-        )
-    )
+    second = same_settings_other_id(relay_factory, first, "second")
     for r in (first, second, first, second):  # the first takes both, hands one back
         r.heartbeat()
     assert {len(first.workers), len(second.workers)} == {1}
@@ -591,12 +593,7 @@ def test_a_relay_that_lost_its_lease_parks_nothing(pg_dsn: str, relay_factory: A
     old = relay_factory(lease_duration="PT1S")
     old.run_once()  # owns shard 0
     time.sleep(1.5)  # its lease expires; it does not know yet
-    settings = old.settings
-    heir = relay_factory(
-        settings.model_copy(
-            update={"relay": settings.relay.model_copy(update={"relay_id": "heir"})}
-        )
-    )
+    heir = same_settings_other_id(relay_factory, old, "heir")
     heir.heartbeat()  # takes shard 0
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, "no.such.topic", "the heir's to park")
@@ -740,12 +737,7 @@ def test_a_relay_that_lost_its_lease_does_not_fence_the_new_owner(
     old = relay_factory(lease_duration="PT1S")
     old.run_once()  # owns shard 0
     time.sleep(1.5)  # its lease expires; it does not know yet
-    settings = old.settings
-    heir = relay_factory(
-        settings.model_copy(
-            update={"relay": settings.relay.model_copy(update={"relay_id": "heir"})}
-        )
-    )
+    heir = same_settings_other_id(relay_factory, old, "heir")
     heir.run_once()  # takes shard 0 (same transactional.id), fencing the old producer
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic, "after the hand-over")
