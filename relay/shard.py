@@ -285,8 +285,11 @@ class ShardWorker:
             by_tx.setdefault(r[9], []).append(row)
         count = 0
         for xid, tx_rows in by_tx.items():
-            if not self._may_send(conn, tx_rows, xid, tx_rows[0].commit_ts):
+            commit_ts = tx_rows[0].commit_ts  # stamped: the claim puts unstamped rows last
+            if not self._may_send(conn, tx_rows, xid, commit_ts):
                 break
+            for row in tx_rows:  # rows another shard's relay has not stamped: the same time
+                row.commit_ts = commit_ts
             batch.transactions.append(tx_rows)
             count += len(tx_rows)
             if count >= s.batch_size:

@@ -5,9 +5,11 @@
 -- name: ledger_window
 -- The ledger rows a judgement needs: every record still waiting for the relay, and every record
 -- the relay ended inside the window (delivered ones carry their Kafka position). Uses the partial
--- indexes outbox_record_committed_idx and outbox_record_ended_idx.
+-- indexes outbox_record_committed_idx and outbox_record_ended_idx. A row the relay has not
+-- stamped yet has its commit time from Postgres: state_changed_at is the transaction's start.
 SELECT id, producer_group, tx_id, topic, key, state,
-       coalesce(commit_ts, state_changed_at) AS commit_time,
+       coalesce(commit_ts, pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
+           AS commit_time,
        ended_at, kafka_partition, kafka_offset
 FROM {schema}.outbox_record
 WHERE state = 'committed'
@@ -17,7 +19,8 @@ WHERE state = 'committed'
 -- Rows for ids seen on Kafka but not in the window: old records copied again, rolled back or
 -- prepared ones, unknown ids (no row comes back).
 SELECT id, producer_group, tx_id, topic, key, state,
-       coalesce(commit_ts, state_changed_at) AS commit_time,
+       coalesce(commit_ts, pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
+           AS commit_time,
        ended_at, kafka_partition, kafka_offset
 FROM {schema}.outbox_record
 WHERE id = ANY(%(ids)s)

@@ -122,6 +122,11 @@ FOR UPDATE;
 -- transaction resolved or re-armed, a parked record redriven) stays for what it is now.
 UPDATE {schema}.outbox_record AS r
 SET state = CASE WHEN r.state = 'committed' THEN 'delivered' ELSE r.state END,
+    -- a row of another shard's relay, delivered with its transaction before that one stamped it
+    commit_ts = CASE WHEN r.state = 'committed' AND r.commit_ts IS NULL
+                     THEN coalesce(pg_xact_commit_timestamp(r.committed_xid::xid),
+                                   r.state_changed_at)
+                     ELSE r.commit_ts END,
     ended_at = now(),
     kafka_partition = e.kafka_partition,
     kafka_offset = e.kafka_offset

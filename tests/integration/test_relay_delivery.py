@@ -540,6 +540,10 @@ def test_a_later_transaction_not_stamped_yet_does_not_hold_the_home_shard_back(
             outbox.publish(conn, topic, "later", key=other_key)
     by_shard = {next(iter(r.workers)): r for r in (first, second)}
     assert by_shard[home].run_once().delivered == 12
+    # the other shard's rows of it went unstamped, with the transaction's commit time
+    sent = {m.commit_ts for m in markers(kafka_bootstrap, first) if m.id in ids}
+    assert len(sent) == 1
+    assert None not in sent
     assert by_shard[1 - home].run_once().delivered == 1
     same_key = [
         m.value()
