@@ -18,6 +18,7 @@ in being read is not taken for a missing one.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -65,6 +66,20 @@ def trigger_end(started: str, duration_ms: Mapping[str, int] | None) -> datetime
     return parse_time(started) + timedelta(
         milliseconds=(duration_ms or {}).get("triggerExecution", 0)
     )
+
+
+def offset_log_time(text: str) -> datetime | None:
+    """When Spark planned a micro-batch, from its offset log entry (`<checkpoint>/offsets/<id>`:
+    a version line, then the batch's metadata with batchTimestampMs, taken right after the
+    source's offsets were fixed); None when the entry says nothing usable."""
+    lines = text.splitlines()
+    try:
+        millis = json.loads(lines[1])["batchTimestampMs"] if len(lines) > 1 else None
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(millis, int) or millis <= 0:
+        return None
+    return datetime.fromtimestamp(millis / 1000, UTC)
 
 
 def spark_interval(delta: timedelta) -> str:

@@ -80,6 +80,7 @@ from spark.config import (
     FINDING_KINDS,
     JudgeWindow,
     ReconcileSettings,
+    offset_log_time,
     parse_duration,
     parse_time,
     spark_interval,
@@ -363,7 +364,7 @@ class ReconcileJob:
         with self._lock:
             if self._stopping.is_set():  # fail the batch: it is not committed, so it runs again
                 raise _Stopping("the reconciliation is stopping")
-            as_of = self._run_as_of or self._batch_as_of(self._clock())
+            as_of = self._run_as_of or self._batch_as_of(self._clock(), self._planned_at(batch_id))
             obs = self._observations(batch).where(
                 F.col("ts") >= F.lit(as_of - self.settings.horizon)
             )
@@ -382,14 +383,18 @@ class ReconcileJob:
                 return  # an idle tick already judged as far: nothing new is known
             self.judge(as_of, f"batch {batch_id}", current_batch=batch_id)
 
-    def _batch_as_of(self, now: datetime) -> datetime:
+    def _batch_as_of(self, now: datetime, planned: datetime | None = None) -> datetime:
         """Up to when the running micro-batch has read Kafka completely.
 
         Not `now`: a trigger fixes the offsets it reads when it starts, and a slow micro-batch
-        reaches foreachBatch seconds later; records committed meanwhile are not in it and must
-        not be judged missing yet. The trigger started after the previous one ended (its
+        reaches foreachBatch seconds later; after a restart Spark replays the batch it had
+        planned before, with the offsets of then. Records committed meanwhile are not in it and
+        must not be judged missing yet. `planned`: when Spark planned it (its offset log entry).
+        Without that, a lower bound: the trigger started after the previous one ended (its
         progress is reported once it is done), or after the query started.
         """
+        if planned is not None:
+            return min(planned, now)
         query = self._query
         progress = query.lastProgress if query is not None else None
         started = self._query_started or now
@@ -439,9 +444,32 @@ class ReconcileJob:
         if progress is None:
             return None
         try:
-            return min(parse_time(progress.timestamp), now)
+            as_of = min(parse_time(progress.timestamp), now)
         except ValueError:
             return None
+        if progress.numInputRows > 0:  # it ran a batch: maybe one planned before a restart
+            planned = self._planned_at(progress.batchId)
+            if planned is not None:
+                as_of = min(as_of, planned)
+        return as_of
+
+    def _planned_at(self, batch_id: int) -> datetime | None:
+        """When Spark planned micro-batch `batch_id` (config.offset_log_time); None if unknown."""
+        jvm: Any = self.spark._jvm
+        try:
+            path = jvm.org.apache.hadoop.fs.Path(f"{self._checkpoint()}/offsets/{batch_id}")
+            fs = path.getFileSystem(self.spark._jsc.hadoopConfiguration())
+            if not fs.exists(path):
+                return None
+            stream = fs.open(path)
+            try:
+                text = str(jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8"))
+            finally:
+                stream.close()
+        except Exception:  # py4j's errors: the lower bound of _batch_as_of serves then
+            logger.debug("offset log entry of batch %s not readable", batch_id, exc_info=True)
+            return None
+        return offset_log_time(text)
 
     # --- judging ----------------------------------------------------------------------------
 

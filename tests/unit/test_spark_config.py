@@ -15,6 +15,7 @@ from spark.config import (
     JudgeWindow,
     ReconcileSettings,
     jdbc_target,
+    offset_log_time,
     parse_duration,
     parse_time,
     spark_interval,
@@ -83,6 +84,31 @@ def test_a_micro_batch_judges_as_of_what_it_read_not_when_it_runs() -> None:
     assert job._batch_as_of(T) == T - timedelta(seconds=6)  # after the previous trigger ended
     job._query = _Query(_Progress("2026-01-01T12:00:10Z", {"triggerExecution": 0}))  # type: ignore[assignment]
     assert job._batch_as_of(T) == T  # never ahead of the clock
+
+
+def test_the_time_a_batch_was_planned_comes_from_its_offset_log_entry() -> None:
+    entry = 'v1\n{"batchWatermarkMs":0,"batchTimestampMs":1767268800000,"conf":{}}\n{"t":{"0":5}}'
+    assert offset_log_time(entry) == T
+    for broken in (
+        "",
+        "v1",
+        "v1\nnot json",
+        'v1\n{"batchWatermarkMs":0}',
+        'v1\n{"batchTimestampMs":"x"}',
+    ):
+        assert offset_log_time(broken) is None
+
+
+def test_a_replayed_micro_batch_judges_as_of_when_it_was_planned() -> None:
+    """After a restart Spark replays the batch it planned before, with the offsets of then:
+    judged as of the restart, everything delivered during the outage would look missing."""
+    from spark.job import ReconcileJob
+
+    job = ReconcileJob(ReconcileSettings(**BASE), spark=None, clock=lambda: T)  # type: ignore[arg-type]
+    job._query_started = T
+    planned = T - timedelta(minutes=5)
+    assert job._batch_as_of(T, planned) == planned
+    assert job._batch_as_of(T, T + timedelta(seconds=1)) == T  # never ahead of the clock
 
 
 def test_jdbc_target_from_a_dsn() -> None:
