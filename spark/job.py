@@ -220,6 +220,7 @@ class ReconcileJob:
         self._judged_to: datetime | None = None
         self._continuous = False
         self._batch_newest: dict[int, int] = {}  # store batch -> its newest observation (µs)
+        self._written_at: dict[int, datetime] = {}  # store batch -> when it was written
         self._run_as_of: datetime | None = None  # availableNow: the run's start
         self._query_started: datetime | None = None  # continuous: the query's start
         self.last_report: RunReport | None = None
@@ -376,6 +377,7 @@ class ReconcileJob:
                 .write.mode("overwrite")
                 .parquet(f"{self._store()}/batch-{batch_id:012d}")
             )
+            self._written_at.pop(batch_id, None)  # written (again, if replayed) just now
             self._batch_newest[batch_id] = newest.get.get("newest") or 0  # 0: empty, trimmed
             if self._run_as_of is not None:  # availableNow: judged once, at the end
                 return
@@ -541,9 +543,22 @@ class ReconcileJob:
         for status in fs.listStatus(root):
             name = status.getPath().getName()
             if status.isDirectory() and name.startswith("batch-") and name[6:].isdigit():
-                written = EPOCH + timedelta(milliseconds=status.getModificationTime())
-                found[int(name[6:])] = (status.getPath().toString(), written)
+                batch_id = int(name[6:])
+                written = self._written_at.get(batch_id)
+                if written is None:
+                    written = self._written_at[batch_id] = self._batch_written(fs, status)
+                found[batch_id] = (status.getPath().toString(), written)
         return found
+
+    def _batch_written(self, fs: Any, status: Any) -> datetime:
+        """When a store batch was written: its _SUCCESS file's time, not the directory's (an
+        object store such as S3 gives a directory no time of its own, 0); unknown: now, so that
+        it is read and kept rather than skipped and deleted."""
+        jvm: Any = self.spark._jvm
+        success = jvm.org.apache.hadoop.fs.Path(status.getPath(), "_SUCCESS")
+        millis = fs.getFileStatus(success).getModificationTime() if fs.exists(success) else 0
+        millis = millis or status.getModificationTime()
+        return EPOCH + timedelta(milliseconds=millis) if millis > 0 else self._clock()
 
     def _delete(self, path: str) -> None:
         jvm: Any = self.spark._jvm
@@ -721,6 +736,7 @@ class ReconcileJob:
             if stamp is None or stamp < low:
                 self._delete(path)
                 self._batch_newest.pop(batch_id, None)
+                self._written_at.pop(batch_id, None)
 
 
 @contextmanager

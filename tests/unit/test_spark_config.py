@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 import pytest
 
@@ -109,6 +110,30 @@ def test_a_replayed_micro_batch_judges_as_of_when_it_was_planned() -> None:
     planned = T - timedelta(minutes=5)
     assert job._batch_as_of(T, planned) == planned
     assert job._batch_as_of(T, T + timedelta(seconds=1)) == T  # never ahead of the clock
+
+
+def test_a_store_batch_is_dated_by_its_success_file_not_its_directory() -> None:
+    """An object store gives a directory no time (0): every batch would look older than any
+    judgement's context, and be skipped and trimmed."""
+    from spark.job import ReconcileJob
+
+    def hadoop_path(parent: object, name: str) -> str:
+        return f"{parent}/{name}"
+
+    fs_module = SimpleNamespace(Path=hadoop_path)
+    jvm = SimpleNamespace(
+        org=SimpleNamespace(apache=SimpleNamespace(hadoop=SimpleNamespace(fs=fs_module)))
+    )
+    now = T + timedelta(hours=1)
+    job = ReconcileJob(
+        ReconcileSettings(**BASE), spark=SimpleNamespace(_jvm=jvm), clock=lambda: now
+    )  # type: ignore[arg-type]
+    directory = SimpleNamespace(getPath=lambda: "store/batch-1", getModificationTime=lambda: 0)
+    success = SimpleNamespace(getModificationTime=lambda: 1767268800000)
+    written = {"store/batch-1/_SUCCESS": success}
+    store = SimpleNamespace(exists=written.__contains__, getFileStatus=written.__getitem__)
+    assert job._batch_written(store, directory) == T
+    assert job._batch_written(SimpleNamespace(exists=lambda p: False), directory) == now
 
 
 def test_jdbc_target_from_a_dsn() -> None:
