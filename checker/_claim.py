@@ -83,14 +83,21 @@ class Reschedule:
 
 
 def lock_due(
-    conn: Conn, schema: str, *, now: datetime, limit: int, default_immunity: timedelta
+    conn: Conn,
+    schema: str,
+    *,
+    now: datetime,
+    limit: int,
+    default_immunity: timedelta,
+    max_age: timedelta,
 ) -> list[DueTransaction]:
-    """Due transactions, oldest due first, locked until the caller's transaction ends.
+    """Due transactions, oldest due first, locked until the caller's transaction ends: after
+    their check immunity, or their maximum prepared age if that comes first.
 
     Check ``held_elsewhere`` and ``mixed`` before claiming one."""
     rows = conn.execute(
         queries.query("checker_lock_due", schema),
-        {"now": now, "limit": limit, "default_immunity": default_immunity},
+        {"now": now, "limit": limit, "default_immunity": default_immunity, "max_age": max_age},
     ).fetchall()
     return [
         DueTransaction(r[0], r[1], int(r[2]), r[3], int(r[4]), int(r[5]), int(r[6])) for r in rows

@@ -260,6 +260,7 @@ class Checker:
                 now=now,
                 limit=s.batch_size,
                 default_immunity=s.check_immunity,
+                max_age=s.max_prepared_age,
             )
             result.full = len(due) >= s.batch_size
             for tx in due:

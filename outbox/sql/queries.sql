@@ -106,10 +106,12 @@ WITH candidate AS (
          LIMIT %(limit)s)
         UNION ALL
         (SELECT producer_group, tx_id,
-                created_at + coalesce(check_immunity, %(default_immunity)s) AS due_at
+                created_at + least(coalesce(check_immunity, %(default_immunity)s),
+                                   %(max_age)s) AS due_at
          FROM {schema}.outbox_record
          WHERE state = 'prepared' AND next_check_at IS NULL
-           AND created_at + coalesce(check_immunity, %(default_immunity)s) <= %(now)s
+           AND created_at + least(coalesce(check_immunity, %(default_immunity)s), %(max_age)s)
+               <= %(now)s
          ORDER BY next_check_at, id
          LIMIT %(limit)s)
     ) AS c
@@ -134,12 +136,16 @@ CROSS JOIN LATERAL (
 ) AS n
 GROUP BY l.producer_group, l.tx_id, n.prepared, n.records
 -- A record without its own immunity has the default, here as in the candidate scan: with
--- min() ignoring it, a transaction mixing the two was a candidate every round, never due.
+-- min() ignoring it, a transaction mixing the two was a candidate every round, never due. No
+-- immunity outlasts the maximum prepared age: the checker discards such a record then.
 HAVING coalesce(max(l.next_check_at),
-                min(l.created_at) + min(coalesce(l.check_immunity, %(default_immunity)s)))
+                min(l.created_at) + least(min(coalesce(l.check_immunity, %(default_immunity)s)),
+                                          %(max_age)s))
        <= %(now)s
 ORDER BY coalesce(max(l.next_check_at),
-                  min(l.created_at) + min(coalesce(l.check_immunity, %(default_immunity)s))),
+                  min(l.created_at) + least(min(coalesce(l.check_immunity,
+                                                         %(default_immunity)s)),
+                                            %(max_age)s)),
          l.producer_group, l.tx_id;
 
 -- name: checker_claim

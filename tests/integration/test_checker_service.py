@@ -639,6 +639,16 @@ def test_max_prepared_age_discards_even_without_an_endpoint(
         assert [a["action"] for a in audit(pg_dsn, tx_id)] == ["discard"]
 
 
+def test_no_check_immunity_outlasts_the_max_prepared_age(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    tx_id, created = prepare(pg_dsn, check_immunity=200 * 3600)  # 200 h, over the 72 h limit
+    clock = Clock(created + timedelta(hours=72, seconds=1))
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+    assert checker.run_once().discarded == 1
+    assert one(pg_dsn, tx_id)["reason"] == "max prepared age (72h) reached"
+
+
 def test_group_without_endpoint_is_left_alone_and_logged_once(
     pg_dsn: str,
     endpoint: Endpoint,
