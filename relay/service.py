@@ -276,6 +276,11 @@ class Relay:
             try:
                 result = self.run_once()
                 failures = 0
+            except RelayConfigError as exc:
+                # Nothing could be delivered as configured: stop, so that /healthz fails and
+                # the container restarts with the error in its log, instead of retrying forever.
+                logger.critical("relay stopped: %s", exc)
+                break
             except Exception as exc:
                 failures += 1
                 self._on_failure(exc)

@@ -413,6 +413,9 @@ def test_marker_messages_larger_than_the_marker_topic_takes_are_refused_at_start
         RelayConfigError, match=rf"max.message.bytes of topic {markers_topic} is 100000"
     ):
         relay.run_once()
+    running = relay_factory(op_marker_topic=markers_topic, op_marker_message_bytes=262144)
+    running.start()  # the sidecar's way: the relay stops, and /healthz says it is not alive
+    wait_for(lambda: not running.alive())
     fitting = relay_factory(op_marker_topic=markers_topic, op_marker_message_bytes=65536)
     assert fitting.run_once().delivered == 1
 
