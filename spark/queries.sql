@@ -25,6 +25,17 @@ SELECT id, producer_group, tx_id, topic, key, state,
 FROM {schema}.outbox_record
 WHERE id = ANY(%(ids)s)
 
+-- name: ledger_has_stuck
+-- Is any row still waiting for the relay since before %(before)s (a stopped relay, or one that
+-- died between its Kafka commit and the end of its rows)? Stamped rows by the commit-order
+-- index, unstamped ones by theirs.
+SELECT EXISTS (SELECT 1 FROM {schema}.outbox_record
+               WHERE state = 'committed' AND commit_ts < %(before)s)
+    OR EXISTS (SELECT 1 FROM {schema}.outbox_record
+               WHERE state = 'committed' AND commit_ts IS NULL
+                 AND coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
+                     < %(before)s)
+
 -- name: ledger_oldest_ended
 -- The ledger keeps ended rows for the relay's retention: ids newer than this are all still there.
 SELECT min(ended_at) FROM {schema}.outbox_record WHERE ended_at IS NOT NULL

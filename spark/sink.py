@@ -78,3 +78,9 @@ def oldest_ended(conn: psycopg.Connection[Any], schema: str) -> datetime | None:
     """The oldest `ended_at` the ledger still keeps (None: it keeps no ended rows)."""
     row = conn.execute(_sql.query("ledger_oldest_ended", schema)).fetchone()
     return None if row is None else row[0]
+
+
+def has_stuck(conn: psycopg.Connection[Any], schema: str, before: datetime) -> bool:
+    """Whether a committed row has waited for the relay since before `before`."""
+    row = conn.execute(_sql.query("ledger_has_stuck", schema), {"before": before}).fetchone()
+    return bool(row and row[0])

@@ -557,9 +557,10 @@ def judge(
     """All findings and summary windows of one judgement (see the module docstring).
 
     `obs` holds each Kafka record once (the store writes each micro-batch to its own directory,
-    overwritten on replay; an audit reads each offset once). `late`: observations that arrived
-    lately with a Kafka time before `obs`'s; they only count as present (a ledger row they
-    answer is not missing), they are not judged themselves.
+    overwritten on replay; an audit reads each offset once). `late`: observations with a Kafka
+    time before `obs`'s (copies that arrived lately, or the copies of rows a relay left
+    committed); they only count as present (a ledger row they answer is not missing), they are
+    not judged themselves.
     """
     copy_rows = copies(obs)
     marker_rows = markers(obs)

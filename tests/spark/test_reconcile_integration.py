@@ -77,10 +77,12 @@ class RelayStandIn:
         copies: bool = True,
         markers: bool = True,
         claimed_offset: int | None = None,
+        ledger: bool = True,
     ) -> None:
         """Records (in the order given) and markers in one Kafka transaction, then the ledger.
 
-        Commit times follow the ids (the commit order); `copies=False` claims `claimed_offset`.
+        Commit times follow the ids (the commit order); `copies=False` claims `claimed_offset`;
+        `ledger=False`: a relay that died after the Kafka commit, before it ended the rows.
         """
         commit = {
             r.id: at - timedelta(seconds=1) + timedelta(milliseconds=i)
@@ -105,6 +107,8 @@ class RelayStandIn:
             for value in marker_messages(entries, shard=0, relay="stand-in", epoch=1):
                 self.producer.produce(self.marker_topic, value, b"0", timestamp=_ms(at))
         self.producer.commit_transaction(TIMEOUT_S)
+        if not ledger:
+            return
         with psycopg.connect(self.dsn) as conn:
             for r in rows:
                 conn.execute(
@@ -466,3 +470,42 @@ def test_a_running_job_finds_a_copy_stamped_long_before_it_arrived(
     assert last is not None
     assert last.window.windows_from is not None  # a judgement of what is new, not the horizon
     assert read_findings(pg_dsn) == []
+
+
+def test_a_running_job_finds_the_old_copy_of_a_row_a_stopped_relay_did_not_end(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    tmp_path: Path,
+) -> None:
+    """The relay died after its Kafka commit, before it ended the row: the ledger keeps saying
+    committed until a relay recovers it. Once that is older than a judgement's context, the copy
+    is still looked for in the whole store: a stuck row that is on its topic is not missing."""
+    from spark.job import ReconcileJob
+
+    orders, markers = topic_factory(), topic_factory()
+    settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
+    job = ReconcileJob(settings, spark)
+    job.start()
+    try:
+        wait_for_first_judgement(job)
+        (shipped, lost) = publish(
+            pg_dsn, [outbox.Record(orders, "shipped", key="k"), outbox.Record(orders, "lost")]
+        )
+        sent = datetime.now(UTC)
+        RelayStandIn(pg_dsn, transactional_producer, markers).deliver(
+            [shipped], at=sent, ledger=False
+        )
+        until = time.monotonic() + 90
+        while job.last_report.window.store_low <= sent + timedelta(seconds=1):  # type: ignore[union-attr]
+            assert time.monotonic() < until, "the job did not judge past the copy's context"
+            time.sleep(0.2)
+        last = job.last_report
+    finally:
+        job.stop()
+    assert last is not None
+    assert last.window.windows_from is not None  # a judgement of what is new, not the horizon
+    # the row that never went out is reported, and only that one
+    assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", lost.id)]
