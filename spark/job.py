@@ -290,19 +290,23 @@ class ReconcileJob:
         if start is None or end is None:
             raise ReconcileConfigError("an audit needs --from and --to")
         window = JudgeWindow.audit(start, end, self._clock(), self.settings.deadline)
+        # from the oldest commit of a row due in the window too: a row the relay ended late
+        # has its copy from back then
+        since = min(window.store_low, self._oldest_due(window) or window.store_low)
         with _connector_needed():
-            kafka = self._audit_read(window)
-        obs = self._observations(kafka).where(
-            F.col("ts").between(F.lit(window.store_low), F.lit(window.as_of))
-        )
+            kafka = self._audit_read(since)
+        read = self._observations(kafka).where(F.col("ts") <= F.lit(window.as_of))
+        read = read.withColumn("batch", F.lit(None).cast("long"))
+        obs = read.where(F.col("ts") >= F.lit(window.store_low))
+        late = read.where(F.col("ts") < F.lit(window.store_low))
         with self._lock:
-            return self._judge(obs.withColumn("batch", F.lit(None).cast("long")), window, "audit")
+            return self._judge(obs, window, "audit", late=late)
 
-    def _audit_read(self, window: JudgeWindow) -> DataFrame:
+    def _audit_read(self, since: datetime) -> DataFrame:
         return (
             self.spark.read.format("kafka")
             .options(**self.settings.kafka_source_options())
-            .option("startingTimestamp", _millis(window.store_low))
+            .option("startingTimestamp", _millis(since))
             .option("startingOffsetsByTimestampStrategy", "latest")
             # not endingTimestamp: Kafka finds times by its index, in which a transaction's
             # commit marker carries the broker's time; up to the end, then filtered, is exact
@@ -484,32 +488,33 @@ class ReconcileJob:
             self._judged_to, as_of, settings.deadline, settings.horizon, settings.summary_window
         )
         self._last_as_of = as_of
-        late: DataFrame | None = None
         if window.windows_from is None:  # the whole horizon
-            obs = self._read_store().where(F.col("ts") >= F.lit(window.store_low))
+            store = self._read_store()
         else:
             # The store batches written since the context's start (a batch holds what was
             # appended before it was written; a trigger interval of margin for the clocks of
-            # file system and job): the context by Kafka time, and the late arrivals, copies
-            # stamped before it (a producer retrying through an outage) that answer ledger
-            # rows due now.
-            recent = self._read_store(written_since=window.store_low - settings.trigger)
-            obs = recent.where(F.col("ts") >= F.lit(window.store_low))
-            late = recent.where(F.col("ts") < F.lit(window.store_low))
-            if self._has_stuck(window.store_low):
-                # A row still committed from before the context (a relay stopped between its
-                # Kafka commit and the end of its rows) may have its copy anywhere in the store;
-                # a copy older than the horizon is gone from it, and such a row is reported.
-                late = self._read_store().where(F.col("ts") < F.lit(window.store_low))
+            # file system and job), or since the oldest commit of a row due now, if older: a
+            # row a relay ended late (down between its Kafka commit and the end of its rows)
+            # has its copy in a batch written back then. A copy older than the horizon is
+            # gone from the store, and such a row is reported missing.
+            since = min(window.store_low, self._oldest_due(window) or window.store_low)
+            store = self._read_store(written_since=since - settings.trigger)
+        # The context by Kafka time, and the copies stamped before it: late arrivals (a
+        # producer retrying through an outage) and the copies of rows ended late, which
+        # answer ledger rows due now.
+        obs = store.where(F.col("ts") >= F.lit(window.store_low))
+        late = store.where(F.col("ts") < F.lit(window.store_low))
         report = self._judge(obs, window, detected_in, trim_before=current_batch, late=late)
         self._judged_to = window.hi
         if self._continuous:  # a --once run judges its whole horizon every time
             self._save_judged_to(window.hi)
         return report
 
-    def _has_stuck(self, before: datetime) -> bool:
+    def _oldest_due(self, window: JudgeWindow) -> datetime | None:
         with sink.connect(self.settings.dsn.get_secret_value()) as conn:
-            return sink.has_stuck(conn, self.settings.schema_name, before)
+            return sink.oldest_due(
+                conn, self.settings.schema_name, window.lo, window.hi, window.include_stuck
+            )
 
     def _judged_to_path(self) -> Any:
         jvm: Any = self.spark._jvm

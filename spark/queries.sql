@@ -25,20 +25,28 @@ SELECT id, producer_group, tx_id, topic, key, state,
 FROM {schema}.outbox_record
 WHERE id = ANY(%(ids)s)
 
--- name: ledger_has_stuck
--- Is any row still waiting for the relay since before %(before)s (a stopped relay, or one that
--- died between its Kafka commit and the end of its rows)? Stamped rows by the commit-order
--- index, unstamped ones by theirs.
-SELECT EXISTS (SELECT 1 FROM {schema}.outbox_record
-               WHERE state = 'committed' AND commit_ts < %(before)s)
-    OR EXISTS (SELECT 1 FROM {schema}.outbox_record
-               WHERE state = 'committed' AND commit_ts IS NULL
-                 AND coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
-                     < %(before)s)
+-- name: ledger_oldest_due
+-- The oldest commit time among the rows a judgement of [lo, hi] may call missing: those the
+-- relay ended in it, and with include_stuck every row still waiting for the relay. Their copies
+-- reached Kafka after that, however late the relay ended the rows (a relay down between its
+-- Kafka commit and the end of its rows): what was read since then holds them. By the ended and
+-- commit-order indexes, and the unstamped rows by theirs.
+SELECT least(
+    (SELECT min(coalesce(commit_ts, pg_xact_commit_timestamp(committed_xid::xid),
+                         state_changed_at))
+     FROM {schema}.outbox_record
+     WHERE ended_at >= %(lo)s AND ended_at <= %(hi)s AND state = 'delivered'),
+    CASE WHEN %(include_stuck)s THEN
+        (SELECT min(commit_ts) FROM {schema}.outbox_record WHERE state = 'committed') END,
+    CASE WHEN %(include_stuck)s THEN
+        (SELECT min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at))
+         FROM {schema}.outbox_record WHERE state = 'committed' AND commit_ts IS NULL) END)
 
 -- name: ledger_oldest_ended
 -- The ledger keeps ended rows for the relay's retention: ids newer than this are all still there.
-SELECT min(ended_at) FROM {schema}.outbox_record WHERE ended_at IS NOT NULL
+-- Not parked rows: the relay keeps them until an operator acts, past any retention (and without
+-- an archive, when every other ended row is deleted at once).
+SELECT min(ended_at) FROM {schema}.outbox_record WHERE ended_at IS NOT NULL AND state <> 'parked'
 
 -- name: create_finding_stage
 CREATE TEMPORARY TABLE reconciliation_finding_stage (

@@ -80,7 +80,12 @@ def oldest_ended(conn: psycopg.Connection[Any], schema: str) -> datetime | None:
     return None if row is None else row[0]
 
 
-def has_stuck(conn: psycopg.Connection[Any], schema: str, before: datetime) -> bool:
-    """Whether a committed row has waited for the relay since before `before`."""
-    row = conn.execute(_sql.query("ledger_has_stuck", schema), {"before": before}).fetchone()
-    return bool(row and row[0])
+def oldest_due(
+    conn: psycopg.Connection[Any], schema: str, lo: datetime, hi: datetime, include_stuck: bool
+) -> datetime | None:
+    """The oldest commit time of the rows a judgement of [lo, hi] may call missing (None: none)."""
+    row = conn.execute(
+        _sql.query("ledger_oldest_due", schema),
+        {"lo": lo, "hi": hi, "include_stuck": include_stuck},
+    ).fetchone()
+    return None if row is None else row[0]

@@ -78,7 +78,7 @@ class RelayStandIn:
         markers: bool = True,
         claimed_offset: int | None = None,
         ledger: bool = True,
-    ) -> None:
+    ) -> dict[int, tuple[int, int]]:
         """Records (in the order given) and markers in one Kafka transaction, then the ledger.
 
         Commit times follow the ids (the commit order); `copies=False` claims `claimed_offset`;
@@ -108,7 +108,7 @@ class RelayStandIn:
                 self.producer.produce(self.marker_topic, value, b"0", timestamp=_ms(at))
         self.producer.commit_transaction(TIMEOUT_S)
         if not ledger:
-            return
+            return positions
         with psycopg.connect(self.dsn) as conn:
             for r in rows:
                 conn.execute(
@@ -117,6 +117,7 @@ class RelayStandIn:
                     " WHERE id = %s AND state = 'committed'",
                     (commit[r.id], at + timedelta(milliseconds=10), *positions[r.id], at, r.id),
                 )
+        return positions
 
     def copy_again(self, rows: Sequence[Row], at: datetime) -> None:
         """Copies without markers or ledger changes, in a Kafka transaction of their own."""
@@ -377,6 +378,30 @@ def test_reading_findings_of_an_unmigrated_schema_says_what_to_do(pg_dsn: str) -
         read_findings(pg_dsn, schema="not_migrated")
 
 
+def test_ledger_coverage_starts_at_the_oldest_ended_row_that_is_not_parked(pg_dsn: str) -> None:
+    """A parked row stays past any retention: counting it would make copies of records trimmed
+    since then look unknown to the ledger (false orphans)."""
+    from spark import sink
+
+    (parked, delivered) = publish(
+        pg_dsn, [outbox.Record("orders", "parked"), outbox.Record("orders", "delivered")]
+    )
+    long_ago = datetime.now(UTC) - timedelta(days=30)
+    lately = datetime.now(UTC) - timedelta(minutes=5)
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'parked', reason = 'too large',"
+            " ended_at = %s WHERE id = %s",
+            (long_ago, parked.id),
+        )
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'delivered', ended_at = %s WHERE id = %s",
+            (lately, delivered.id),
+        )
+    with sink.connect(pg_dsn) as conn:
+        assert sink.oldest_ended(conn, "outbox") == lately
+
+
 def test_a_running_job_judges_what_is_new_and_summarises_every_window_once(
     spark: SparkSession,
     pg_dsn: str,
@@ -472,7 +497,7 @@ def test_a_running_job_finds_a_copy_stamped_long_before_it_arrived(
     assert read_findings(pg_dsn) == []
 
 
-def test_a_running_job_finds_the_old_copy_of_a_row_a_stopped_relay_did_not_end(
+def test_a_row_a_relay_ends_long_after_its_kafka_commit_is_not_missing(
     spark: SparkSession,
     pg_dsn: str,
     kafka_bootstrap: str,
@@ -480,14 +505,21 @@ def test_a_running_job_finds_the_old_copy_of_a_row_a_stopped_relay_did_not_end(
     transactional_producer: Producer,
     tmp_path: Path,
 ) -> None:
-    """The relay died after its Kafka commit, before it ended the row: the ledger keeps saying
-    committed until a relay recovers it. Once that is older than a judgement's context, the copy
-    is still looked for in the whole store: a stuck row that is on its topic is not missing."""
+    """The relay died after its Kafka commit, before it ended the row: the ledger says committed
+    until a relay recovers it, and then delivered, ended now. Both times the copy is older than
+    a judgement's context, and is still found: in the store, and by an audit of the end."""
     from spark.job import ReconcileJob
 
     orders, markers = topic_factory(), topic_factory()
     settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
     job = ReconcileJob(settings, spark)
+
+    def judged_past(t: datetime) -> None:
+        until = time.monotonic() + 90
+        while job.last_report.window.store_low <= t:  # type: ignore[union-attr]
+            assert time.monotonic() < until, f"the job did not judge past {t}"
+            time.sleep(0.2)
+
     job.start()
     try:
         wait_for_first_judgement(job)
@@ -495,17 +527,32 @@ def test_a_running_job_finds_the_old_copy_of_a_row_a_stopped_relay_did_not_end(
             pg_dsn, [outbox.Record(orders, "shipped", key="k"), outbox.Record(orders, "lost")]
         )
         sent = datetime.now(UTC)
-        RelayStandIn(pg_dsn, transactional_producer, markers).deliver(
-            [shipped], at=sent, ledger=False
-        )
-        until = time.monotonic() + 90
-        while job.last_report.window.store_low <= sent + timedelta(seconds=1):  # type: ignore[union-attr]
-            assert time.monotonic() < until, "the job did not judge past the copy's context"
-            time.sleep(0.2)
-        last = job.last_report
+        stand_in = RelayStandIn(pg_dsn, transactional_producer, markers)
+        (position,) = stand_in.deliver([shipped], at=sent, ledger=False).values()
+        judged_past(sent + timedelta(seconds=1))
+        stuck = job.last_report
+        # the relay recovers: it ends the row from its marker
+        with psycopg.connect(pg_dsn) as conn:
+            (ended,) = conn.execute(
+                "UPDATE outbox.outbox_record SET state = 'delivered', ended_at = now(),"
+                " commit_ts = pg_xact_commit_timestamp(committed_xid::xid),"
+                " kafka_partition = %s, kafka_offset = %s WHERE id = %s RETURNING ended_at",
+                (*position, shipped.id),
+            ).fetchone()  # type: ignore[misc]
+        judged_past(ended + timedelta(seconds=1))
+        recovered = job.last_report
     finally:
         job.stop()
-    assert last is not None
-    assert last.window.windows_from is not None  # a judgement of what is new, not the horizon
-    # the row that never went out is reported, and only that one
+    for report in (stuck, recovered):
+        assert report is not None
+        assert report.window.windows_from is not None  # what is new, not the whole horizon
+    # only the row that never went out is reported
     assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", lost.id)]
+
+    around_end = {
+        "audit_from": ended - timedelta(seconds=1),
+        "audit_to": ended + timedelta(seconds=1),
+    }
+    audit = settings.model_copy(update=around_end)
+    report = ReconcileJob(audit, spark).audit()
+    assert report.found_total == 0  # the row ended in the window, its copy long before
