@@ -200,8 +200,9 @@ def observations(
     """Kafka source rows (KAFKA_SCHEMA) as observations (OBSERVATION_SCHEMA), in one pass.
 
     Records of the op-marker topic are markers; records of other topics are copies when they carry
-    an outbox id header. Anything else (records of other producers, malformed markers, records of
-    `ignored_topics` such as the dead-letter topic) is dropped.
+    an outbox id header. Anything else (records of other producers, malformed markers or markers
+    without an op or a topic, records of `ignored_topics` such as the dead-letter topic) is
+    dropped.
     """
     is_marker = F.col("topic") == F.lit(marker_topic)
     message = F.from_json(F.when(is_marker, F.col("value").cast("string")), MARKER_VALUE_SCHEMA)
@@ -246,7 +247,11 @@ def observations(
         F.when(is_marker, marker["offset"]).otherwise(F.col("offset")).alias("target_offset"),
         F.when(is_marker, marker["commit_ts"].try_cast("timestamp")).alias("commit_ts"),
     )
-    return obs.where(F.col("outbox_id").isNotNull())
+    # a marker without an op or a topic is not a relay's (the sink would refuse its finding)
+    complete = (F.col("source") == RECORD) | (
+        F.col("op").isNotNull() & F.col("target_topic").isNotNull()
+    )
+    return obs.where(F.col("outbox_id").isNotNull() & complete)
 
 
 def copies(obs: DataFrame) -> DataFrame:

@@ -207,6 +207,9 @@ def test_observations_read_each_marker_of_a_message_and_older_versions(
     kafka.markers([(21, 0, s(0), Op.DELIVERED, b"a"), (22, None, None, Op.ROLLED_BACK, None)], s(1))
     kafka.marker_v1(23, s(2), offset=7, commit=s(1))
     kafka.raw(MARKERS, json.dumps({"v": 3, "markers": [{"id": 24}]}).encode(), [], s(3))
+    # not a relay's: entries without an op or a topic (the sink needs the topic) are dropped
+    incomplete = [{"id": 25, "op": "delivered"}, {"id": 26, "topic": TOPIC}]
+    kafka.raw(MARKERS, json.dumps({"v": 2, "markers": incomplete}).encode(), [], s(4))
     obs = observations(kafka.frame(spark), marker_topic=MARKERS)
     got = {
         r.outbox_id: (r.op, r.key, r.target_offset, r.commit_ts is not None, r.offset)
@@ -216,7 +219,7 @@ def test_observations_read_each_marker_of_a_message_and_older_versions(
         21: ("delivered", b"a", 0, True, 0),  # both from the message at offset 0
         22: ("rolled_back", None, None, False, 0),
         23: ("delivered", b"k", 7, True, 1),
-    }  # a version this job does not know (24) is not guessed at
+    }  # a version this job does not know (24) is not guessed at, nor are 25 and 26
 
 
 def findings_of(
