@@ -46,6 +46,18 @@ class RelayConfigError(ValueError):
     """The relay's settings do not fit the broker's: nothing could be delivered as they are."""
 
 
+def require_commit_timestamps(setting: str | None) -> None:
+    """The relay orders records by commit time, and pg_xact_commit_timestamp() raises an error
+    while Postgres does not track it: every round would fail."""
+    if setting != "on":
+        raise RelayConfigError(
+            f"Postgres runs with track_commit_timestamp = {setting or 'unknown'}: the relay "
+            "delivers in commit order and needs it on (set track_commit_timestamp = on in "
+            "postgresql.conf and restart Postgres; transactions committed before keep the time "
+            "of their last state change)"
+        )
+
+
 @dataclass
 class RelayRound:
     delivered: int = 0
@@ -116,11 +128,7 @@ class Relay:
         self._check_marker_message_size()
         row = self.conn.execute("SHOW track_commit_timestamp").fetchone()
         self.conn.rollback()
-        if not row or row[0] != "on":
-            logger.warning(
-                "track_commit_timestamp is off: records are ordered by state change time, "
-                "not commit time; turn it on for per-key commit order"
-            )
+        require_commit_timestamps(row[0] if row else None)
         self._set_up = True
 
     def _check_marker_message_size(self) -> None:

@@ -75,3 +75,12 @@ def test_secrets_are_masked_but_rendered_for_librdkafka() -> None:
     assert conf["sasl.password"] == "hunter2"
     assert conf["security.protocol"] == "sasl_ssl"
     assert "ssl.ca.location" not in conf
+
+
+@pytest.mark.parametrize("setting", ["off", None])
+def test_the_relay_refuses_postgres_without_commit_timestamps(setting: str | None) -> None:
+    from relay.service import RelayConfigError, require_commit_timestamps
+
+    with pytest.raises(RelayConfigError, match="track_commit_timestamp = on in postgresql.conf"):
+        require_commit_timestamps(setting)
+    require_commit_timestamps("on")
