@@ -209,7 +209,9 @@ class Relay:
         hold_back = self._stamp(shard_ranges(owned, self.settings.relay.shards))
         tried, failed = 0, []
         for shard in owned:
-            worker = self.workers.get(shard)
+            if self._heartbeat_due():  # a slow shard must not let the others' leases lapse
+                self.heartbeat()
+            worker = self.workers.get(shard)  # None: given up by that heartbeat
             if worker is None or worker.retry_at > time.monotonic():
                 continue
             tried += 1

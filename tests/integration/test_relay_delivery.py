@@ -478,6 +478,33 @@ def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit
     }
 
 
+def test_leases_are_renewed_between_shards_of_one_round(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """One shard's round can take long (a recovery, a slow commit): the others' leases must not
+    lapse meanwhile."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        for i in range(20):  # keys over both shards
+            outbox.publish(conn, topic, f"v{i}", key=f"k{i}")
+    r = relay_factory(shards=2)
+    r.run_once()  # takes both shards
+    assert len(r.workers) == 2
+    beats = 0
+    heartbeat = r.heartbeat
+
+    def counted() -> None:
+        nonlocal beats
+        beats += 1
+        heartbeat()
+
+    r.heartbeat = counted  # type: ignore[method-assign]
+    r._heartbeat_due = lambda: True  # type: ignore[method-assign]  # as if each shard was slow
+    r.run_once()
+    assert beats == 1 + 2  # the round's own, then one before each shard
+    assert len(r.workers) == 2
+
+
 def test_a_transaction_larger_than_a_stamp_slice_is_stamped_whole(
     pg_dsn: str,
     kafka_bootstrap: str,

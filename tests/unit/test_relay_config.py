@@ -81,6 +81,6 @@ def test_secrets_are_masked_but_rendered_for_librdkafka() -> None:
 def test_the_relay_refuses_postgres_without_commit_timestamps(setting: str | None) -> None:
     from relay.service import RelayConfigError, require_commit_timestamps
 
-    with pytest.raises(RelayConfigError, match="track_commit_timestamp = on in postgresql.conf"):
+    with pytest.raises(RelayConfigError, match=r"track_commit_timestamp = on in postgresql\.conf"):
         require_commit_timestamps(setting)
     require_commit_timestamps("on")
