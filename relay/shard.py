@@ -226,13 +226,18 @@ class ShardWorker:
                 return [], high
             consumer.assign([TopicPartition(tp.topic, tp.partition, start)])
             markers: list[OpMarker] = []
-            deadline = time.monotonic() + self.settings.kafka_transaction_timeout.total_seconds()
+            wait = self.settings.kafka_transaction_timeout.total_seconds()
+            deadline, last = time.monotonic() + wait, None
             # read_committed stops at the last stable offset: wait until every transaction
-            # below the high watermark (ours and other shards') is decided.
+            # below the high watermark (ours and other shards') is decided. Stuck means no
+            # progress for that long, not a long read: a first recovery reads the partition's
+            # history, which other shards' traffic can make days long.
             while True:
                 position = consumer.position([tp])[0].offset
                 if position >= high:
                     break
+                if position != last:
+                    deadline, last = time.monotonic() + wait, position
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"op markers of shard {self.shard} not readable up to {high} "
@@ -247,7 +252,7 @@ class ShardWorker:
                         continue
                     raise KafkaException(error)
                 try:
-                    found = decode_markers(msg.value() or b"")
+                    found = decode_markers(msg.value() or b"", self.shard)
                 except MarkerFormatError as exc:
                     # Not written by a relay (Kafka checks each message's CRC, so not a damaged
                     # one of ours): it ends no row. Stopping here would stop the shard for good.
@@ -259,7 +264,7 @@ class ShardWorker:
                     )
                     metrics.ERRORS.labels("marker_format").inc()
                     continue
-                markers.extend(m for m in found if m.shard == self.shard)
+                markers.extend(found)
             return markers, high
         finally:
             consumer.close()

@@ -52,6 +52,15 @@ def test_a_message_decodes_to_its_markers_with_the_envelope() -> None:
     assert message.isascii()  # so that the batcher's count of characters is one of bytes
 
 
+def test_a_shard_reads_only_its_own_markers_of_a_shared_partition() -> None:
+    (message,) = marker_messages([entry(1), entry(2)], shard=3, relay="r-1", epoch=7)
+    assert [m.id for m in decode_markers(message, shard=3)] == [1, 2]
+    assert decode_markers(message, shard=4) == []
+    malformed = message.replace(b'"shard":3', b'"shard":"three"')
+    with pytest.raises(MarkerFormatError):  # not taken for another shard's
+        decode_markers(malformed, shard=4)
+
+
 @pytest.mark.parametrize(
     ("op", "text", "key", "partition", "offset", "commit_ts", "reason"),
     [
