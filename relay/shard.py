@@ -19,6 +19,7 @@ front of it until it is gone. Per-key commit order therefore holds across shards
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import time
 import uuid
@@ -37,6 +38,7 @@ from relay.config import RelaySettings
 from relay.kafka import PERMANENT_RECORD_ERRORS, Sent, ShardProducer, Topics
 from relay.leases import Lease
 from relay.markers import (
+    MAX_MARKER_REASON_CHARS,
     OUTBOX_ID_HEADER,
     OUTBOX_PRODUCER_GROUP_HEADER,
     OUTBOX_REASON_HEADER,
@@ -59,6 +61,8 @@ logger = logging.getLogger(__name__)
 _SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 # What librdkafka reports for the records it drops after another one failed the transaction.
 _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
+# The forms of a dead-letter copy, each smaller than the one before: what a refusal falls to.
+_FULL, _NO_VALUE, _BARE = 0, 1, 2
 
 
 def _shipped_as(marker: Ended | OpMarker) -> str:
@@ -161,8 +165,9 @@ class ShardWorker:
         self.needs_recovery = True
         self.failures = 0  # rounds failed in a row; the relay backs this shard off until retry_at
         self.retry_at = 0.0
-        # dead-letter copies the broker refused, by row id: sent again without the value
-        self._copy_refused: dict[int, str] = {}
+        # dead-letter copies refused, by row id: (the next, smaller form to send, why)
+        self._copy_refused: dict[int, tuple[int, str]] = {}
+        self._copy_form: dict[int, int] = {}  # the form of each copy in the transaction
         # records refused in a batch too large for their topic: each goes again in a batch of
         # its own, and only one refused alone is parked
         self._alone: set[int] = set()
@@ -371,15 +376,18 @@ class ShardWorker:
                 if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
                     raise
                 poison[row.id] = f"refused by the Kafka client: {exc.args[0].str()}"
+        self._copy_form.clear()
         for row in ended if not doomed else ():
             if row.state in ("discarded", "parked"):
                 try:
-                    sent[row.id] = self._send_dead_letter(row)
+                    copy = self._send_dead_letter(row)
                 except KafkaException as exc:
                     if not _transaction_failed(exc):
                         raise
                     doomed = True
                     break
+                if copy is not None:  # None: no form of it fits; its marker goes alone
+                    sent[row.id] = copy
 
         # Each marker is written as soon as its record's report says where the record landed
         # (rows with nothing on a topic, rolled back, at once), many to a message; the last
@@ -446,8 +454,8 @@ class ShardWorker:
                 self.producer.abort()
                 raise KafkaException(error)
             reason = f"refused by the broker: {error.str()}"
-            if row.state != "committed":  # its dead-letter copy: the next goes without the value
-                self._copy_refused[row.id] = reason
+            if row.state != "committed":  # its dead-letter copy: the next goes smaller
+                self._copy_refused[row.id] = (self._copy_form.get(row.id, _FULL) + 1, reason)
             elif error.code() in _SIZE_ERRORS and row.id not in self._alone:
                 # The broker checks a whole batch of records against the topic's
                 # max.message.bytes, and refuses all of it: each goes again alone.
@@ -528,21 +536,47 @@ class ShardWorker:
         result.parked = len(poison)
         return result
 
-    def _send_dead_letter(self, row: Row) -> Sent:
-        """A copy on the dead-letter topic, with the reason; without the value when the client
-        or, the round before, the broker refused it (too large for the dead-letter topic)."""
-        headers = [*row.kafka_headers(), (OUTBOX_REASON_HEADER, (row.reason or "").encode())]
-        topic = self.settings.dead_letter_topic
-        refused = self._copy_refused.pop(row.id, None)
-        if refused is None:
+    def _send_dead_letter(self, row: Row) -> Sent | None:
+        """A copy on the dead-letter topic, with the reason. When the client, or the broker the
+        round before, refused it (too large for the dead-letter topic), a smaller form goes:
+        without the value, then also without the key and the record's own headers. None when
+        even that is refused: the marker then goes without a copy, rather than the refusal
+        aborting the shard's batch every round."""
+        form, refused = self._copy_refused.pop(row.id, (_FULL, None))
+        while form <= _BARE:
             try:
-                return self.producer.send(topic, row.value, row.key, headers, tag=row)
+                sent = self.producer.send(*self._dead_letter_copy(row, form, refused), tag=row)
             except KafkaException as exc:
                 if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
                     raise
-                refused = f"refused by the Kafka client: {exc.args[0].str()}"
-        headers.append((OUTBOX_VALUE_OMITTED_HEADER, refused.encode()))
-        return self.producer.send(topic, None, row.key, headers, tag=row)
+                form, refused = form + 1, f"refused by the Kafka client: {exc.args[0].str()}"
+                continue
+            self._copy_form[row.id] = form
+            return sent
+        logger.warning(
+            "shard %s: no dead-letter copy of row %s fits %s (%s); its op marker goes alone",
+            self.shard,
+            row.id,
+            self.settings.dead_letter_topic,
+            refused,
+        )
+        metrics.ERRORS.labels("dead_letter_refused").inc()
+        return None
+
+    def _dead_letter_copy(
+        self, row: Row, form: int, refused: str | None
+    ) -> tuple[str, bytes | None, bytes | None, list[tuple[str, str | bytes | None]]]:
+        """(topic, value, key, headers) of a dead-letter copy in the given form."""
+        topic, why = self.settings.dead_letter_topic, (row.reason or "")
+        if form == _FULL:
+            return topic, row.value, row.key, [*row.kafka_headers(), (OUTBOX_REASON_HEADER, why)]
+        omitted = (OUTBOX_VALUE_OMITTED_HEADER, refused or "")
+        if form == _NO_VALUE:
+            headers = [*row.kafka_headers(), (OUTBOX_REASON_HEADER, why), omitted]
+            return topic, None, row.key, headers
+        bare = dataclasses.replace(row, headers=None)  # only the outbox headers, a short reason
+        why = why[:MAX_MARKER_REASON_CHARS]
+        return topic, None, None, [*bare.kafka_headers(), (OUTBOX_REASON_HEADER, why), omitted]
 
     def _preflight(self, rows: list[Row]) -> dict[int, str]:
         """Records that can never be delivered as they are: unknown topic, bad partition."""

@@ -315,6 +315,56 @@ def test_a_dead_letter_copy_the_broker_refuses_goes_again_without_its_value(
     assert row[1:4] == ("parked", "topic 'no.such.topic' does not exist", True)
 
 
+@pytest.mark.parametrize(
+    ("max_bytes", "copied"),
+    [("2000", True), ("200", False)],  # the bare copy fits / not even that does
+)
+def test_a_dead_letter_copy_too_large_even_without_its_value_goes_bare_or_not_at_all(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    max_bytes: str,
+    copied: bool,
+) -> None:
+    # The key and the record's headers alone are over what the dead-letter topic takes: that
+    # must not abort the shard's batch every round, with the good records in it.
+    dead_letter = topic_factory(config={"max.message.bytes": max_bytes})
+    good = topic_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(
+            conn, "no.such.topic", b"x" * 5000, key=b"k" * 3000, headers={"h": b"y" * 500}
+        )
+    relay = relay_factory(dead_letter_topic=dead_letter)
+    assert relay.run_once().parked == 1
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, good, "good", key="g")
+    rounds = [relay.run_once() for _ in range(5)]
+    # refused whole, refused without the value, then sent bare, or refused bare and then its
+    # marker goes alone; the good record waits in the aborted transactions, and goes with it
+    refusals = 2 if copied else 3
+    assert [(r.ended, r.delivered) for r in rounds] == (
+        [(0, 0)] * refusals + [(1, 1)] + [(0, 0)] * (4 - refusals)
+    )
+    assert [m.value() for m in consume_all(kafka_bootstrap, good, "read_committed")] == [b"good"]
+    copies = consume_all(kafka_bootstrap, dead_letter, "read_committed")
+    if copied:
+        (copy,) = copies
+        headers = dict(copy.headers() or [])
+        assert (copy.key(), copy.value()) == (None, None)
+        assert "h" not in headers  # the record's own headers are left out too
+        assert b"refused by the broker" in headers["outbox-value-omitted"]
+        assert headers["outbox-reason"] == b"topic 'no.such.topic' does not exist"
+    else:
+        assert copies == []
+    parked = [m for m in markers(kafka_bootstrap, relay) if m.op.value == "parked"]
+    assert len(parked) == 1
+    assert (parked[0].offset is not None) is copied
+    assert [r[1:4] for r in rows(pg_dsn)] == [
+        ("parked", "topic 'no.such.topic' does not exist", True)
+    ]  # the good record's row is gone: delivered
+
+
 def test_a_record_that_names_its_partition_lands_there(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
