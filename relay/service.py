@@ -126,10 +126,29 @@ class Relay:
         )
         self.topics.ensure(rs.dead_letter_topic, 1, {"cleanup.policy": "delete"})
         self._check_marker_message_size()
+        self._check_shard_count()
         row = self.conn.execute("SHOW track_commit_timestamp").fetchone()
         self.conn.rollback()
         require_commit_timestamps(row[0] if row else None)
         self._set_up = True
+
+    def _check_shard_count(self) -> None:
+        """Relays with different shard counts map keys to shards differently: their leases do
+        not exclude each other, and both would send the same rows. A shard's markers are read
+        back only by that shard, too: rows in doubt would go again under a new count."""
+        row = self.conn.execute(queries.query("relay_shard_count", self.schema)).fetchone()
+        self.conn.rollback()
+        running = row[0] if row else 0
+        configured = self.settings.relay.shards
+        if running and running != configured:
+            raise RelayConfigError(
+                f"the outbox's relays run with {running} shards, this one is configured with "
+                f"{configured} (OUTBOX_RELAY__SHARDS): relays with different counts would send "
+                "the same records. To change the count, stop every relay (each ends what it "
+                "shipped; after a crash, start one with the old count first, so that it "
+                f"recovers), then empty the table {self.schema}.shard_lease, and start the "
+                "relays with the new count"
+            )
 
     def _check_marker_message_size(self) -> None:
         """A marker message the broker or the client refuses would abort every batch: refuse to

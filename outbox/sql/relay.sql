@@ -184,6 +184,10 @@ SELECT count(*) FROM {schema}.relay_member WHERE expires_at > now();
 -- name: relay_member_leave
 DELETE FROM {schema}.relay_member WHERE relay_id = %(relay_id)s;
 
+-- name: relay_shard_count
+-- How many shards the outbox's relays have run with (the lease rows they created): 0 at first.
+SELECT coalesce(max(shard) + 1, 0) FROM {schema}.shard_lease;
+
 -- name: relay_ensure_shards
 INSERT INTO {schema}.shard_lease (shard)
 SELECT generate_series(0, %(shards)s - 1)

@@ -528,6 +528,22 @@ def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit
     }
 
 
+def test_a_relay_with_another_shard_count_refuses_to_start(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "v", key="k")
+    assert relay_factory(shards=2).run_once().delivered == 1
+    with pytest.raises(RelayConfigError, match="run with 2 shards, this one is configured with 4"):
+        relay_factory(shards=4).run_once()
+    with psycopg.connect(pg_dsn) as conn:  # the documented way, once every relay has stopped
+        conn.execute("DELETE FROM outbox.shard_lease")
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "w", key="k")
+    assert relay_factory(shards=4).run_once().delivered == 1
+
+
 def test_leases_are_renewed_between_shards_of_one_round(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
