@@ -205,8 +205,11 @@ class ReconcileSettings(BaseModel):
                 raise ValueError("--from must be before --to")
         elif self.checkpoint is None:
             raise ValueError("a streaming run needs a checkpoint location")
-        if self.horizon < 2 * self.deadline + 2 * self.trigger:
-            raise ValueError("the horizon must cover two deadlines and two trigger intervals")
+        if self.horizon < 2 * self.deadline + 2 * self.trigger + self.summary_window:
+            # a summary window is emitted whole once: all of it must still be in the store
+            raise ValueError(
+                "the horizon must cover two deadlines, two trigger intervals and a summary window"
+            )
         return self
 
     @property

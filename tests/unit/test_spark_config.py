@@ -181,6 +181,7 @@ def test_settings_render_the_kafka_source() -> None:
         ({"audit_from": T}, "both --from and --to"),
         ({"audit_from": T, "audit_to": T}, "before --to"),
         ({"deadline": timedelta(minutes=10)}, "two deadlines"),
+        ({"summary_window": timedelta(minutes=14)}, "and a summary window"),
         ({"trigger": timedelta(0)}, "positive"),
         ({"schema_name": "bad-name"}, "identifier"),
     ],
