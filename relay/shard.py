@@ -165,9 +165,10 @@ class ShardWorker:
         self.needs_recovery = True
         self.failures = 0  # rounds failed in a row; the relay backs this shard off until retry_at
         self.retry_at = 0.0
-        # dead-letter copies refused, by row id: (the next, smaller form to send, why)
-        self._copy_refused: dict[int, tuple[int, str]] = {}
-        self._copy_form: dict[int, int] = {}  # the form of each copy in the transaction
+        # dead-letter copies refused, by row id: (the form to send next, why the larger one was
+        # refused); kept until the row's marker is committed, whatever aborts meanwhile
+        self._copy_refused: dict[int, tuple[int, str | None]] = {}
+        self._copy_form: dict[int, tuple[int, str | None]] = {}  # of each copy in the transaction
         # records refused in a batch too large for their topic: each goes again in a batch of
         # its own, and only one refused alone is parked
         self._alone: set[int] = set()
@@ -379,8 +380,13 @@ class ShardWorker:
         self._copy_form.clear()
         for row in ended if not doomed else ():
             if row.state in ("discarded", "parked"):
+                alone = row.id in self._alone
                 try:
+                    if alone:
+                        self.producer.send_queued()
                     copy = self._send_dead_letter(row)
+                    if alone:
+                        self.producer.send_queued()
                 except KafkaException as exc:
                     if not _transaction_failed(exc):
                         raise
@@ -454,8 +460,13 @@ class ShardWorker:
                 self.producer.abort()
                 raise KafkaException(error)
             reason = f"refused by the broker: {error.str()}"
-            if row.state != "committed":  # its dead-letter copy: the next goes smaller
-                self._copy_refused[row.id] = (self._copy_form.get(row.id, _FULL) + 1, reason)
+            if row.state != "committed":  # its dead-letter copy
+                form, why = self._copy_form.get(row.id, (_FULL, None))
+                if error.code() in _SIZE_ERRORS and row.id not in self._alone:
+                    self._alone.add(row.id)  # maybe a batch-mate's fault: alone, as it was
+                    self._copy_refused[row.id] = (form, why)
+                else:  # refused alone: the next goes smaller
+                    self._copy_refused[row.id] = (form + 1, reason)
             elif error.code() in _SIZE_ERRORS and row.id not in self._alone:
                 # The broker checks a whole batch of records against the topic's
                 # max.message.bytes, and refuses all of it: each goes again alone.
@@ -518,6 +529,9 @@ class ShardWorker:
         self.lease = Lease(self.shard, self.lease.epoch, self.marker_partition, next_offset)
         if self._alone:
             self._alone.difference_update(m.id for m in markers)
+        if self._copy_refused:
+            for m in markers:
+                self._copy_refused.pop(m.id, None)
         changed = self._count_changed(markers, ending)
         if changed:
             logger.warning(
@@ -542,7 +556,7 @@ class ShardWorker:
         without the value, then also without the key and the record's own headers. None when
         even that is refused: the marker then goes without a copy, rather than the refusal
         aborting the shard's batch every round."""
-        form, refused = self._copy_refused.pop(row.id, (_FULL, None))
+        form, refused = self._copy_refused.get(row.id, (_FULL, None))
         while form <= _BARE:
             try:
                 sent = self.producer.send(*self._dead_letter_copy(row, form, refused), tag=row)
@@ -551,7 +565,7 @@ class ShardWorker:
                     raise
                 form, refused = form + 1, f"refused by the Kafka client: {exc.args[0].str()}"
                 continue
-            self._copy_form[row.id] = form
+            self._copy_form[row.id] = (form, refused)
             return sent
         logger.warning(
             "shard %s: no dead-letter copy of row %s fits %s (%s); its op marker goes alone",

@@ -303,8 +303,9 @@ def test_a_dead_letter_copy_the_broker_refuses_goes_again_without_its_value(
         outbox.publish(conn, "no.such.topic", b"x" * 5000, key="k")
     relay = relay_factory(dead_letter_topic=dead_letter)
     assert relay.run_once().parked == 1
-    rounds = [relay.run_once() for _ in range(3)]
-    assert [r.ended for r in rounds] == [0, 1, 0]  # refused, sent without the value, done
+    rounds = [relay.run_once() for _ in range(4)]
+    # refused (in a batch, maybe for another record), refused alone, sent without the value
+    assert [r.ended for r in rounds] == [0, 0, 1, 0]
     (copy,) = consume_all(kafka_bootstrap, dead_letter, "read_committed")
     headers = dict(copy.headers() or [])
     assert copy.value() is None
@@ -339,12 +340,13 @@ def test_a_dead_letter_copy_too_large_even_without_its_value_goes_bare_or_not_at
     assert relay.run_once().parked == 1
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, good, "good", key="g")
-    rounds = [relay.run_once() for _ in range(5)]
-    # refused whole, refused without the value, then sent bare, or refused bare and then its
-    # marker goes alone; the good record waits in the aborted transactions, and goes with it
-    refusals = 2 if copied else 3
+    rounds = [relay.run_once() for _ in range(6)]
+    # refused whole (in a batch, then alone), refused without the value, then sent bare, or
+    # refused bare and then its marker goes alone; the good record waits in the aborted
+    # transactions, and goes with it
+    refusals = 3 if copied else 4
     assert [(r.ended, r.delivered) for r in rounds] == (
-        [(0, 0)] * refusals + [(1, 1)] + [(0, 0)] * (4 - refusals)
+        [(0, 0)] * refusals + [(1, 1)] + [(0, 0)] * (5 - refusals)
     )
     assert [m.value() for m in consume_all(kafka_bootstrap, good, "read_committed")] == [b"good"]
     copies = consume_all(kafka_bootstrap, dead_letter, "read_committed")
@@ -363,6 +365,28 @@ def test_a_dead_letter_copy_too_large_even_without_its_value_goes_bare_or_not_at
     assert [r[1:4] for r in rows(pg_dsn)] == [
         ("parked", "topic 'no.such.topic' does not exist", True)
     ]  # the good record's row is gone: delivered
+
+
+def test_a_dead_letter_copy_refused_with_a_batch_mate_keeps_its_form(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    # The broker refuses a whole batch of records for one too large: the copy that fits goes
+    # again alone, whole, rather than shrinking with the one at fault.
+    dead_letter = topic_factory(config={"max.message.bytes": "2000"})
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, "no.such.topic", b"x" * 5000, key=b"k" * 3000)
+        outbox.publish(conn, "no.such.topic", b"fits", key=b"small")
+    relay = relay_factory(dead_letter_topic=dead_letter)
+    assert relay.run_once().parked == 2
+    ended, rounds = 0, 0
+    while ended < 2:
+        rounds += 1
+        assert rounds <= 6, "the dead-letter copies did not go out"
+        ended += relay.run_once().ended
+    copies = {
+        c.key(): c.value() for c in consume_all(kafka_bootstrap, dead_letter, "read_committed")
+    }
+    assert copies == {None: None, b"small": b"fits"}  # bare, and whole
 
 
 def test_a_record_that_names_its_partition_lands_there(
