@@ -112,13 +112,12 @@ def decode_markers(value: bytes, shard: int | None = None) -> list[OpMarker]:
             return [marker] if shard is None or marker.shard == shard else []
         if version == MARKER_VERSION:
             envelope = {k: message[k] for k in ("shard", "relay", "epoch")}
-            if (
-                shard is not None
-                and isinstance(envelope["shard"], int)
-                and envelope["shard"] != shard
-            ):
-                return []  # another shard's (a malformed envelope is validated, and refused)
-            return [OpMarker.model_validate({**e, **envelope, "v": 2}) for e in message["markers"]]
+            theirs = envelope["shard"]
+            if shard is not None and isinstance(theirs, int) and theirs != shard:
+                return []  # another shard's, not worth validating
+            entries = message["markers"]
+            markers = [OpMarker.model_validate({**e, **envelope, "v": 2}) for e in entries]
+            return markers if shard is None else [m for m in markers if m.shard == shard]
     except (ValueError, KeyError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
         raise MarkerFormatError(f"not an op marker message: {exc}") from exc
     raise MarkerFormatError(f"op marker message of unknown version {version!r}")

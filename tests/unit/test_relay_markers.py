@@ -59,6 +59,9 @@ def test_a_shard_reads_only_its_own_markers_of_a_shared_partition() -> None:
     malformed = message.replace(b'"shard":3', b'"shard":"three"')
     with pytest.raises(MarkerFormatError):  # not taken for another shard's
         decode_markers(malformed, shard=4)
+    as_text = message.replace(b'"shard":3', b'"shard":"3"')  # validated into shard 3's
+    assert decode_markers(as_text, shard=4) == []
+    assert [m.id for m in decode_markers(as_text, shard=3)] == [1, 2]
 
 
 @pytest.mark.parametrize(
