@@ -228,14 +228,13 @@ class Relay:
         hold_back = self._stamp(shard_ranges(owned, self.settings.relay.shards))
         tried, failed = 0, []
         for shard in owned:
-            if self._heartbeat_due():  # a slow shard must not let the others' leases lapse
-                self.heartbeat()
+            self._keep_alive()  # a slow shard must not let the others' leases lapse
             worker = self.workers.get(shard)  # None: given up by that heartbeat
             if worker is None or worker.retry_at > time.monotonic():
                 continue
             tried += 1
             try:
-                result.add(worker.deliver_once(self.conn, hold_back))
+                result.add(worker.deliver_once(self.conn, hold_back, self._keep_alive))
                 worker.failures = 0
             except (Fenced, LeaseLost) as exc:
                 logger.warning("shard %s fenced: %s", shard, exc)
@@ -291,6 +290,10 @@ class Relay:
                 )
         row = held.fetchone()
         return row[0] if row else None
+
+    def _keep_alive(self) -> None:
+        if self._heartbeat_due():
+            self.heartbeat()
 
     def _heartbeat_due(self) -> bool:
         interval = self.settings.relay.heartbeat_interval.total_seconds()

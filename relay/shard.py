@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -187,13 +187,19 @@ class ShardWorker:
 
     # --- recovery ---------------------------------------------------------------------------
 
-    def recover(self, conn: psycopg.Connection[Any]) -> int:
+    def recover(
+        self, conn: psycopg.Connection[Any], keep_alive: Callable[[], None] | None = None
+    ) -> int:
         """Fence older producers of this shard, then end the rows whose markers are committed."""
         with conn.transaction():  # first: a relay that lost the lease must not fence its heir
             self._lock_lease(conn)
         self.producer.init()
-        start_offset = self.lease.marker_offset
-        markers, end_offset = self._read_markers(start_offset)
+        # A lease that never recovered never shipped: no marker is this shard's yet (a new
+        # lease row, or one made anew for a new shard count), and its offset 0 would mean
+        # reading the partition's whole history, other shards' traffic included.
+        first = self.lease.marker_partition is None
+        start_offset = None if first else self.lease.marker_offset
+        markers, end_offset = self._read_markers(start_offset, keep_alive)
         with conn.transaction():
             self._lock_lease(conn)
             # rows ended before the crash or changed by hand since do not count
@@ -214,7 +220,9 @@ class ShardWorker:
         )
         return len(markers)
 
-    def _read_markers(self, start: int) -> tuple[list[OpMarker], int]:
+    def _read_markers(
+        self, start: int | None, keep_alive: Callable[[], None] | None = None
+    ) -> tuple[list[OpMarker], int]:
         """This shard's committed markers from `start` to the end of the log, and that end."""
         consumer = Consumer(
             {
@@ -228,7 +236,7 @@ class ShardWorker:
         tp = TopicPartition(self.settings.op_marker_topic, self.marker_partition)
         try:
             _low, high = consumer.get_watermark_offsets(tp, timeout=10)
-            if start >= high:
+            if start is None or start >= high:
                 return [], high
             consumer.assign([TopicPartition(tp.topic, tp.partition, start)])
             markers: list[OpMarker] = []
@@ -249,6 +257,8 @@ class ShardWorker:
                         f"op markers of shard {self.shard} not readable up to {high} "
                         f"(stuck at {position}): a transaction on the marker topic stays open"
                     )
+                if keep_alive is not None:
+                    keep_alive()  # a long read must not let this relay's leases lapse
                 msg = consumer.poll(0.2)
                 if msg is None:
                     continue
@@ -338,9 +348,14 @@ class ShardWorker:
 
     # --- delivery ---------------------------------------------------------------------------
 
-    def deliver_once(self, conn: psycopg.Connection[Any], hold_back: datetime | None) -> ShardRound:
+    def deliver_once(
+        self,
+        conn: psycopg.Connection[Any],
+        hold_back: datetime | None,
+        keep_alive: Callable[[], None] | None = None,
+    ) -> ShardRound:
         if self.needs_recovery:
-            self.recover(conn)
+            self.recover(conn, keep_alive)
         with conn.pipeline(), conn.transaction():  # pipelined: 2 round trips, not 5
             batch = self._claim(conn, hold_back)
         return self._ship(conn, batch)

@@ -13,7 +13,7 @@ from confluent_kafka import Message, Producer
 
 import outbox
 from outbox import Record
-from relay.markers import OpMarker, decode_markers
+from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
 from relay.service import Relay, RelayConfigError
 from tests.fixtures.kafka import consume_all
 
@@ -566,6 +566,32 @@ def test_a_relay_with_another_shard_count_refuses_to_start(
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic, "w", key="k")
     assert relay_factory(shards=4).run_once().delivered == 1
+
+
+def test_a_new_lease_does_not_take_markers_already_in_its_partition_for_its_own(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    transactional_producer: Any,
+) -> None:
+    """A marker partition outlives lease rows (they are made anew for a new shard count) and is
+    shared by shards: what is in it before a lease first recovers is not that lease's. Taking
+    such a marker for its own would end a row that never went out."""
+    topic, marker_topic = topic_factory(), topic_factory(partitions=1)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        row_id = outbox.publish(conn, topic, "v", key="k")
+    stale = marker_entry(
+        Op.DELIVERED, id=row_id, tx_id="tx", producer_group="default", topic=topic, key=b"k",
+        partition=0, offset=0, commit_ts=None, reason=None,
+    )  # fmt: skip
+    transactional_producer.begin_transaction()
+    for value in marker_messages([stale], shard=0, relay="an earlier relay", epoch=1):
+        transactional_producer.produce(marker_topic, value, b"0", partition=0)
+    transactional_producer.commit_transaction(30)
+    relay = relay_factory(op_marker_topic=marker_topic, op_marker_partitions=1)
+    assert relay.run_once().delivered == 1
+    assert [m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed")] == [b"v"]
 
 
 def test_leases_are_renewed_between_shards_of_one_round(
