@@ -90,6 +90,7 @@ class Relay:
         self._stopped = False
         self._set_up = False
         self._last_heartbeat = 0.0
+        self._last_trim = 0.0
         self.last_round_at = time.monotonic()
 
     # --- connections ------------------------------------------------------------------------
@@ -142,12 +143,12 @@ class Relay:
         configured = self.settings.relay.shards
         if running and running != configured:
             raise RelayConfigError(
-                f"the outbox's relays run with {running} shards, this one is configured with "
-                f"{configured} (OUTBOX_RELAY__SHARDS): relays with different counts would send "
-                "the same records. To change the count, stop every relay (each ends what it "
-                "shipped; after a crash, start one with the old count first, so that it "
-                f"recovers), then empty the table {self.schema}.shard_lease, and start the "
-                "relays with the new count"
+                f"the outbox's shard leases were made for {running} shards, this relay is "
+                f"configured with {configured} (OUTBOX_RELAY__SHARDS): relays with different "
+                "counts would send the same records. To change the count, stop every relay "
+                "(each ends what it shipped; after a crash, start one with the old count "
+                f"first, so that it recovers), then empty the table {self.schema}.shard_lease, "
+                "and start the relays with the new count"
             )
 
     def _check_marker_message_size(self) -> None:
@@ -220,6 +221,9 @@ class Relay:
             self.setup()
         if self._heartbeat_due():
             self.heartbeat()
+        interval = self.settings.relay.heartbeat_interval.total_seconds()
+        if time.monotonic() - self._last_trim >= interval:  # its own clock: heartbeats come
+            self._last_trim = time.monotonic()  # between shards too, and would starve it
             self.trim_archive()
         result = RelayRound(shards=len(self.workers))
         if not self.workers:
