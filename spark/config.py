@@ -205,11 +205,8 @@ class ReconcileSettings(BaseModel):
                 raise ValueError("--from must be before --to")
         elif self.checkpoint is None:
             raise ValueError("a streaming run needs a checkpoint location")
-        if self.horizon < 2 * self.deadline + 2 * self.trigger + self.summary_window:
-            # a summary window is emitted whole once: all of it must still be in the store
-            raise ValueError(
-                "the horizon must cover two deadlines, two trigger intervals and a summary window"
-            )
+        if self.horizon < 2 * self.deadline + 2 * self.trigger:
+            raise ValueError("the horizon must cover two deadlines and two trigger intervals")
         return self
 
     @property
@@ -289,7 +286,9 @@ class JudgeWindow:
         lo = judged_to - deadline
         # the summary window that was still open at `judged_to` is emitted whole now
         windows_from = _floor(judged_to, summary_window)
-        store_low = max(full.store_low, min(lo - deadline, windows_from))
+        if windows_from < full.store_low:  # not all of it is in the store any more
+            return full
+        store_low = min(lo - deadline, windows_from)
         return cls(as_of, store_low, lo, as_of - deadline, True, windows_from)
 
     @classmethod

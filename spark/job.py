@@ -290,9 +290,14 @@ class ReconcileJob:
         if start is None or end is None:
             raise ReconcileConfigError("an audit needs --from and --to")
         window = JudgeWindow.audit(start, end, self._clock(), self.settings.deadline)
-        # from the oldest commit of a row due in the window too: a row the relay ended late
-        # has its copy from back then
-        since = min(window.store_low, self._oldest_due(window) or window.store_low)
+        # from the oldest commit of a row due in the window too (a deadline of margin for the
+        # clocks of relay and database): a row the relay ended late has its copy from back then
+        oldest = self._oldest_due(window)
+        since = (
+            window.store_low
+            if oldest is None
+            else min(window.store_low, oldest - self.settings.deadline)
+        )
         with _connector_needed():
             kafka = self._audit_read(since)
         read = self._observations(kafka).where(F.col("ts") <= F.lit(window.as_of))

@@ -181,7 +181,6 @@ def test_settings_render_the_kafka_source() -> None:
         ({"audit_from": T}, "both --from and --to"),
         ({"audit_from": T, "audit_to": T}, "before --to"),
         ({"deadline": timedelta(minutes=10)}, "two deadlines"),
-        ({"summary_window": timedelta(minutes=14)}, "and a summary window"),
         ({"trigger": timedelta(0)}, "positive"),
         ({"schema_name": "bad-name"}, "identifier"),
     ],
@@ -341,3 +340,17 @@ def test_public_surface_is_complete_and_needs_no_pyspark() -> None:
     # `outboxctl findings` must work where PySpark is not installed
     code = "import sys, spark, spark.findings; assert 'pyspark' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_summary_window_older_than_the_store_makes_the_next_judgement_a_whole_one() -> None:
+    """After a pause, the summary window still open at the last judgement may begin before what
+    the store keeps: computed from part of its records, it would be wrong."""
+    deadline, horizon = timedelta(seconds=60), timedelta(minutes=15)
+    judged_to = T - timedelta(minutes=7)  # 11:53; the store keeps from 11:45
+    full = JudgeWindow.streaming(T, deadline, horizon)
+    long = JudgeWindow.following(judged_to, T, deadline, horizon, timedelta(minutes=30))
+    assert long == full  # its window opened at 11:30
+    short = JudgeWindow.following(judged_to, T, deadline, horizon, timedelta(minutes=1))
+    assert short != full
+    assert short.windows_from == datetime(2026, 1, 1, 11, 53, tzinfo=UTC)
+    assert short.store_low <= short.windows_from
