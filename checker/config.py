@@ -116,10 +116,13 @@ class CheckerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _positive_times(self) -> Self:
-        for name in ("check_interval", "max_prepared_age", "max_backoff", "circuit_cooldown"):
+        # poll_interval 0 would spin on the due query; lease_margin 0 would give back every
+        # claimed check uncounted, since no request can start within no time
+        positive = ("check_interval", "max_prepared_age", "max_backoff", "circuit_cooldown")
+        for name in (*positive, "poll_interval", "lease_margin"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive")
-        for name in ("check_immunity", "poll_interval", "lease_margin", "metrics_interval"):
+        for name in ("check_immunity", "metrics_interval"):
             if getattr(self, name) < timedelta(0):
                 raise ValueError(f"{name} must not be negative")
         return self

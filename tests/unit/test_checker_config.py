@@ -61,6 +61,9 @@ def test_endpoint_rejects(bad: dict[str, object]) -> None:
         {"backoff_jitter": 1.0},
         {"max_checks": 0},
         {"lease_margin": "-PT1S"},
+        {"lease_margin": "PT0S"},  # every claimed check would be given back unasked
+        {"poll_interval": "PT0S"},  # the due query in a busy loop
+        {"check_immunity": "-PT1S"},
     ],
 )
 def test_checker_rejects(bad: dict[str, object]) -> None:
