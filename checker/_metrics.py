@@ -33,6 +33,12 @@ CONFLICTS = Counter(
     "(nothing changed).",
     ["producer_group"],
 )
+NOT_APPLIED = Counter(
+    "outbox_checker_answers_not_applied",
+    "COMMIT or ROLLBACK answers not applied: locked (the application was ending the transaction "
+    "itself; due again after the lease) or invalid (the library refused the rows).",
+    ["producer_group", "why"],
+)
 LATENCY = Histogram(
     "outbox_checker_endpoint_latency_seconds",
     "Duration of check requests that got an HTTP answer, by producer group.",

@@ -50,7 +50,7 @@ from checker._client import CheckAnswer, CheckClient, HttpCheckClient, Outcome
 from checker.config import CheckerSettings, EndpointSettings
 from outbox import sql as queries
 from outbox._core import OutboxConfig, wakeup_channel
-from outbox._errors import IllegalTransitionError, UnknownTransactionError
+from outbox._errors import IllegalTransitionError, OutboxError, UnknownTransactionError
 from outbox._sync import Outbox
 
 if TYPE_CHECKING:
@@ -65,6 +65,7 @@ _MAX_FAILURE_WAIT_S = 30.0
 _MAX_LOGGED_GROUPS = 1000
 _MAX_APPLY_BATCH = 256
 _AGES_STATEMENT_TIMEOUT = "5s"
+APPLY_LOCK_TIMEOUT = "2s"  # how long an answer waits for rows an application holds
 
 
 def utc_now() -> datetime:
@@ -457,11 +458,42 @@ class Checker:
                 )
             )
         with conn.transaction():
+            # An application ending the transaction itself holds its rows until it commits:
+            # wait a little, not for as long as it likes, and only that answer waits for later.
+            conn.execute("SELECT set_config('lock_timeout', %s, true)", (APPLY_LOCK_TIMEOUT,))
             for claim, outcome in decided:
-                notes.append(self._end(conn, claim, outcome, result))
-            _claim.reschedule(conn, self.schema, later)
+                notes.append(self._apply_one(conn, claim, outcome, result))
+            try:
+                with conn.transaction():
+                    _claim.reschedule(conn, self.schema, later)
+            except pg_errors.LockNotAvailable:  # due again when their lease ends
+                notes.append((logger.info, ("unknown answers not rescheduled: rows locked",)))
         for log, args in notes:
             log(*args)
+
+    def _apply_one(
+        self,
+        conn: psycopg.Connection[Any],
+        claim: Claim,
+        outcome: Outcome,
+        result: CheckRoundResult,
+    ) -> tuple[Callable[..., None], tuple[Any, ...]]:
+        """One answer, in a savepoint of its own: its trouble does not undo the others'."""
+        group, tx_id = claim.producer_group, claim.tx_id
+        try:
+            with conn.transaction():
+                return self._end(conn, claim, outcome, result)
+        except pg_errors.LockNotAvailable:
+            _metrics.NOT_APPLIED.labels(group, "locked").inc()
+            message = (
+                "tx %s of producer group %s: its rows are locked (its application is ending "
+                "it); answer %s dropped, the transaction is due again when its lease ends"
+            )
+            return logger.info, (message, tx_id, group, outcome.value.upper())
+        except OutboxError as exc:
+            _metrics.NOT_APPLIED.labels(group, "invalid").inc()
+            message = "tx %s of producer group %s: answer %s not applied: %s"
+            return logger.error, (message, tx_id, group, outcome.value.upper(), exc)
 
     def _end(
         self,

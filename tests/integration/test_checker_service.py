@@ -697,6 +697,41 @@ def test_late_commit_after_rollback_changes_nothing(
     assert one(pg_dsn, tx_id)["state"] == "rolled_back"
 
 
+def test_rows_an_application_holds_delay_only_their_own_answer(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """The application commits by itself while the check is in flight, and keeps its database
+    transaction open: the checker must not wait for it, nor drop the other answers."""
+    held, other = prepare(pg_dsn), prepare(pg_dsn)
+    holding: list[psycopg.Connection[Any]] = []
+
+    def commit_and_hold(request: CheckRequest) -> None:
+        if request.tx_id == held[0] and not holding:
+            conn = psycopg.connect(pg_dsn)
+            outbox.commit(conn, request.tx_id, producer_group=GROUP)  # not committed yet
+            holding.append(conn)
+
+    endpoint.resolver.before_answer = commit_and_hold
+    endpoint.resolver.default = COMMIT
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}), Clock(max(held[1], other[1]) + 7 * S)
+    )
+    done: list[Any] = []
+    worker = threading.Thread(target=lambda: done.append(checker.run_once()), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    try:
+        assert done, "the checker waited for the application's locks"
+        assert one(pg_dsn, other[0])["state"] == "committed"  # applied
+        assert one(pg_dsn, held[0])["state"] == "prepared"  # still the application's to end
+    finally:
+        for conn in holding:
+            conn.commit()
+            conn.close()
+        worker.join(timeout=30)
+    assert one(pg_dsn, held[0])["state"] == "committed"
+
+
 def test_partly_prepared_transaction_is_moved_out_of_the_way(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
