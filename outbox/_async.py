@@ -124,9 +124,10 @@ class AsyncOutbox:
             self.config,
             records,
             state=State.PREPARED,
-            tx_id=tx_id or new_tx_id(),
+            tx_id=new_tx_id() if tx_id is None else tx_id,  # "" is refused, not replaced
             producer_group=producer_group,
             check_immunity=check_immunity_interval(check_immunity),
+            tx_id_generated=tx_id is None,
         )
         return await _run(conn, op, in_transaction=True)  # type: ignore[no-any-return]
 

@@ -125,7 +125,10 @@ def insert(
     tx_id: str | None,
     producer_group: str | None,
     check_immunity: timedelta | None = None,
+    tx_id_generated: bool = False,
 ) -> Operation:
+    """`tx_id_generated`: the outbox made the tx id just now (new_tx_id), so no other
+    transaction can hold it and its reuse is not checked."""
     group = (
         check_producer_group(producer_group) if producer_group is not None else cfg.producer_group
     )
@@ -142,12 +145,19 @@ def insert(
         for i, r in enumerate(records)
     ]
     schema = cfg.schema_name
-    if tx_id is not None:
+    if tx_id is not None and not tx_id_generated:
         # A caller-given tx id belongs to one database transaction only.
         params = {"producer_group": group, "tx_id": tx_id, "state": state.value}
         yield queries.query("lock_tx_id", schema), params
         rows = yield queries.query("tx_id_used_elsewhere", schema), params
-        elsewhere, other_kind = rows[0]
+        elsewhere, other_kind, isolation = rows[0]
+        if isolation == "repeatable read":
+            raise OutboxUsageError(
+                f"tx id {tx_id!r} given in a REPEATABLE READ transaction: its snapshot cannot "
+                "see another transaction that took the same tx id after it began, so the id "
+                "cannot be checked for reuse; use READ COMMITTED or SERIALIZABLE, or let the "
+                "outbox make the tx id (tx_id=None)"
+            )
         if elsewhere:
             raise DuplicateTransactionError(
                 f"tx id {tx_id!r} of producer group {group!r} is already used by another "

@@ -165,6 +165,37 @@ def test_concurrent_reuse_of_a_tx_id_is_caught(pg_dsn: str) -> None:
     assert states(pg_dsn, "shared") == ["prepared"]
 
 
+@pytest.mark.parametrize(
+    ("level", "refused"),
+    [
+        (psycopg.IsolationLevel.REPEATABLE_READ, True),  # blind to a later-committed reuse
+        (psycopg.IsolationLevel.SERIALIZABLE, False),  # its conflict checks catch a reuse
+        (psycopg.IsolationLevel.READ_COMMITTED, False),
+    ],
+)
+def test_a_given_tx_id_needs_an_isolation_that_sees_its_reuse(
+    pg_dsn: str, level: psycopg.IsolationLevel, refused: bool
+) -> None:
+    with psycopg.connect(pg_dsn) as conn:
+        conn.isolation_level = level
+        with conn.transaction():
+            if refused:
+                with pytest.raises(outbox.OutboxUsageError, match="REPEATABLE READ"):
+                    outbox.prepare(conn, "t", "v", tx_id="order-7")
+            else:
+                outbox.prepare(conn, "t", "v", tx_id="order-7")
+            outbox.prepare(conn, "t", "w")  # a tx id of the outbox's own needs no check
+    assert states(pg_dsn, "order-7") == ([] if refused else ["prepared"])
+
+
+def test_an_empty_tx_id_is_refused_not_replaced(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        with pytest.raises(outbox.InvalidTxIdError):
+            outbox.prepare(conn, "t", "v", tx_id="")
+        with pytest.raises(outbox.InvalidTxIdError):
+            outbox.publish(conn, "t", "v", tx_id="")
+
+
 def test_commit_and_rollback_racing_one_wins(pg_dsn: str) -> None:
     for _ in range(10):
         written = prepared(pg_dsn, 3)
