@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from inspect import isawaitable
 from typing import Any
 
 import psycopg
 
 from outbox import _core
+from outbox._callbacks import call_back
 from outbox._core import OutboxConfig, State, Transition, Written
 from outbox._errors import OutboxUsageError, TransactionStateError
 from outbox._local import LocalTransactionResult, parse_status, require_idle, settled_first
@@ -154,7 +154,8 @@ class AsyncOutbox:
         producer_group: str | None = None,
         check_immunity: timedelta | float | None = None,
     ) -> LocalTransactionResult:
-        """As `Outbox.send_in_transaction`; `local_transaction` may be sync or async."""
+        """As `Outbox.send_in_transaction`; `local_transaction` may be sync (run in a worker
+        thread, so that it does not stall the event loop) or async."""
         require_idle(conn)
         async with conn.transaction():
             written = await self.prepare_many(
@@ -164,8 +165,7 @@ class AsyncOutbox:
                 producer_group=producer_group,
                 check_immunity=check_immunity,
             )
-        answer = local_transaction(written)
-        status = parse_status(await answer if isawaitable(answer) else answer)
+        status = parse_status(await call_back(local_transaction, written))
         state = State.PREPARED
         try:
             if status is not TransactionStatus.UNKNOWN:

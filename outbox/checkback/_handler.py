@@ -14,6 +14,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from outbox._callbacks import call_back
+
 from ._protocol import CheckRequest, TransactionStatus, build_response, parse_request
 from ._signing import (
     HEADER_ID,
@@ -182,7 +184,8 @@ class CheckHandler(_HandlerBase):
 
 
 class AsyncCheckHandler(_HandlerBase):
-    """Like ``CheckHandler`` but ``await handler.handle(...)``; the resolver may be async or not."""
+    """Like ``CheckHandler`` but ``await handler.handle(...)``; the resolver may be async or not
+    (a sync one runs in a worker thread, so that it does not stall the event loop)."""
 
     def __init__(
         self,
@@ -209,9 +212,7 @@ class AsyncCheckHandler(_HandlerBase):
             return accepted
         request_id, request = accepted
         try:
-            outcome: object = self._resolver(request)
-            if inspect.isawaitable(outcome):
-                outcome = await outcome
+            outcome: object = await call_back(self._resolver, request)
         except Exception:
             _log_resolver_failure(request)
             return _resolver_failed()

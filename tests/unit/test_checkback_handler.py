@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from importlib import resources
@@ -341,6 +342,33 @@ def test_async_handler_accepts_sync_resolver_and_reports_failures(clock: Clock) 
     failing = AsyncCheckHandler(broken, [NEW], now=clock)
     headers, body = build_request(Signer(NEW), make_request(), now=clock)
     assert asyncio.run(failing.handle(headers, body)).status_code == 500
+
+
+def test_async_handler_runs_a_sync_resolver_off_the_event_loop(clock: Clock) -> None:
+    def slow(request: CheckRequest) -> str:
+        time.sleep(0.3)  # a blocking database look-up
+        return "COMMIT"
+
+    handler = AsyncCheckHandler(slow, [NEW], now=clock)
+    headers, body = build_request(Signer(NEW), make_request(), now=clock)
+
+    async def main() -> tuple[HandlerResult, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        result = await handler.handle(headers, body)
+        ticker.cancel()
+        return result, ticks
+
+    result, ticks = asyncio.run(main())
+    assert json.loads(result.body)["status"] == "COMMIT"
+    assert ticks >= 10  # the loop went on while the resolver blocked
 
 
 # --- the checker's side: building requests, verifying answers ---
