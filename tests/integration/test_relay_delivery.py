@@ -39,6 +39,19 @@ def rows(dsn: str) -> list[tuple[Any, ...]]:
         ).fetchall()
 
 
+def counting_heartbeats(relay: Relay) -> list[None]:
+    """Wraps the relay's heartbeat: the list grows by one per heartbeat."""
+    beats: list[None] = []
+    heartbeat = relay.heartbeat
+
+    def counted() -> None:
+        beats.append(None)
+        heartbeat()
+
+    relay.heartbeat = counted  # type: ignore[method-assign]
+    return beats
+
+
 def wait_for(condition: Callable[[], object], timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -528,21 +541,13 @@ def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit
                 outbox.publish(conn, topic, f"{tx}-b", key="b")
     monkeypatch.setattr(relay.service, "STAMP_SLICE", 3)
     r = relay_factory()
-    beats = 0
-    heartbeat = r.heartbeat
-
-    def counted() -> None:
-        nonlocal beats
-        beats += 1
-        heartbeat()
-
-    r.heartbeat = counted  # type: ignore[method-assign]
+    beats = counting_heartbeats(r)
     delivered = 0
     while (done := r.run_once()).delivered or done.full:
         delivered += done.delivered
     assert delivered == 20
     # a slice ends with a whole transaction: 3 rows reach into a second one, so 4 rows a slice
-    assert beats >= 1 + 20 // 4  # the round's own, then one between each full slice
+    assert len(beats) >= 1 + 20 // 4  # the round's own, then one between each full slice
     by_key: dict[bytes, list[bytes]] = {}
     for m in consume_all(kafka_bootstrap, topic, "read_committed"):
         by_key.setdefault(m.key() or b"", []).append(m.value() or b"")
@@ -610,18 +615,10 @@ def test_leases_are_renewed_between_shards_of_one_round(
     r = relay_factory(shards=2)
     r.run_once()  # takes both shards
     assert len(r.workers) == 2
-    beats = 0
-    heartbeat = r.heartbeat
-
-    def counted() -> None:
-        nonlocal beats
-        beats += 1
-        heartbeat()
-
-    r.heartbeat = counted  # type: ignore[method-assign]
+    beats = counting_heartbeats(r)
     r._heartbeat_due = lambda: True  # type: ignore[method-assign]  # as if each shard was slow
     r.run_once()
-    assert beats == 1 + 2  # the round's own, then one before each shard
+    assert len(beats) == 1 + 2  # the round's own, then one before each shard
     assert len(r.workers) == 2
 
 
