@@ -226,7 +226,8 @@ class Relay:
             self._last_trim = time.monotonic()  # between shards too, and would starve it
             self.trim_archive()
         result = RelayRound(shards=len(self.workers))
-        if not self.workers:
+        if not self.workers:  # alive all the same: a spare relay waits for a shard to free
+            self.last_round_at = time.monotonic()
             return result
         owned = sorted(self.workers)
         hold_back = self._stamp(shard_ranges(owned, self.settings.relay.shards))

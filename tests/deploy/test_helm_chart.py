@@ -135,6 +135,10 @@ def test_sidecar_mode_renders_no_deployment_and_an_app_chart_includes_the_contai
     docs = [d for d in render(helm, chart=app) if d["kind"] == "Deployment"]
     (pod,) = [d["spec"]["template"]["spec"] for d in docs]
     assert [c["name"] for c in pod["containers"]] == ["app", "outbox-sidecar"]
+    sidecar = pod["containers"][1]
+    assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # a broker outage must not take the application's pod out of its Service
+    assert "readinessProbe" not in sidecar
     secrets = [v for v in pod["volumes"] if "secret" in v]
     assert secrets == [{"name": "outbox-secrets", "secret": {"secretName": "app-outbox"}}]
 

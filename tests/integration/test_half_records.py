@@ -220,8 +220,11 @@ def test_commit_and_rollback_racing_one_wins(pg_dsn: str) -> None:
             t.start()
         for t in threads:
             t.join()
+        assert set(results) == {"commit", "rollback"}  # neither died on something else
         winners = [a for a, r in results.items() if r is True]
         assert len(winners) == 1
+        (loser,) = {"commit", "rollback"} - set(winners)
+        assert results[loser] is False or isinstance(results[loser], outbox.IllegalTransitionError)
         final = states(pg_dsn, written.tx_id)
         assert final == [{"commit": "committed", "rollback": "rolled_back"}[winners[0]]] * 3
 

@@ -43,10 +43,13 @@ def test_commit_leaves_exactly_the_records(pg_dsn: str) -> None:
         )
         second = outbox.publish(conn, "orders.paid", b"\x01\x02", key=b"k", partition=2)
         third = outbox.publish(conn, "orders.deleted", None, key="1")  # a tombstone
-    assert rows(pg_dsn) == [
+    stored = rows(pg_dsn)
+    tx_id = stored[0][1]
+    assert tx_id.startswith("xid:")  # a published transaction's id, made by the outbox
+    assert stored == [
         (
             first,
-            rows(pg_dsn)[0][1],
+            tx_id,
             "default",
             "orders.created",
             b"1",
@@ -57,7 +60,7 @@ def test_commit_leaves_exactly_the_records(pg_dsn: str) -> None:
         ),
         (
             second,
-            rows(pg_dsn)[0][1],
+            tx_id,
             "default",
             "orders.paid",
             b"k",
@@ -66,7 +69,7 @@ def test_commit_leaves_exactly_the_records(pg_dsn: str) -> None:
             2,
             "committed",
         ),
-        (third, rows(pg_dsn)[0][1], "default", "orders.deleted", b"1", None, [], None, "committed"),
+        (third, tx_id, "default", "orders.deleted", b"1", None, [], None, "committed"),
     ]
 
 

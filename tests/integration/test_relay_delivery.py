@@ -95,12 +95,24 @@ def test_records_of_one_transaction_share_one_kafka_transaction(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     a, b = topic_factory(), topic_factory()
+    relay = relay_factory(batch_size=1)  # even a batch size of 1 never splits a transaction
+    relay.run_once()  # set up, shard 0 taken: nothing to ship yet
+    (worker,) = relay.workers.values()
+    commits: list[None] = []
+    commit = worker.producer.commit
+
+    def counted() -> None:
+        commits.append(None)
+        commit()
+
+    worker.producer.commit = counted  # type: ignore[method-assign]
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish_many(conn, [Record(a, "1"), Record(b, "2"), Record(a, "3")])
-    relay = relay_factory(batch_size=1)  # even a batch size of 1 never splits a transaction
     round_ = relay.run_once()
     assert round_.delivered == 3
+    assert len(commits) == 1  # one Kafka transaction
     assert values(consume_all(kafka_bootstrap, a, "read_committed")) == [b"1", b"3"]
+    assert values(consume_all(kafka_bootstrap, b, "read_committed")) == [b"2"]
 
 
 def test_a_late_committing_lower_id_is_not_skipped(
@@ -431,9 +443,13 @@ def test_delivered_rows_are_archived_with_their_position(
         for i in range(6):
             outbox.publish(conn, topic, f"v{i}", key=str(i))
     relay_factory(delivered_retention="PT1H").run_once()
-    archived = {(r[4], r[5]): r[0] for r in rows(pg_dsn)}
-    assert all(r[1] == "delivered" and r[3] for r in rows(pg_dsn))
-    for msg in consume_all(kafka_bootstrap, topic, "read_committed"):
+    kept = rows(pg_dsn)
+    archived = {(r[4], r[5]): r[0] for r in kept}
+    assert len(kept) == len(archived) == 6  # each kept, each with its own position
+    assert all(r[1] == "delivered" and r[3] for r in kept)
+    delivered = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert len(delivered) == 6
+    for msg in delivered:
         record_id = archived[(msg.partition(), msg.offset())]
         assert dict(msg.headers() or [])["outbox-id"] == str(record_id).encode()
 
@@ -601,6 +617,19 @@ def test_a_new_lease_does_not_take_markers_already_in_its_partition_for_its_own(
     relay = relay_factory(op_marker_topic=marker_topic, op_marker_partitions=1)
     assert relay.run_once().delivered == 1
     assert [m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed")] == [b"v"]
+
+
+def test_a_relay_without_a_shard_stays_alive(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """More relays than shards is safe: a spare one waits for a shard, and its liveness probe
+    must not restart it meanwhile."""
+    holder = relay_factory(shards=1)
+    holder.run_once()
+    spare = same_settings_other_id(relay_factory, holder, "spare")
+    spare.last_round_at -= 1000  # as if its last round were long ago
+    assert spare.run_once().shards == 0
+    assert time.monotonic() - spare.last_round_at < 60  # what alive() judges a running relay by
 
 
 def test_leases_are_renewed_between_shards_of_one_round(

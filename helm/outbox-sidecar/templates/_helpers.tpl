@@ -53,10 +53,16 @@ chart, to run one relay in each of its pods (add the volumes of outbox-sidecar.v
   livenessProbe:
     httpGet: {path: /healthz, port: http}
     periodSeconds: 10
+    timeoutSeconds: 5
     failureThreshold: 6
+  {{- if ne .Values.mode "sidecar" }}
+  {{- /* In an application's pod, readiness would take the application out of its Service
+         whenever the broker is down: the very outage the outbox lets it ride out. */}}
   readinessProbe:
     httpGet: {path: /readyz, port: http}
     periodSeconds: 5
+    timeoutSeconds: 5
+  {{- end }}
   resources: {{- toYaml .Values.resources | nindent 4 }}
   securityContext: {{- toYaml .Values.securityContext | nindent 4 }}
   volumeMounts:
