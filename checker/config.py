@@ -28,7 +28,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, model_
 class EndpointSettings(BaseModel):
     """One producer group's check endpoint."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     url: AnyHttpUrl = Field(
         description="POST target; https is verified against the system CAs (or ca_file). "
@@ -65,7 +65,7 @@ class EndpointSettings(BaseModel):
 
 
 class CheckerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     enabled: bool = True
     check_immunity: timedelta = Field(

@@ -11,11 +11,12 @@ file (`--config` or `OUTBOX_CONFIG_FILE`). Nothing is read at import time: call
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator
 from pydantic_settings import (
     BaseSettings,
     NestedSecretsSettingsSource,
@@ -30,6 +31,11 @@ from outbox._core import OutboxConfig
 DEFAULT_SECRETS_DIR = Path("/run/secrets/outbox")
 
 
+MASK = "**********"  # as pydantic shows a SecretStr
+# librdkafka properties that hold secrets: *.password, *.secret, PEM keys, OAUTHBEARER configs
+_SECRET_PROPERTY = re.compile(r"password|secret|pem|oauthbearer\.config|token|credential", re.I)
+
+
 class KafkaSettings(BaseModel):
     """librdkafka settings as a typed model; `to_librdkafka()` renders the client dict.
 
@@ -37,7 +43,7 @@ class KafkaSettings(BaseModel):
     here goes through `extra` unchanged (librdkafka validates it when the client is created).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     bootstrap_servers: str = Field(default="127.0.0.1:9092", min_length=1)
     client_id: str = "outbox-sidecar"
@@ -50,8 +56,14 @@ class KafkaSettings(BaseModel):
     ssl_key_location: str | None = None
     ssl_key_password: SecretStr | None = None
     extra: dict[str, str | int | float | bool] = Field(
-        default_factory=dict, description="Further librdkafka properties, passed through."
+        default_factory=dict,
+        description="Further librdkafka properties, passed through.",
+        repr=False,  # may hold secrets; `outboxctl config` shows it masked (_masked_extra)
     )
+
+    @field_serializer("extra")
+    def _masked_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
+        return {k: MASK if _SECRET_PROPERTY.search(k) else v for k, v in extra.items()}
 
     def to_librdkafka(self) -> dict[str, Any]:
         conf: dict[str, Any] = {
@@ -76,7 +88,7 @@ class KafkaSettings(BaseModel):
 
 
 class DatabaseSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     dsn: SecretStr = Field(description="libpq connection string of the application's database.")
     schema_name: str = Field(default="outbox", description="Schema of the outbox tables.")
@@ -91,7 +103,7 @@ class DatabaseSettings(BaseModel):
 class HttpSettings(BaseModel):
     """Where /healthz, /readyz and /metrics listen."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     host: str = "0.0.0.0"  # noqa: S104 - the probes come from the kubelet, outside the pod
     port: int = Field(default=8080, ge=0, le=65535)
@@ -101,7 +113,7 @@ class HttpSettings(BaseModel):
 class RelaySettings(BaseModel):
     """The relay's own knobs; defaults chosen with bench/relay.py."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     enabled: bool = True
     relay_id: str | None = Field(
@@ -148,6 +160,7 @@ class SidecarSettings(BaseSettings):
         secrets_nested_delimiter="__",
         extra="forbid",
         frozen=True,
+        hide_input_in_errors=True,  # a mistyped secret's name must not print its value
     )
 
     database: DatabaseSettings

@@ -127,7 +127,7 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
 class ReconcileSettings(BaseModel):
     """Everything the job reads at start (`python -m spark.job --help` documents each)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     dsn: SecretStr = Field(description="libpq connection string of the outbox's database.")
     schema_name: str = Field(default="outbox", description="Schema of the outbox tables.")

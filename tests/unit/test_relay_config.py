@@ -84,3 +84,31 @@ def test_the_relay_refuses_postgres_without_commit_timestamps(setting: str | Non
     with pytest.raises(RelayConfigError, match=r"track_commit_timestamp = on in postgresql\.conf"):
         require_commit_timestamps(setting)
     require_commit_timestamps("on")
+
+
+def test_secrets_in_passed_through_properties_are_masked_when_shown() -> None:
+    kafka = KafkaSettings(
+        extra={
+            "sasl.oauthbearer.client.secret": "topsecret",
+            "ssl.key.pem": "-----BEGIN",
+            "acks": "all",
+        }
+    )
+    shown = kafka.model_dump_json()
+    assert "topsecret" not in shown
+    assert "BEGIN" not in shown
+    assert "topsecret" not in repr(kafka)
+    assert '"acks":"all"' in shown
+    assert kafka.to_librdkafka()["sasl.oauthbearer.client.secret"] == "topsecret"  # still used
+
+
+def test_a_setting_refused_does_not_print_its_value(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://db/app")
+    (tmp_path / "outbox_kafka__sasl_pasword").write_text("filesecret")  # a mistyped name
+    monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
+    with pytest.raises(ValidationError) as caught:
+        load_settings()
+    assert "sasl_pasword" in str(caught.value)  # what is wrong...
+    assert "filesecret" not in str(caught.value)  # ...without the value
