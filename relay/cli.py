@@ -27,10 +27,19 @@ from spark.findings import read_findings
 
 
 def _dsn(args: argparse.Namespace) -> str:
+    """--dsn, else OUTBOX_DATABASE_URL, else the sidecar's own database setting (so that
+    `kubectl exec ... -- outboxctl status` works in the sidecar's container as it is)."""
     dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
-    if not dsn:
-        raise SystemExit("outboxctl: no database: pass --dsn or set OUTBOX_DATABASE_URL")
-    return str(dsn)
+    if dsn:
+        return str(dsn)
+    try:
+        return load_settings().database.dsn.get_secret_value()
+    except (ValidationError, FileNotFoundError):
+        raise SystemExit(
+            "outboxctl: no database: pass --dsn, set OUTBOX_DATABASE_URL, or give the sidecar's "
+            "setting (OUTBOX_DATABASE__DSN, or the file outbox_database__dsn in "
+            "OUTBOX_SECRETS_DIR)"
+        ) from None
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:

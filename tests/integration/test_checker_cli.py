@@ -147,3 +147,22 @@ secrets = ["{SECRET}"]
     assert result["outcomes"] == {"commit": 1}
     assert asked == [tx_id]
     assert state(pg_dsn, tx_id) == "committed"
+
+
+def test_outboxctl_finds_the_database_where_the_sidecar_does(
+    pg_dsn: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """In the sidecar's container (`kubectl exec ... -- outboxctl status`) the DSN is a mounted
+    secret file, not --dsn."""
+    monkeypatch.delenv("OUTBOX_DATABASE_URL", raising=False)
+    monkeypatch.delenv("OUTBOX_DATABASE__DSN", raising=False)
+    monkeypatch.delenv("OUTBOX_CONFIG_FILE", raising=False)
+    monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="outbox_database__dsn in OUTBOX_SECRETS_DIR"):
+        main(["status", "--json"])
+    (tmp_path / "outbox_database__dsn").write_text(pg_dsn)
+    assert main(["status", "--json"]) == 0
+    assert "states" in json.loads(capsys.readouterr().out)
