@@ -3,6 +3,8 @@
 SIGTERM or SIGINT stop it: the relay finishes (or aborts) its Kafka transaction in flight and
 hands its shards back, the checker stops claiming, and the process exits within the grace period
 (Kubernetes' terminationGracePeriodSeconds should be a little longer than relay.shutdown_grace).
+A part that is no longer alive (a relay stopped by a setting that cannot work) makes the process
+exit with status 1, so that it is restarted with the error in its log.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from typing import Any, Protocol
 
 from relay import logs
@@ -69,17 +72,32 @@ def run(settings: SidecarSettings, only: str | None = None) -> int:
         logger.info("%s started", name)
 
     relay = components.get("relay")
-    while not stop.wait(_GAUGE_INTERVAL_S if isinstance(relay, Relay) else 3600):
+    status = 0
+    while not stop.wait(_GAUGE_INTERVAL_S):
+        dead = [name for name, c in components.items() if not c.alive()]
+        if dead:  # e.g. a relay that stopped on a setting that cannot work: exit, be restarted
+            logger.critical("%s no longer running: the sidecar exits", ", ".join(dead))
+            status = 1
+            break
         if isinstance(relay, Relay):
             try:
                 relay.refresh_gauges()
             except Exception as exc:  # gauges are best effort; the relay reports its own errors
                 logger.warning("could not refresh gauges: %s", exc)
 
+    # All at once, within one grace period: one after the other, each with the whole grace,
+    # ran past the pod's terminationGracePeriodSeconds.
     grace = settings.relay.shutdown_grace.total_seconds()
-    for component in components.values():
-        component.stop(grace)
+    deadline = time.monotonic() + grace
+    stoppers = [
+        threading.Thread(target=c.stop, args=(grace,), name=f"stop-{name}", daemon=True)
+        for name, c in components.items()
+    ]
+    for stopper in stoppers:
+        stopper.start()
+    for stopper in stoppers:
+        stopper.join(max(0.0, deadline - time.monotonic()) + 1.0)
     if probes is not None:
         probes.stop()
     logger.info("sidecar stopped")
-    return 0
+    return status

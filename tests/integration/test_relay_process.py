@@ -7,6 +7,7 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
@@ -59,3 +60,17 @@ def test_probes_metrics_and_graceful_shutdown(
     with psycopg.connect(pg_dsn) as conn:  # handed back, not left to expire
         assert conn.execute("SELECT owner FROM outbox.shard_lease").fetchall() == [(None,)]
         assert conn.execute("SELECT count(*) FROM outbox.relay_member").fetchone() == (0,)
+
+
+def test_a_relay_stopped_by_a_setting_that_cannot_work_ends_the_process(
+    pg_dsn: str,
+    relay_factory: Callable[..., Any],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """Not a process that lingers, probes green, doing nothing: it exits non-zero with the
+    error in its log, and is restarted."""
+    relay_factory(shards=2).run_once()  # the outbox's leases are for 2 shards
+    proc = relay_process(shards=4)
+    assert proc.proc.wait(60) == 1
+    assert "made for 2 shards" in proc.output()
+    assert "no longer running" in proc.output()
