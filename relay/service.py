@@ -21,6 +21,7 @@ from confluent_kafka import KafkaException
 
 from outbox import sql as queries
 from outbox import wakeup_channel
+from outbox.migrations import current_version, latest_version
 from relay import metrics
 from relay.config import SidecarSettings
 from relay.kafka import Fenced, OutcomeUnknown, Topics
@@ -126,12 +127,26 @@ class Relay:
             {"cleanup.policy": "delete", "retention.ms": retention_ms},
         )
         self.topics.ensure(rs.dead_letter_topic, 1, {"cleanup.policy": "delete"})
+        self._check_schema()
         self._check_marker_message_size()
         self._check_shard_count()
         row = self.conn.execute("SHOW track_commit_timestamp").fetchone()
         self.conn.rollback()
         require_commit_timestamps(row[0] if row else None)
         self._set_up = True
+
+    def _check_schema(self) -> None:
+        """A schema not migrated (yet) gives every round an error about a missing relation or
+        column: say what to do instead. A newer one is fine (migrations only add)."""
+        version = current_version(self.conn, self.schema)
+        self.conn.rollback()
+        needed = latest_version()
+        if version is None or version < needed:
+            raise RelayConfigError(
+                f"schema {self.schema!r} is at version {version or 'none'}, this relay needs "
+                f"{needed}: run `outboxctl migrate --schema {self.schema}` (the chart's "
+                "migration hook does it on install and upgrade)"
+            )
 
     def _check_shard_count(self) -> None:
         """Relays with different shard counts map keys to shards differently: their leases do

@@ -66,6 +66,9 @@ def test_standalone_runs_relays_with_probes_a_grace_period_and_a_migration_hook(
     assert volumes["outbox-secrets"]["secret"]["secretName"] == "orders-outbox"
     job = docs["Job"]
     assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    selector = docs["Deployment"]["spec"]["selector"]["matchLabels"]
+    job_pod = job["spec"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= job_pod.items()  # not one of the relays' pods
     (migrate,) = job["spec"]["template"]["spec"]["containers"]
     assert "outboxctl migrate --schema" in migrate["command"][-1]
 

@@ -573,6 +573,16 @@ def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit
     }
 
 
+def test_a_relay_refuses_a_schema_not_migrated_yet(pg_dsn: str, relay_factory: Any) -> None:
+    with psycopg.connect(pg_dsn) as conn:  # as if the newest migration had not run
+        conn.execute(
+            "DELETE FROM outbox.schema_migration WHERE version = (SELECT max(version)"
+            " FROM outbox.schema_migration)"
+        )
+    with pytest.raises(RelayConfigError, match="run `outboxctl migrate --schema outbox`"):
+        relay_factory().run_once()
+
+
 def test_a_relay_with_another_shard_count_refuses_to_start(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
