@@ -70,6 +70,22 @@ def _shipped_as(marker: Ended | OpMarker) -> str:
     return "committed" if marker.op is Op.DELIVERED else marker.op.value
 
 
+def _reason_kind(reason: str) -> str:
+    """A parking reason as a metric label: a few fixed values, never a topic name or number."""
+    for prefix, kind in _REASON_KINDS:
+        if reason.startswith(prefix):
+            return kind
+    return "other"
+
+
+_REASON_KINDS = (
+    ("topic ", "unknown_topic"),
+    ("partition ", "partition_out_of_range"),
+    ("refused by the Kafka client", "refused_by_client"),
+    ("refused by the broker", "refused_by_broker"),
+)
+
+
 def _transaction_failed(exc: KafkaException) -> bool:
     """produce() refused a record because the transaction already failed in the background."""
     return bool(exc.args[0].code() == KafkaError._STATE)
@@ -707,7 +723,7 @@ class ShardWorker:
                 self._alone.discard(row_id)
                 conn.execute(self._q("relay_park"), {"ids": [row_id], "reason": reason})
                 logger.warning("parked record %s: %s", row_id, reason)
-                metrics.PARKED.labels(reason.split(":")[0][:40]).inc()
+                metrics.PARKED.labels(_reason_kind(reason)).inc()
 
     def close(self) -> None:
         self.producer.close()

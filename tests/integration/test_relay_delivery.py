@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka import Message, Producer
+from prometheus_client import REGISTRY
 
 import outbox
 from outbox import Record
@@ -220,8 +221,17 @@ def test_poison_records_are_parked_and_the_rest_goes_on(
             with conn.transaction():
                 outbox.publish_many(conn, [record])
     relay = relay_factory()
+    kinds = ("unknown_topic", "partition_out_of_range", "refused_by_client")
+
+    def parked_by_kind() -> list[float]:
+        name = "outbox_relay_records_parked_total"
+        return [REGISTRY.get_sample_value(name, {"reason": k}) or 0.0 for k in kinds]
+
+    before = parked_by_kind()
     first = relay.run_once()
     assert (first.delivered, first.parked) == (2, 3)
+    # one of each kind, a label of a few fixed values, never the topic's name
+    assert [a - b for a, b in zip(parked_by_kind(), before, strict=True)] == [1.0, 1.0, 1.0]
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"before", b"after"]
 
     parked = {r[0]: r[2] for r in rows(pg_dsn) if r[1] == "parked"}
