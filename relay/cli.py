@@ -111,8 +111,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_reconcile(args: argparse.Namespace) -> int:
-    from spark.job import main as reconcile_main  # PySpark is an optional extra: import late
-
+    try:  # PySpark is an optional extra (not in the sidecar's image): import late
+        from spark.job import main as reconcile_main
+    except ModuleNotFoundError as exc:
+        if exc.name != "pyspark" and not (exc.name or "").startswith("pyspark."):
+            raise
+        raise SystemExit(
+            "outboxctl reconcile: PySpark is not installed: "
+            "pip install 'kafka-outbox-sidecar[spark]' (or run it with spark-submit)"
+        ) from None
     return reconcile_main(args.job_args)
 
 

@@ -8,6 +8,7 @@ shards back so another relay takes them at once, and tolerates being called twic
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -99,7 +100,8 @@ class Relay:
     def _connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
         return psycopg.connect(
             self.settings.database.dsn.get_secret_value(),
-            connect_timeout=int(self.settings.database.connect_timeout_s),
+            # libpq takes whole seconds, and 0 means none: round up
+            connect_timeout=max(1, math.ceil(self.settings.database.connect_timeout_s)),
             application_name=f"outbox-relay {self.relay_id}"[:63],
             **kwargs,
         )

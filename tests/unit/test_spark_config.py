@@ -354,3 +354,13 @@ def test_a_summary_window_older_than_the_store_makes_the_next_judgement_a_whole_
     assert short != full
     assert short.windows_from == datetime(2026, 1, 1, 11, 53, tzinfo=UTC)
     assert short.store_low <= short.windows_from
+
+
+def test_reconcile_without_pyspark_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from relay.cli import main
+
+    for name in [m for m in sys.modules if m == "spark.job" or m.split(".")[0] == "pyspark"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "pyspark", None)  # as if not installed
+    with pytest.raises(SystemExit, match=r"pip install 'kafka-outbox-sidecar\[spark\]'"):
+        main(["reconcile", "--help"])
