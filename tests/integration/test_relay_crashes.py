@@ -134,19 +134,33 @@ def test_two_relays_share_the_shards_and_deliver_each_record_once(
     topic = topic_factory(partitions=3)
     one = relay_process(shards=4, **FAST)
     two = relay_process(shards=4, **FAST)
-    expected: list[bytes] = []
-    writer = threading.Thread(
-        target=lambda: expected.extend(publish(pg_dsn, topic, transactions=40, per_tx=3, tag="w"))
-    )
-    writer.start()
-    writer.join(120)
 
     def owners() -> set[Any]:
         with psycopg.connect(pg_dsn) as conn:
             return {r[0] for r in conn.execute("SELECT owner FROM outbox.shard_lease")}
 
     wait_for(lambda: len(owners() - {None}) == 2, 60, "both relays to hold shards")
+
+    def write() -> None:  # keys over all the shards: a transaction goes from its home shard
+        with psycopg.connect(pg_dsn) as conn:
+            for t in range(60):
+                with conn.transaction():
+                    outbox.publish(conn, topic, f"w{t}", key=f"key-{t}")
+                expected.append(f"w{t}".encode())
+
+    expected: list[bytes] = []
+    writer = threading.Thread(target=write)
+    writer.start()
+    writer.join(120)
+    assert not writer.is_alive()
     wait_for(lambda: undelivered(pg_dsn) == 0, 90, "everything to be delivered")
     assert one.terminate() == 0, one.output()
     assert two.terminate() == 0, two.output()
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+    marker_topic = one.settings.relay.op_marker_topic
+    relays = {
+        m.relay
+        for msg in consume_all(kafka_bootstrap, marker_topic, "read_committed")
+        for m in decode_markers(msg.value() or b"")
+    }
+    assert len(relays) == 2  # both delivered a share
