@@ -808,7 +808,7 @@ def test_total_timeout_holds_against_a_server_dripping_bytes(
         httpd.shutdown()
         httpd.server_close()
     assert answer.outcome == "timeout"
-    assert 0.5 <= elapsed < 2.0
+    assert 0.5 <= elapsed < 5.0  # the total timeout (0.5 s) ended it; the drip never ends
 
 
 # --- several checkers, crashes, dead endpoints -----------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -48,9 +50,17 @@ def test_prepared_records_roll_back_together(pg_dsn: str) -> None:
 
 
 def test_generated_tx_ids_are_uuid7_and_sort_by_time(pg_dsn: str) -> None:
-    first, second = prepared(pg_dsn, 1), prepared(pg_dsn, 1)
-    assert first.tx_id[14] == "7"  # the version nibble
-    assert first.tx_id < second.tx_id or first.tx_id[:13] == second.tx_id[:13]
+    before_ms = time.time_ns() // 1_000_000
+    first = prepared(pg_dsn, 1)
+    time.sleep(0.002)  # another millisecond: the ids must sort by it
+    second = prepared(pg_dsn, 1)
+    after_ms = time.time_ns() // 1_000_000
+    ids = [uuid.UUID(first.tx_id), uuid.UUID(second.tx_id)]
+    assert [u.version for u in ids] == [7, 7]
+    assert [u.variant for u in ids] == [uuid.RFC_4122] * 2
+    stamped = [u.int >> 80 for u in ids]  # the 48-bit Unix time in milliseconds
+    assert before_ms <= stamped[0] < stamped[1] <= after_ms
+    assert first.tx_id < second.tx_id  # as text, too
 
 
 def test_repeated_commit_or_rollback_changes_nothing(pg_dsn: str) -> None:

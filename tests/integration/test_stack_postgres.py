@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import psycopg
+import pytest
 
 
 def test_settings_the_design_needs(pg_conn: psycopg.Connection) -> None:
@@ -32,9 +33,14 @@ def test_xact_id_and_commit_timestamp_round_trip(pg_conn: psycopg.Connection) ->
     assert horizon > xid8  # the writer has ended, so its xid is below the horizon
 
 
-def test_each_test_gets_its_own_database(pg_conn: psycopg.Connection, pg_template: str) -> None:
+@pytest.mark.parametrize("run", [1, 2])  # the second run must not see the first's table
+def test_each_test_gets_its_own_database(
+    pg_conn: psycopg.Connection, pg_template: str, run: int
+) -> None:
     name = pg_conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
     assert name.startswith("outbox_test_")
     assert name != pg_template
-    probe_tables = "SELECT count(*) FROM pg_tables WHERE tablename = 'probe'"
+    probe_tables = "SELECT count(*) FROM pg_tables WHERE tablename = 'isolation_probe'"
     assert pg_conn.execute(probe_tables).fetchone() == (0,)
+    pg_conn.execute("CREATE TABLE isolation_probe (run int)")
+    pg_conn.commit()
