@@ -239,7 +239,10 @@ def test_poison_records_are_parked_and_the_rest_goes_on(
     reasons = " | ".join(sorted(parked.values()))
     assert "'no.such.topic' does not exist" in reasons
     assert "partition 7 out of range" in reasons
-    assert "refused by the Kafka client: Broker: Message size too large" in reasons
+    assert (
+        "refused by the Kafka client: Unable to produce message: Broker: Message size too large"
+        in reasons
+    )
 
     second = relay.run_once()  # dead-letter copies and op markers of the parked records
     assert second.ended == 3
