@@ -74,6 +74,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import LongType, StructField, StructType
 
+from relay import _failpoints
 from spark import _sql, sink, transform
 from spark._errors import ReconcileConfigError, ReconcileError, ReconcileQueryError
 from spark.config import (
@@ -267,6 +268,10 @@ class ReconcileJob:
         if ticker is not None and ticker is not threading.current_thread():
             ticker.join(timeout=60)
 
+    def request_stop(self) -> None:
+        """Ask run_forever() to stop (safe from a signal handler: no call into Spark)."""
+        self._stopping.set()
+
     def run_forever(self) -> None:
         """start(), then wait until the query ends or stop() is called; raise what failed."""
         self.start()
@@ -387,6 +392,7 @@ class ReconcileJob:
                 .parquet(f"{self._store()}/batch-{batch_id:012d}")
             )
             self._written_at.pop(batch_id, None)  # written (again, if replayed) just now
+            _failpoints.hit(_failpoints.RECONCILE_AFTER_STORE_WRITE)
             self._batch_newest[batch_id] = newest.get.get("newest") or 0  # 0: empty, trimmed
             if self._run_as_of is not None:  # availableNow: judged once, at the end
                 return
@@ -995,7 +1001,10 @@ def _stop_on_sigterm(job: ReconcileJob) -> None:
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        job.stop()
+        # Only ask: the handler runs in the main thread in the middle of whatever py4j call it
+        # was making (awaitTermination); a second call from here broke that one. run_forever
+        # sees the request within a second and stops the query itself.
+        job.request_stop()
 
     signal.signal(signal.SIGTERM, handler)
 
