@@ -1,4 +1,5 @@
-"""Crash points for the crash tests: OUTBOX_RELAY_FAILPOINT=<name> kills the process there.
+"""Crash points for the crash tests: OUTBOX_RELAY_FAILPOINT=<name> kills the process there
+(the relay's, and the reconciliation job's).
 
 `<name>:stop` stops it (SIGSTOP) instead, as a paused zombie would be, until SIGCONT.
 
@@ -14,6 +15,8 @@ import signal
 BEFORE_PRODUCE = "before_produce"
 AFTER_PRODUCE = "after_produce"  # records and markers sent, Kafka transaction not committed
 AFTER_KAFKA_COMMIT = "after_kafka_commit"  # committed in Kafka, rows not yet removed
+# a micro-batch's observations stored, not judged, the batch not committed in the checkpoint
+RECONCILE_AFTER_STORE_WRITE = "reconcile_after_store_write"
 
 _armed, _, _how = os.environ.get("OUTBOX_RELAY_FAILPOINT", "").partition(":")
 

@@ -10,6 +10,10 @@ chosen time.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -548,3 +552,58 @@ def test_a_row_a_relay_ends_long_after_its_kafka_commit_is_not_missing(
     report = ReconcileJob(audit, spark).audit()
     assert report.ledger_rows == 1  # the row ended in the window, its copy long before...
     assert report.found_total == 0  # ...and found
+
+
+def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    spark_jars: list[str],
+    tmp_path: Path,
+) -> None:
+    """A real job process, SIGKILLed after it stored a micro-batch and before it judged it:
+    Spark did not commit the batch, so a restart replays it (the store batch is written again,
+    not twice) and reports what it holds, once."""
+    orders, markers = topic_factory(), topic_factory()
+    relay = RelayStandIn(pg_dsn, transactional_producer, markers)
+    sent = datetime.now(UTC)
+    clean = publish(pg_dsn, [outbox.Record(orders, f"v{i}", key=f"k{i}") for i in range(5)])
+    relay.deliver(clean, at=sent)
+    (dropped,) = publish(pg_dsn, [outbox.Record(orders, "dropped", key="d")])
+    relay.deliver([dropped], at=sent, copies=False)  # marked delivered, never on the topic
+    checkpoint = tmp_path / "checkpoint"
+    argv = [
+        sys.executable, "-m", "spark.job", "--dsn", pg_dsn, "--bootstrap", kafka_bootstrap,
+        "--topics", orders, "--marker-topic", markers, "--deadline", "2s", "--trigger", "1s",
+        "--horizon", "2m", "--checkpoint", str(checkpoint), "--master", "local[2]",
+        "--jars", ",".join(spark_jars), "--log-level", "INFO",
+    ]  # fmt: skip
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+    root = Path(__file__).resolve().parents[2]
+    log = tmp_path / "job.log"
+    with log.open("ab") as out:
+        killed = subprocess.run(
+            argv,
+            env={**env, "OUTBOX_RELAY_FAILPOINT": "reconcile_after_store_write"},
+            cwd=root, stdout=out, stderr=subprocess.STDOUT, timeout=180, check=False,
+        )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, log.read_text(errors="replace")
+    assert list((checkpoint / "observations").glob("batch-*/_SUCCESS"))  # stored...
+    assert not (checkpoint / "commits" / "0").exists()  # ...not committed
+    assert read_findings(pg_dsn) == []  # ...not judged
+
+    with log.open("ab") as out:
+        job = subprocess.Popen(argv, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            until = time.monotonic() + 120
+            while not read_findings(pg_dsn):
+                assert job.poll() is None, log.read_text(errors="replace")
+                assert time.monotonic() < until, "the restarted job reported nothing"
+                time.sleep(0.5)
+            time.sleep(3)  # a few more triggers and idle judgements: nothing may come twice
+        finally:
+            job.terminate()
+            assert job.wait(60) == 0, log.read_text(errors="replace")
+    assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", dropped.id)]
+    assert len(list((checkpoint / "observations").glob("batch-*"))) >= 1
