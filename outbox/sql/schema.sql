@@ -62,11 +62,6 @@ CREATE TABLE {schema}.outbox_record (
         CHECK (state NOT IN ('committed', 'delivered') OR committed_xid IS NOT NULL)
 );
 
--- (0003) tx ids in printable ASCII without spaces, as the library writes them; NOT VALID as the
--- migration adds it, so that both ways give the same schema.
-ALTER TABLE {schema}.outbox_record
-    ADD CONSTRAINT outbox_record_tx_id_printable CHECK (tx_id ~ '^[!-~]+$') NOT VALID;
-
 -- The relay stamps commit times of committed rows that are not stamped yet...
 CREATE INDEX outbox_record_unstamped_idx
     ON {schema}.outbox_record (committed_xid) WHERE state = 'committed' AND commit_ts IS NULL;
