@@ -50,7 +50,12 @@ from checker._client import CheckAnswer, CheckClient, HttpCheckClient, Outcome
 from checker.config import CheckerSettings, EndpointSettings
 from outbox import sql as queries
 from outbox._core import OutboxConfig, wakeup_channel
-from outbox._errors import IllegalTransitionError, OutboxError, UnknownTransactionError
+from outbox._errors import (
+    IllegalTransitionError,
+    InvalidRecordError,
+    OutboxDatabaseError,
+    UnknownTransactionError,
+)
 from outbox._sync import Outbox
 
 if TYPE_CHECKING:
@@ -468,6 +473,8 @@ class Checker:
                     _claim.reschedule(conn, self.schema, later)
             except pg_errors.LockNotAvailable:  # due again when their lease ends
                 notes.append((logger.info, ("unknown answers not rescheduled: rows locked",)))
+            # not at the commit: its wake-up notification queues for a lock of its own
+            conn.execute("SELECT set_config('lock_timeout', '0', true)")
         for log, args in notes:
             log(*args)
 
@@ -483,14 +490,16 @@ class Checker:
         try:
             with conn.transaction():
                 return self._end(conn, claim, outcome, result)
-        except pg_errors.LockNotAvailable:
+        except OutboxDatabaseError as exc:  # the library wraps psycopg's errors
+            if not isinstance(exc.__cause__, pg_errors.LockNotAvailable):
+                raise  # the round fails, as for any other database error
             _metrics.NOT_APPLIED.labels(group, "locked").inc()
             message = (
                 "tx %s of producer group %s: its rows are locked (its application is ending "
                 "it); answer %s dropped, the transaction is due again when its lease ends"
             )
             return logger.info, (message, tx_id, group, outcome.value.upper())
-        except OutboxError as exc:
+        except InvalidRecordError as exc:  # rows another writer stored that the library refuses
             _metrics.NOT_APPLIED.labels(group, "invalid").inc()
             message = "tx %s of producer group %s: answer %s not applied: %s"
             return logger.error, (message, tx_id, group, outcome.value.upper(), exc)

@@ -716,6 +716,7 @@ def test_rows_an_application_holds_delay_only_their_own_answer(
     checker = make_checker(
         settings({GROUP: endpoint_settings(endpoint.url)}), Clock(max(held[1], other[1]) + 7 * S)
     )
+    locked = metric("outbox_checker_answers_not_applied_total", producer_group=GROUP, why="locked")
     done: list[Any] = []
     worker = threading.Thread(target=lambda: done.append(checker.run_once()), daemon=True)
     worker.start()
@@ -724,6 +725,10 @@ def test_rows_an_application_holds_delay_only_their_own_answer(
         assert done, "the checker waited for the application's locks"
         assert one(pg_dsn, other[0])["state"] == "committed"  # applied
         assert one(pg_dsn, held[0])["state"] == "prepared"  # still the application's to end
+        after = metric(
+            "outbox_checker_answers_not_applied_total", producer_group=GROUP, why="locked"
+        )
+        assert after == locked + 1  # counted as locked, not as a refused row
     finally:
         for conn in holding:
             conn.commit()
