@@ -153,12 +153,12 @@ def insert(
         yield queries.query("lock_tx_id", schema), params
         rows = yield queries.query("tx_id_used_elsewhere", schema), params
         elsewhere, other_kind, isolation = rows[0]
-        if isolation == "repeatable read":
+        if isolation != "read committed":
             raise OutboxUsageError(
-                f"tx id {tx_id!r} given in a REPEATABLE READ transaction: its snapshot cannot "
-                "see another transaction that took the same tx id after it began, so the id "
-                "cannot be checked for reuse; use READ COMMITTED or SERIALIZABLE, or let the "
-                "outbox make the tx id (tx_id=None)"
+                f"tx id {tx_id!r} given in a {isolation.upper()} transaction: its snapshot "
+                "cannot see another transaction that took the same tx id after it began, so "
+                "the id cannot be checked for reuse; give a tx id in READ COMMITTED "
+                "transactions only, or let the outbox make it (tx_id=None)"
             )
         if elsewhere:
             raise DuplicateTransactionError(

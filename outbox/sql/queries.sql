@@ -49,8 +49,8 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(producer_group)s || '/' || %(tx_
 
 -- name: tx_id_used_elsewhere
 -- (used by another database transaction, used in this one for the other kind of record:
--- published and prepared records under one tx id would end apart, the isolation level: under
--- REPEATABLE READ a transaction that committed after this one's snapshot is not seen)
+-- published and prepared records under one tx id would end apart, the isolation level: above
+-- READ COMMITTED a transaction that committed after this one's snapshot is not seen)
 SELECT EXISTS (
     SELECT 1 FROM {schema}.outbox_record
     WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
