@@ -93,7 +93,10 @@ def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
 
 def current_version(conn: psycopg.Connection[Any], schema: str = "outbox") -> int | None:
     """The newest applied migration, or None where the schema was never migrated."""
-    row = conn.execute("SELECT to_regclass(%s)", (f"{schema}.schema_migration",)).fetchone()
+    # quoted: a name with capitals is the table the migrations made (they quote it too)
+    row = conn.execute(
+        "SELECT to_regclass(format('%%I.schema_migration', %s::text))", (schema,)
+    ).fetchone()
     if row is None or row[0] is None:
         return None
     got = conn.execute(

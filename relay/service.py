@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 from confluent_kafka import KafkaException
+from psycopg import sql
 
 from outbox import sql as queries
 from outbox import wakeup_channel
@@ -371,7 +372,9 @@ class Relay:
             try:
                 if self._listen is None or self._listen.closed:
                     listen = self._connect(autocommit=True)
-                    listen.execute(f"LISTEN {wakeup_channel(self.schema)}")
+                    # quoted: pg_notify names the channel exactly, capitals and all
+                    channel = sql.Identifier(wakeup_channel(self.schema))
+                    listen.execute(sql.SQL("LISTEN {}").format(channel))
                     self._listen = listen  # only once listening: notifications queue from here
                 # In short slices, so that stop() is never kept waiting for a long poll interval.
                 deadline = time.monotonic() + timeout

@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY
 
 import outbox
 from outbox import Record
+from relay.config import SidecarSettings
 from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
 from relay.service import Relay, RelayConfigError
 from tests.fixtures.kafka import consume_all
@@ -584,6 +585,41 @@ def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit
         b"a": [f"{tx}-a".encode() for tx in range(10)],
         b"b": [f"{tx}-b".encode() for tx in range(10)],
     }
+
+
+def test_a_schema_with_capitals_is_migrated_once_and_wakes_its_relay(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str]
+) -> None:
+    """The migrations quote the schema's name, so LISTEN and the version look-up must too:
+    unquoted, Postgres folds the name to lower case (a relay never woken, a version never seen)."""
+    schema = "MyOutbox"
+    assert outbox.migrate(pg_dsn, schema=schema).applied
+    assert outbox.migrate(pg_dsn, schema=schema).applied == ()  # its version is seen
+    topic = topic_factory()
+    settings = SidecarSettings(
+        database={"dsn": pg_dsn, "schema_name": schema},
+        kafka={"bootstrap_servers": kafka_bootstrap},
+        relay={"poll_interval": "PT20S", "op_marker_topic": f"markers.{topic}",
+               "dead_letter_topic": f"dlt.{topic}", "transactional_id_prefix": topic},
+    )  # fmt: skip
+    relay = Relay(settings)
+    try:
+        relay.run_once()
+
+        def write() -> None:
+            time.sleep(1)
+            with psycopg.connect(pg_dsn) as conn, conn.transaction():
+                outbox.Outbox(schema_name=schema).publish(conn, topic, "v", key="k")
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        started = time.monotonic()
+        relay._wait_for_work()  # a commit's NOTIFY wakes it, long before the 20 s poll
+        assert time.monotonic() - started < 10
+        writer.join()
+        assert relay.run_once().delivered == 1
+    finally:
+        relay.stop(timeout=10)
 
 
 def test_a_relay_refuses_a_schema_not_migrated_yet(pg_dsn: str, relay_factory: Any) -> None:
