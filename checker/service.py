@@ -629,6 +629,12 @@ class Checker:
 
     # --- probes ------------------------------------------------------------------------------
 
+    def ended_by_itself(self) -> bool:
+        """Its thread ended without being asked to (a setting that cannot work): the process
+        should exit. A thread that is slow or stuck is for the liveness probe to judge."""
+        thread = self._thread
+        return thread is not None and not thread.is_alive() and not self._stop.is_set()
+
     def alive(self, stale_after_s: float = 120.0) -> bool:
         """False when the round thread died or has not finished a round for a long time."""
         if self._thread is None:

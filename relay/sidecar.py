@@ -3,8 +3,9 @@
 SIGTERM or SIGINT stop it: the relay finishes (or aborts) its Kafka transaction in flight and
 hands its shards back, the checker stops claiming, and the process exits within the grace period
 (Kubernetes' terminationGracePeriodSeconds should be a little longer than relay.shutdown_grace).
-A part that is no longer alive (a relay stopped by a setting that cannot work) makes the process
-exit with status 1, so that it is restarted with the error in its log.
+A part whose thread ended by itself (a relay stopped by a setting that cannot work) makes the
+process exit with status 1, so that it is restarted with the error in its log; a slow or stuck
+one is left to the liveness probe.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Component(Protocol):
     def start(self) -> None: ...
     def stop(self, timeout: float | None = None) -> None: ...
     def alive(self) -> bool: ...
+    def ended_by_itself(self) -> bool: ...
     def ready(self) -> dict[str, Any]: ...
 
 
@@ -74,7 +76,7 @@ def run(settings: SidecarSettings, only: str | None = None) -> int:
     relay = components.get("relay")
     status = 0
     while not stop.wait(_GAUGE_INTERVAL_S):
-        dead = [name for name, c in components.items() if not c.alive()]
+        dead = [name for name, c in components.items() if c.ended_by_itself()]
         if dead:  # e.g. a relay that stopped on a setting that cannot work: exit, be restarted
             logger.critical("%s no longer running: the sidecar exits", ", ".join(dead))
             status = 1
