@@ -1,7 +1,9 @@
 """`outboxctl`: the command line of the outbox sidecar.
 
 Subcommands are added by the parts that own them (migrations now; relay, checker, reconciliation
-as they arrive). The database comes from `--dsn` or the OUTBOX_DATABASE_URL environment variable.
+as they arrive). The database comes from `--dsn`, the OUTBOX_DATABASE_URL environment variable,
+or the sidecar's own settings (OUTBOX_DATABASE__DSN, its secrets directory, its config file); the
+schema from `--schema`, else the sidecar's settings, else `outbox`.
 """
 
 from __future__ import annotations
@@ -26,20 +28,28 @@ from relay.status import outbox_status
 from spark.findings import read_findings
 
 
+def _sidecar_settings() -> tuple[SidecarSettings | None, str]:
+    """The sidecar's own settings, as its container has them, or (None, why not)."""
+    try:
+        return load_settings(), ""
+    except Exception as exc:  # not configured here, or configured wrong: say so if needed
+        return None, str(exc).splitlines()[0]
+
+
 def _dsn(args: argparse.Namespace) -> str:
     """--dsn, else OUTBOX_DATABASE_URL, else the sidecar's own database setting (so that
     `kubectl exec ... -- outboxctl status` works in the sidecar's container as it is)."""
     dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
     if dsn:
         return str(dsn)
-    try:
-        return load_settings().database.dsn.get_secret_value()
-    except (ValidationError, FileNotFoundError):
+    settings, why = _sidecar_settings()
+    if settings is None:
         raise SystemExit(
             "outboxctl: no database: pass --dsn, set OUTBOX_DATABASE_URL, or give the sidecar's "
             "setting (OUTBOX_DATABASE__DSN, or the file outbox_database__dsn in "
-            "OUTBOX_SECRETS_DIR)"
-        ) from None
+            f"OUTBOX_SECRETS_DIR); the sidecar's settings: {why}"
+        )
+    return settings.database.dsn.get_secret_value()
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
@@ -146,8 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"%(prog)s {version('kafka-outbox-sidecar')}"
     )
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dsn", help="Postgres connection string (default: $OUTBOX_DATABASE_URL)")
-    common.add_argument("--schema", default="outbox", help="schema of the outbox tables")
+    common.add_argument(
+        "--dsn",
+        help="Postgres connection string (default: $OUTBOX_DATABASE_URL, else the sidecar's)",
+    )
+    common.add_argument(
+        "--schema", help="schema of the outbox tables (default: the sidecar's, else outbox)"
+    )
     common.add_argument("--json", action="store_true", help="machine-readable output")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -202,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if "schema" in args and args.schema is None:
+        settings, _ = _sidecar_settings()
+        args.schema = settings.database.schema_name if settings is not None else "outbox"
     try:
         return int(args.func(args))
     except (OutboxError, psycopg.Error, ValidationError, FileNotFoundError) as exc:

@@ -90,7 +90,9 @@ class KafkaSettings(BaseModel):
 class DatabaseSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-    dsn: SecretStr = Field(description="libpq connection string of the application's database.")
+    dsn: SecretStr = Field(
+        min_length=1, description="libpq connection string of the application's database."
+    )
     schema_name: str = Field(default="outbox", description="Schema of the outbox tables.")
     connect_timeout_s: float = Field(default=10.0, gt=0)
 

@@ -15,6 +15,7 @@ import pytest
 import outbox
 from checker import Checker, CheckerSettings
 from outbox.checkback import CheckHandler, CheckRequest, TransactionStatus, serve
+from outbox.migrations import latest_version
 from relay.cli import main
 
 SECRET = "whsec_" + base64.b64encode(b"c" * 32).decode()
@@ -166,3 +167,11 @@ def test_outboxctl_finds_the_database_where_the_sidecar_does(
     (tmp_path / "outbox_database__dsn").write_text(pg_dsn)
     assert main(["status", "--json"]) == 0
     assert "states" in json.loads(capsys.readouterr().out)
+    # and its schema: the sidecar's, not a default it does not use
+    monkeypatch.setenv("OUTBOX_DATABASE__SCHEMA_NAME", "elsewhere")
+    assert main(["schema-version", "--json"]) == 1  # that schema is not migrated
+    assert json.loads(capsys.readouterr().out) == {
+        "schema": "elsewhere",
+        "version": None,
+        "latest": latest_version(),
+    }
