@@ -70,7 +70,9 @@ def test_standalone_runs_relays_with_probes_a_grace_period_and_a_migration_hook(
     job_pod = job["spec"]["template"]["metadata"]["labels"]
     assert not selector.items() <= job_pod.items()  # not one of the relays' pods
     (migrate,) = job["spec"]["template"]["spec"]["containers"]
-    assert "outboxctl migrate --schema" in migrate["command"][-1]
+    assert migrate["command"][:3] == ["outboxctl", "migrate", "--schema"]
+    assert not any("dsn" in part.lower() for part in migrate["command"])  # not shown by ps
+    assert {"name": "OUTBOX_SECRETS_DIR", "value": "/run/secrets/outbox"} in migrate["env"]
 
 
 def test_the_rendered_config_and_secret_are_what_the_sidecar_reads(
