@@ -34,6 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
@@ -71,6 +72,18 @@ _MAX_LOGGED_GROUPS = 1000
 _MAX_APPLY_BATCH = 256
 _AGES_STATEMENT_TIMEOUT = "5s"
 APPLY_LOCK_TIMEOUT = "2s"  # how long an answer waits for rows an application holds
+
+
+_Note = tuple[Callable[..., None], tuple[Any, ...]]  # a log call to make once committed
+
+
+class _AnswerTrouble(Exception):
+    """An answer of a batch cannot be applied as it is: the batch goes again, one by one."""
+
+
+def _locked(exc: BaseException) -> bool:
+    """The library's database error for rows another transaction holds (lock_timeout)."""
+    return isinstance(exc.__cause__, pg_errors.LockNotAvailable)
 
 
 def utc_now() -> datetime:
@@ -417,7 +430,7 @@ class Checker:
         now = self._clock()
         decided: list[tuple[Claim, Outcome]] = []
         later: list[Reschedule] = []
-        notes: list[tuple[Callable[..., None], tuple[Any, ...]]] = []  # logged once committed
+        notes: list[_Note] = []  # logged once committed
         for claim, answer in answers:
             group, tx_id, outcome = claim.producer_group, claim.tx_id, answer.outcome
             if answer.latency_s is not None:
@@ -462,72 +475,101 @@ class Checker:
                     ),
                 )
             )
-        with conn.transaction():
-            # An application ending the transaction itself holds its rows until it commits:
-            # wait a little, not for as long as it likes, and only that answer waits for later.
-            conn.execute("SELECT set_config('lock_timeout', %s, true)", (APPLY_LOCK_TIMEOUT,))
-            for claim, outcome in decided:
-                notes.append(self._apply_one(conn, claim, outcome, result))
-            try:
-                with conn.transaction():
-                    _claim.reschedule(conn, self.schema, later)
-            except pg_errors.LockNotAvailable:  # due again when their lease ends
-                notes.append((logger.info, ("unknown answers not rescheduled: rows locked",)))
-            # not at the commit: its wake-up notification queues for a lock of its own
-            conn.execute("SELECT set_config('lock_timeout', '0', true)")
+        # Answers that arrived together go in one transaction (one WAL flush). An answer in
+        # trouble (rows an application holds, rows the library refuses) would undo the others:
+        # then each goes again in a savepoint of its own, which costs two round trips more each.
+        try:
+            applied = self._apply_all(conn, decided, later, careful=False)
+        except _AnswerTrouble:
+            applied = self._apply_all(conn, decided, later, careful=True)
+        for (log, args), conflicted, group in applied:
+            if conflicted:
+                result.conflicts += 1
+                _metrics.CONFLICTS.labels(group).inc()
+            log(*args)
         for log, args in notes:
             log(*args)
 
-    def _apply_one(
+    def _apply_all(
         self,
         conn: psycopg.Connection[Any],
-        claim: Claim,
-        outcome: Outcome,
-        result: CheckRoundResult,
-    ) -> tuple[Callable[..., None], tuple[Any, ...]]:
+        decided: list[tuple[Claim, Outcome]],
+        later: list[Reschedule],
+        *,
+        careful: bool,
+    ) -> list[tuple[_Note, bool, str]]:
+        """End the decided transactions and reschedule the others, in one database transaction;
+        (what to log, whether the answer came too late, group) of each decided one."""
+        applied: list[tuple[_Note, bool, str]] = []
+        with conn.transaction():
+            # An application ending the transaction itself holds its rows until it commits:
+            # wait a little, not for as long as it likes.
+            conn.execute("SELECT set_config('lock_timeout', %s, true)", (APPLY_LOCK_TIMEOUT,))
+            for claim, outcome in decided:
+                if careful:
+                    note, conflicted = self._apply_one(conn, claim, outcome)
+                else:
+                    try:
+                        note, conflicted = self._end(conn, claim, outcome)
+                    except (OutboxDatabaseError, InvalidRecordError) as exc:
+                        if isinstance(exc, InvalidRecordError) or _locked(exc):
+                            raise _AnswerTrouble from exc
+                        raise
+                applied.append((note, conflicted, claim.producer_group))
+            try:
+                with conn.transaction() if careful else nullcontext():
+                    _claim.reschedule(conn, self.schema, later)
+            except pg_errors.LockNotAvailable as exc:  # due again when their lease ends
+                if not careful:
+                    raise _AnswerTrouble from exc
+                note = (logger.info, ("unknown answers not rescheduled: rows locked",))
+                applied.append((note, False, ""))
+            # not at the commit: its wake-up notification queues for a lock of its own
+            conn.execute("SELECT set_config('lock_timeout', '0', true)")
+        return applied
+
+    def _apply_one(
+        self, conn: psycopg.Connection[Any], claim: Claim, outcome: Outcome
+    ) -> tuple[_Note, bool]:
         """One answer, in a savepoint of its own: its trouble does not undo the others'."""
         group, tx_id = claim.producer_group, claim.tx_id
         try:
             with conn.transaction():
-                return self._end(conn, claim, outcome, result)
+                return self._end(conn, claim, outcome)
         except OutboxDatabaseError as exc:  # the library wraps psycopg's errors
-            if not isinstance(exc.__cause__, pg_errors.LockNotAvailable):
+            if not _locked(exc):
                 raise  # the round fails, as for any other database error
             _metrics.NOT_APPLIED.labels(group, "locked").inc()
             message = (
                 "tx %s of producer group %s: its rows are locked (its application is ending "
                 "it); answer %s dropped, the transaction is due again when its lease ends"
             )
-            return logger.info, (message, tx_id, group, outcome.value.upper())
+            return (logger.info, (message, tx_id, group, outcome.value.upper())), False
         except InvalidRecordError as exc:  # rows another writer stored that the library refuses
             _metrics.NOT_APPLIED.labels(group, "invalid").inc()
             message = "tx %s of producer group %s: answer %s not applied: %s"
-            return logger.error, (message, tx_id, group, outcome.value.upper(), exc)
+            return (logger.error, (message, tx_id, group, outcome.value.upper(), exc)), False
 
     def _end(
-        self,
-        conn: psycopg.Connection[Any],
-        claim: Claim,
-        outcome: Outcome,
-        result: CheckRoundResult,
-    ) -> tuple[Callable[..., None], tuple[Any, ...]]:
-        """COMMIT / ROLLBACK through the library's compare-and-set; what to log once committed."""
+        self, conn: psycopg.Connection[Any], claim: Claim, outcome: Outcome
+    ) -> tuple[_Note, bool]:
+        """COMMIT / ROLLBACK through the library's compare-and-set; (what to log once
+        committed, whether the answer contradicted an end that came first)."""
         group, tx_id, verdict = claim.producer_group, claim.tx_id, outcome.value.upper()
         end = self._outbox.commit if outcome is Outcome.COMMIT else self._outbox.rollback
         try:
             transition = end(conn, tx_id, producer_group=group)
         except IllegalTransitionError as exc:
             # A late answer contradicting the transaction's end: the compare-and-set refused it.
-            result.conflicts += 1
-            _metrics.CONFLICTS.labels(group).inc()
             states = ", ".join(exc.current_states)
             message = "endpoint of producer group %s answered %s for tx %s, already %s: ignored"
-            return logger.warning, (message, group, verdict, tx_id, states)
+            return (logger.warning, (message, group, verdict, tx_id, states)), True
         except UnknownTransactionError:
-            return logger.info, ("tx %s of producer group %s is gone; answer dropped", tx_id, group)
+            message = "tx %s of producer group %s is gone; answer dropped"
+            return (logger.info, (message, tx_id, group)), False
         already = "" if transition.changed else " (it had already ended so)"
         message = "tx %s of producer group %s: %s after %d check(s)%s"
-        return logger.info, (message, tx_id, group, verdict, claim.check_count, already)
+        return (logger.info, (message, tx_id, group, verdict, claim.check_count, already)), False
 
     def _circuit_changed(self, group: str) -> Callable[[CircuitState], None]:
         def changed(state: CircuitState) -> None:
