@@ -26,6 +26,7 @@ from outbox import wakeup_channel
 from outbox.migrations import current_version, latest_version
 from relay import metrics
 from relay.config import SidecarSettings
+from relay.ender import RowEnder
 from relay.kafka import Fenced, OutcomeUnknown, Topics
 from relay.leases import LeaseManager
 from relay.shard import LeaseLost, ShardRound, ShardWorker
@@ -86,6 +87,7 @@ class Relay:
         self.topics = Topics(self.kafka_conf)
         self.leases = LeaseManager(self.schema, self.relay_id, rs.shards, rs.lease_duration)
         self.workers: dict[int, ShardWorker] = {}
+        self.ender = RowEnder(self._connect)
         self._conn: psycopg.Connection[Any] | None = None
         self._listen: psycopg.Connection[Any] | None = None
         self._stop = threading.Event()
@@ -203,7 +205,13 @@ class Relay:
             self.leases.release(self.conn, shard)
         for lease in changes.gained:
             self.workers[lease.shard] = ShardWorker(
-                lease, self.settings.relay, self.schema, self.relay_id, self.kafka_conf, self.topics
+                lease,
+                self.settings.relay,
+                self.schema,
+                self.relay_id,
+                self.kafka_conf,
+                self.topics,
+                self.ender,
             )
         metrics.SHARDS_OWNED.set(len(self.workers))
         self._last_heartbeat = time.monotonic()
@@ -234,7 +242,9 @@ class Relay:
             worker.close()
         self.leases.forget(shard)
 
-    def run_once(self) -> RelayRound:
+    def run_once(self, *, settle: bool = True) -> RelayRound:
+        """One round over the owned shards. With `settle`, the rows it delivered are ended
+        before it returns; the loop leaves them to the ender while the next round claims."""
         if not self._set_up:
             self.setup()
         if self._heartbeat_due():
@@ -258,6 +268,8 @@ class Relay:
             tried += 1
             try:
                 result.add(worker.deliver_once(self.conn, hold_back, self._keep_alive))
+                if settle:
+                    worker.settle()
                 worker.failures = 0
             except (Fenced, LeaseLost) as exc:
                 logger.warning("shard %s fenced: %s", shard, exc)
@@ -329,7 +341,7 @@ class Relay:
         failures = 0
         while not self._stop.is_set():
             try:
-                result = self.run_once()
+                result = self.run_once(settle=False)
                 failures = 0
             except RelayConfigError as exc:
                 # Nothing could be delivered as configured: stop, so that /healthz fails and
@@ -426,6 +438,7 @@ class Relay:
         for shard in list(self.workers):
             worker = self.workers.pop(shard)
             worker.close()
+        self.ender.close()
         try:
             self.leases.leave(self.conn)
         except psycopg.Error as exc:

@@ -7,7 +7,9 @@ Per round, for a shard it holds:
 2. in one Kafka transaction: the records on their topics (with outbox-id and outbox-tx-id
    headers), dead-letter copies of discarded and parked records, and an op marker for each;
 3. after the commit, in one Postgres transaction that re-checks the lease: end the rows (delete
-   or archive) and move the shard's op-marker offset past the new markers.
+   or archive) and move the shard's op-marker offset past the new markers. The relay's ender
+   does this while the next batch is claimed (its rows kept out) and produced; the next commit
+   waits for it.
 A crash between 2 and 3 leaves rows whose markers are committed: `recover()` reads the markers
 from the stored offset (read_committed) and ends those rows instead of sending them again.
 
@@ -20,11 +22,13 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import logging
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -35,6 +39,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from outbox import sql as queries
 from relay import _failpoints, metrics
 from relay.config import RelaySettings
+from relay.ender import RowEnder
 from relay.kafka import PERMANENT_RECORD_ERRORS, Sent, ShardProducer, Topics
 from relay.leases import Lease
 from relay.markers import (
@@ -149,6 +154,19 @@ class _Batch:
         return [r for tx in self.transactions for r in tx]
 
 
+@dataclass
+class _Ending:
+    """A batch committed in Kafka whose rows are being ended (relay/ender.py)."""
+
+    markers: list[Ended]
+    poison: dict[int, str]  # its records the broker refused: parked in the same transaction
+    next_offset: int  # in the marker partition, past its markers
+    lease_params: dict[str, Any]
+    xids: list[str]  # its transactions and rows, kept out of the next claim meanwhile
+    ids: list[int]
+    changed: Future[int] | None = None  # rows changed by hand meanwhile, once ended
+
+
 def _range_params(shard: int, shards: int) -> dict[str, int]:
     lo, hi = shard_range(shard, shards)
     return {"lo": lo, "hi": hi}
@@ -163,6 +181,7 @@ class ShardWorker:
         relay_id: str,
         kafka_conf: dict[str, Any],
         topics: Topics,
+        ender: RowEnder | None = None,
     ) -> None:
         self.lease = lease
         self.shard = lease.shard
@@ -188,6 +207,8 @@ class ShardWorker:
         # records refused in a batch too large for their topic: each goes again in a batch of
         # its own, and only one refused alone is parked
         self._alone: set[int] = set()
+        self.ender = ender  # None: each batch's rows are ended before deliver_once returns
+        self._ending: _Ending | None = None  # the last batch, while the ender ends its rows
         if lease.marker_partition not in (None, self.marker_partition):
             raise RuntimeError(
                 f"shard {self.shard} recorded its op markers in partition "
@@ -207,6 +228,7 @@ class ShardWorker:
         self, conn: psycopg.Connection[Any], keep_alive: Callable[[], None] | None = None
     ) -> int:
         """Fence older producers of this shard, then end the rows whose markers are committed."""
+        self._settle_quietly()  # its rows end either way: there, or from its markers here
         with conn.transaction():  # first: a relay that lost the lease must not fence its heir
             self._lock_lease(conn)
         self.producer.init()
@@ -312,7 +334,12 @@ class ShardWorker:
         conn.execute(self._q("relay_claim_plan"))
         claimed = conn.execute(
             self._q("relay_claim"),
-            {**self.key_range, "hold_back": hold_back, "limit": s.batch_size},
+            {
+                **self.key_range,
+                "hold_back": hold_back,
+                "limit": s.batch_size,
+                "ending": self._ending.xids if self._ending else [],
+            },
             binary=True,
             prepare=False,  # a custom plan: a generic one cannot estimate the key range
         )
@@ -337,7 +364,11 @@ class ShardWorker:
     def _unmarked(self, conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
         return conn.execute(
             self._q("relay_unmarked"),
-            {**self.key_range, "limit": self.settings.batch_size},
+            {
+                **self.key_range,
+                "limit": self.settings.batch_size,
+                "ending": self._ending.ids if self._ending else [],
+            },
             binary=True,
             prepare=False,
         )
@@ -370,6 +401,8 @@ class ShardWorker:
         hold_back: datetime | None,
         keep_alive: Callable[[], None] | None = None,
     ) -> ShardRound:
+        if self._ending is not None and self._ending.changed and self._ending.changed.done():
+            self.settle()  # its trouble first: recovery, not a batch claimed around it
         if self.needs_recovery:
             self.recover(conn, keep_alive)
         with conn.pipeline(), conn.transaction():  # pipelined: 2 round trips, not 5
@@ -513,11 +546,13 @@ class ShardWorker:
             if not failed:
                 raise KafkaException(KafkaError(KafkaError._STATE, "the transaction failed"))
             self._park(conn, poison)
+            self._alone.difference_update(poison)
             result.parked = len(poison)
             return result
         if not markers:  # only poison: nothing to send
             self.producer.abort()
             self._park(conn, poison)
+            self._alone.difference_update(poison)
             result.parked = len(poison)
             return result
         if any(m.error is not None for m in marker_sends):
@@ -526,6 +561,7 @@ class ShardWorker:
                 f"op markers could not be written to {self.settings.op_marker_topic}"
             )
         _failpoints.hit(_failpoints.AFTER_PRODUCE)
+        self._settle_before_commit()
         started = time.perf_counter()
         try:
             self.producer.commit()
@@ -536,34 +572,56 @@ class ShardWorker:
         metrics.BATCH_SIZE.observe(len(sent))
         _failpoints.hit(_failpoints.AFTER_KAFKA_COMMIT)
 
-        next_offset = max(s.offset for s in marker_sends if s.offset is not None) + 1
+        ending = _Ending(
+            markers=markers,
+            poison=poison,
+            next_offset=max(s.offset for s in marker_sends if s.offset is not None) + 1,
+            lease_params=self._lease_params(),
+            xids=[xid for tx in batch.transactions if (xid := tx[0].committed_xid)],
+            ids=[r.id for r in ended],
+        )
+        if self.ender is None:
+            self._end_or_recover(ending, conn)
+            self._after_end(ending)
+        else:  # ended while the next batch is claimed and produced; settle() waits for it
+            ending.changed = self.ender.submit(functools.partial(self._end_or_recover, ending))
+            self._ending = ending
+        result.delivered = sum(1 for r in committed if r.id in sent)
+        result.ended = len(ended)
+        result.parked = len(poison)
+        return result
+
+    # --- ending a batch committed in Kafka ------------------------------------------------------
+
+    def _end_or_recover(self, ending: _Ending, conn: psycopg.Connection[Any]) -> int:
         try:
-            # Pipelined (2 round trips, not 5): the lease is checked before the commit, and
-            # the LeaseLost it raises rolls back what was sent after it.
-            with conn.pipeline(), conn.transaction():
-                lease = conn.execute(self._q("relay_lock_lease"), self._lease_params())
-                ending = self._end_rows(conn, markers)
-                conn.execute(
-                    self._q("relay_set_marker_offset"),
-                    {
-                        **self._lease_params(),
-                        "partition": self.marker_partition,
-                        "offset": next_offset,
-                    },
-                )
-                if poison:
-                    self._park(conn, poison, lease_locked=True)
-                self._check_lease(lease)
+            return self._end_batch(conn, ending)
         except Exception:
             self.needs_recovery = True  # the markers are committed: recovery ends these rows
             raise
-        self.lease = Lease(self.shard, self.lease.epoch, self.marker_partition, next_offset)
-        if self._alone:
-            self._alone.difference_update(m.id for m in markers)
-        if self._copy_refused:
-            for m in markers:
-                self._copy_refused.pop(m.id, None)
-        changed = self._count_changed(markers, ending)
+
+    def _end_batch(self, conn: psycopg.Connection[Any], ending: _Ending) -> int:
+        """In one Postgres transaction that re-checks the lease: end the batch's rows, park the
+        records the broker refused, move the shard's marker offset past its markers. Returns
+        how many rows were changed by hand meanwhile. Thread-safe: the ender runs it."""
+        markers = ending.markers
+        # Pipelined (2 round trips, not 5): the lease is checked before the commit, and the
+        # LeaseLost it raises rolls back what was sent after it.
+        with conn.pipeline(), conn.transaction():
+            lease = conn.execute(self._q("relay_lock_lease"), ending.lease_params)
+            cursors = self._end_rows(conn, markers)
+            conn.execute(
+                self._q("relay_set_marker_offset"),
+                {
+                    **ending.lease_params,
+                    "partition": self.marker_partition,
+                    "offset": ending.next_offset,
+                },
+            )
+            if ending.poison:
+                self._park(conn, ending.poison, lease_locked=True)
+            self._check_lease(lease)
+        changed = self._count_changed(markers, cursors)
         if changed:
             logger.warning(
                 "shard %s: %s rows were changed by hand (resolve, rearm, redrive) while their "
@@ -571,15 +629,48 @@ class ShardWorker:
                 self.shard,
                 changed,
             )
-
         for topic, count in Counter(m.topic for m in markers if m.op is Op.DELIVERED).items():
             metrics.DELIVERED.labels(topic).inc(count)
         for op, count in Counter(m.op.value for m in markers).items():
             metrics.ENDED.labels(op).inc(count)
-        result.delivered = sum(1 for r in committed if r.id in sent)
-        result.ended = len(ended)
-        result.parked = len(poison)
-        return result
+        return changed
+
+    def _after_end(self, ending: _Ending) -> None:
+        """What this worker keeps about rows, once they ended (in its own thread)."""
+        self.lease = Lease(self.shard, self.lease.epoch, self.marker_partition, ending.next_offset)
+        if self._alone:
+            self._alone.difference_update(m.id for m in ending.markers)
+            self._alone.difference_update(ending.poison)
+        if self._copy_refused:
+            for m in ending.markers:
+                self._copy_refused.pop(m.id, None)
+
+    def settle(self) -> None:
+        """Wait until the last batch's rows are ended. Its error is raised here, and the shard
+        recovers before it goes on (its markers are committed: they end those rows)."""
+        ending, self._ending = self._ending, None
+        if ending is None or ending.changed is None:
+            return
+        ending.changed.result()
+        self._after_end(ending)
+
+    def _settle_before_commit(self) -> None:
+        """At most one batch in doubt per shard: the last one's rows end before the next
+        commits. If they cannot, this batch's Kafka transaction is aborted."""
+        try:
+            self.settle()
+        except BaseException:
+            try:
+                self.producer.abort()
+            except Exception as exc:  # recovery fences this producer anyway
+                logger.warning("shard %s: abort after a failed end: %s", self.shard, exc)
+            raise
+
+    def _settle_quietly(self) -> None:
+        try:
+            self.settle()
+        except Exception as exc:
+            logger.info("shard %s: the last batch's rows did not end here: %s", self.shard, exc)
 
     def _send_dead_letter(self, row: Row) -> Sent | None:
         """A copy on the dead-letter topic, with the reason. When the client, or the broker the
@@ -720,10 +811,10 @@ class ShardWorker:
             if not lease_locked:  # a relay that lost its lease must not park the heir's rows
                 self._lock_lease(conn)
             for row_id, reason in poison.items():
-                self._alone.discard(row_id)
                 conn.execute(self._q("relay_park"), {"ids": [row_id], "reason": reason})
                 logger.warning("parked record %s: %s", row_id, reason)
                 metrics.PARKED.labels(_reason_kind(reason)).inc()
 
     def close(self) -> None:
+        self._settle_quietly()
         self.producer.close()

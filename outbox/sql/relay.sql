@@ -54,7 +54,8 @@ SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true);
 -- stamped ones through the commit-order index, and those another shard's relay has not stamped
 -- yet (unstamped rows last), so that the caller sees which shards a transaction spans.
 -- Columns are qualified in ORDER BY: a bare name would sort by the output column (the text
--- cast), off the index and in the wrong order.
+-- cast), off the index and in the wrong order. `ending`: transactions of the batch before,
+-- committed in Kafka, whose rows are being ended meanwhile.
 WITH head AS (
     SELECT DISTINCT h.commit_ts, h.committed_xid
     FROM (
@@ -63,6 +64,7 @@ WITH head AS (
         WHERE r.state = 'committed' AND r.commit_ts IS NOT NULL
           AND (%(hold_back)s::timestamptz IS NULL OR r.commit_ts < %(hold_back)s::timestamptz)
           AND r.key_hash BETWEEN %(lo)s AND %(hi)s
+          AND r.committed_xid <> ALL(%(ending)s::xid8[])
         ORDER BY r.commit_ts, r.committed_xid, r.id
         LIMIT %(limit)s
     ) AS h
@@ -106,12 +108,14 @@ SELECT EXISTS (
 );
 
 -- name: relay_unmarked
--- Rolled back, discarded and parked rows whose op marker (and dead-letter copy) is not out yet.
+-- Rolled back, discarded and parked rows whose op marker (and dead-letter copy) is not out yet;
+-- `ending`: those whose marker is committed and that are being ended meanwhile.
 SELECT id, producer_group, tx_id, topic, key, value, nullif(headers, '[]'::jsonb), partition,
        key_hash, state, reason
 FROM {schema}.outbox_record
 WHERE ended_at IS NULL AND state IN ('rolled_back', 'discarded', 'parked')
   AND key_hash BETWEEN %(lo)s AND %(hi)s
+  AND id <> ALL(%(ending)s::bigint[])
 ORDER BY id
 LIMIT %(limit)s;
 

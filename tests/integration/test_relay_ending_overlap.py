@@ -1,0 +1,177 @@
+"""A batch's rows are ended in the background while the next batch is claimed (relay/ender.py):
+nothing goes twice meanwhile, and an end that fails costs the next batch, not a record."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+
+import outbox
+from relay.service import Relay
+from tests.fixtures.kafka import consume_all
+from tests.integration.test_relay_delivery import same_settings_other_id, values
+
+
+def publish(dsn: str, topic: str, *payloads: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        for payload in payloads:
+            with conn.transaction():
+                outbox.publish(conn, topic, payload, key=payload)
+
+
+@contextmanager
+def ends_held(relay: Relay) -> Iterator[threading.Event]:
+    """The ends of the relay's batches wait until the event is set (then run as they would)."""
+    (worker,) = relay.workers.values()
+    gate = threading.Event()
+    end = worker._end_batch
+
+    def held(conn: psycopg.Connection[Any], ending: Any) -> int:
+        assert gate.wait(30)
+        return end(conn, ending)
+
+    worker._end_batch = held  # type: ignore[method-assign]
+    try:
+        yield gate
+    finally:
+        gate.set()
+
+
+def _first_of(*events: threading.Event, timeout: float) -> threading.Event | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for event in events:
+            if event.is_set():
+                return event
+        time.sleep(0.01)
+    return None
+
+
+def committed_rows(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM outbox.outbox_record WHERE state = 'committed'"
+        ).fetchone()
+    return row[0] if row else -1
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(fn())
+        except Exception as exc:  # handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_the_next_batch_is_claimed_while_the_last_one_ends_and_nothing_goes_twice(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    # heartbeats (of the lease rows the test holds) only in the first round
+    relay: Relay = relay_factory(heartbeat_interval="PT60S")
+    relay.run_once()  # shard 0 taken
+    publish(pg_dsn, topic, "a1", "a2")
+    with ends_held(relay) as gate:
+        first = relay.run_once(settle=False)
+        assert first.delivered == 2
+        # committed in Kafka, their end held: still "committed" here
+        assert committed_rows(pg_dsn) == 2
+        publish(pg_dsn, topic, "b1")
+        # The next round claims around the batch being ended, and waits for that end only
+        # before its own Kafka commit.
+        thread, outcome = in_thread(lambda: relay.run_once(settle=False))
+        thread.join(2)
+        assert thread.is_alive(), "the second batch committed before the first one ended"
+        gate.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    (second,) = outcome
+    assert second.delivered == 1  # b1 only: a1 and a2 were not claimed again
+    relay.run_once()  # settles the second batch's end
+    got = values(consume_all(kafka_bootstrap, topic, "read_committed"))
+    assert sorted(got) == [b"a1", b"a2", b"b1"]
+    assert committed_rows(pg_dsn) == 0
+
+
+def test_an_end_that_fails_aborts_the_next_batch_and_the_heir_ends_the_rows_from_markers(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    relay: Relay = relay_factory(heartbeat_interval="PT60S")
+    relay.run_once()
+    publish(pg_dsn, topic, "first")
+    with ends_held(relay) as gate:
+        assert relay.run_once(settle=False).delivered == 1
+        # Another relay took the shard before the end ran (and its lease then ran out): the
+        # end must find the lease gone.
+        with psycopg.connect(pg_dsn) as conn:
+            conn.execute(
+                "UPDATE outbox.shard_lease SET owner = 'gone', epoch = epoch + 1, "
+                "lease_until = now() - interval '1 second'"
+            )
+        publish(pg_dsn, topic, "second")
+        thread, outcome = in_thread(lambda: relay.run_once(settle=False))
+        thread.join(2)
+        assert thread.is_alive(), "the second batch committed before the first one ended"
+        gate.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    (round_,) = outcome
+    assert round_.delivered == 0  # the round ended; its one shard was lost
+    assert relay.workers == {}  # LeaseLost: the shard was dropped
+    # "second" was in a Kafka transaction that was aborted; "first" is committed in Kafka
+    # and its row not ended
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"first"]
+    assert committed_rows(pg_dsn) == 2
+
+    heir = same_settings_other_id(relay_factory, relay, "heir")
+    assert heir.run_once().delivered == 1  # "second"; "first" was ended from its marker
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"first", b"second"]
+    assert committed_rows(pg_dsn) == 0
+
+
+def test_a_stopping_relay_ends_the_rows_it_delivered_before_it_hands_its_shards_back(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    relay: Relay = relay_factory()
+    relay.run_once()
+    publish(pg_dsn, topic, "x", "y")
+    released, waiting = threading.Event(), threading.Event()
+    release = relay.leases.release
+    (worker,) = relay.workers.values()
+    settle = worker.settle
+
+    def recorded(conn: psycopg.Connection[Any], shard: int) -> None:
+        released.set()
+        release(conn, shard)
+
+    def waited() -> None:
+        waiting.set()
+        settle()
+
+    relay.leases.release = recorded  # type: ignore[method-assign]
+    with ends_held(relay) as gate:
+        assert relay.run_once(settle=False).delivered == 2
+        worker.settle = waited  # type: ignore[method-assign]
+        stopping, _ = in_thread(relay.stop)
+        assert _first_of(waiting, released, timeout=30) is waiting, (
+            "the shard was handed back before its rows ended: no longer this relay's to end"
+        )
+        gate.set()
+        stopping.join(30)
+    assert released.is_set()
+    assert committed_rows(pg_dsn) == 0
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT owner FROM outbox.shard_lease").fetchall() == [(None,)]
