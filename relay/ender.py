@@ -10,24 +10,46 @@ before. One thread for all the relay's shards: their ends go one after the other
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import psycopg
 
 T = TypeVar("T")
+_Job = tuple[Callable[[psycopg.Connection[Any]], Any], Future[Any]]
 
 
 class RowEnder:
     def __init__(self, connect: Callable[[], psycopg.Connection[Any]]) -> None:
         self._connect = connect
         self._conn: psycopg.Connection[Any] | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outbox-ender")
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
     def submit(self, end: Callable[[psycopg.Connection[Any]], T]) -> Future[T]:
         """Run `end(conn)` after the ends submitted before it; its error comes with the result."""
-        return self._pool.submit(self._run, end)
+        if self._closed:
+            raise RuntimeError("the ender is closed")
+        if self._thread is None:
+            # A daemon: an end stuck on a lock or a dead socket must not keep the process
+            # alive past its shutdown grace (a thread pool's threads are joined at exit).
+            self._thread = threading.Thread(target=self._work, name="outbox-ender", daemon=True)
+            self._thread.start()
+        done: Future[T] = Future()
+        self._jobs.put((end, done))
+        return done
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            end, done = job
+            try:
+                done.set_result(self._run(end))
+            except BaseException as exc:  # handed to whoever waits for the result
+                done.set_exception(exc)
 
     def _run(self, end: Callable[[psycopg.Connection[Any]], T]) -> T:
         if self._conn is None or self._conn.closed or self._conn.broken:
@@ -39,9 +61,13 @@ class RowEnder:
             self._conn = None
             raise
 
-    def close(self) -> None:
-        """Wait for the ends submitted, then close the connection."""
-        self._pool.shutdown(wait=True)
-        if self._conn is not None:
+    def close(self, timeout: float | None = None) -> None:
+        """After the ends submitted (at most `timeout`), stop the thread and its connection."""
+        self._closed = True
+        if self._thread is None:
+            return
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        if not self._thread.is_alive() and self._conn is not None:
             self._conn.close()
             self._conn = None

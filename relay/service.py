@@ -242,9 +242,9 @@ class Relay:
             worker.close()
         self.leases.forget(shard)
 
-    def run_once(self, *, settle: bool = True) -> RelayRound:
-        """One round over the owned shards. With `settle`, the rows it delivered are ended
-        before it returns; the loop leaves them to the ender while the next round claims."""
+    def run_once(self, *, pipelined: bool = False) -> RelayRound:
+        """One round over the owned shards, all of it done when it returns. `pipelined` (the
+        loop): the rows it delivered are left to the ender while the next round claims."""
         if not self._set_up:
             self.setup()
         if self._heartbeat_due():
@@ -268,7 +268,7 @@ class Relay:
             tried += 1
             try:
                 result.add(worker.deliver_once(self.conn, hold_back, self._keep_alive))
-                if settle:
+                if not pipelined:
                     worker.settle()
                 worker.failures = 0
             except (Fenced, LeaseLost) as exc:
@@ -341,7 +341,7 @@ class Relay:
         failures = 0
         while not self._stop.is_set():
             try:
-                result = self.run_once(settle=False)
+                result = self.run_once(pipelined=True)
                 failures = 0
             except RelayConfigError as exc:
                 # Nothing could be delivered as configured: stop, so that /healthz fails and
@@ -438,7 +438,7 @@ class Relay:
         for shard in list(self.workers):
             worker = self.workers.pop(shard)
             worker.close()
-        self.ender.close()
+        self.ender.close(timeout=self.settings.relay.shutdown_grace.total_seconds())
         try:
             self.leases.leave(self.conn)
         except psycopg.Error as exc:

@@ -100,6 +100,11 @@ class LeaseLost(Exception):
     """The shard's lease changed hands: its rows are not ours to touch any more."""
 
 
+class EndFailed(Exception):
+    """The ender's database work for a batch failed: this shard's trouble, not the round's (the
+    relay's own connection is fine). The shard recovers the batch's rows from its markers."""
+
+
 @dataclass(slots=True)  # not frozen: a frozen dataclass is built 3x slower, per record
 class Row:
     id: int
@@ -402,7 +407,7 @@ class ShardWorker:
         keep_alive: Callable[[], None] | None = None,
     ) -> ShardRound:
         if self._ending is not None and self._ending.changed and self._ending.changed.done():
-            self.settle()  # its trouble first: recovery, not a batch claimed around it
+            self._settle_quietly()  # if it failed, recovery now, not a batch claimed around it
         if self.needs_recovery:
             self.recover(conn, keep_alive)
         with conn.pipeline(), conn.transaction():  # pipelined: 2 round trips, not 5
@@ -651,7 +656,13 @@ class ShardWorker:
         ending, self._ending = self._ending, None
         if ending is None or ending.changed is None:
             return
-        ending.changed.result()
+        try:
+            ending.changed.result()
+        except Exception as exc:
+            self.needs_recovery = True  # whatever failed, even connecting: the markers say
+            if isinstance(exc, psycopg.Error):
+                raise EndFailed(f"shard {self.shard}: ending a delivered batch: {exc}") from exc
+            raise
         self._after_end(ending)
 
     def _settle_before_commit(self) -> None:
@@ -670,7 +681,7 @@ class ShardWorker:
         try:
             self.settle()
         except Exception as exc:
-            logger.info("shard %s: the last batch's rows did not end here: %s", self.shard, exc)
+            logger.warning("shard %s: the last batch's rows did not end here: %s", self.shard, exc)
 
     def _send_dead_letter(self, row: Row) -> Sent | None:
         """A copy on the dead-letter topic, with the reason. When the client, or the broker the

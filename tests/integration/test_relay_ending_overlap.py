@@ -10,11 +10,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+import pytest
 
 import outbox
 from relay.service import Relay
+from relay.shard import EndFailed
 from tests.fixtures.kafka import consume_all
-from tests.integration.test_relay_delivery import same_settings_other_id, values
+from tests.integration.test_relay_delivery import markers, same_settings_other_id, values
 
 
 def publish(dsn: str, topic: str, *payloads: str) -> None:
@@ -82,25 +84,37 @@ def test_the_next_batch_is_claimed_while_the_last_one_ends_and_nothing_goes_twic
     relay: Relay = relay_factory(heartbeat_interval="PT60S")
     relay.run_once()  # shard 0 taken
     publish(pg_dsn, topic, "a1", "a2")
+    with psycopg.connect(pg_dsn) as conn:  # a rolled back record: its op marker goes too
+        half = outbox.prepare(conn, topic, "never", key="never")
+        conn.commit()
+        outbox.rollback(conn, half.tx_id)
+        conn.commit()
     with ends_held(relay) as gate:
-        first = relay.run_once(settle=False)
-        assert first.delivered == 2
+        first = relay.run_once(pipelined=True)
+        assert (first.delivered, first.ended) == (2, 1)
         # committed in Kafka, their end held: still "committed" here
         assert committed_rows(pg_dsn) == 2
         publish(pg_dsn, topic, "b1")
         # The next round claims around the batch being ended, and waits for that end only
         # before its own Kafka commit.
-        thread, outcome = in_thread(lambda: relay.run_once(settle=False))
+        thread, outcome = in_thread(lambda: relay.run_once(pipelined=True))
         thread.join(2)
         assert thread.is_alive(), "the second batch committed before the first one ended"
         gate.set()
         thread.join(30)
     assert not thread.is_alive()
     (second,) = outcome
-    assert second.delivered == 1  # b1 only: a1 and a2 were not claimed again
+    # b1 only: a1 and a2 were not claimed again, nor the rolled back record's marker
+    assert (second.delivered, second.ended) == (1, 0)
     relay.run_once()  # settles the second batch's end
     got = values(consume_all(kafka_bootstrap, topic, "read_committed"))
     assert sorted(got) == [b"a1", b"a2", b"b1"]
+    assert sorted(m.op.value for m in markers(kafka_bootstrap, relay)) == [
+        "delivered",
+        "delivered",
+        "delivered",
+        "rolled_back",
+    ]
     assert committed_rows(pg_dsn) == 0
 
 
@@ -112,7 +126,7 @@ def test_an_end_that_fails_aborts_the_next_batch_and_the_heir_ends_the_rows_from
     relay.run_once()
     publish(pg_dsn, topic, "first")
     with ends_held(relay) as gate:
-        assert relay.run_once(settle=False).delivered == 1
+        assert relay.run_once(pipelined=True).delivered == 1
         # Another relay took the shard before the end ran (and its lease then ran out): the
         # end must find the lease gone.
         with psycopg.connect(pg_dsn) as conn:
@@ -121,7 +135,7 @@ def test_an_end_that_fails_aborts_the_next_batch_and_the_heir_ends_the_rows_from
                 "lease_until = now() - interval '1 second'"
             )
         publish(pg_dsn, topic, "second")
-        thread, outcome = in_thread(lambda: relay.run_once(settle=False))
+        thread, outcome = in_thread(lambda: relay.run_once(pipelined=True))
         thread.join(2)
         assert thread.is_alive(), "the second batch committed before the first one ended"
         gate.set()
@@ -163,7 +177,7 @@ def test_a_stopping_relay_ends_the_rows_it_delivered_before_it_hands_its_shards_
 
     relay.leases.release = recorded  # type: ignore[method-assign]
     with ends_held(relay) as gate:
-        assert relay.run_once(settle=False).delivered == 2
+        assert relay.run_once(pipelined=True).delivered == 2
         worker.settle = waited  # type: ignore[method-assign]
         stopping, _ = in_thread(relay.stop)
         assert _first_of(waiting, released, timeout=30) is waiting, (
@@ -175,3 +189,59 @@ def test_a_stopping_relay_ends_the_rows_it_delivered_before_it_hands_its_shards_
     assert committed_rows(pg_dsn) == 0
     with psycopg.connect(pg_dsn) as conn:
         assert conn.execute("SELECT owner FROM outbox.shard_lease").fetchall() == [(None,)]
+
+
+@pytest.mark.parametrize("found", ["before the next claim", "before the next commit"])
+def test_an_ender_whose_connection_breaks_costs_its_shard_a_recovery_not_the_round(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    found: str,
+) -> None:
+    topic = topic_factory()
+    relay: Relay = relay_factory(heartbeat_interval="PT60S")
+    relay.run_once()
+    publish(pg_dsn, topic, "first")
+    main = relay.conn
+    (worker,) = relay.workers.values()
+    with ends_held(relay) as gate:
+        assert relay.run_once(pipelined=True).delivered == 1
+        deadline = time.monotonic() + 10
+        while (ender_conn := relay.ender._conn) is None:  # connected in the ender's thread
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:  # as a failover would
+            admin.execute("SELECT pg_terminate_backend(%s)", (ender_conn.info.backend_pid,))
+        publish(pg_dsn, topic, "second")
+        if found == "before the next claim":
+            gate.set()
+            deadline = time.monotonic() + 10
+            while not (worker._ending and worker._ending.changed.done()):  # type: ignore[union-attr]
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            # the shard recovers "first" from its marker, then ships "second"
+            assert relay.run_once(pipelined=True).delivered == 1
+        else:
+            waiting, settle = threading.Event(), worker.settle
+
+            def waited() -> None:
+                waiting.set()
+                settle()
+
+            worker.settle = waited  # type: ignore[method-assign]
+            thread, outcome = in_thread(lambda: relay.run_once(pipelined=True))
+            assert waiting.wait(30)  # "second" produced, its commit waits for the end
+            gate.set()
+            thread.join(30)
+            (error,) = outcome
+            # the shard's trouble, not the relay connection's: the loop keeps that one
+            assert isinstance(error, EndFailed)
+            # "second" was aborted with it
+            assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"first"]
+            assert relay.run_once().delivered == 1  # after recovering "first"
+    assert relay.conn is main
+    assert relay.workers == {0: worker}
+    relay.run_once()
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"first", b"second"]
+    assert committed_rows(pg_dsn) == 0
