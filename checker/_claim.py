@@ -34,6 +34,7 @@ class DueTransaction:
     locked: int  # prepared records locked by this claim transaction
     prepared: int  # prepared records of the transaction
     records: int  # all its records
+    age_from: datetime  # its maximum prepared age counts from here: created, or re-armed
 
     @property
     def held_elsewhere(self) -> bool:
@@ -100,7 +101,8 @@ def lock_due(
         {"now": now, "limit": limit, "default_immunity": default_immunity, "max_age": max_age},
     ).fetchall()
     return [
-        DueTransaction(r[0], r[1], int(r[2]), r[3], int(r[4]), int(r[5]), int(r[6])) for r in rows
+        DueTransaction(r[0], r[1], int(r[2]), r[3], int(r[4]), int(r[5]), int(r[6]), r[7])
+        for r in rows
     ]
 
 

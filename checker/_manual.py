@@ -2,7 +2,8 @@
 
 - ``rearm`` (RocketMQ's resumeCheckHalfMessage): a discarded transaction whose records have not
   been handed out yet (the relay has not written their op markers: ``ended_at IS NULL``) goes back
-  to prepared, with its check count reset, due at once.
+  to prepared, with its check count reset, due at once; its maximum prepared age counts from the
+  re-arm (RocketMQ puts the half message again, with a new store time).
 - ``resolve``: commit or roll back a prepared transaction, or a discarded one not handed out yet,
   by hand. The end itself is the library's compare-and-set (``end_transaction``), so a commit
   NOTIFYs the relay like any other.

@@ -289,7 +289,7 @@ class Checker:
                 key = (tx.producer_group, tx.tx_id)
                 if tx.check_count >= s.max_checks:
                     limits[key] = ("max_checks", f"max checks ({s.max_checks}) reached")
-                elif now - tx.first_created_at >= s.max_prepared_age:
+                elif now - tx.age_from >= s.max_prepared_age:
                     age = _duration(s.max_prepared_age)
                     limits[key] = ("max_age", f"max prepared age ({age}) reached")
                 if key in limits:

@@ -121,14 +121,15 @@ WITH candidate AS (
     LIMIT %(limit)s
 ), locked AS (
     SELECT r.producer_group, r.tx_id, r.id, r.created_at, r.check_immunity, r.check_count,
-           r.next_check_at
+           r.next_check_at, r.rearmed_at
     FROM {schema}.outbox_record AS r
     JOIN candidate AS c ON r.producer_group = c.producer_group AND r.tx_id = c.tx_id
     WHERE r.state = 'prepared'
     FOR UPDATE OF r SKIP LOCKED
 )
 SELECT l.producer_group, l.tx_id, max(l.check_count) AS check_count,
-       min(l.created_at) AS first_created_at, count(*) AS locked, n.prepared, n.records
+       min(l.created_at) AS first_created_at, count(*) AS locked, n.prepared, n.records,
+       coalesce(max(l.rearmed_at), min(l.created_at)) AS age_from
 FROM locked AS l
 CROSS JOIN LATERAL (
     SELECT count(*) FILTER (WHERE a.state = 'prepared') AS prepared, count(*) AS records
@@ -136,6 +137,7 @@ CROSS JOIN LATERAL (
     WHERE a.producer_group = l.producer_group AND a.tx_id = l.tx_id
 ) AS n
 GROUP BY l.producer_group, l.tx_id, n.prepared, n.records
+-- `age_from`: the maximum prepared age counts from the last re-arm, else from the first record.
 -- A record without its own immunity has the default, here as in the candidate scan: with
 -- min() ignoring it, a transaction mixing the two was a candidate every round, never due. No
 -- immunity outlasts the maximum prepared age: the checker discards such a record then.
@@ -240,10 +242,11 @@ FOR UPDATE NOWAIT;
 
 -- name: checker_rearm
 -- RocketMQ's resumeCheckHalfMessage: discarded, not yet shipped records go back to prepared and
--- are due at once. Only under the locks of checker_lock_transaction.
+-- are due at once, their maximum prepared age counted from now (RocketMQ puts the half message
+-- again, with a new store time). Only under the locks of checker_lock_transaction.
 UPDATE {schema}.outbox_record
 SET state = 'prepared', reason = NULL, check_count = %(check_count)s,
-    next_check_at = %(now)s, state_changed_at = now()
+    next_check_at = %(now)s, rearmed_at = %(now)s, state_changed_at = now()
 WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
   AND state = 'discarded' AND ended_at IS NULL
 RETURNING id;

@@ -34,6 +34,9 @@ CREATE TABLE {schema}.outbox_record (
     check_count     integer     NOT NULL DEFAULT 0,
     next_check_at   timestamptz,
     last_checked_at timestamptz,
+    -- the last re-arm (outboxctl rearm): the maximum prepared age counts from here, not from
+    -- created_at, else a transaction discarded at that age was discarded again at once
+    rearmed_at      timestamptz,
     -- why the record was parked or discarded
     reason          text,
     CONSTRAINT outbox_record_state_valid

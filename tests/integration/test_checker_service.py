@@ -1057,13 +1057,29 @@ def test_rearm_puts_a_discarded_transaction_back_and_it_is_checked_again(
     assert (entry["actor"], entry["action"]) == ("alice", "rearm")
     assert entry["detail"]["reason"] == "endpoint fixed"
 
-    # re-armed past max age: still past it, so a checker would discard it again at once. An
-    # operator re-arms after raising max_prepared_age (or resolves by hand).
-    patient = make_checker(
-        settings({GROUP: endpoint_settings(endpoint.url)}, max_prepared_age="PT100H"), clock
-    )
-    assert patient.run_once().committed == 1
+    # Discarded at its maximum prepared age (72 h), re-armed: that age counts from the re-arm,
+    # as RocketMQ's resumed half message gets a new store time. Before, the same checker
+    # discarded it again at once.
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+    assert checker.run_once().committed == 1
     assert [r.check_count for r in endpoint.resolver.asked] == [1]
+
+
+def test_a_re_armed_transaction_is_discarded_again_at_max_age_from_its_re_arm(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    tx_id, clock = _discarded(pg_dsn, make_checker, endpoint.url)  # 73 h old
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        rearm(conn, GROUP, tx_id, actor="alice", now=clock.now)
+    re_armed = clock.now
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+    assert checker.run_once().checked == 1  # UNKNOWN: checked again later
+    clock.now = re_armed + timedelta(hours=71)
+    checker.run_once()
+    assert one(pg_dsn, tx_id)["state"] == "prepared"
+    clock.now = re_armed + timedelta(hours=72, seconds=1)
+    assert checker.run_once().discarded == 1
+    assert one(pg_dsn, tx_id)["reason"] == "max prepared age (72h) reached"
 
 
 def test_rearm_refuses_what_is_not_discarded_or_already_shipped(
