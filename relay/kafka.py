@@ -59,6 +59,13 @@ class OutcomeUnknown(Exception):
     """commit_transaction failed in a way that leaves its outcome unknown: recover from markers."""
 
 
+class ProducerFailed(Exception):
+    """A fatal error of this producer instance that is not a fencing (an idempotence sequence
+    gone wrong, say): it can do nothing more, but the shard is still ours. The shard backs off
+    and recovers, which makes a new producer. Taken for a fencing, the shard was dropped and sat
+    idle under its own lease until the lease ran out."""
+
+
 @dataclass(eq=False)
 class Sent:
     """One produced record and, once its delivery report arrived, where it went or why not."""
@@ -176,8 +183,7 @@ class ShardProducer:
                 return
             except KafkaException as exc:
                 err: KafkaError = exc.args[0]
-                if err.fatal() or err.code() in _FENCED_ERRORS:
-                    raise Fenced(str(err)) from exc
+                _raise_if_fenced_or_fatal(err, exc)
                 if err.txn_requires_abort():
                     raise
                 if err.retriable() and time.monotonic() < deadline:
@@ -199,10 +205,15 @@ class ShardProducer:
         try:
             fn(*args)
         except KafkaException as exc:
-            err: KafkaError = exc.args[0]
-            if err.fatal() or err.code() in _FENCED_ERRORS:
-                raise Fenced(str(err)) from exc
+            _raise_if_fenced_or_fatal(exc.args[0], exc)
             raise
+
+
+def _raise_if_fenced_or_fatal(err: KafkaError, exc: KafkaException) -> None:
+    if err.code() in _FENCED_ERRORS:
+        raise Fenced(str(err)) from exc
+    if err.fatal():
+        raise ProducerFailed(f"the shard's producer failed for good: {err}") from exc
 
 
 class Topics:

@@ -27,7 +27,7 @@ from outbox.migrations import current_version, latest_version
 from relay import metrics
 from relay.config import SidecarSettings
 from relay.ender import RowEnder
-from relay.kafka import Fenced, OutcomeUnknown, Topics
+from relay.kafka import Fenced, OutcomeUnknown, ProducerFailed, Topics
 from relay.leases import LeaseManager
 from relay.shard import LeaseLost, ShardRound, ShardWorker
 from relay.sharding import shard_ranges
@@ -368,7 +368,7 @@ class Relay:
     def _count_failure(exc: Exception, what: str) -> None:
         if isinstance(exc, psycopg.Error):
             kind = "database"
-        elif isinstance(exc, KafkaException | OutcomeUnknown):
+        elif isinstance(exc, KafkaException | OutcomeUnknown | ProducerFailed):
             kind = "kafka"
         else:
             kind = type(exc).__name__
