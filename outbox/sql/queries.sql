@@ -90,8 +90,10 @@ ORDER BY state;
 -- name: checker_lock_due
 -- Due transactions, oldest due first, locked for a short claim transaction. A transaction is due
 -- when all its records are prepared and coalesce(next_check_at, first created_at + check
--- immunity) <= now. Two index-ordered scans of outbox_record_prepared_due_idx find candidates
--- (checked before: by next_check_at; never checked: next_check_at IS NULL, by id); then every
+-- immunity) <= now. Index-ordered scans find candidates: checked before, by next_check_at
+-- (outbox_record_prepared_due_idx); never checked, by age: those with the default immunity are
+-- a range of outbox_record_never_checked_idx, those with their own are read in order until
+-- `limit` are due (outbox_record_own_immunity_idx: a per-record option); then every
 -- prepared record of a candidate is locked with SKIP LOCKED and re-read in its newest version (a
 -- record another checker claimed meanwhile carries its lease, so it is not due any more).
 -- The caller uses a transaction only if `locked` = `prepared` (no record held elsewhere); if
@@ -107,13 +109,19 @@ WITH candidate AS (
          LIMIT %(limit)s)
         UNION ALL
         (SELECT producer_group, tx_id,
-                created_at + least(coalesce(check_immunity, %(default_immunity)s),
-                                   %(max_age)s) AS due_at
+                created_at + least(%(default_immunity)s, %(max_age)s) AS due_at
          FROM {schema}.outbox_record
-         WHERE state = 'prepared' AND next_check_at IS NULL
-           AND created_at + least(coalesce(check_immunity, %(default_immunity)s), %(max_age)s)
-               <= %(now)s
-         ORDER BY next_check_at, id
+         WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NULL
+           AND created_at <= %(now)s - least(%(default_immunity)s, %(max_age)s)
+         ORDER BY created_at, id
+         LIMIT %(limit)s)
+        UNION ALL
+        (SELECT producer_group, tx_id,
+                created_at + least(check_immunity, %(max_age)s) AS due_at
+         FROM {schema}.outbox_record
+         WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
+           AND created_at + least(check_immunity, %(max_age)s) <= %(now)s
+         ORDER BY created_at, id
          LIMIT %(limit)s)
     ) AS c
     GROUP BY c.producer_group, c.tx_id

@@ -82,6 +82,14 @@ CREATE INDEX outbox_record_ended_idx
 -- The checker's scan: prepared rows by due time.
 CREATE INDEX outbox_record_prepared_due_idx
     ON {schema}.outbox_record (next_check_at, id) WHERE state = 'prepared';
+-- ...and those never checked yet by age: the ones past the default check immunity are a range;
+-- those with an immunity of their own, apart, so that neither scan reads the other's rows.
+CREATE INDEX outbox_record_never_checked_idx
+    ON {schema}.outbox_record (created_at, id)
+    WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NULL;
+CREATE INDEX outbox_record_own_immunity_idx
+    ON {schema}.outbox_record (created_at, id)
+    WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL;
 -- commit()/rollback() and duplicate detection find a transaction's rows.
 CREATE INDEX outbox_record_tx_idx
     ON {schema}.outbox_record (producer_group, tx_id);
