@@ -52,7 +52,11 @@ _TOPIC_MISSING = frozenset(
 
 
 class Fenced(Exception):
-    """Another producer with our transactional.id took over: this shard is no longer ours."""
+    """Kafka refuses this producer's epoch: another producer with our transactional.id took
+    over, or the coordinator aborted a transaction that outran its timeout (which bumps the
+    epoch too). The shard recovers: if its lease is gone, recovery drops it (LeaseLost); if the
+    lease is still ours, a new producer goes on. Dropped at once, a shard whose lease was still
+    ours sat idle until that lease ran out."""
 
 
 class OutcomeUnknown(Exception):
@@ -198,7 +202,10 @@ class ShardProducer:
 
     def close(self) -> None:
         if self._producer is not None:
-            self._producer.flush(0)
+            try:
+                self._producer.flush(0)
+            except KafkaException as exc:  # fenced or failed for good: it can only be dropped
+                logger.info("producer %s dropped: %s", self.transactional_id, exc)
             self._producer = None
 
     def _call(self, fn: Any, *args: Any) -> None:

@@ -271,7 +271,7 @@ class Relay:
                 if not pipelined:
                     worker.settle()
                 worker.failures = 0
-            except (Fenced, LeaseLost) as exc:
+            except LeaseLost as exc:  # a Fenced producer recovers: there it finds out which
                 logger.warning("shard %s fenced: %s", shard, exc)
                 metrics.ERRORS.labels("fenced").inc()
                 self._drop_worker(shard)
@@ -370,11 +370,17 @@ class Relay:
             kind = "database"
         elif isinstance(exc, KafkaException | OutcomeUnknown | ProducerFailed):
             kind = "kafka"
+        elif isinstance(exc, Fenced):
+            kind = "fenced"
         else:
             kind = type(exc).__name__
         metrics.ERRORS.labels(kind).inc()
         logger.error(
-            "%s failed (%s): %s", what, kind, exc, exc_info=kind not in ("database", "kafka")
+            "%s failed (%s): %s",
+            what,
+            kind,
+            exc,
+            exc_info=kind not in ("database", "kafka", "fenced"),
         )
 
     def _wait_for_work(self) -> None:

@@ -1013,3 +1013,39 @@ def test_a_relay_that_lost_its_lease_does_not_fence_the_new_owner(
         stale.deliver_once(old.conn, None)
     assert heir.run_once().delivered == 1  # the heir was not fenced by the stale relay
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"after the hand-over"]
+
+
+def test_a_fenced_producer_whose_lease_is_still_ours_recovers_instead_of_idling(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """As when the coordinator aborts a transaction that outran its timeout: Kafka bumps the
+    epoch, the lease in Postgres stays ours."""
+    from relay.kafka import Fenced
+
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()  # shard 0 ours, its producer ready
+    (worker,) = relay.workers.values()
+    commit = worker.producer.commit
+
+    def fenced_first() -> None:
+        worker.producer.commit = commit  # type: ignore[method-assign]
+        intruder = Producer(
+            {
+                "bootstrap.servers": kafka_bootstrap,
+                "transactional.id": worker.producer.transactional_id,
+            }
+        )
+        intruder.init_transactions(30)  # a newer epoch: ours is fenced, its transaction aborted
+        commit()
+
+    worker.producer.commit = fenced_first  # type: ignore[method-assign]
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "after the fencing")
+    with pytest.raises(Fenced):
+        relay.run_once()  # its one shard failed: the loop would back off
+    assert relay.workers == {0: worker}  # not dropped: its lease is still ours
+    assert worker.needs_recovery
+    worker.retry_at = 0.0  # past its back-off
+    assert relay.run_once().delivered == 1  # a new producer, fencing the intruder in turn
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"after the fencing"]

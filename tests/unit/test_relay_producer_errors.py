@@ -1,5 +1,5 @@
-"""Which producer errors drop the shard (fenced: another owner) and which only renew the
-producer (fatal for this instance, the shard still ours)."""
+"""Which producer errors are a fencing (Fenced: maybe another owner, the lease decides) and
+which a fatal error of this producer instance only (ProducerFailed)."""
 
 from __future__ import annotations
 
@@ -41,13 +41,13 @@ FATAL = KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, fatal=True)
 
 @pytest.mark.parametrize("error", FENCED, ids=lambda e: e.name())
 @pytest.mark.parametrize("call", ["begin", "commit"])
-def test_a_fencing_drops_the_shard(error: KafkaError, call: str) -> None:
+def test_a_fencing_is_told_apart(error: KafkaError, call: str) -> None:
     with pytest.raises(Fenced):
         getattr(producer_failing_with(error), call)()
 
 
 @pytest.mark.parametrize("call", ["begin", "commit"])
-def test_a_fatal_error_that_is_not_a_fencing_only_renews_the_producer(call: str) -> None:
+def test_a_fatal_error_that_is_not_a_fencing_is_the_producer_s_own(call: str) -> None:
     with pytest.raises(ProducerFailed, match="OUT_OF_ORDER_SEQUENCE_NUMBER") as failed:
         getattr(producer_failing_with(FATAL), call)()
     assert not isinstance(failed.value, Fenced)

@@ -9,6 +9,8 @@ ALTER TABLE {schema}.outbox_record ADD COLUMN rearmed_at timestamptz;
 -- immunity in a range of it; those with an immunity of their own, apart, so that neither scan
 -- reads the other's rows. Through outbox_record_prepared_due_idx it read every never-checked
 -- row each round, due or not: 60 ms a round with 200k half records in flight.
+-- The builds hold off writes to outbox_record while they scan it, archived rows too: with a
+-- large archive (relay.delivered_retention), migrate in a quiet period.
 CREATE INDEX outbox_record_never_checked_idx
     ON {schema}.outbox_record (created_at, id)
     WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NULL;
