@@ -107,7 +107,7 @@ class LeaseManager:
         logger.info("released shard %s", shard)
 
     def forget(self, shard: int) -> None:
-        """Drop a shard we found fenced, without touching its lease row."""
+        """Drop a shard whose lease we found lost, without touching its lease row."""
         self.owned.pop(shard, None)
 
     def leave(self, conn: psycopg.Connection[Any]) -> None:

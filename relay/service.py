@@ -273,7 +273,7 @@ class Relay:
                 worker.failures = 0
             except LeaseLost as exc:  # a Fenced producer recovers: there it finds out which
                 logger.warning("shard %s fenced: %s", shard, exc)
-                metrics.ERRORS.labels("fenced").inc()
+                metrics.ERRORS.labels("lease_lost").inc()
                 self._drop_worker(shard)
             except psycopg.Error:
                 raise  # the connection all shards share: the round fails
