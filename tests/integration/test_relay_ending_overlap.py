@@ -76,6 +76,31 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return thread, outcome
 
 
+def round_held_by_the_end(relay: Relay, gate: threading.Event) -> Any:
+    """A pipelined round whose Kafka commit must wait for the held end of the batch before:
+    checked waiting there, then the end let go. Returns the round's result, or its error."""
+    (worker,) = relay.workers.values()
+    waiting, settle = threading.Event(), worker.settle
+
+    def waited() -> None:
+        waiting.set()
+        settle()
+
+    worker.settle = waited  # type: ignore[method-assign]
+    thread, outcome = in_thread(lambda: relay.run_once(pipelined=True))
+    try:
+        assert waiting.wait(30), "the round never waited for the end before its commit"
+        thread.join(0.5)
+        assert thread.is_alive(), "the next batch committed before the batch before it ended"
+    finally:
+        gate.set()
+        thread.join(30)
+        worker.settle = settle  # type: ignore[method-assign]
+    assert not thread.is_alive()
+    (result,) = outcome
+    return result
+
+
 def test_the_next_batch_is_claimed_while_the_last_one_ends_and_nothing_goes_twice(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
@@ -97,13 +122,7 @@ def test_the_next_batch_is_claimed_while_the_last_one_ends_and_nothing_goes_twic
         publish(pg_dsn, topic, "b1")
         # The next round claims around the batch being ended, and waits for that end only
         # before its own Kafka commit.
-        thread, outcome = in_thread(lambda: relay.run_once(pipelined=True))
-        thread.join(2)
-        assert thread.is_alive(), "the second batch committed before the first one ended"
-        gate.set()
-        thread.join(30)
-    assert not thread.is_alive()
-    (second,) = outcome
+        second = round_held_by_the_end(relay, gate)
     # b1 only: a1 and a2 were not claimed again, nor the rolled back record's marker
     assert (second.delivered, second.ended) == (1, 0)
     relay.run_once()  # settles the second batch's end
@@ -135,13 +154,7 @@ def test_an_end_that_fails_aborts_the_next_batch_and_the_heir_ends_the_rows_from
                 "lease_until = now() - interval '1 second'"
             )
         publish(pg_dsn, topic, "second")
-        thread, outcome = in_thread(lambda: relay.run_once(pipelined=True))
-        thread.join(2)
-        assert thread.is_alive(), "the second batch committed before the first one ended"
-        gate.set()
-        thread.join(30)
-    assert not thread.is_alive()
-    (round_,) = outcome
+        round_ = round_held_by_the_end(relay, gate)
     assert round_.delivered == 0  # the round ended; its one shard was lost
     assert relay.workers == {}  # LeaseLost: the shard was dropped
     # "second" was in a Kafka transaction that was aborted; "first" is committed in Kafka
@@ -223,18 +236,7 @@ def test_an_ender_whose_connection_breaks_costs_its_shard_a_recovery_not_the_rou
             # the shard recovers "first" from its marker, then ships "second"
             assert relay.run_once(pipelined=True).delivered == 1
         else:
-            waiting, settle = threading.Event(), worker.settle
-
-            def waited() -> None:
-                waiting.set()
-                settle()
-
-            worker.settle = waited  # type: ignore[method-assign]
-            thread, outcome = in_thread(lambda: relay.run_once(pipelined=True))
-            assert waiting.wait(30)  # "second" produced, its commit waits for the end
-            gate.set()
-            thread.join(30)
-            (error,) = outcome
+            error = round_held_by_the_end(relay, gate)
             # the shard's trouble, not the relay connection's: the loop keeps that one
             assert isinstance(error, EndFailed)
             # "second" was aborted with it
