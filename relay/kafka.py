@@ -45,6 +45,19 @@ _FENCED_ERRORS = frozenset(
 )
 
 
+# What init_transactions refuses for good until the settings or the broker's ACLs change, and
+# what to change.
+_MISCONFIGURED = {
+    KafkaError.INVALID_TRANSACTION_TIMEOUT: (
+        "transaction.timeout.ms (kafka.extra) must not exceed the broker's "
+        "transaction.max.timeout.ms"
+    ),
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: (
+        "the relay's principal needs WRITE and DESCRIBE on its transactional ids "
+        "(relay.transactional_id_prefix, then -<shard>)"
+    ),
+}
+
 # Metadata errors that say the topic is not there for us; any other one passes.
 _TOPIC_MISSING = frozenset(
     {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.TOPIC_AUTHORIZATION_FAILED}
@@ -61,6 +74,10 @@ class Fenced(Exception):
 
 class OutcomeUnknown(Exception):
     """commit_transaction failed in a way that leaves its outcome unknown: recover from markers."""
+
+
+class ProducerMisconfigured(ValueError):
+    """Kafka refuses this transactional producer for a reason no retry mends."""
 
 
 class ProducerFailed(Exception):
@@ -104,7 +121,18 @@ class ShardProducer:
         """(Re)create the producer and init transactions: fences any older instance of us."""
         self.close()
         self._producer = Producer(self._conf)
-        self._call(self._producer.init_transactions, self.timeout_s)
+        try:
+            self._producer.init_transactions(self.timeout_s)
+        except KafkaException as exc:
+            err: KafkaError = exc.args[0]
+            hint = _MISCONFIGURED.get(err.code())
+            if hint is not None:
+                raise ProducerMisconfigured(
+                    f"Kafka refuses the transactional producer {self.transactional_id}: "
+                    f"{err.str()}; {hint}"
+                ) from exc
+            _raise_if_fenced_or_fatal(err, exc)
+            raise
 
     @property
     def producer(self) -> Producer:

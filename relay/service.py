@@ -27,7 +27,7 @@ from outbox.migrations import current_version, latest_version
 from relay import metrics
 from relay.config import SidecarSettings
 from relay.ender import RowEnder
-from relay.kafka import Fenced, OutcomeUnknown, ProducerFailed, Topics
+from relay.kafka import Fenced, OutcomeUnknown, ProducerFailed, ProducerMisconfigured, Topics
 from relay.leases import LeaseManager
 from relay.shard import LeaseLost, ShardRound, ShardWorker
 from relay.sharding import shard_ranges
@@ -277,6 +277,8 @@ class Relay:
                 self._drop_worker(shard)
             except psycopg.Error:
                 raise  # the connection all shards share: the round fails
+            except ProducerMisconfigured as exc:  # every shard's producer would be refused
+                raise RelayConfigError(str(exc)) from exc
             except Exception as exc:
                 # One shard's trouble (a topic without a leader, a marker partition stuck)
                 # must not stop the others: it backs off alone, and recovers before it goes on.

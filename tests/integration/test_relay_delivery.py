@@ -1049,3 +1049,14 @@ def test_a_fenced_producer_whose_lease_is_still_ours_recovers_instead_of_idling(
     worker.retry_at = 0.0  # past its back-off
     assert relay.run_once().delivered == 1  # a new producer, fencing the intruder in turn
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"after the fencing"]
+
+
+def test_a_producer_setting_the_broker_refuses_for_good_stops_the_relay_saying_what_to_change(
+    relay_settings: Callable[..., SidecarSettings], relay_factory: Any
+) -> None:
+    settings = relay_settings()
+    # above the broker's transaction.max.timeout.ms (15 min by default)
+    kafka = settings.kafka.model_copy(update={"extra": {"transaction.timeout.ms": 960_000}})
+    relay = relay_factory(settings.model_copy(update={"kafka": kafka}))
+    with pytest.raises(RelayConfigError, match=r"must not exceed the broker's transaction\.max"):
+        relay.run_once()  # the loop stops on it, and the process exits 1
