@@ -7,10 +7,10 @@
 
 `rearm` puts a discarded transaction that the relay has not shipped yet back to prepared, with
 its check count set to N (default 0: a full `max_checks` again), due at once, its maximum
-prepared age counted from the re-arm. `resolve` commits
-or rolls back by hand a prepared transaction (or a discarded one not shipped yet). Both are
-audited in `audit_log`. The database comes from `--dsn` or OUTBOX_DATABASE_URL (for `checker`:
-from the settings, `--dsn` overriding them).
+prepared age counted from the re-arm. `resolve` commits or rolls back by hand a prepared
+transaction (or a discarded one not shipped yet). Both are audited in `audit_log`. The
+database comes from `--dsn` or OUTBOX_DATABASE_URL (for `checker`: from the settings, `--dsn`
+overriding them).
 """
 
 from __future__ import annotations
