@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 BEFORE_PRODUCE = "before_produce"
 AFTER_PRODUCE = "after_produce"  # records and markers sent, Kafka transaction not committed
@@ -23,4 +24,8 @@ _armed, _, _how = os.environ.get("OUTBOX_RELAY_FAILPOINT", "").partition(":")
 
 def hit(name: str) -> None:
     if _armed == name:
-        os.kill(os.getpid(), signal.SIGSTOP if _how == "stop" else signal.SIGKILL)
+        # To this thread, not the process: a process-directed SIGSTOP is taken by the main
+        # thread, which the sidecar keeps waiting on an event; on a busy machine it got a CPU
+        # only later, and the relay's thread meanwhile went on past this point and committed.
+        sig = signal.SIGSTOP if _how == "stop" else signal.SIGKILL
+        signal.pthread_kill(threading.get_ident(), sig)

@@ -25,10 +25,18 @@ from tests.fixtures.relay import RelayProcess
 FAST = {"lease_duration": "PT3S", "poll_interval": "PT0.2S"}
 
 
-def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
+def wait_for(
+    condition: Callable[[], object],
+    timeout: float,
+    what: str,
+    *logs: RelayProcess,
+) -> None:
+    """Polls `condition`; on timeout, fails with the output of the relay processes in `logs`."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            shown = "".join(f"\n--- {p.log.name}:\n{p.output()}" for p in logs)
+            pytest.fail(f"timed out waiting for {what}{shown}")
         time.sleep(0.05)
 
 
@@ -95,7 +103,9 @@ def test_kill_9_at_each_point_loses_and_duplicates_nothing(
         assert consume_all(kafka_bootstrap, topic, "read_committed") == []
 
     survivor = relay_process(**FAST)
-    wait_for(lambda: undelivered(pg_dsn) == 0, 60, "the restarted relay to deliver everything")
+    wait_for(
+        lambda: undelivered(pg_dsn) == 0, 60, "the restarted relay to deliver everything", survivor
+    )
     assert survivor.terminate() == 0, survivor.output()
 
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
@@ -113,13 +123,15 @@ def test_a_paused_owner_is_fenced_after_losing_its_lease(
     expected = publish(pg_dsn, topic, transactions=4, per_tx=5)
 
     zombie = relay_process(failpoint=f"{_failpoints.AFTER_PRODUCE}:stop", **FAST)
-    wait_for(zombie.stopped, 60, "the first relay to pause with its batch in flight")
+    wait_for(zombie.stopped, 60, "the first relay to pause with its batch in flight", zombie)
 
     successor = relay_process(**FAST)
-    wait_for(lambda: undelivered(pg_dsn) == 0, 60, "the successor to take over and deliver")
+    wait_for(
+        lambda: undelivered(pg_dsn) == 0, 60, "the successor to take over and deliver", successor
+    )
 
     zombie.proc.send_signal(signal.SIGCONT)  # wakes up, believes it still owns
-    wait_for(lambda: "fenced" in zombie.output(), 60, "the zombie to learn it was fenced")
+    wait_for(lambda: "fenced" in zombie.output(), 60, "the zombie to learn it was fenced", zombie)
     assert zombie.terminate() == 0, zombie.output()
     assert successor.terminate() == 0, successor.output()
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
@@ -139,7 +151,7 @@ def test_two_relays_share_the_shards_and_deliver_each_record_once(
         with psycopg.connect(pg_dsn) as conn:
             return {r[0] for r in conn.execute("SELECT owner FROM outbox.shard_lease")}
 
-    wait_for(lambda: len(owners() - {None}) == 2, 60, "both relays to hold shards")
+    wait_for(lambda: len(owners() - {None}) == 2, 60, "both relays to hold shards", one, two)
 
     def write() -> None:  # keys over all the shards: a transaction goes from its home shard
         with psycopg.connect(pg_dsn) as conn:
@@ -153,7 +165,7 @@ def test_two_relays_share_the_shards_and_deliver_each_record_once(
     writer.start()
     writer.join(120)
     assert not writer.is_alive()
-    wait_for(lambda: undelivered(pg_dsn) == 0, 90, "everything to be delivered")
+    wait_for(lambda: undelivered(pg_dsn) == 0, 90, "everything to be delivered", one, two)
     assert one.terminate() == 0, one.output()
     assert two.terminate() == 0, two.output()
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
