@@ -29,7 +29,7 @@ from relay.config import SidecarSettings
 from relay.ender import RowEnder
 from relay.kafka import Fenced, OutcomeUnknown, ProducerFailed, ProducerMisconfigured, Topics
 from relay.leases import LeaseManager
-from relay.shard import LeaseLost, ShardRound, ShardWorker
+from relay.shard import EndFailed, LeaseLost, ShardRound, ShardWorker
 from relay.sharding import shard_ranges
 
 logger = logging.getLogger(__name__)
@@ -368,7 +368,7 @@ class Relay:
 
     @staticmethod
     def _count_failure(exc: Exception, what: str) -> None:
-        if isinstance(exc, psycopg.Error):
+        if isinstance(exc, psycopg.Error | EndFailed):  # EndFailed: the ender's connection
             kind = "database"
         elif isinstance(exc, KafkaException | OutcomeUnknown | ProducerFailed):
             kind = "kafka"

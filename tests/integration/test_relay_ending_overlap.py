@@ -11,12 +11,15 @@ from typing import Any
 
 import psycopg
 import pytest
+from prometheus_client import REGISTRY
 
 import outbox
 from relay.service import Relay
 from relay.shard import EndFailed
 from tests.fixtures.kafka import consume_all
 from tests.integration.test_relay_delivery import markers, same_settings_other_id, values
+
+_ERRORS = "outbox_relay_errors_total"
 
 
 def publish(dsn: str, topic: str, *payloads: str) -> None:
@@ -236,9 +239,12 @@ def test_an_ender_whose_connection_breaks_costs_its_shard_a_recovery_not_the_rou
             # the shard recovers "first" from its marker, then ships "second"
             assert relay.run_once(pipelined=True).delivered == 1
         else:
+            database_errors = REGISTRY.get_sample_value(_ERRORS, {"kind": "database"}) or 0.0
             error = round_held_by_the_end(relay, gate)
             # the shard's trouble, not the relay connection's: the loop keeps that one
             assert isinstance(error, EndFailed)
+            # counted with the database errors, where an alert on them looks
+            assert REGISTRY.get_sample_value(_ERRORS, {"kind": "database"}) == database_errors + 1
             # "second" was aborted with it
             assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"first"]
             assert relay.run_once().delivered == 1  # after recovering "first"
