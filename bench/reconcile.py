@@ -26,6 +26,7 @@ Final line: JSON.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import statistics
@@ -53,8 +54,9 @@ def relay_rate(dsn: str, bootstrap: str, records: int) -> float | None:
     bench/relay.py's drain: `records` committed rows in a scratch database of their own (this
     run's `dsn` holds the reconciliation's ledger), a real `outboxctl relay` process.
     """
-    from bench.relay import drain
+    from bench.relay import delete_made_topics, drain
 
+    atexit.register(delete_made_topics, bootstrap)  # the drain's topics, on an exception too
     with scratch_database() as relay_dsn:
         return drain(relay_dsn, bootstrap, records).rate
 

@@ -17,6 +17,7 @@ throughput from a small to a large backlog (goal <= 20%). Final line: JSON.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import multiprocessing
 import os
@@ -30,7 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bench._services import ROOT, scratch_database, service_env
@@ -40,10 +48,14 @@ from relay.markers import decode_markers
 VALUE = os.urandom(512).hex().encode()  # 1 KiB
 BATCH = 1000  # the relay's default batch_size
 PER_TX = 10  # records per outbox transaction in the backlogs and the latency load
+# Topics this run made or had the relay make: deleted at the end (left behind, thousands of
+# partitions gathered on a developer's broker and slowed its restarts).
+made_topics: list[str] = []
 
 
 def create_topic(bootstrap: str, partitions: int = 3) -> str:
     name = f"bench.relay.{uuid.uuid4().hex[:8]}"
+    made_topics.append(name)
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])[
         name
@@ -114,8 +126,23 @@ def b2_postgres(dsn: str, count: int) -> float:
         return count / (time.perf_counter() - started)
 
 
+def delete_made_topics(bootstrap: str) -> None:
+    """Delete `made_topics`; one that was never created (a relay that did not start) is fine."""
+    if not made_topics:
+        return
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for name, future in admin.delete_topics(list(made_topics)).items():
+        try:
+            future.result(30)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise
+        made_topics.remove(name)
+
+
 def relay_env(dsn: str, bootstrap: str, **relay: Any) -> dict[str, str]:
     tag = uuid.uuid4().hex[:8]
+    made_topics.extend((f"bench.markers.{tag}", f"bench.dlt.{tag}"))
     return {
         **os.environ,
         "OUTBOX_DATABASE__DSN": dsn,
@@ -359,6 +386,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of B1, B2 and the relay")
     args = parser.parse_args()
     bootstrap = service_env()["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
+    atexit.register(delete_made_topics, bootstrap)  # on an exception too
 
     # This machine's broker is noisy (B1 has varied 2x between runs): each figure is the median
     # of --repeat runs, interleaved so that a slow spell hits all three alike.

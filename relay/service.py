@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 10.0
 STAMP_SLICE = 50_000  # rows per stamping transaction: ~1.5 s here, well inside a lease
+FULL_STAMP_EVERY_S = 60.0  # a stamp of every unstamped row, not only above the last horizon
 LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
 # What a marker message may hold beyond op_marker_message_bytes: one more entry (its key and
 # reason are capped, relay/markers.py), the envelope, and Kafka's record overhead.
@@ -96,6 +97,10 @@ class Relay:
         self._set_up = False
         self._last_heartbeat = 0.0
         self._last_trim = 0.0
+        self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
+        # is stamped (see _stamp)
+        self._next_full_stamp = 0.0
+        self._shards_gained = 0
         self.last_round_at = time.monotonic()
 
     # --- connections ------------------------------------------------------------------------
@@ -213,6 +218,9 @@ class Relay:
                 self.topics,
                 self.ender,
             )
+        if changes.gained:  # the next stamp looks at every unstamped row (see _stamp)
+            self._shards_gained += 1
+            self._stamped_below = "0"
         metrics.SHARDS_OWNED.set(len(self.workers))
         self._last_heartbeat = time.monotonic()
 
@@ -296,35 +304,54 @@ class Relay:
         """Stamp the commit time of the owned shards' rows below the xid horizon; return the
         hold-back (relay.sql, relay_hold_back). A large backlog is stamped a slice per
         transaction, with leases renewed in between: one UPDATE of a million rows held the
-        horizon and its locks for a minute, longer than a lease."""
+        horizon and its locks for a minute, longer than a lease.
 
-        def stamp(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None]:
+        A complete stamp (not cut at a slice) leaves every committed row of the owned shards
+        below the horizon it started with stamped, and the next stamps and hold-backs look
+        only above that (`_stamped_below`): the index entries of the rows stamped before stay
+        until a vacuum, and after a large backlog one scan of them took ~0.5 s, a round's
+        stamp and hold-back two. A shard gained starts over from 0 (its rows may be left
+        unstamped by another relay), and so does a stamp every FULL_STAMP_EVERY_S, which finds
+        a row put back by hand with an old transaction id.
+        """
+
+        def stamp(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None, str]:
+            bounded = {**params, "stamped_below": self._stamped_below}
             with self.conn.pipeline(), self.conn.transaction():  # 2 round trips, not 5
-                self.conn.execute(queries.query("relay_stamp_plan", self.schema))
+                plan = self.conn.execute(queries.query("relay_stamp_plan", self.schema))
                 # Unprepared: custom plans, which can estimate the key ranges.
                 stamped = self.conn.execute(
                     queries.query("relay_stamp_commit_ts", self.schema),
-                    {**params, "limit": STAMP_SLICE},
+                    {**bounded, "limit": STAMP_SLICE},
                     prepare=False,
                 )
                 held = None
                 if with_hold_back:
                     held = self.conn.execute(
-                        queries.query("relay_hold_back", self.schema), params, prepare=False
+                        queries.query("relay_hold_back", self.schema), bounded, prepare=False
                     )
-            return stamped.rowcount, held  # the pipeline synced: both results are in
+            horizon = plan.fetchone()[-1]  # type: ignore[index]
+            return stamped.rowcount, held, horizon  # the pipeline synced: all results are in
 
-        count, held = stamp(with_hold_back=True)  # the usual round: all stamped at once
+        if time.monotonic() >= self._next_full_stamp:
+            self._stamped_below = "0"
+            self._next_full_stamp = time.monotonic() + FULL_STAMP_EVERY_S
+        gained = self._shards_gained
+        count, held, horizon = stamp(with_hold_back=True)  # the usual round: all at once
         while count >= STAMP_SLICE:
             if self._heartbeat_due():
                 self.heartbeat()
-            count, held = stamp(with_hold_back=False)
+            count, held, horizon = stamp(with_hold_back=False)
         if held is None:
             with self.conn.transaction():
                 self.conn.execute(queries.query("relay_stamp_plan", self.schema))
                 held = self.conn.execute(
-                    queries.query("relay_hold_back", self.schema), params, prepare=False
+                    queries.query("relay_hold_back", self.schema),
+                    {**params, "stamped_below": self._stamped_below},
+                    prepare=False,
                 )
+        if self._shards_gained == gained:  # else a shard `params` lacks, between slices
+            self._stamped_below = horizon  # the last slice was complete
         row = held.fetchone()
         return row[0] if row else None
 

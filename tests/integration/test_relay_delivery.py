@@ -587,6 +587,63 @@ def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit
     }
 
 
+def test_a_complete_stamp_is_not_scanned_again_below_its_horizon_until_a_full_stamp(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """After a complete stamp, stamps and hold-backs look only above the horizon it started
+    with (past the index entries of the rows stamped before). A row put back by hand with an
+    old transaction id waits for the next stamp of every row (a minute at most)."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            (old_xid,) = conn.execute("SELECT pg_current_xact_id()::text").fetchone()  # type: ignore[misc]
+        with conn.transaction():
+            outbox.publish(conn, topic, "first", key="a")
+    r = relay_factory()
+    assert r.run_once().delivered == 1  # its first round: a complete stamp of every row
+    assert int(r._stamped_below) > int(old_xid)
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            by_hand = outbox.publish(conn, topic, "by hand", key="b")
+        conn.execute(  # as if committed by the old transaction and put back by hand
+            "UPDATE outbox.outbox_record SET committed_xid = %s::xid8 WHERE id = %s",
+            (old_xid, by_hand),
+        )
+        with conn.transaction():
+            outbox.publish(conn, topic, "second", key="a")
+    assert r.run_once().delivered == 1  # "second": the old xid is below the stamped horizon
+    assert r.run_once().delivered == 0
+    r._next_full_stamp = 0.0  # as a minute later
+    assert r.run_once().delivered == 1  # "by hand"
+    got = [m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed")]
+    assert got == [b"first", b"second", b"by hand"]
+
+
+def test_a_relay_that_gains_a_shard_stamps_its_rows_below_its_own_stamped_horizon(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A row of a shard another relay held, committed before this relay's last complete stamp,
+    is below its stamped horizon, and unstamped: gaining the shard makes it look again."""
+    from relay.sharding import shard_of
+
+    topic = topic_factory()
+    first, second = _two_relays_a_shard_each(relay_factory)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        row_id = outbox.publish(conn, topic, "left behind", key="x")
+        ((key_hash, xid),) = conn.execute(
+            "SELECT key_hash, committed_xid::text FROM outbox.outbox_record WHERE id = %s",
+            (row_id,),
+        ).fetchall()
+    owner, other = (first, second) if shard_of(key_hash, 2) in first.workers else (second, first)
+    assert other.run_once().delivered == 0  # not its shard; a complete stamp of its own
+    assert int(other._stamped_below) > int(xid)
+    owner.stop()  # never ran a round: hands its shard back with the row unstamped
+    other.heartbeat()
+    assert len(other.workers) == 2
+    assert other.run_once().delivered == 1
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"left behind"]
+
+
 def test_a_schema_with_capitals_is_migrated_once_and_wakes_its_relay(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str]
 ) -> None:

@@ -312,7 +312,9 @@ def running_settings(
         marker_topic=markers,
         deadline=timedelta(seconds=2),
         trigger=timedelta(seconds=1),
-        horizon=timedelta(minutes=2),
+        # Far beyond a test's run: with 2 minutes, a test that ran longer on a busy machine
+        # would lose its observations to the trim (as the kill-mid-batch test once did).
+        horizon=timedelta(minutes=10),
         checkpoint=str(tmp_path / "checkpoint"),
         **more,
     )
