@@ -385,6 +385,9 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs of B1, B2 and the relay")
     args = parser.parse_args()
+    if min(args.records, args.small, args.large) <= BATCH:
+        parser.error(f"--records, --small and --large must exceed the batch size, {BATCH}: a "
+                     "drain's rate is timed after its first batch")  # fmt: skip
     bootstrap = service_env()["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
     atexit.register(delete_made_topics, bootstrap)  # on an exception too
 
