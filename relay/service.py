@@ -100,7 +100,7 @@ class Relay:
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
         # is stamped (see _stamp)
         self._next_full_stamp = 0.0
-        self._shards_gained = 0
+        self._stamp_resets = 0
         self.last_round_at = time.monotonic()
 
     # --- connections ------------------------------------------------------------------------
@@ -118,6 +118,7 @@ class Relay:
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed or self._conn.broken:
             self._conn = self._connect()
+            self._stamp_all_again()  # maybe a database restored meanwhile
         return self._conn
 
     def _drop_connection(self) -> None:
@@ -218,9 +219,8 @@ class Relay:
                 self.topics,
                 self.ender,
             )
-        if changes.gained:  # the next stamp looks at every unstamped row (see _stamp)
-            self._shards_gained += 1
-            self._stamped_below = "0"
+        if changes.gained:  # their rows may be left unstamped by another relay
+            self._stamp_all_again()
         metrics.SHARDS_OWNED.set(len(self.workers))
         self._last_heartbeat = time.monotonic()
 
@@ -311,8 +311,9 @@ class Relay:
         only above that (`_stamped_below`): the index entries of the rows stamped before stay
         until a vacuum, and after a large backlog one scan of them took ~0.5 s, a round's
         stamp and hold-back two. A shard gained starts over from 0 (its rows may be left
-        unstamped by another relay), and so does a stamp every FULL_STAMP_EVERY_S, which finds
-        a row put back by hand with an old transaction id.
+        unstamped by another relay), and so do a new connection (the database may have been
+        restored) and a stamp every FULL_STAMP_EVERY_S, which finds a row put back by hand with
+        an old transaction id.
         """
 
         def stamp(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None, str]:
@@ -334,9 +335,9 @@ class Relay:
             return stamped.rowcount, held, horizon  # the pipeline synced: all results are in
 
         if time.monotonic() >= self._next_full_stamp:
-            self._stamped_below = "0"
+            self._stamp_all_again()
             self._next_full_stamp = time.monotonic() + FULL_STAMP_EVERY_S
-        gained = self._shards_gained
+        resets = self._stamp_resets
         count, held, horizon = stamp(with_hold_back=True)  # the usual round: all at once
         while count >= STAMP_SLICE:
             if self._heartbeat_due():
@@ -350,10 +351,16 @@ class Relay:
                     {**params, "stamped_below": self._stamped_below},
                     prepare=False,
                 )
-        if self._shards_gained == gained:  # else a shard `params` lacks, between slices
+        if self._stamp_resets == resets:  # else maybe a shard gained between slices
             self._stamped_below = horizon  # the last slice was complete
         row = held.fetchone()
         return row[0] if row else None
+
+    def _stamp_all_again(self) -> None:
+        """The next stamp and hold-back look at every unstamped row, not only above the last
+        complete stamp's horizon (see _stamp)."""
+        self._stamped_below = "0"
+        self._stamp_resets += 1
 
     def _keep_alive(self) -> None:
         if self._heartbeat_due():

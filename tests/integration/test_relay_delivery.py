@@ -592,7 +592,8 @@ def test_a_complete_stamp_is_not_scanned_again_below_its_horizon_until_a_full_st
 ) -> None:
     """After a complete stamp, stamps and hold-backs look only above the horizon it started
     with (past the index entries of the rows stamped before). A row put back by hand with an
-    old transaction id waits for the next stamp of every row (a minute at most)."""
+    old transaction id waits for the next stamp of every row: a minute at most, or a new
+    database connection."""
     topic = topic_factory()
     with psycopg.connect(pg_dsn) as conn:
         with conn.transaction():
@@ -602,21 +603,29 @@ def test_a_complete_stamp_is_not_scanned_again_below_its_horizon_until_a_full_st
     r = relay_factory()
     assert r.run_once().delivered == 1  # its first round: a complete stamp of every row
     assert int(r._stamped_below) > int(old_xid)
-    with psycopg.connect(pg_dsn) as conn:
-        with conn.transaction():
-            by_hand = outbox.publish(conn, topic, "by hand", key="b")
-        conn.execute(  # as if committed by the old transaction and put back by hand
-            "UPDATE outbox.outbox_record SET committed_xid = %s::xid8 WHERE id = %s",
-            (old_xid, by_hand),
-        )
-        with conn.transaction():
-            outbox.publish(conn, topic, "second", key="a")
+
+    def put_back_by_hand(value: str) -> None:  # as if committed by the old transaction
+        with psycopg.connect(pg_dsn) as conn:
+            with conn.transaction():
+                row_id = outbox.publish(conn, topic, value, key="b")
+            conn.execute(
+                "UPDATE outbox.outbox_record SET committed_xid = %s::xid8 WHERE id = %s",
+                (old_xid, row_id),
+            )
+
+    put_back_by_hand("by hand")
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "second", key="a")
     assert r.run_once().delivered == 1  # "second": the old xid is below the stamped horizon
     assert r.run_once().delivered == 0
     r._next_full_stamp = 0.0  # as a minute later
     assert r.run_once().delivered == 1  # "by hand"
+    put_back_by_hand("by hand again")
+    assert r.run_once().delivered == 0
+    r.conn.close()  # as a database restart would
+    assert r.run_once().delivered == 1
     got = [m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed")]
-    assert got == [b"first", b"second", b"by hand"]
+    assert got == [b"first", b"second", b"by hand", b"by hand again"]
 
 
 def test_a_relay_that_gains_a_shard_stamps_its_rows_below_its_own_stamped_horizon(
