@@ -351,7 +351,7 @@ class Relay:
                     {**params, "stamped_below": self._stamped_below},
                     prepare=False,
                 )
-        if self._stamp_resets == resets:  # else maybe a shard gained between slices
+        if self._stamp_resets == resets:  # else a reset came meanwhile (a shard gained, ...)
             self._stamped_below = horizon  # the last slice was complete
         row = held.fetchone()
         return row[0] if row else None
