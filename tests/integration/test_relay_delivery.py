@@ -653,6 +653,71 @@ def test_a_relay_that_gains_a_shard_stamps_its_rows_below_its_own_stamped_horizo
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"left behind"]
 
 
+def counting_stamps(relay: Relay) -> list[None]:
+    """Wraps the relay's stamp: the list grows by one per stamp."""
+    stamps: list[None] = []
+    stamp = relay._stamp
+
+    def counted(params: dict[str, Any]) -> Any:
+        stamps.append(None)
+        return stamp(params)
+
+    relay._stamp = counted  # type: ignore[method-assign]
+    return stamps
+
+
+def test_a_drain_goes_on_without_stamping_while_nothing_is_left_unstamped(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(5):
+            with conn.transaction():
+                outbox.publish(conn, topic, f"t{i}", key="k")
+    r = relay_factory(batch_size=2)
+    r._listening()  # as the loop does; the commits above notified before it listened
+    stamps = counting_stamps(r)
+    rounds = [r.run_once(pipelined=True) for _ in range(3)]
+    assert [(x.delivered, x.full) for x in rounds] == [(2, True), (2, True), (1, False)]
+    assert len(stamps) == 1  # the first round's; the next two followed a full one
+    got = [m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed")]
+    assert got == [f"t{i}".encode() for i in range(5)]
+
+
+def test_a_drain_stamps_every_round_while_a_committed_row_is_left_unstamped(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """`y` commits after `r1`, but below the xid horizon, which an open transaction holds
+    above `r1`: `y` is stamped, `r1` not, and the hold-back keeps `y` back. A round that
+    skipped the stamp would have no hold-back and send `y` first."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn:
+        for value in ("p1", "p2"):
+            with conn.transaction():
+                outbox.publish(conn, topic, value, key=value)
+    with (
+        psycopg.connect(pg_dsn) as y_conn,
+        psycopg.connect(pg_dsn) as holder,
+        psycopg.connect(pg_dsn) as conn,
+    ):
+        outbox.publish(y_conn, topic, "y", key="y")  # its transaction is older than the holder
+        holder.execute("SELECT pg_current_xact_id()")
+        with conn.transaction():
+            outbox.publish(conn, topic, "r1", key="r1")
+        y_conn.commit()
+        r = relay_factory(batch_size=1)
+        r._listening()  # nothing pending: every commit came before
+        stamps = counting_stamps(r)
+        rounds = [r.run_once(pipelined=True).delivered for _ in range(3)]
+        assert rounds == [1, 1, 0]  # p1, p2; then `y` waits for `r1`
+        assert len(stamps) == 3
+        holder.commit()
+    while r.run_once().delivered:
+        pass
+    got = [m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed")]
+    assert got == [b"p1", b"p2", b"r1", b"y"]
+
+
 def test_a_schema_with_capitals_is_migrated_once_and_wakes_its_relay(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str]
 ) -> None:
