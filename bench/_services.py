@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient  # type: ignore[attr-defined]
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -48,3 +50,16 @@ def scratch_database() -> Iterator[str]:
     finally:
         with psycopg.connect(admin_dsn, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def delete_topics(bootstrap: str, names: list[str]) -> None:
+    """Delete these topics; one that was never created (a relay that did not start) is fine."""
+    if not names:
+        return
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.delete_topics(names).values():
+        try:
+            future.result(30)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise

@@ -40,7 +40,7 @@ import psycopg
 from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from bench._services import scratch_database, service_env
+from bench._services import delete_topics, scratch_database, service_env
 from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, marker_entry, marker_messages
 
 VALUE = os.urandom(512).hex().encode()  # 1 KiB
@@ -65,12 +65,6 @@ def create_topics(bootstrap: str, *names_partitions: tuple[str, int]) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     new = [NewTopic(n, num_partitions=p, replication_factor=1) for n, p in names_partitions]
     for future in admin.create_topics(new).values():
-        future.result(30)
-
-
-def delete_topics(bootstrap: str, *names: str) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for future in admin.delete_topics(list(names)).values():
         future.result(30)
 
 
@@ -309,7 +303,7 @@ def main() -> None:
             spark.stop()
     finally:
         tmp.cleanup()
-        delete_topics(bootstrap, topic, markers)
+        delete_topics(bootstrap, [topic, markers])
 
     result = {
         "benchmark": "reconcile",

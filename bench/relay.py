@@ -33,17 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from confluent_kafka import (
-    OFFSET_BEGINNING,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Producer,
-    TopicPartition,
-)
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from bench._services import ROOT, scratch_database, service_env
+from bench._services import ROOT, delete_topics, scratch_database, service_env
 from outbox import Outbox, OutboxConfig, Record, State, _core
 from relay.markers import decode_markers
 
@@ -129,17 +122,8 @@ def b2_postgres(dsn: str, count: int) -> float:
 
 
 def delete_made_topics(bootstrap: str) -> None:
-    """Delete `made_topics`; one that was never created (a relay that did not start) is fine."""
-    if not made_topics:
-        return
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for name, future in admin.delete_topics(list(made_topics)).items():
-        try:
-            future.result(30)
-        except KafkaException as exc:
-            if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
-                raise
-        made_topics.remove(name)
+    delete_topics(bootstrap, made_topics)
+    made_topics.clear()
 
 
 def relay_env(dsn: str, bootstrap: str, **relay: Any) -> dict[str, str]:

@@ -41,17 +41,17 @@ def rows(dsn: str) -> list[tuple[Any, ...]]:
         ).fetchall()
 
 
-def counting_heartbeats(relay: Relay) -> list[None]:
-    """Wraps the relay's heartbeat: the list grows by one per heartbeat."""
-    beats: list[None] = []
-    heartbeat = relay.heartbeat
+def counting(relay: Relay, method: str) -> list[None]:
+    """Wraps one of the relay's methods: the list grows by one per call."""
+    calls: list[None] = []
+    original = getattr(relay, method)
 
-    def counted() -> None:
-        beats.append(None)
-        heartbeat()
+    def counted(*args: Any) -> Any:
+        calls.append(None)
+        return original(*args)
 
-    relay.heartbeat = counted  # type: ignore[method-assign]
-    return beats
+    setattr(relay, method, counted)
+    return calls
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 15.0) -> None:
@@ -571,7 +571,7 @@ def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit
                 outbox.publish(conn, topic, f"{tx}-b", key="b")
     monkeypatch.setattr(relay.service, "STAMP_SLICE", 3)
     r = relay_factory()
-    beats = counting_heartbeats(r)
+    beats = counting(r, "heartbeat")
     delivered = 0
     while (done := r.run_once()).delivered or done.full:
         delivered += done.delivered
@@ -653,19 +653,6 @@ def test_a_relay_that_gains_a_shard_stamps_its_rows_below_its_own_stamped_horizo
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"left behind"]
 
 
-def counting_stamps(relay: Relay) -> list[None]:
-    """Wraps the relay's stamp: the list grows by one per stamp."""
-    stamps: list[None] = []
-    stamp = relay._stamp
-
-    def counted(params: dict[str, Any]) -> Any:
-        stamps.append(None)
-        return stamp(params)
-
-    relay._stamp = counted  # type: ignore[method-assign]
-    return stamps
-
-
 def test_a_drain_goes_on_without_stamping_while_nothing_is_left_unstamped(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
@@ -676,7 +663,7 @@ def test_a_drain_goes_on_without_stamping_while_nothing_is_left_unstamped(
                 outbox.publish(conn, topic, f"t{i}", key="k")
     r = relay_factory(batch_size=2)
     r._listening()  # as the loop does; the commits above notified before it listened
-    stamps = counting_stamps(r)
+    stamps = counting(r, "_stamp")
     rounds = [r.run_once(pipelined=True) for _ in range(3)]
     assert [(x.delivered, x.full) for x in rounds] == [(2, True), (2, True), (1, False)]
     assert len(stamps) == 1  # the first round's; the next two followed a full one
@@ -707,7 +694,7 @@ def test_a_drain_stamps_every_round_while_a_committed_row_is_left_unstamped(
         y_conn.commit()
         r = relay_factory(batch_size=1)
         r._listening()  # nothing pending: every commit came before
-        stamps = counting_stamps(r)
+        stamps = counting(r, "_stamp")
         rounds = [r.run_once(pipelined=True).delivered for _ in range(3)]
         assert rounds == [1, 1, 0]  # p1, p2; then `y` waits for `r1`
         assert len(stamps) == 3
@@ -834,7 +821,7 @@ def test_leases_are_renewed_between_shards_of_one_round(
     r = relay_factory(shards=2)
     r.run_once()  # takes both shards
     assert len(r.workers) == 2
-    beats = counting_heartbeats(r)
+    beats = counting(r, "heartbeat")
     r._heartbeat_due = lambda: True  # type: ignore[method-assign]  # as if each shard was slow
     r.run_once()
     assert len(beats) == 1 + 2  # the round's own, then one before each shard
