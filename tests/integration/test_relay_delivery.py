@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -669,6 +670,34 @@ def test_a_drain_goes_on_without_stamping_while_nothing_is_left_unstamped(
     assert len(stamps) == 1  # the first round's; the next two followed a full one
     got = [m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed")]
     assert got == [f"t{i}".encode() for i in range(5)]
+
+
+def test_a_drain_stamps_again_once_a_commit_has_notified(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """The skip lasts only while no commit notifies: the next round stamps the new row, so
+    that it goes with the drain instead of waiting for a round that comes back not full."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(5):
+            with conn.transaction():
+                outbox.publish(conn, topic, f"t{i}", key="k")
+    r = relay_factory(batch_size=2)
+    listening = r._listening()
+    stamps = counting(r, "_stamp")
+    assert r.run_once(pipelined=True).full
+    assert len(stamps) == 1
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "late", key="k")
+    # the notification is on the LISTEN connection's socket, not read yet: the round reads it
+    readable, _, _ = select.select([listening.fileno()], [], [], 10)
+    assert readable, "the commit did not notify"
+    assert r.run_once(pipelined=True).full
+    assert len(stamps) == 2
+    while r.run_once(pipelined=True).delivered:
+        pass
+    got = [m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed")]
+    assert got == [*(f"t{i}".encode() for i in range(5)), b"late"]
 
 
 def test_a_drain_stamps_every_round_while_a_committed_row_is_left_unstamped(
