@@ -13,8 +13,10 @@ One run, one scratch database, one broker, N records of 1 KiB on a 3-partition t
              the sink (median and max of --drops). Goal: D + 2T, which holds while one
              judgement (reported: judge_seconds_median) takes less than a trigger interval.
   streaming  the continuous job (trigger T) while --stream-records more records and their
-             markers stream in: records reconciled per second of micro-batch time (store write
-             and judgement included) over the micro-batches with data, until it has caught up.
+             markers stream in, written as a relay writes them (a transaction of 500 at a time:
+             ledger rows committed, records and markers on Kafka, rows marked delivered):
+             records reconciled per second of micro-batch time (store write and judgement
+             included) over the micro-batches with data, until it has caught up.
              A running job judges only what became due since its last judgement, so this is its
              capacity to keep up with traffic, the figure to hold against the relay's rate.
 Final line: JSON.
@@ -68,29 +70,29 @@ def create_topics(bootstrap: str, *names_partitions: tuple[str, int]) -> None:
         future.result(30)
 
 
-def fill_ledger(dsn: str, topic: str, count: int) -> list[tuple[int, str, bytes, datetime]]:
-    """`count` committed rows, commit time in id order; (id, tx_id, key, commit_ts)."""
-    with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            """
-            INSERT INTO outbox.outbox_record (producer_group, tx_id, topic, key, value, key_hash,
-                                              state, committed_xid, commit_ts)
-            SELECT 'bench', 'tx-' || (g / %(per_tx)s), %(topic)s,
-                   convert_to((g %% %(keys)s)::text, 'UTF8'), %(value)s,
-                   hashtextextended((g %% %(keys)s)::text, 0), 'committed', pg_current_xact_id(),
-                   clock_timestamp()
-            FROM generate_series(0, %(n)s - 1) AS g
-            RETURNING id, tx_id, key, commit_ts
-            """,
-            {"per_tx": PER_TX, "topic": topic, "keys": KEYS, "value": VALUE, "n": count},
-        ).fetchall()
+def fill_ledger(
+    conn: psycopg.Connection[Any], topic: str, count: int, first: int = 0
+) -> list[tuple[int, str, bytes, datetime]]:
+    """`count` committed rows, commit time in id order; (id, tx_id, key, commit_ts). `first`:
+    the number of the first (its transaction and key follow from it)."""
+    rows = conn.execute(
+        """
+        INSERT INTO outbox.outbox_record (producer_group, tx_id, topic, key, value, key_hash,
+                                          state, committed_xid, commit_ts)
+        SELECT 'bench', 'tx-' || (g / %(per_tx)s), %(topic)s,
+               convert_to((g %% %(keys)s)::text, 'UTF8'), %(value)s,
+               hashtextextended((g %% %(keys)s)::text, 0), 'committed', pg_current_xact_id(),
+               clock_timestamp()
+        FROM generate_series(%(first)s, %(first)s + %(n)s - 1) AS g
+        RETURNING id, tx_id, key, commit_ts
+        """,
+        {"per_tx": PER_TX, "topic": topic, "keys": KEYS, "value": VALUE, "n": count,
+         "first": first},
+    ).fetchall()  # fmt: skip
     return sorted(rows)
 
 
-def produce(
-    bootstrap: str, topic: str, markers: str, rows: list[tuple[int, str, bytes, datetime]]
-) -> tuple[float, dict[int, tuple[int, int]]]:
-    """The stand-in baseline: records + op markers in Kafka transactions; (seconds, positions)."""
+def transactional_producer(bootstrap: str) -> Producer:
     producer = Producer(
         {
             "bootstrap.servers": bootstrap,
@@ -99,6 +101,13 @@ def produce(
         }
     )
     producer.init_transactions(30)
+    return producer
+
+
+def produce(
+    producer: Producer, topic: str, markers: str, rows: list[tuple[int, str, bytes, datetime]]
+) -> tuple[float, dict[int, tuple[int, int]]]:
+    """The stand-in baseline: records + op markers in Kafka transactions; (seconds, positions)."""
     positions: dict[int, tuple[int, int]] = {}
 
     def report(outbox_id: int) -> Any:
@@ -135,9 +144,9 @@ def produce(
     return time.perf_counter() - started, positions
 
 
-def mark_delivered(dsn: str, positions: dict[int, tuple[int, int]]) -> None:
-    with psycopg.connect(dsn) as conn:
-        conn.execute("CREATE TEMPORARY TABLE pos (id bigint, p integer, o bigint)")
+def mark_delivered(conn: psycopg.Connection[Any], positions: dict[int, tuple[int, int]]) -> None:
+    with conn.transaction():
+        conn.execute("CREATE TEMPORARY TABLE pos (id bigint, p integer, o bigint) ON COMMIT DROP")
         with conn.cursor().copy("COPY pos (id, p, o) FROM STDIN") as copy:
             for outbox_id, (p, o) in positions.items():
                 copy.write_row((outbox_id, p, o))
@@ -145,6 +154,22 @@ def mark_delivered(dsn: str, positions: dict[int, tuple[int, int]]) -> None:
             "UPDATE outbox.outbox_record r SET state = 'delivered', ended_at = clock_timestamp(),"
             " kafka_partition = pos.p, kafka_offset = pos.o FROM pos WHERE r.id = pos.id"
         )
+
+
+def deliver_like_the_relay(
+    dsn: str, bootstrap: str, topic: str, markers: str, count: int, first: int
+) -> float:
+    """`count` records as a relay delivers them, a transaction of PER_TX at a time: committed
+    in the ledger, then on Kafka with their markers, then marked delivered; returns seconds.
+    The ledger never holds many committed rows that are not on Kafka yet (which a running
+    job would judge missing, and spend a judgement on)."""
+    producer = transactional_producer(bootstrap)
+    started = time.perf_counter()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for start in range(first, first + count, PER_TX):
+            rows = fill_ledger(conn, topic, min(PER_TX, first + count - start), start)
+            mark_delivered(conn, produce(producer, topic, markers, rows)[1])
+    return time.perf_counter() - started
 
 
 def drop_one(dsn: str, topic: str) -> int:
@@ -162,11 +187,12 @@ def drop_one(dsn: str, topic: str) -> int:
 
 
 def streaming_capacity(
-    job: Any, dsn: str, bootstrap: str, topic: str, markers: str, count: int
+    job: Any, dsn: str, bootstrap: str, topic: str, markers: str, count: int, first: int
 ) -> dict[str, Any]:
     """The continuous job while `count` records (and their markers) stream in as fast as the
-    stand-in produces them: records reconciled per second of micro-batch time (store write and
-    judgement included), over the micro-batches with data after the first one."""
+    stand-in delivers them (deliver_like_the_relay): records reconciled per second of
+    micro-batch time (store write and judgement included), over the micro-batches with data
+    after the first one."""
     from spark.config import parse_time
 
     job.start()
@@ -175,9 +201,7 @@ def streaming_capacity(
         while job.last_report is None or job._query.lastProgress is None:
             time.sleep(0.2)
         before = {p.batchId for p in job._query.recentProgress if p.numInputRows > 0}
-        rows = fill_ledger(dsn, topic, count)
-        produce_s, positions = produce(bootstrap, topic, markers, rows)
-        mark_delivered(dsn, positions)
+        produce_s = deliver_like_the_relay(dsn, bootstrap, topic, markers, count, first)
         produced = datetime.now(UTC)
         started = time.monotonic()
         while True:  # until a trigger that started after the last commit finds nothing new
@@ -203,6 +227,8 @@ def streaming_capacity(
         "records_per_s": round(count / sum(durations)) if durations else 0,
         "batch_seconds_median": round(statistics.median(durations), 2) if durations else 0.0,
         "last_judgement_copies": last_report.copies if last_report else None,
+        # where a judgement spends its time (store read, ledger, judge, sink, trim)
+        "last_judgement_seconds": last_report.seconds if last_report else None,
     }
 
 
@@ -233,9 +259,12 @@ def main() -> None:
     try:
         with scratch_database() as dsn:
             n = args.records
-            rows = fill_ledger(dsn, topic, n)
-            produce_s, positions = produce(bootstrap, topic, markers, rows)
-            mark_delivered(dsn, positions)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                rows = fill_ledger(conn, topic, n)
+                produce_s, positions = produce(
+                    transactional_producer(bootstrap), topic, markers, rows
+                )
+                mark_delivered(conn, positions)
             baseline = n / produce_s
             print(
                 f"baseline (stand-in for the relay: raw Kafka transactional produce of {n:,} "
@@ -293,7 +322,7 @@ def main() -> None:
             goal = deadline.total_seconds() + 2 * trigger.total_seconds()
             steady = streaming_capacity(
                 ReconcileJob(settings(f"{tmp.name}/steady"), spark), dsn, bootstrap, topic,
-                markers, args.stream_records,
+                markers, args.stream_records, first=n,
             )  # fmt: skip
             print(
                 f"streaming: {steady['records_per_s']:,.0f} records/s over "
