@@ -62,18 +62,15 @@ def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
                 " applied_at timestamptz NOT NULL DEFAULT now())"
             ).format(ident)
         )
-        done = {
-            row[0]
-            for row in conn.execute(
-                sql.SQL("SELECT version FROM {}.schema_migration").format(ident)
-            )
-        }
+        applied = _applied(conn, schema)
+        done = set(applied)
         known = {m.version for m in queries.migrations()}
         if done - known:
             raise SchemaError(
                 f"schema {schema!r} has migrations {sorted(done - known)} that this library does "
                 f"not know (it knows up to {latest_version()}): upgrade the library"
             )
+        _refuse_other_migrations(schema, applied)
         pending = [m for m in queries.migrations() if m.version not in done]
         if not done:
             conn.execute(queries.schema_sql(schema))
@@ -89,6 +86,37 @@ def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
                 (m.version, m.name),
             )
     return MigrationReport(schema, tuple(m.version for m in pending), latest_version())
+
+
+def _applied(conn: psycopg.Connection[Any], schema: str) -> dict[int, str]:
+    """The recorded migrations: version -> name."""
+    query = sql.SQL("SELECT version, name FROM {}.schema_migration").format(sql.Identifier(schema))
+    return {row[0]: row[1] for row in conn.execute(query)}
+
+
+def _refuse_other_migrations(schema: str, applied: dict[int, str]) -> None:
+    """Raise SchemaError when a version was applied under another name than this library's.
+
+    A version is applied once and then skipped by number: had another build's migration of
+    that number been applied, what this library's adds would be missing, and the relay and
+    the checker would fail every round on a missing column instead of saying why.
+    """
+    ours = {m.version: m.name for m in queries.migrations()}
+    other = {v: n for v, n in sorted(applied.items()) if v in ours and ours[v] != n}
+    if other:
+        listed = ", ".join(f"{v} as {n!r} (this library's: {ours[v]!r})" for v, n in other.items())
+        raise SchemaError(
+            f"schema {schema!r} has migrations applied by another build of this library: "
+            f"{listed}. A migration must not change once applied; recreate the schema (a "
+            "development database), or bring it to this library's migrations by hand and "
+            "record their names in schema_migration"
+        )
+
+
+def check_applied(conn: psycopg.Connection[Any], schema: str = "outbox") -> None:
+    """Raise SchemaError when the schema's migrations are not this library's (see migrate)."""
+    if current_version(conn, schema) is not None:
+        _refuse_other_migrations(schema, _applied(conn, schema))
 
 
 def current_version(conn: psycopg.Connection[Any], schema: str = "outbox") -> int | None:

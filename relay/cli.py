@@ -19,9 +19,9 @@ import psycopg
 from pydantic import ValidationError
 
 from checker import cli as checker_cli
-from outbox import OutboxError, migrate
+from outbox import OutboxError, SchemaError, migrate
 from outbox import sql as outbox_sql
-from outbox.migrations import current_version, latest_version
+from outbox.migrations import check_applied, current_version, latest_version
 from relay import sidecar
 from relay.config import SidecarSettings, load_settings
 from relay.status import outbox_status
@@ -68,17 +68,26 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema_version(args: argparse.Namespace) -> int:
+    problem = None
     with psycopg.connect(_dsn(args)) as conn:
         at = current_version(conn, args.schema)
+        try:
+            check_applied(conn, args.schema)
+        except SchemaError as exc:  # the right number, other migrations
+            problem = str(exc)
     latest = latest_version()
     if args.json:
-        print(json.dumps({"schema": args.schema, "version": at, "latest": latest}))
+        print(
+            json.dumps({"schema": args.schema, "version": at, "latest": latest, "problem": problem})
+        )
     else:
         print(
             f"schema {args.schema}: at {at if at is not None else 'nothing (not migrated)'}, "
             f"library knows {latest}"
         )
-    return 0 if at == latest else 1
+        if problem:
+            print(problem)
+    return 0 if at == latest and problem is None else 1
 
 
 def _cmd_grants(args: argparse.Namespace) -> int:

@@ -22,9 +22,9 @@ import psycopg
 from confluent_kafka import KafkaException
 from psycopg import sql
 
+from outbox import SchemaError, wakeup_channel
 from outbox import sql as queries
-from outbox import wakeup_channel
-from outbox.migrations import current_version, latest_version
+from outbox.migrations import check_applied, current_version, latest_version
 from relay import metrics
 from relay.config import SidecarSettings
 from relay.ender import RowEnder
@@ -150,10 +150,16 @@ class Relay:
         self._set_up = True
 
     def _check_schema(self) -> None:
-        """A schema not migrated (yet) gives every round an error about a missing relation or
-        column: say what to do instead. A newer one is fine (migrations only add)."""
+        """A schema not migrated (yet), or migrated by another build whose migrations differ,
+        gives every round an error about a missing relation or column: say what to do instead.
+        A newer one is fine (migrations only add)."""
         version = current_version(self.conn, self.schema)
-        self.conn.rollback()
+        try:
+            check_applied(self.conn, self.schema)
+        except SchemaError as exc:
+            raise RelayConfigError(str(exc)) from exc
+        finally:
+            self.conn.rollback()
         needed = latest_version()
         if version is None or version < needed:
             raise RelayConfigError(

@@ -174,4 +174,5 @@ def test_outboxctl_finds_the_database_where_the_sidecar_does(
         "schema": "elsewhere",
         "version": None,
         "latest": latest_version(),
+        "problem": None,
     }

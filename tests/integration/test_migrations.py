@@ -13,7 +13,8 @@ from psycopg import sql
 
 import outbox
 from outbox import sql as outbox_sql
-from outbox.migrations import current_version, latest_version
+from outbox.migrations import check_applied, current_version, latest_version
+from relay.cli import main as cli_main
 from tests.fixtures.services import Services
 
 CATALOG = {
@@ -97,6 +98,28 @@ def test_a_newer_schema_than_the_library_is_refused(empty_db: str) -> None:
         conn.execute("INSERT INTO outbox.schema_migration (version, name) VALUES (999, 'future')")
     with pytest.raises(outbox.SchemaError, match=r"\[999\].*upgrade the library"):
         outbox.migrate(empty_db)
+
+
+def test_a_migration_applied_under_another_name_is_refused(
+    empty_db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another build's migration of the same number: skipped by number, its columns would be
+    missing, and the relay and the checker would fail every round without saying why."""
+    outbox.migrate(empty_db)
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.schema_migration SET name = 'elsewhere' WHERE version = 2")
+    with pytest.raises(
+        outbox.SchemaError, match=r"2 as 'elsewhere' \(this library's: 'reconciliation'\)"
+    ):
+        outbox.migrate(empty_db)
+    with psycopg.connect(empty_db) as conn, pytest.raises(outbox.SchemaError, match="another"):
+        check_applied(conn)
+    assert cli_main(["schema-version", "--dsn", empty_db]) == 1  # the number alone is right
+    assert "'elsewhere'" in capsys.readouterr().out
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.schema_migration SET name = 'reconciliation' WHERE version = 2")
+        check_applied(conn)  # this library's again
+    assert outbox.migrate(empty_db).applied == ()
 
 
 def test_least_privilege_grants(pg_dsn: str) -> None:

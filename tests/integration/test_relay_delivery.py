@@ -779,6 +779,18 @@ def test_a_relay_refuses_a_schema_not_migrated_yet(pg_dsn: str, relay_factory: A
         relay_factory().run_once()
 
 
+def test_a_relay_refuses_a_schema_migrated_by_another_build(
+    pg_dsn: str, relay_factory: Any
+) -> None:
+    with psycopg.connect(pg_dsn) as conn:  # the newest version's number, another migration
+        conn.execute(
+            "UPDATE outbox.schema_migration SET name = 'elsewhere' WHERE version = (SELECT"
+            " max(version) FROM outbox.schema_migration)"
+        )
+    with pytest.raises(RelayConfigError, match="applied by another build"):
+        relay_factory().run_once()
+
+
 def test_a_relay_with_another_shard_count_refuses_to_start(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
