@@ -58,6 +58,7 @@ from outbox._errors import (
     UnknownTransactionError,
 )
 from outbox._sync import Outbox
+from outbox.migrations import schema_problem
 
 if TYPE_CHECKING:
     from relay.config import SidecarSettings
@@ -612,8 +613,20 @@ class Checker:
     # --- lifecycle ---------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Rounds until ``stop()``: at once while batches come full, else every poll interval."""
+        """Rounds until ``stop()``: at once while batches come full, else every poll interval.
+
+        Ends by itself on a schema it cannot work with (see outbox.migrations.schema_problem),
+        so that the process exits with the reason in its log instead of failing every round.
+        """
         failures = 0
+        try:
+            problem = schema_problem(self._connection(), self.schema)
+        except psycopg.Error:
+            problem = None  # the database is not reachable yet: the rounds retry
+        if problem:
+            logger.critical("checker stopped: %s", problem)
+            self._close()
+            return
         while not self._stop.is_set():
             try:
                 result = self.run_once()

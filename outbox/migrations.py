@@ -119,6 +119,31 @@ def check_applied(conn: psycopg.Connection[Any], schema: str = "outbox") -> None
         _refuse_other_migrations(schema, _applied(conn, schema))
 
 
+def schema_problem(conn: psycopg.Connection[Any], schema: str = "outbox") -> str | None:
+    """Why a service of this library cannot run on the schema as it is, or None.
+
+    A schema not migrated (yet), or migrated by another build, gives every round an error about
+    a missing relation or column; this says what to do instead. A newer one is fine
+    (migrations only add). Leaves no transaction open.
+    """
+    try:
+        version = current_version(conn, schema)
+        check_applied(conn, schema)
+    except SchemaError as exc:
+        return str(exc)
+    finally:
+        if not conn.autocommit:
+            conn.rollback()
+    needed = latest_version()
+    if version is None or version < needed:
+        return (
+            f"schema {schema!r} is at version {version or 'none'}, this library needs "
+            f"{needed}: run `outboxctl migrate --schema {schema}` (the chart's migration hook "
+            "does it on install and upgrade)"
+        )
+    return None
+
+
 def current_version(conn: psycopg.Connection[Any], schema: str = "outbox") -> int | None:
     """The newest applied migration, or None where the schema was never migrated."""
     # quoted: a name with capitals is the table the migrations made (they quote it too)

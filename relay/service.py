@@ -22,9 +22,9 @@ import psycopg
 from confluent_kafka import KafkaException
 from psycopg import sql
 
-from outbox import SchemaError, wakeup_channel
 from outbox import sql as queries
-from outbox.migrations import check_applied, current_version, latest_version
+from outbox import wakeup_channel
+from outbox.migrations import schema_problem
 from relay import metrics
 from relay.config import SidecarSettings
 from relay.ender import RowEnder
@@ -150,23 +150,9 @@ class Relay:
         self._set_up = True
 
     def _check_schema(self) -> None:
-        """A schema not migrated (yet), or migrated by another build whose migrations differ,
-        gives every round an error about a missing relation or column: say what to do instead.
-        A newer one is fine (migrations only add)."""
-        version = current_version(self.conn, self.schema)
-        try:
-            check_applied(self.conn, self.schema)
-        except SchemaError as exc:
-            raise RelayConfigError(str(exc)) from exc
-        finally:
-            self.conn.rollback()
-        needed = latest_version()
-        if version is None or version < needed:
-            raise RelayConfigError(
-                f"schema {self.schema!r} is at version {version or 'none'}, this relay needs "
-                f"{needed}: run `outboxctl migrate --schema {self.schema}` (the chart's "
-                "migration hook does it on install and upgrade)"
-            )
+        problem = schema_problem(self.conn, self.schema)
+        if problem:
+            raise RelayConfigError(problem)
 
     def _check_shard_count(self) -> None:
         """Relays with different shard counts map keys to shards differently: their leases do

@@ -1185,6 +1185,23 @@ def test_start_stop_and_probes(
         checker.run_once()
 
 
+def test_a_checker_on_a_schema_migrated_by_another_build_ends_by_itself(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """Instead of failing every round on a missing column: the process exits, with why."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox.schema_migration SET name = 'elsewhere' WHERE version = (SELECT"
+            " max(version) FROM outbox.schema_migration)"
+        )
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), utc_now)
+    checker.start()
+    assert checker._thread is not None
+    checker._thread.join(30)
+    assert checker.ended_by_itself()
+    assert not checker.alive()
+
+
 def test_prepared_age_gauges(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
