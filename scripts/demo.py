@@ -59,7 +59,7 @@ def demo_database(admin_dsn: str) -> str:
         if exists:
             try:
                 outbox.migrate(dsn)
-            except outbox.SchemaError as exc:  # made by another checkout: the demo's own, anew
+            except outbox.SchemaError as exc:  # migrated by another build; it is only the demo's
                 print(f"recreating the demo database {DEMO_DB}: {exc}")
                 admin.execute(
                     sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(DEMO_DB))

@@ -654,14 +654,19 @@ def test_a_relay_that_gains_a_shard_stamps_its_rows_below_its_own_stamped_horizo
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"left behind"]
 
 
+def publish_one_by_one(pg_dsn: str, topic: str, values: list[str]) -> None:
+    """Each value in a transaction of its own, in order, under one key."""
+    with psycopg.connect(pg_dsn) as conn:
+        for value in values:
+            with conn.transaction():
+                outbox.publish(conn, topic, value, key="k")
+
+
 def test_a_drain_goes_on_without_stamping_while_nothing_is_left_unstamped(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    with psycopg.connect(pg_dsn) as conn:
-        for i in range(5):
-            with conn.transaction():
-                outbox.publish(conn, topic, f"t{i}", key="k")
+    publish_one_by_one(pg_dsn, topic, [f"t{i}" for i in range(5)])
     r = relay_factory(batch_size=2)
     r._listening()  # as the loop does; the commits above notified before it listened
     stamps = counting(r, "_stamp")
@@ -678,10 +683,7 @@ def test_a_drain_stamps_again_once_a_commit_has_notified(
     """The skip lasts only while no commit notifies: the next round stamps the new row, so
     that it goes with the drain instead of waiting for a round that comes back not full."""
     topic = topic_factory()
-    with psycopg.connect(pg_dsn) as conn:
-        for i in range(5):
-            with conn.transaction():
-                outbox.publish(conn, topic, f"t{i}", key="k")
+    publish_one_by_one(pg_dsn, topic, [f"t{i}" for i in range(5)])
     r = relay_factory(batch_size=2)
     listening = r._listening()
     stamps = counting(r, "_stamp")
