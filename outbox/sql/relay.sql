@@ -235,10 +235,19 @@ SET owner = NULL, lease_until = NULL
 WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s;
 
 -- name: relay_backlog
--- For metrics: undelivered committed rows and the commit time of the oldest.
-SELECT count(*), min(coalesce(commit_ts, state_changed_at))
-FROM {schema}.outbox_record
-WHERE state = 'committed';
+-- For metrics, every gauge refresh: undelivered committed rows (a count of the commit-order
+-- index) and the commit time of the oldest: the first stamped row in commit order, or the
+-- unstamped row of the oldest transaction id, whichever is older. Not min() over the rows:
+-- that read the whole backlog from the heap (a million rows: 0.4-0.8 s with two parallel
+-- workers, 1.3 GB of buffers) every 10 s, beside the relay draining it.
+SELECT (SELECT count(*) FROM {schema}.outbox_record WHERE state = 'committed'),
+       least(
+           (SELECT commit_ts FROM {schema}.outbox_record
+            WHERE state = 'committed' AND commit_ts IS NOT NULL
+            ORDER BY commit_ts, committed_xid, id LIMIT 1),
+           (SELECT state_changed_at FROM {schema}.outbox_record
+            WHERE state = 'committed' AND commit_ts IS NULL
+            ORDER BY committed_xid LIMIT 1));
 
 -- name: relay_horizon_holder
 -- The oldest transaction still running (it holds back the xid horizon), other than ours.

@@ -781,6 +781,52 @@ def test_a_relay_refuses_a_schema_not_migrated_yet(pg_dsn: str, relay_factory: A
         relay_factory().run_once()
 
 
+def test_the_backlog_gauges_count_committed_rows_and_age_the_oldest_stamped_or_not(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with conn.transaction():
+            a = outbox.publish(conn, topic, "a", key="a")
+        with conn.transaction():
+            b = outbox.publish(conn, topic, "b", key="b")
+        with conn.transaction():  # not counted: rolled back
+            gone = outbox.publish(conn, topic, "gone", key="c")
+        conn.execute("UPDATE outbox.outbox_record SET state = 'rolled_back' WHERE id = %s", (gone,))
+        r = relay_factory()
+
+        def gauges(a_sql: str, b_sql: str) -> tuple[float | None, float | None]:
+            conn.execute(f"UPDATE outbox.outbox_record SET {a_sql} WHERE id = %s", (a,))
+            conn.execute(f"UPDATE outbox.outbox_record SET {b_sql} WHERE id = %s", (b,))
+            r.refresh_gauges()
+            return (
+                REGISTRY.get_sample_value("outbox_relay_backlog_records"),
+                REGISTRY.get_sample_value("outbox_relay_oldest_undelivered_seconds"),
+            )
+
+        # the oldest unstamped: its state_changed_at
+        count, age = gauges(
+            "commit_ts = NULL, state_changed_at = now() - interval '1 hour'",
+            "commit_ts = now()",
+        )
+        assert count == 2
+        assert age is not None
+        assert 3600 <= age < 3700
+        # the oldest stamped: its commit time
+        count, age = gauges(
+            "commit_ts = now() - interval '2 hours'",
+            "commit_ts = NULL, state_changed_at = now()",
+        )
+        assert count == 2
+        assert age is not None
+        assert 7200 <= age < 7300
+        conn.execute("UPDATE outbox.outbox_record SET state = 'delivered' WHERE id IN (%s, %s)",
+                     (a, b))  # fmt: skip
+        r.refresh_gauges()
+        assert REGISTRY.get_sample_value("outbox_relay_backlog_records") == 0
+        assert REGISTRY.get_sample_value("outbox_relay_oldest_undelivered_seconds") == 0
+
+
 def test_a_relay_refuses_a_schema_migrated_by_another_build(
     pg_dsn: str, relay_factory: Any
 ) -> None:
