@@ -619,15 +619,18 @@ class Checker:
         so that the process exits with the reason in its log instead of failing every round.
         """
         failures = 0
-        try:
-            problem = schema_problem(self._connection(), self.schema)
-        except psycopg.Error:
-            problem = None  # the database is not reachable yet: the rounds retry
-        if problem:
-            logger.critical("checker stopped: %s", problem)
-            self._close()
-            return
+        schema_checked = False
         while not self._stop.is_set():
+            if not schema_checked:
+                try:
+                    problem = schema_problem(self._connection(), self.schema)
+                    schema_checked = True
+                except psycopg.Error:
+                    problem = None  # not reachable yet: the round fails, backs off, checks again
+                if problem:
+                    logger.critical("checker stopped: %s", problem)
+                    self._close()
+                    return
             try:
                 result = self.run_once()
                 failures = 0
