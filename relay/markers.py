@@ -15,13 +15,16 @@ Wire format (version 2, written), on the op-marker topic:
              entry: {"op": "delivered" | "rolled_back" | "discarded" | "parked", "id": int,
                      "tx_id": str, "producer_group": str, "topic": str, "key": base64|null,
                      "partition": int|null, "offset": int|null, "commit_ts": RFC 3339|null,
-                     "reason": str|null}
+                     "reason": str|null, "xid": int|null}
              `key` is null for a record without a key and for one whose key is longer than
              MAX_MARKER_KEY_BYTES; `reason` is cut to MAX_MARKER_REASON_CHARS. An entry stays
              small whatever its record: a key near the record size limit would make its marker
              message too large for the topic, and the batch would be aborted round after round.
              `partition` / `offset` are where a delivered record landed on its topic (for a
              discarded or parked record: where its copy landed on the dead-letter topic).
+             `commit_ts` and `xid` (the committing Postgres transaction, xid8) are the relay's
+             delivery order: by commit time, then xid, then id; the reconciler judges order by
+             them (`xid` is absent in markers of relays before it was added).
              A message holds at most `op_marker_message_bytes` of entries (one entry at least).
 Version 1 (read, for markers written before): one marker per message, key the record id, value
   one entry with "v": 1, "shard", "relay" and "epoch" in it.
@@ -86,6 +89,7 @@ class OpMarker(BaseModel):
     offset: int | None = None
     commit_ts: datetime | None = None
     reason: str | None = None
+    xid: int | None = None
     relay: str
     epoch: int
 
@@ -170,6 +174,7 @@ def marker_entry(
     offset: int | None,
     commit_ts: datetime | None,
     reason: str | None,
+    xid: int | None = None,
 ) -> str:
     """One entry of a version 2 message, as JSON text: what `json` writes for the entry's dict
     (tests/unit/test_relay_markers.py holds them equal), built as text because this runs per
@@ -179,7 +184,7 @@ def marker_entry(
         f'{{"op":"{op.value}","id":{id:d},"tx_id":{_quote(tx_id)},'
         f'"producer_group":{_quote(producer_group)},"topic":{_quote(topic)},'
         f'"key":{_key(key)},"partition":{_number(partition)},"offset":{_number(offset)},'
-        f'"commit_ts":{_instant(commit_ts)},"reason":{_reason(reason)}}}'
+        f'"commit_ts":{_instant(commit_ts)},"reason":{_reason(reason)},"xid":{_number(xid)}}}'
     )
 
 

@@ -758,6 +758,7 @@ class ShardWorker:
             offset=ended.offset,
             commit_ts=row.commit_ts,
             reason=row.reason,
+            xid=None if row.committed_xid is None else int(row.committed_xid),
         )
 
     # --- database side ----------------------------------------------------------------------

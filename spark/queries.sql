@@ -10,7 +10,7 @@
 SELECT id, producer_group, tx_id, topic, key, state,
        coalesce(commit_ts, pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
            AS commit_time,
-       ended_at, kafka_partition, kafka_offset
+       ended_at, kafka_partition, kafka_offset, committed_xid::text::bigint AS commit_xid
 FROM {schema}.outbox_record
 WHERE state = 'committed'
    OR (ended_at >= {ended_from} AND ended_at < {ended_until})
@@ -21,7 +21,7 @@ WHERE state = 'committed'
 SELECT id, producer_group, tx_id, topic, key, state,
        coalesce(commit_ts, pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
            AS commit_time,
-       ended_at, kafka_partition, kafka_offset
+       ended_at, kafka_partition, kafka_offset, committed_xid::text::bigint AS commit_xid
 FROM {schema}.outbox_record
 WHERE id = ANY(%(ids)s)
 

@@ -25,7 +25,8 @@ is claimed, is the record's *canonical* copy. Findings, one of each kind per rec
   missing          a committed or delivered ledger row without a copy on its topic (this takes
                    the place of marker_without_record while the ledger keeps the row)
   out_of_order     a canonical copy placed (offset) after a copy of the same topic, partition and
-                   key whose record committed later (commit time, then id: the relay's order)
+                   key whose record committed later (commit time, then the committing
+                   transaction's xid, then id: the relay's order)
 and per summary window of delivery time: the canonical copies and the latency from commit time
 to Kafka timestamp (p50, p95, p99, max).
 """
@@ -99,6 +100,7 @@ _MARKER_ENTRY_FIELDS = [
     StructField("offset", LongType()),
     StructField("commit_ts", StringType()),
     StructField("reason", StringType()),
+    StructField("xid", LongType()),
 ]
 MARKER_ENTRY_SCHEMA = StructType(_MARKER_ENTRY_FIELDS)
 # An op-marker message's JSON value: version 2 (an envelope with many entries) or version 1 (one
@@ -132,6 +134,7 @@ OBSERVATION_SCHEMA = StructType(
         StructField("target_partition", IntegerType()),
         StructField("target_offset", LongType()),
         StructField("commit_ts", TimestampType()),
+        StructField("commit_xid", LongType()),  # a marker's xid (null: a copy, an older relay)
     ]
 )
 
@@ -148,6 +151,7 @@ LEDGER_SCHEMA = StructType(
         StructField("ended_at", TimestampType()),
         StructField("kafka_partition", IntegerType()),
         StructField("kafka_offset", LongType()),
+        StructField("commit_xid", LongType()),
     ]
 )
 
@@ -246,6 +250,7 @@ def observations(
         .alias("target_partition"),
         F.when(is_marker, marker["offset"]).otherwise(F.col("offset")).alias("target_offset"),
         F.when(is_marker, marker["commit_ts"].try_cast("timestamp")).alias("commit_ts"),
+        F.when(is_marker, marker["xid"]).alias("commit_xid"),
     )
     # a marker without an op or a topic is not a relay's (the sink would refuse its finding)
     complete = (F.col("source") == RECORD) | (
@@ -271,6 +276,7 @@ def markers(obs: DataFrame) -> DataFrame:
         F.col("target_partition").alias("m_partition"),
         F.col("target_offset").alias("m_offset"),
         "commit_ts",
+        "commit_xid",
         F.col("tx_id").alias("m_tx_id"),
         F.col("producer_group").alias("m_producer_group"),
     )
@@ -294,6 +300,7 @@ def marker_facts(marker_rows: DataFrame) -> DataFrame:
             F.when(delivered, F.struct("m_ts", "m_offset")),
         ).alias("marker_position"),
         F.min(F.when(delivered, F.col("commit_ts"))).alias("marker_commit_ts"),
+        F.min(F.when(delivered, F.col("commit_xid"))).alias("marker_commit_xid"),
         F.bool_or(F.col("op").isin(*NEVER_COMMITTED_OPS)).alias("never_committed_marker"),
         F.first("m_producer_group", ignorenulls=True).alias("marker_producer_group"),
         F.first("m_tx_id", ignorenulls=True).alias("marker_tx_id"),
@@ -322,6 +329,7 @@ def classify_copies(
         "state",
         F.col("topic").alias("l_topic"),
         F.col("commit_time").alias("l_commit_time"),
+        F.col("commit_xid").alias("l_commit_xid"),
         F.col("kafka_partition").alias("l_partition"),
         F.col("kafka_offset").alias("l_offset"),
         F.col("producer_group").alias("l_producer_group"),
@@ -369,6 +377,7 @@ def classify_copies(
         F.col("kind").isNotNull(),
         F.concat_ws(":", F.col("partition").cast("string"), F.col("offset").cast("string")),
     )
+    committed_in_ledger = F.col("state").isin(*COMMITTED_STATES)
     return (
         c.withColumn("canonical", canonical)
         .withColumn("claimed", claimed)
@@ -378,9 +387,12 @@ def classify_copies(
         .withColumn("occurrence", occurrence)
         .withColumn(
             "commit_time",
-            F.coalesce(
-                F.when(F.col("state").isin(*COMMITTED_STATES), F.col("l_commit_time")),
-                F.col("marker_commit_ts"),
+            F.coalesce(F.when(committed_in_ledger, F.col("l_commit_time")), "marker_commit_ts"),
+        )
+        .withColumn(
+            "commit_xid",
+            F.when(committed_in_ledger, F.col("l_commit_xid")).otherwise(
+                F.col("marker_commit_xid")
             ),
         )
         .withColumn("delivered_markers", delivered_markers)
@@ -490,7 +502,11 @@ def markers_without_record(
 def out_of_order(classified: DataFrame) -> DataFrame:
     """Judged canonical copies placed after a copy (same topic, partition, key) that committed
     later. Of a swapped pair only the earlier-committed record is reported."""
-    order = F.struct(F.col("commit_time").alias("commit_time"), F.col("outbox_id").alias("id"))
+    order = F.struct(
+        F.col("commit_time").alias("commit_time"),
+        F.col("commit_xid").alias("xid"),
+        F.col("outbox_id").alias("id"),
+    )
     before = (
         Window.partitionBy("topic", "partition", "key")
         .orderBy("offset")

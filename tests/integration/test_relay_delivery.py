@@ -89,8 +89,15 @@ def test_committed_records_arrive_once_with_headers_rolled_back_never(
     assert headers["outbox-id"] == str(first).encode()
     assert headers["outbox-tx-id"].startswith(b"xid:")
 
-    ops = sorted((m.op.value, m.id) for m in markers(kafka_bootstrap, relay))
+    written = markers(kafka_bootstrap, relay)
+    ops = sorted((m.op.value, m.id) for m in written)
     assert [op for op, _ in ops] == ["delivered"] * 3 + ["rolled_back"]
+    # each delivered marker names its committing transaction (the reconciler orders by it)
+    xids = {m.id: m.xid for m in written if m.op is Op.DELIVERED}
+    assert None not in xids.values()
+    assert len(set(xids.values())) == 2
+    assert xids[first] == min(xids.values())
+    assert [m.xid for m in written if m.op is Op.ROLLED_BACK] == [None]
     assert rows(pg_dsn) == []  # retention 0: every ended row is gone
 
 

@@ -58,14 +58,17 @@ class Kafka:
         commit: datetime | None,
         op: Op = Op.DELIVERED,
         key: bytes | None = b"k",
+        xid: int | None = None,
     ) -> None:
         """One marker alone in a message, as the relay writes it."""
-        self.markers([(outbox_id, offset, commit, op, key)], at)
+        self.markers([(outbox_id, offset, commit, op, key)], at, xid=xid)
 
     def markers(
         self,
         entries: list[tuple[int, int | None, datetime | None, Op, bytes | None]],
         at: datetime,
+        *,
+        xid: int | None = None,
     ) -> None:
         """Several markers in one message (version 2): (id, offset, commit, op, key) each."""
         batcher = MarkerBatcher(shard=0, relay="relay-1", epoch=1, max_bytes=1 << 20)
@@ -74,7 +77,7 @@ class Kafka:
                 marker_entry(
                     op, id=outbox_id, tx_id="tx", producer_group="orders-service", topic=TOPIC,
                     key=key, partition=0 if offset is not None else None, offset=offset,
-                    commit_ts=commit, reason=None,
+                    commit_ts=commit, reason=None, xid=xid,
                 )
             )  # fmt: skip
         self.rows.append((batcher.key, batcher.take(), MARKERS, 0, self.marker_offset, at, 0, []))
@@ -106,6 +109,7 @@ def ledger_row(
     ended: datetime | None = None,
     offset: int | None = None,
     key: bytes | None = b"k",
+    xid: int | None = None,
 ) -> tuple[Any, ...]:
     return (
         outbox_id,
@@ -118,6 +122,7 @@ def ledger_row(
         ended,
         0 if offset is not None else None,
         offset,
+        xid,
     )
 
 
@@ -312,3 +317,29 @@ def test_a_late_arrival_counts_as_present_but_is_not_judged(spark: SparkSession)
 
     assert kinds(None) == ["missing"]  # without them: the row is due and nothing is seen
     assert kinds(late) == []
+
+
+def test_equal_commit_times_are_ordered_by_xid_as_the_relay_orders_them(
+    spark: SparkSession,
+) -> None:
+    """Two transactions committed in the same microsecond: the relay sends the smaller xid first,
+    whatever the ids; the ledger's xid decides, or the markers' once the rows are gone."""
+    from spark.transform import LEDGER_SCHEMA, observations
+
+    def out_of_order(*, placed: tuple[int, int], in_ledger: bool) -> set[int]:
+        xids = {1: 20, 2: 10}  # 2's transaction has the smaller xid: the relay sends 2 first
+        kafka, ledger = Kafka(), []
+        for offset, outbox_id in enumerate(placed):
+            kafka.copy(outbox_id, offset, s(2 + offset), key=b"same")
+            kafka.marker(outbox_id, s(2 + offset), offset=offset, commit=s(1), key=b"same",
+                         xid=xids[outbox_id])  # fmt: skip
+            if in_ledger:
+                ledger.append(ledger_row(outbox_id, "delivered", s(1), s(2 + offset), offset=offset,
+                                         key=b"same", xid=xids[outbox_id]))  # fmt: skip
+        obs = observations(kafka.frame(spark), marker_topic=MARKERS)
+        found = findings_of(obs, spark.createDataFrame(ledger, LEDGER_SCHEMA), STREAM_WINDOW)
+        return {outbox_id for kind, outbox_id, _ in found if kind == "out_of_order"}
+
+    for in_ledger in (True, False):
+        assert out_of_order(placed=(2, 1), in_ledger=in_ledger) == set()  # the relay's order
+        assert out_of_order(placed=(1, 2), in_ledger=in_ledger) == {2}

@@ -35,6 +35,7 @@ def entry(outbox_id: int, *, reason: str | None = None) -> str:
         offset=outbox_id * 10,
         commit_ts=COMMIT,
         reason=reason,
+        xid=outbox_id + 1000,
     )
 
 
@@ -46,7 +47,7 @@ def test_a_message_decodes_to_its_markers_with_the_envelope() -> None:
     assert first == OpMarker(
         v=2, op=Op.DELIVERED, id=1, tx_id="tx-1", producer_group="orders",
         topic="orders.created", key=b"\x00k\xff", shard=3, partition=2, offset=10,
-        commit_ts=COMMIT, reason=None, relay="r-1", epoch=7,
+        commit_ts=COMMIT, reason=None, xid=1001, relay="r-1", epoch=7,
     )  # fmt: skip
     assert (second.op, second.id, second.reason) == (Op.PARKED, 2, "refused: ünïcode")
     assert message.isascii()  # so that the batcher's count of characters is one of bytes
@@ -65,11 +66,11 @@ def test_a_shard_reads_only_its_own_markers_of_a_shared_partition() -> None:
 
 
 @pytest.mark.parametrize(
-    ("op", "text", "key", "partition", "offset", "commit_ts", "reason"),
+    ("op", "text", "key", "partition", "offset", "commit_ts", "reason", "xid"),
     [
-        (Op.DELIVERED, "orders.created", b"\x00k\xff", 2, 10**12, COMMIT, None),
-        (Op.ROLLED_BACK, 'quote " back\\slash \n tab\t', None, None, None, None, None),
-        (Op.PARKED, "ünïcode ✓ \u2028 \x01", b"", 0, 0, datetime(2026, 1, 1), 'refused: ✗ "x"'),
+        (Op.DELIVERED, "orders.created", b"\x00k\xff", 2, 10**12, COMMIT, None, 2**40),
+        (Op.ROLLED_BACK, 'quote " back\\slash \n tab\t', None, None, None, None, None, None),
+        (Op.PARKED, "ünïcode ✓ \u2028 \x01", b"", 0, 0, datetime(2026, 1, 1), 'refused: ✗ "x"', 3),
     ],
 )
 def test_an_entry_is_exactly_what_json_writes_for_it(
@@ -80,16 +81,18 @@ def test_an_entry_is_exactly_what_json_writes_for_it(
     offset: int | None,
     commit_ts: datetime | None,
     reason: str | None,
+    xid: int | None,
 ) -> None:
     fields = {
         "op": op.value, "id": 7, "tx_id": text, "producer_group": text, "topic": text,
         "key": None if key is None else base64.b64encode(key).decode("ascii"),
         "partition": partition, "offset": offset,
         "commit_ts": None if commit_ts is None else commit_ts.isoformat(), "reason": reason,
+        "xid": xid,
     }  # fmt: skip
     written = marker_entry(
         op, id=7, tx_id=text, producer_group=text, topic=text, key=key, partition=partition,
-        offset=offset, commit_ts=commit_ts, reason=reason,
+        offset=offset, commit_ts=commit_ts, reason=reason, xid=xid,
     )  # fmt: skip
     assert written == json.dumps(fields, separators=(",", ":"))
     assert written.isascii()
