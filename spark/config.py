@@ -160,6 +160,12 @@ class ReconcileSettings(BaseModel):
         description="The relay's delivered_retention; unknown ids newer than this are orphans. "
         "Default: derived from the oldest ended row the ledger still keeps.",
     )
+    findings_retention: timedelta | None = Field(
+        default=timedelta(days=30),
+        description="Findings and summary windows written longer ago than this are deleted by "
+        "the job (None: kept for ever). Longer than the horizon, or a re-judged record "
+        "would be reported again.",
+    )
     summary_window: timedelta = Field(default=timedelta(minutes=1))
     trigger: timedelta = Field(default=timedelta(seconds=10))
     checkpoint: str | None = Field(
@@ -207,6 +213,11 @@ class ReconcileSettings(BaseModel):
             raise ValueError("a streaming run needs a checkpoint location")
         if self.horizon < 2 * self.deadline + 2 * self.trigger:
             raise ValueError("the horizon must cover two deadlines and two trigger intervals")
+        if self.findings_retention is not None and self.findings_retention <= self.horizon:
+            raise ValueError(
+                f"the findings retention ({self.findings_retention}) must be longer than the "
+                f"horizon ({self.horizon}): a record is re-judged while inside the horizon"
+            )
         return self
 
     @property

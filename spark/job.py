@@ -19,7 +19,7 @@ Exactly once into the sink: a micro-batch writes its observations to `batch-<id>
 when Spark replays the batch after a restart) and findings are merged on their natural key, so
 neither a replay nor a repeated judgement writes a finding twice (`spark/sink.py`). State stays
 bounded: observations older than the horizon are deleted, ledger reads are bounded by time
-(`spark/queries.sql`).
+(`spark/queries.sql`); findings and summary windows older than --findings-retention are deleted.
 
 On a cluster (the connector, its Kafka client and the JDBC driver as local jars; the driver's
 Python needs this project's dependencies -- psycopg, pydantic -- e.g. `pip install
@@ -95,6 +95,7 @@ STORE_DIR = "observations"
 STORE_SCHEMA = StructType([*transform.OBSERVATION_SCHEMA.fields, StructField("batch", LongType())])
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 EXIT_FINDINGS = 3  # with --fail-on-findings
+PRUNE_EVERY_S = 600  # the retention is days: deleting more often than this finds nothing new
 
 
 def _utcnow() -> datetime:
@@ -225,6 +226,7 @@ class ReconcileJob:
         self._run_as_of: datetime | None = None  # availableNow: the run's start
         self._query_started: datetime | None = None  # continuous: the query's start
         self.last_report: RunReport | None = None
+        self._pruned_at: float | None = None  # time.monotonic() of the last retention pass
 
     # --- running ----------------------------------------------------------------------------
 
@@ -653,6 +655,25 @@ class ReconcileJob:
         cached.append(ledger)
         return ledger, complete
 
+    def _prune(self, conn: psycopg.Connection[Any]) -> None:
+        """Apply --findings-retention: at the first judgement, then every PRUNE_EVERY_S."""
+        retention = self.settings.findings_retention
+        now = time.monotonic()
+        if retention is None or (
+            self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S
+        ):
+            return
+        findings, windows = sink.prune(conn, self.settings.schema_name, retention)
+        self._pruned_at = now
+        if findings or windows:
+            logger.info(
+                "deleted %d findings and %d summary windows written more than %s ago "
+                "(--findings-retention)",
+                findings,
+                windows,
+                retention,
+            )
+
     def _coverage(self, conn: psycopg.Connection[Any]) -> datetime | None:
         """Since when the ledger still has every row (see transform.classify_copies)."""
         deadline = self.settings.deadline
@@ -713,6 +734,7 @@ class ReconcileJob:
                     new = sink.write_judgement(
                         conn, settings.schema_name, findings, windows, detected_in=detected_in
                     )
+                    self._prune(conn)
             if settings.checkpoint is not None and not settings.audit:
                 with clock("trim"):
                     self._trim(newest, window, trim_before)
@@ -840,6 +862,10 @@ def _duration(text: str) -> timedelta:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _retention(text: str) -> timedelta | None:
+    return None if text.strip().lower() == "none" else _duration(text)
+
+
 def _time(text: str) -> datetime:
     try:
         return parse_time(text)
@@ -892,6 +918,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the relay's delivered_retention (default: derived from the ledger)",
     )
     j.add_argument("--summary-window", type=_duration, default="1m", help="latency window (1m)")
+    db.add_argument(
+        "--findings-retention",
+        type=_retention,
+        default="30d",
+        help="delete findings and summary windows written longer ago than this; 'none' keeps "
+        "them (30d)",
+    )
     r = p.add_argument_group("running")
     r.add_argument("--checkpoint", help="checkpoint location (streaming and --once)")
     r.add_argument("--trigger", type=_duration, default="10s", help="micro-batch interval (10s)")
@@ -935,6 +968,9 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
         "deadline": _as_delta(args.deadline),
         "horizon": _as_delta(args.horizon),
         "ledger_retention": args.ledger_retention,
+        "findings_retention": _retention(args.findings_retention)
+        if isinstance(args.findings_retention, str)
+        else args.findings_retention,
         "summary_window": _as_delta(args.summary_window),
         "trigger": _as_delta(args.trigger),
         "checkpoint": args.checkpoint,

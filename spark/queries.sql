@@ -48,6 +48,14 @@ SELECT least(
 -- an archive, when every other ended row is deleted at once).
 SELECT min(ended_at) FROM {schema}.outbox_record WHERE ended_at IS NOT NULL AND state <> 'parked'
 
+-- name: prune_findings
+-- The job's retention: findings written longer ago than it (by the detected_at index).
+DELETE FROM {schema}.reconciliation_finding WHERE detected_at < now() - %(retention)s
+
+-- name: prune_windows
+-- By when a window was last written, not by its time: an audit of an old range writes old windows.
+DELETE FROM {schema}.reconciliation_window WHERE updated_at < now() - %(retention)s
+
 -- name: create_finding_stage
 CREATE TEMPORARY TABLE reconciliation_finding_stage (
     kind            text,

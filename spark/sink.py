@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -61,6 +61,16 @@ def write_judgement(
         if rows:
             cur.executemany(_sql.query("upsert_window", schema), rows)
     return new
+
+
+def prune(conn: psycopg.Connection[Any], schema: str, retention: timedelta) -> tuple[int, int]:
+    """Delete findings and summary windows written longer than `retention` ago, in one
+    transaction; return how many of each."""
+    with schema_needed(schema), conn.transaction(), conn.cursor() as cur:
+        cur.execute(_sql.query("prune_findings", schema), {"retention": retention})
+        findings = cur.rowcount
+        cur.execute(_sql.query("prune_windows", schema), {"retention": retention})
+        return findings, cur.rowcount
 
 
 def ledger_rows_by_ids(

@@ -4,7 +4,8 @@
 -- {writer}: the application. It inserts records and ends its own half records; it can neither read
 --   record contents nor delete. (It can set `state`, so it is trusted with its own records.)
 -- {relay}: the sidecar (relay and checker). It reads, changes state, deletes, and keeps leases.
--- {reconciler}: the Spark reconciliation. It reads the ledger and writes its findings.
+-- {reconciler}: the Spark reconciliation. It reads the ledger, writes its findings and deletes them
+--   past its --findings-retention.
 
 GRANT USAGE ON SCHEMA {schema} TO {writer}, {relay};
 
@@ -20,5 +21,5 @@ GRANT SELECT ON {schema}.schema_migration TO {writer}, {relay};
 
 GRANT USAGE ON SCHEMA {schema} TO {reconciler};
 GRANT SELECT ON {schema}.outbox_record, {schema}.schema_migration TO {reconciler};
-GRANT SELECT, INSERT ON {schema}.reconciliation_finding TO {reconciler};
-GRANT SELECT, INSERT, UPDATE ON {schema}.reconciliation_window TO {reconciler};
+GRANT SELECT, INSERT, DELETE ON {schema}.reconciliation_finding TO {reconciler};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.reconciliation_window TO {reconciler};

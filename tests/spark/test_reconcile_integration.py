@@ -169,6 +169,40 @@ def reconcile(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, 
     return report
 
 
+def write_aged(
+    dsn: str, *, finding_id: int, detected: timedelta, window_at: datetime, updated: timedelta
+) -> None:
+    """A finding detected and a summary window written `detected` / `updated` ago."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox.reconciliation_finding (kind, topic, outbox_id, event_time,"
+            " detected_at, detected_in)"
+            " VALUES ('missing', 'orders', %s, now(), now() - %s, 'tick')",
+            (finding_id, detected),
+        )
+        conn.execute(
+            "INSERT INTO outbox.reconciliation_window (window_start, window_end, records,"
+            " updated_at) VALUES (%s, %s, 5, now() - %s)",
+            (window_at, window_at + timedelta(minutes=1), updated),
+        )
+
+
+def test_retention_deletes_what_was_written_before_it(pg_dsn: str) -> None:
+    """By when a row was written: an audit of an old range writes old windows today."""
+    from spark import sink
+
+    long_ago = datetime.now(UTC) - timedelta(days=90)
+    write_aged(pg_dsn, finding_id=1, detected=timedelta(days=31), window_at=long_ago,
+               updated=timedelta(days=31))  # fmt: skip
+    write_aged(pg_dsn, finding_id=2, detected=timedelta(days=29), window_at=long_ago
+               + timedelta(minutes=1), updated=timedelta(0))  # fmt: skip
+    with sink.connect(pg_dsn) as conn:
+        assert sink.prune(conn, "outbox", timedelta(days=30)) == (1, 1)
+        conn.commit()
+    assert [f.outbox_id for f in read_findings(pg_dsn)] == [2]
+    assert [w.window_start for w in read_windows(pg_dsn)] == [long_ago + timedelta(minutes=1)]
+
+
 def finding_keys(dsn: str) -> list[tuple[str, int, str]]:
     return sorted((f.kind, f.outbox_id, f.occurrence) for f in read_findings(dsn))
 
@@ -415,6 +449,9 @@ def test_a_running_job_judges_what_is_new_and_summarises_every_window_once(
     relay = relay_factory(
         op_marker_topic=markers, op_marker_partitions=2, delivered_retention="PT1H"
     )
+    # written before the retention (default 30 days): the job's first judgement deletes them
+    write_aged(pg_dsn, finding_id=1, detected=timedelta(days=31), window_at=datetime.now(UTC)
+               - timedelta(days=40), updated=timedelta(days=31))  # fmt: skip
     job = ReconcileJob(settings, spark)
     job.start()
     try:
@@ -445,7 +482,7 @@ def test_a_running_job_judges_what_is_new_and_summarises_every_window_once(
     assert last.window.store_low > last.window.as_of - settings.horizon  # its context only
     assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [
         ("duplicate", published[0].id)
-    ]
+    ]  # and not the aged one
     windows = read_windows(pg_dsn)
     assert sum(w.records for w in windows) == len(published) == 24  # each canonical copy once
 

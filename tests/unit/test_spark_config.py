@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
 import pytest
+from pydantic import ValidationError
 
 import spark
 from spark import _sql
@@ -270,6 +271,21 @@ def test_command_line_to_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     audit = settings_from_args(args)
     assert audit.audit
     assert (audit.topics, audit.checkpoint) == (("a", "b"), None)
+    assert audit.findings_retention == timedelta(days=30)
+    for given, kept in (("none", None), ("2h", timedelta(hours=2))):
+        args = build_parser().parse_args(
+            ["--bootstrap", "k", "--topics", "a", "--once", "--checkpoint", "cp",
+             "--findings-retention", given]
+        )  # fmt: skip
+        assert settings_from_args(args).findings_retention == kept
+
+
+def test_findings_retention_must_outlast_the_horizon() -> None:
+    with pytest.raises(ValidationError, match="longer than the horizon"):
+        ReconcileSettings(
+            dsn="postgresql://x", bootstrap_servers="k", topics=("a",), checkpoint="cp",
+            horizon=timedelta(hours=1), findings_retention=timedelta(minutes=59),
+        )  # fmt: skip
 
 
 def test_command_line_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
