@@ -370,6 +370,10 @@ def test_continuous_job_reports_a_dropped_record_without_traffic(
     job.start()  # a second start does nothing
     try:
         wait_for_first_judgement(job)
+        until = time.monotonic() + 60
+        while job.last_report.seconds.keys() != {"idle_check"}:  # type: ignore[union-attr]
+            assert time.monotonic() < until, "no idle tick went without a judgement"
+            time.sleep(0.2)
         (dropped,) = publish(pg_dsn, [outbox.Record(orders, "lost", key="k")])
         with psycopg.connect(pg_dsn) as conn:  # the relay says delivered; Kafka has nothing
             conn.execute(
