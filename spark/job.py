@@ -10,7 +10,8 @@ Three ways to run it, all with the transformations of `spark/transform.py`:
               between batches an idle tick judges after each trigger that found nothing new,
               so a dropped record is reported within deadline + two trigger intervals even
               when no traffic comes (as long as one judgement takes less than a trigger
-              interval: bench/reconcile.py measures both).
+              interval: bench/reconcile.py measures both); a tick whose window holds no
+              observation and no due ledger row skips Spark (two cheap look-ups instead).
   once        `--checkpoint DIR --once`: the same query with Trigger.AvailableNow, then one
               judgement; the next run resumes from the checkpoint.
   audit       `--from T1 --to T2`: a batch read of Kafka for the window, no checkpoint.
