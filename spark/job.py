@@ -702,15 +702,29 @@ class ReconcileJob:
         return ledger, complete
 
     def _prune(self, conn: psycopg.Connection[Any]) -> None:
-        """Apply --findings-retention: at the first judgement, then every PRUNE_EVERY_S."""
+        """Apply --findings-retention: at the first judgement, then every PRUNE_EVERY_S.
+
+        A role granted before the retention existed may not delete: that is said once, and the
+        job goes on without it (its findings matter more than their retention).
+        """
         retention = self.settings.findings_retention
         now = time.monotonic()
         if retention is None or (
             self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S
         ):
             return
-        findings, windows = sink.prune(conn, self.settings.schema_name, retention)
         self._pruned_at = now
+        try:
+            findings, windows = sink.prune(conn, self.settings.schema_name, retention)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            logger.warning(
+                "findings are kept for ever: this role may not delete them (%s); grant it "
+                "DELETE on reconciliation_finding and reconciliation_window (`outboxctl "
+                "grants`), or pass --findings-retention none",
+                exc.diag.message_primary,
+            )
+            self._pruned_at = float("inf")  # not again in this run
+            return
         if findings or windows:
             logger.info(
                 "deleted %d findings and %d summary windows written more than %s ago "

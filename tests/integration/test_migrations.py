@@ -122,7 +122,7 @@ def test_a_migration_applied_under_another_name_is_refused(
     assert outbox.migrate(empty_db).applied == ()
 
 
-def test_least_privilege_grants(pg_dsn: str) -> None:
+def test_least_privilege_grants(pg_dsn: str, caplog: pytest.LogCaptureFixture) -> None:
     suffix = uuid.uuid4().hex[:8]
     writer, relay, reconciler = f"writer_{suffix}", f"relay_{suffix}", f"recon_{suffix}"
     roles = (writer, relay, reconciler)
@@ -158,8 +158,32 @@ def test_least_privilege_grants(pg_dsn: str) -> None:
             spark_job.execute("DELETE FROM outbox.reconciliation_window")
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 spark_job.execute("DELETE FROM outbox.outbox_record")
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:  # as granted before retention
+            admin.execute(
+                sql.SQL("REVOKE DELETE ON outbox.reconciliation_finding FROM {}").format(
+                    sql.Identifier(reconciler)
+                )
+            )
+        with psycopg.connect(pg_dsn, user=reconciler, autocommit=True) as spark_job:
+            _prune_without_delete(spark_job, pg_dsn)
+        said = [r.message for r in caplog.records if "findings are kept for ever" in r.message]
+        assert len(said) == 1  # once, not at every judgement
+        assert "grant it DELETE" in said[0]
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as admin:
             for role in roles:
                 admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
                 admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def _prune_without_delete(conn: psycopg.Connection[Any], dsn: str) -> None:
+    """The reconciliation job goes on, keeping its findings, and says what to grant."""
+    from spark.config import ReconcileSettings
+    from spark.job import ReconcileJob
+
+    settings = ReconcileSettings(
+        dsn=dsn, bootstrap_servers="k", topics=("t",), checkpoint="cp"
+    )  # fmt: skip
+    job = ReconcileJob(settings, spark=None)  # type: ignore[arg-type]  # not needed to prune
+    job._prune(conn)  # no error: logged
+    job._prune(conn)  # and not tried again
