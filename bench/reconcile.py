@@ -12,6 +12,8 @@ One run, one scratch database, one broker, N records of 1 KiB on a 3-partition t
              (ledger: delivered, nothing on Kafka); the delay until its `missing` finding is in
              the sink (median and max of --drops). Goal: D + 2T, which holds while one
              judgement (reported: judge_seconds_median) takes less than a trigger interval.
+  idle       the same continuous job once nothing is due: the CPU it keeps busy (driver and JVM,
+             in cores) over IDLE_SECONDS, ticks and empty micro-batches included.
   streaming  the continuous job (trigger T) while --stream-records more records and their
              markers stream in, written as a relay writes them (a transaction of 500 at a time:
              ledger rows committed, records and markers on Kafka, rows marked delivered):
@@ -186,6 +188,31 @@ def drop_one(dsn: str, topic: str) -> int:
     return int(row[0])
 
 
+IDLE_SECONDS = 20.0
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its children alive now (the Spark JVM), from /proc."""
+    me, total = os.getpid(), 0.0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name
+        except OSError:
+            continue  # gone meanwhile
+        if int(pid) == me or int(fields[1]) == me:  # fields[1]: the parent's pid
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def idle_cpu_cores(settle: float) -> float:
+    """Cores a running job keeps busy once nothing is due (measured after `settle` seconds)."""
+    time.sleep(settle)
+    cpu, wall = cpu_seconds(), time.monotonic()
+    time.sleep(IDLE_SECONDS)
+    return (cpu_seconds() - cpu) / (time.monotonic() - wall)
+
+
 def streaming_capacity(
     job: Any, dsn: str, bootstrap: str, topic: str, markers: str, count: int, first: int
 ) -> dict[str, Any]:
@@ -317,6 +344,9 @@ def main() -> None:
                     if job.last_report is not None:
                         judge_s.append(sum(job.last_report.seconds.values()))
                     print(f"detection delay: {delays[-1]:.1f} s", flush=True)
+                # the drops fall out of the window after a deadline and two triggers
+                idle = idle_cpu_cores(3 * (deadline + trigger).total_seconds())
+                print(f"idle: {idle:.2f} cores busy", flush=True)
             finally:
                 job.stop()
             goal = deadline.total_seconds() + 2 * trigger.total_seconds()
@@ -351,6 +381,7 @@ def main() -> None:
         },
         "detection_goal_s": goal,
         "judge_seconds_median": round(statistics.median(judge_s), 2),
+        "idle_cpu_cores": round(idle, 3),
         "streaming": steady,
         "ratio_streaming_vs_relay": round(steady["records_per_s"] / relay, 3) if relay else None,
         "deadline_s": deadline.total_seconds(),
