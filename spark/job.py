@@ -544,7 +544,8 @@ class ReconcileJob:
         include_stuck, that is no committed row at all)."""
         for batch_id, (_path, written) in self._store_batches().items():
             known = self._batch_newest.get(batch_id)
-            newest = written if known is None else _from_micros(known)  # earlier runs': bounded
+            # an earlier run's batch: its write time bounds it, with the store's clock margin
+            newest = written + self.settings.trigger if known is None else _from_micros(known)
             if newest is None or newest >= window.store_low:
                 return False
         return self._oldest_due(window) is None
@@ -555,6 +556,10 @@ class ReconcileJob:
         if self._continuous:
             self._save_judged_to(window.hi)
         self._last_judged = self._clock()
+        if self._prune_due():  # a job idle for days still applies its retention
+            with sink.connect(self.settings.dsn.get_secret_value()) as conn:
+                conn.autocommit = True
+                self._prune(conn)
         report = RunReport(
             detected_in=detected_in,
             window=window,
@@ -701,19 +706,23 @@ class ReconcileJob:
         cached.append(ledger)
         return ledger, complete
 
+    def _prune_due(self) -> bool:
+        return self.settings.findings_retention is not None and (
+            self._pruned_at is None or time.monotonic() - self._pruned_at >= PRUNE_EVERY_S
+        )
+
     def _prune(self, conn: psycopg.Connection[Any]) -> None:
         """Apply --findings-retention: at the first judgement, then every PRUNE_EVERY_S.
 
         A role granted before the retention existed may not delete: that is said once, and the
-        job goes on without it (its findings matter more than their retention).
+        job goes on without it (its findings matter more than their retention). Any other
+        failure (a lock or statement timeout, a lost connection) is tried again later: it must
+        not stop a job whose findings are written already, at every restart.
         """
         retention = self.settings.findings_retention
-        now = time.monotonic()
-        if retention is None or (
-            self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S
-        ):
+        if retention is None or not self._prune_due():
             return
-        self._pruned_at = now
+        self._pruned_at = time.monotonic()
         try:
             findings, windows = sink.prune(conn, self.settings.schema_name, retention)
         except psycopg.errors.InsufficientPrivilege as exc:
@@ -724,6 +733,9 @@ class ReconcileJob:
                 exc.diag.message_primary,
             )
             self._pruned_at = float("inf")  # not again in this run
+            return
+        except psycopg.Error as exc:
+            logger.warning("findings retention: deleting failed, tried again later: %s", exc)
             return
         if findings or windows:
             logger.info(

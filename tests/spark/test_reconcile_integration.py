@@ -203,6 +203,26 @@ def test_retention_deletes_what_was_written_before_it(pg_dsn: str) -> None:
     assert [w.window_start for w in read_windows(pg_dsn)] == [long_ago + timedelta(minutes=1)]
 
 
+def test_a_failed_retention_pass_is_tried_again_later(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The findings are written by then: a failed delete must not stop the job."""
+    from spark import sink
+    from spark.config import ReconcileSettings
+    from spark.job import ReconcileJob
+
+    settings = ReconcileSettings(dsn=pg_dsn, bootstrap_servers="k", topics=("t",), checkpoint="c")
+    job = ReconcileJob(settings, spark=None)  # type: ignore[arg-type]  # not needed to prune
+    with sink.connect(pg_dsn) as conn:
+        conn.execute("LOCK TABLE outbox.reconciliation_finding")  # held: the delete times out
+        with sink.connect(pg_dsn) as other:
+            other.execute("SET lock_timeout = '100ms'")
+            other.commit()
+            job._prune(other)
+    assert "tried again later" in caplog.text
+    assert not job._prune_due()  # after PRUNE_EVERY_S, not at once
+
+
 def finding_keys(dsn: str) -> list[tuple[str, int, str]]:
     return sorted((f.kind, f.outbox_id, f.occurrence) for f in read_findings(dsn))
 
@@ -360,8 +380,11 @@ def test_continuous_job_reports_a_dropped_record_without_traffic(
     kafka_bootstrap: str,
     topic_factory: Callable[..., str],
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from spark.job import ReconcileJob
+
+    monkeypatch.setattr("spark.job.PRUNE_EVERY_S", 0)  # the retention at every judgement
 
     orders, markers = topic_factory(), topic_factory()
     settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
@@ -370,10 +393,13 @@ def test_continuous_job_reports_a_dropped_record_without_traffic(
     job.start()  # a second start does nothing
     try:
         wait_for_first_judgement(job)
+        write_aged(pg_dsn, finding_id=1, detected=timedelta(days=31), window_at=datetime.now(UTC)
+                   - timedelta(days=40), updated=timedelta(days=31))  # fmt: skip
         until = time.monotonic() + 60
         while job.last_report.seconds.keys() != {"idle_check"}:  # type: ignore[union-attr]
             assert time.monotonic() < until, "no idle tick went without a judgement"
             time.sleep(0.2)
+        assert read_findings(pg_dsn) == []  # an idle job applies its retention too
         (dropped,) = publish(pg_dsn, [outbox.Record(orders, "lost", key="k")])
         with psycopg.connect(pg_dsn) as conn:  # the relay says delivered; Kafka has nothing
             conn.execute(
