@@ -935,7 +935,12 @@ def _duration(text: str) -> timedelta:
 
 
 def _retention(text: str) -> timedelta | None:
-    return None if text.strip().lower() == "none" else _duration(text)
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or none") from None
 
 
 def _time(text: str) -> datetime:
@@ -961,6 +966,13 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--dsn", help="libpq connection string (default: $OUTBOX_DATABASE_URL)")
     db.add_argument("--schema", default="outbox", help="schema of the outbox tables")
     db.add_argument("--jdbc-url", help="JDBC URL for Spark's reads (default: from --dsn)")
+    db.add_argument(
+        "--findings-retention",
+        type=_retention,
+        default="30d",
+        help="delete findings and summary windows written longer ago than this; 'none' keeps "
+        "them (30d)",
+    )
     k = p.add_argument_group("Kafka")
     k.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers")
     topics = k.add_mutually_exclusive_group(required=True)
@@ -990,13 +1002,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the relay's delivered_retention (default: derived from the ledger)",
     )
     j.add_argument("--summary-window", type=_duration, default="1m", help="latency window (1m)")
-    db.add_argument(
-        "--findings-retention",
-        type=_retention,
-        default="30d",
-        help="delete findings and summary windows written longer ago than this; 'none' keeps "
-        "them (30d)",
-    )
     r = p.add_argument_group("running")
     r.add_argument("--checkpoint", help="checkpoint location (streaming and --once)")
     r.add_argument("--trigger", type=_duration, default="10s", help="micro-batch interval (10s)")
@@ -1040,9 +1045,7 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
         "deadline": _as_delta(args.deadline),
         "horizon": _as_delta(args.horizon),
         "ledger_retention": args.ledger_retention,
-        "findings_retention": _retention(args.findings_retention)
-        if isinstance(args.findings_retention, str)
-        else args.findings_retention,
+        "findings_retention": args.findings_retention,  # argparse converts its default too
         "summary_window": _as_delta(args.summary_window),
         "trigger": _as_delta(args.trigger),
         "checkpoint": args.checkpoint,

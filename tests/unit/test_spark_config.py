@@ -297,6 +297,12 @@ def test_command_line_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "needs a checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--dsn", "x", "--bootstrap", "k", "--topics", "a", "--deadline", "soon"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(["--dsn", "x", "--bootstrap", "k", "--topics", "a", "--findings-retention", "ever"])
+    assert exited.value.code == 2
+    assert "'ever' is not a duration (e.g." in (err := capsys.readouterr().err)
+    assert err.rstrip().endswith(", or none")
 
 
 def test_every_query_renders() -> None:
