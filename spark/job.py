@@ -221,6 +221,8 @@ class ReconcileJob:
         # Up to where a running job has judged: kept under the checkpoint, so that a restart
         # goes on from there instead of judging the whole horizon again.
         self._judged_to: datetime | None = None
+        # The first store batch no judgement has read: its late observations are judged too.
+        self._unread_from: int | None = None
         self._continuous = False
         self._batch_newest: dict[int, int] = {}  # store batch -> its newest observation (µs)
         self._written_at: dict[int, datetime] = {}  # store batch -> when it was written
@@ -395,6 +397,8 @@ class ReconcileJob:
                 .parquet(f"{self._store()}/batch-{batch_id:012d}")
             )
             self._written_at.pop(batch_id, None)  # written (again, if replayed) just now
+            if self._unread_from is None:  # an earlier run judged the batches before its first
+                self._unread_from = batch_id
             _failpoints.hit(_failpoints.RECONCILE_AFTER_STORE_WRITE)
             self._batch_newest[batch_id] = newest.get.get("newest") or 0  # 0: empty, trimmed
             if self._run_as_of is not None:  # availableNow: judged once, at the end
@@ -527,12 +531,22 @@ class ReconcileJob:
             # gone from the store, and such a row is reported missing.
             since = min(window.store_low, self._oldest_due(window) or window.store_low)
             store = self._read_store(written_since=since - settings.trigger)
-        # The context by Kafka time, and the copies stamped before it: late arrivals (a
-        # producer retrying through an outage) and the copies of rows ended late, which
-        # answer ledger rows due now.
+        last_read = max(self._store_batches(), default=None)  # the lock keeps writes out
+        if self._unread_from is not None and window.windows_from is not None:
+            # Stamped before the judged range, in a batch no judgement read: it arrived late (a
+            # producer retrying through an outage, a Kafka transaction held open for long), and
+            # no window judged it. It is judged now. Not in a judgement of the whole horizon:
+            # there what is before the range is what lacks its context (older ones are gone).
+            unread = F.col("batch") >= F.lit(self._unread_from)
+            arrived_late = unread & (F.col("ts") < F.lit(window.lo))
+            store = store.withColumn(transform.LATE_JUDGED, arrived_late)
+        # The context by Kafka time, and the observations stamped before it: late arrivals and
+        # the copies of rows ended late, which answer ledger rows due now.
         obs = store.where(F.col("ts") >= F.lit(window.store_low))
         late = store.where(F.col("ts") < F.lit(window.store_low))
         report = self._judge(obs, window, detected_in, trim_before=current_batch, late=late)
+        if last_read is not None:
+            self._unread_from = last_read + 1
         self._judged_to = window.hi
         if self._continuous:  # a --once run judges its whole horizon every time
             self._save_judged_to(window.hi)
@@ -540,10 +554,14 @@ class ReconcileJob:
 
     def _idle(self, window: JudgeWindow) -> bool:
         """Nothing to judge: no observation since the window's context began (no copy or marker
-        to judge, no summary window to close), and no ledger row it may call missing (with
-        include_stuck, that is no committed row at all)."""
+        to judge, no summary window to close), none in a batch no judgement read (a late
+        arrival), and no ledger row it may call missing (with include_stuck, that is no
+        committed row at all)."""
         for batch_id, (_path, written) in self._store_batches().items():
             known = self._batch_newest.get(batch_id)
+            unread = self._unread_from is not None and batch_id >= self._unread_from
+            if unread and known != 0:  # 0: written empty
+                return False
             # an earlier run's batch: its write time bounds it, with the store's clock margin
             newest = written + self.settings.trigger if known is None else _from_micros(known)
             if newest is None or newest >= window.store_low:
@@ -787,7 +805,10 @@ class ReconcileJob:
             with sink.connect(settings.dsn.get_secret_value()) as conn:
                 conn.autocommit = True
                 with clock("ledger"):
-                    ledger, complete = self._read_ledger(window, obs, conn, cached)
+                    judged = obs
+                    if late is not None and transform.LATE_JUDGED in late.columns:
+                        judged = obs.unionByName(late.where(F.col(transform.LATE_JUDGED)))
+                    ledger, complete = self._read_ledger(window, judged, conn, cached)
                     ledger_rows = ledger.count()
                     coverage = self._coverage(conn) if complete else None
                 judgement = transform.judge(

@@ -259,16 +259,26 @@ def observations(
     return obs.where(F.col("outbox_id").isNotNull() & complete)
 
 
+# On late observations (see judge): judged although their Kafka time is before the window.
+LATE_JUDGED = "late_judged"
+
+
+def _late_judged(rows: DataFrame) -> list[str]:
+    return [LATE_JUDGED] if LATE_JUDGED in rows.columns else []
+
+
 def copies(obs: DataFrame) -> DataFrame:
     """The copies of records seen on the delivered topics."""
     return obs.where(F.col("source") == RECORD).select(
-        "outbox_id", "topic", "partition", "offset", "ts", "key", "tx_id", "producer_group"
-    )
+        "outbox_id", "topic", "partition", "offset", "ts", "key", "tx_id", "producer_group",
+        *_late_judged(obs),
+    )  # fmt: skip
 
 
 def markers(obs: DataFrame) -> DataFrame:
     """The op markers, with the position they claim for their record."""
     return obs.where(F.col("source") == MARKER).select(
+        *_late_judged(obs),
         "outbox_id",
         "op",
         F.col("ts").alias("m_ts"),
@@ -307,8 +317,12 @@ def marker_facts(marker_rows: DataFrame) -> DataFrame:
     )
 
 
-def _judged(col: str, window: JudgeWindow) -> Column:
-    return F.col(col).between(F.lit(window.lo), F.lit(window.hi))
+def _judged(col: str, window: JudgeWindow, rows: DataFrame) -> Column:
+    """In the judged range of Kafka time, or a late observation judged now."""
+    in_window = F.col(col).between(F.lit(window.lo), F.lit(window.hi))
+    if LATE_JUDGED not in rows.columns:
+        return in_window
+    return in_window | F.coalesce(F.col(LATE_JUDGED), F.lit(False))
 
 
 def classify_copies(
@@ -396,7 +410,7 @@ def classify_copies(
             ),
         )
         .withColumn("delivered_markers", delivered_markers)
-        .withColumn("judged", _judged("ts", window))
+        .withColumn("judged", _judged("ts", window, c))
     )
 
 
@@ -478,7 +492,9 @@ def markers_without_record(
     seen = copy_rows.select("outbox_id", F.col("topic").alias("m_topic"))
     states = ledger.select(F.col("id").alias("outbox_id"), "state")
     rows = (
-        marker_rows.where((F.col("op") == Op.DELIVERED.value) & _judged("m_ts", window))
+        marker_rows.where(
+            (F.col("op") == Op.DELIVERED.value) & _judged("m_ts", window, marker_rows)
+        )
         .join(seen, ["outbox_id", "m_topic"], "left_anti")
         .join(states, "outbox_id", "left")
         .where(F.col("state").isNull() | ~F.col("state").isin(*COMMITTED_STATES))
@@ -578,21 +594,26 @@ def judge(
     """All findings and summary windows of one judgement (see the module docstring).
 
     `obs` holds each Kafka record once (the store writes each micro-batch to its own directory,
-    overwritten on replay; an audit reads each offset once). `late`: observations with a Kafka
-    time before `obs`'s (copies that arrived lately, or the copies of rows a relay left
-    committed); they only count as present (a ledger row they answer is not missing), they are
-    not judged themselves.
+    overwritten on replay; an audit reads each offset once); those with a Kafka time in the
+    window are judged. `late`: observations with a Kafka time before `obs`'s (copies that
+    arrived lately, or the copies of rows a relay left committed), the context of the judged
+    ones (a ledger row they answer is not missing, a copy they precede is a duplicate, their
+    markers say where records landed). An observation of either with a true `late_judged`
+    column is judged whatever its time: it arrived after the judgements of its time (the
+    job's choice, see ReconcileJob.judge).
     """
     copy_rows = copies(obs)
     marker_rows = markers(obs)
-    present = copy_rows if late is None else copy_rows.unionByName(copies(late))
+    if late is not None:  # a LATE_JUDGED column missing on one side is null there: not judged
+        copy_rows = copy_rows.unionByName(copies(late), allowMissingColumns=True)
+        marker_rows = marker_rows.unionByName(markers(late), allowMissingColumns=True)
     classified = classify_copies(
         copy_rows, ledger, marker_facts(marker_rows), window, coverage_start=coverage_start
     )
     findings = (
         copy_findings(classified)
-        .unionByName(missing_records(ledger, present, window))
-        .unionByName(markers_without_record(marker_rows, present, ledger, window))
+        .unionByName(missing_records(ledger, copy_rows, window))
+        .unionByName(markers_without_record(marker_rows, copy_rows, ledger, window))
         .unionByName(out_of_order(classified))
     )
     return Judgement(

@@ -527,7 +527,8 @@ def test_a_running_job_finds_a_copy_stamped_long_before_it_arrived(
 ) -> None:
     """A producer that retried through an outage appends records with an old Kafka time; the
     ledger row is due only now. The running job's context is what arrived lately, not what is
-    stamped lately, so the copy is found and nothing is reported."""
+    stamped lately, so the copy is found; and a second copy, as old, is judged: a duplicate,
+    although its Kafka time is before any window the job still judges."""
     from spark.job import ReconcileJob
 
     orders, markers = topic_factory(), topic_factory()
@@ -539,9 +540,10 @@ def test_a_running_job_finds_a_copy_stamped_long_before_it_arrived(
         (late, lost) = publish(
             pg_dsn, [outbox.Record(orders, "late", key="k"), outbox.Record(orders, "lost")]
         )  # `lost` never goes out: the control, reported missing
-        RelayStandIn(pg_dsn, transactional_producer, markers).deliver(
-            [late], at=datetime.now(UTC) - timedelta(seconds=60)
-        )
+        stand_in = RelayStandIn(pg_dsn, transactional_producer, markers)
+        long_ago = datetime.now(UTC) - timedelta(seconds=60)
+        stand_in.deliver([late], at=long_ago)
+        stand_in.copy_again([late], at=long_ago)
         with psycopg.connect(pg_dsn) as conn:  # ended now: due in the job's next judgements
             conn.execute(
                 "UPDATE outbox.outbox_record SET ended_at = now() WHERE id = %s", (late.id,)
@@ -558,7 +560,8 @@ def test_a_running_job_finds_a_copy_stamped_long_before_it_arrived(
         job.stop()
     assert last is not None
     assert last.window.windows_from is not None  # a judgement of what is new, not the horizon
-    assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", lost.id)]
+    found = sorted((f.kind, f.outbox_id) for f in read_findings(pg_dsn))
+    assert found == [("duplicate", late.id), ("missing", lost.id)]
 
 
 def test_a_row_a_relay_ends_long_after_its_kafka_commit_is_not_missing(

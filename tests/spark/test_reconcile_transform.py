@@ -319,6 +319,72 @@ def test_a_late_arrival_counts_as_present_but_is_not_judged(spark: SparkSession)
     assert kinds(late) == []
 
 
+def test_late_arrivals_no_judgement_read_are_judged(spark: SparkSession) -> None:
+    """Observations stamped before the judged range that arrived since the last judgement (a
+    Kafka transaction held open, a producer retrying) are judged like the window's, as flagged;
+    those read before are context only. And a late copy is the context of a later one of its
+    id."""
+    from pyspark.sql import functions as F
+
+    from spark.transform import LATE_JUDGED, LEDGER_SCHEMA, judge, observations
+
+    kafka = Kafka()
+    # 1: delivered long ago, with its marker, and copied again (a duplicate), all late
+    kafka.copy(1, offset=0, at=s(-600))
+    kafka.marker(1, s(-600), offset=0, commit=s(-601))
+    kafka.copy(1, offset=1, at=s(-599))
+    # 2: a rolled-back record's copy, late: an orphan
+    kafka.copy(2, offset=2, at=s(-598))
+    # 3: a delivered marker, late, of a record neither on its topic nor in the ledger
+    kafka.marker(3, s(-597), offset=9, commit=s(-598))
+    # 4: its first copy is late, another is in the window: the window's is the duplicate
+    kafka.copy(4, offset=3, at=s(-596))
+    kafka.marker(4, s(-596), offset=3, commit=s(-597))
+    kafka.copy(4, offset=4, at=s(60))
+    # 5: a rolled-back record's copy in the context before the judged range (from s(0))
+    kafka.copy(5, offset=5, at=s(-10))
+    rows = observations(kafka.frame(spark), marker_topic=MARKERS)
+    window = JudgeWindow.streaming(s(100), timedelta(seconds=20), timedelta(minutes=2))
+    assert (window.store_low, window.lo) == (s(-20), s(0))
+    obs = rows.where(F.col("ts") >= F.lit(window.store_low))
+    late = rows.where(F.col("ts") < F.lit(window.store_low))
+    ledger = spark.createDataFrame(
+        [
+            ledger_row(1, "delivered", s(-601), ended=s(-600), offset=0),
+            ledger_row(2, "rolled_back", None),
+            ledger_row(5, "rolled_back", None),
+        ],
+        LEDGER_SCHEMA,
+    )
+
+    def found(obs_rows: DataFrame, late_rows: DataFrame) -> set[tuple[str, int, str]]:
+        judgement = judge(
+            obs_rows, ledger, window, coverage_start=None, summary_window=timedelta(minutes=1),
+            late=late_rows,
+        )  # fmt: skip
+        return {(r.kind, r.outbox_id, r.occurrence) for r in judgement.findings.collect()}
+
+    def flagged(frame: DataFrame, judged: bool) -> DataFrame:
+        return frame.withColumn(LATE_JUDGED, F.lit(judged) & (F.col("ts") < F.lit(window.lo)))
+
+    window_duplicate = ("duplicate", 4, "0:4")
+    assert found(flagged(obs, True), flagged(late, True)) == {
+        ("duplicate", 1, "0:1"),
+        ("orphan", 2, "0:2"),
+        ("marker_mismatch", 3, "marker_without_record"),
+        ("orphan", 5, "0:5"),
+        window_duplicate,
+    }
+    assert found(obs, flagged(late, True)) == {  # a flag on one side only
+        ("duplicate", 1, "0:1"),
+        ("orphan", 2, "0:2"),
+        ("marker_mismatch", 3, "marker_without_record"),
+        window_duplicate,
+    }
+    assert found(flagged(obs, False), flagged(late, False)) == {window_duplicate}
+    assert found(obs, late) == {window_duplicate}  # an audit's context: never judged
+
+
 def test_equal_commit_times_are_ordered_by_xid_as_the_relay_orders_them(
     spark: SparkSession,
 ) -> None:
