@@ -742,7 +742,7 @@ class ReconcileJob:
             return
         self._pruned_at = time.monotonic()
         try:
-            findings, windows = sink.prune(conn, self.settings.schema_name, retention)
+            pruned = sink.prune(conn, self.settings.schema_name, retention)
         except psycopg.errors.InsufficientPrivilege as exc:
             logger.warning(
                 "findings are kept for ever: this role may not delete them (%s); grant it "
@@ -755,13 +755,16 @@ class ReconcileJob:
         except psycopg.Error as exc:
             logger.warning("findings retention: deleting failed, tried again later: %s", exc)
             return
-        if findings or windows:
+        if not pruned.complete:  # a table that grew for long: more at the next judgement
+            self._pruned_at = None
+        if pruned.findings or pruned.windows:
             logger.info(
                 "deleted %d findings and %d summary windows written more than %s ago "
-                "(--findings-retention)",
-                findings,
-                windows,
+                "(--findings-retention)%s",
+                pruned.findings,
+                pruned.windows,
                 retention,
+                "" if pruned.complete else "; more at the next judgement",
             )
 
     def _coverage(self, conn: psycopg.Connection[Any]) -> datetime | None:

@@ -49,12 +49,20 @@ SELECT least(
 SELECT min(ended_at) FROM {schema}.outbox_record WHERE ended_at IS NOT NULL AND state <> 'parked'
 
 -- name: prune_findings
--- The job's retention: findings written longer ago than it (by the detected_at index).
-DELETE FROM {schema}.reconciliation_finding WHERE detected_at < now() - %(retention)s
+-- The job's retention: findings written longer ago than it (by the detected_at index), `limit`
+-- at a time: a table that grew for months is emptied in short transactions, not in one that
+-- holds its row locks and its xid (the relay's horizon) for minutes.
+DELETE FROM {schema}.reconciliation_finding
+WHERE id IN (SELECT id FROM {schema}.reconciliation_finding
+             WHERE detected_at < now() - %(retention)s
+             ORDER BY detected_at, id LIMIT %(limit)s)
 
 -- name: prune_windows
 -- By when a window was last written, not by its time: an audit of an old range writes old windows.
-DELETE FROM {schema}.reconciliation_window WHERE updated_at < now() - %(retention)s
+DELETE FROM {schema}.reconciliation_window
+WHERE (window_start, window_end) IN (
+    SELECT window_start, window_end FROM {schema}.reconciliation_window
+    WHERE updated_at < now() - %(retention)s LIMIT %(limit)s)
 
 -- name: create_finding_stage
 CREATE TEMPORARY TABLE reconciliation_finding_stage (

@@ -197,10 +197,31 @@ def test_retention_deletes_what_was_written_before_it(pg_dsn: str) -> None:
     write_aged(pg_dsn, finding_id=2, detected=timedelta(days=29), window_at=long_ago
                + timedelta(minutes=1), updated=timedelta(0))  # fmt: skip
     with sink.connect(pg_dsn) as conn:
-        assert sink.prune(conn, "outbox", timedelta(days=30)) == (1, 1)
+        assert sink.prune(conn, "outbox", timedelta(days=30)) == sink.Pruned(1, 1, complete=True)
         conn.commit()
     assert [f.outbox_id for f in read_findings(pg_dsn)] == [2]
     assert [w.window_start for w in read_windows(pg_dsn)] == [long_ago + timedelta(minutes=1)]
+
+
+def test_retention_deletes_in_batches_and_says_when_more_is_due(pg_dsn: str) -> None:
+    """A table that grew for long is emptied a batch a transaction, up to a bound a call."""
+    from spark import sink
+
+    long_ago = datetime.now(UTC) - timedelta(days=90)
+    for n in range(5):
+        write_aged(pg_dsn, finding_id=n, detected=timedelta(days=31), updated=timedelta(days=31),
+                   window_at=long_ago + timedelta(minutes=n))  # fmt: skip
+    with sink.connect(pg_dsn) as conn:
+        conn.autocommit = True  # as the job's: each batch commits on its own
+        assert sink.prune(conn, "outbox", timedelta(days=30), batch=2, max_rows=4) == sink.Pruned(
+            4, 4, complete=False
+        )
+        assert len(read_findings(pg_dsn)) == 1  # committed already, batch by batch
+        assert sink.prune(conn, "outbox", timedelta(days=30), batch=2, max_rows=4) == sink.Pruned(
+            1, 1, complete=True
+        )
+    assert read_findings(pg_dsn) == []
+    assert read_windows(pg_dsn) == []
 
 
 def test_a_failed_retention_pass_is_tried_again_later(
@@ -221,6 +242,32 @@ def test_a_failed_retention_pass_is_tried_again_later(
             job._prune(other)
     assert "tried again later" in caplog.text
     assert not job._prune_due()  # after PRUNE_EVERY_S, not at once
+
+
+def test_a_retention_pass_cut_at_its_bound_goes_on_at_the_next_judgement(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from spark import sink
+    from spark.config import ReconcileSettings
+    from spark.job import ReconcileJob
+
+    monkeypatch.setattr(sink, "PRUNE_BATCH", 1)
+    monkeypatch.setattr(sink, "PRUNE_MAX_ROWS", 1)
+    long_ago = datetime.now(UTC) - timedelta(days=90)
+    for n in range(2):
+        write_aged(pg_dsn, finding_id=n, detected=timedelta(days=31), updated=timedelta(days=31),
+                   window_at=long_ago + timedelta(minutes=n))  # fmt: skip
+    settings = ReconcileSettings(dsn=pg_dsn, bootstrap_servers="k", topics=("t",), checkpoint="c")
+    job = ReconcileJob(settings, spark=None)  # type: ignore[arg-type]  # not needed to prune
+    with sink.connect(pg_dsn) as conn:
+        conn.autocommit = True
+        job._prune(conn)
+        assert len(read_findings(pg_dsn)) == 1
+        assert job._prune_due()  # more is due: at once, not after PRUNE_EVERY_S
+        job._prune(conn)
+        assert read_findings(pg_dsn) == []
+        job._prune(conn)  # nothing left: complete
+    assert not job._prune_due()
 
 
 def finding_keys(dsn: str) -> list[tuple[str, int, str]]:
