@@ -596,24 +596,31 @@ def judge(
     `obs` holds each Kafka record once (the store writes each micro-batch to its own directory,
     overwritten on replay; an audit reads each offset once); those with a Kafka time in the
     window are judged. `late`: observations with a Kafka time before `obs`'s (copies that
-    arrived lately, or the copies of rows a relay left committed), the context of the judged
-    ones (a ledger row they answer is not missing, a copy they precede is a duplicate, their
-    markers say where records landed). An observation of either with a true `late_judged`
-    column is judged whatever its time: it arrived after the judgements of its time (the
-    job's choice, see ReconcileJob.judge).
+    arrived lately, or the copies of rows a relay left committed); they count as present (a
+    ledger row they answer is not missing). An observation of either with a true
+    `late_judged` column is judged whatever its time, and is the context of the others (a
+    copy it precedes is a duplicate, its marker says where its record landed): it arrived
+    after the judgements of its time (the job's choice, see ReconcileJob.judge).
     """
     copy_rows = copies(obs)
     marker_rows = markers(obs)
-    if late is not None:  # a LATE_JUDGED column missing on one side is null there: not judged
-        copy_rows = copy_rows.unionByName(copies(late), allowMissingColumns=True)
-        marker_rows = marker_rows.unionByName(markers(late), allowMissingColumns=True)
+    present = copy_rows
+    if late is not None:
+        # Only the judged late rows are classified: `late` can reach back far (a relay that
+        # lags), and classifying all of it made a judgement several seconds slower. A LATE_JUDGED
+        # column missing on one side is null there: not judged.
+        present = copy_rows.unionByName(copies(late), allowMissingColumns=True)
+        if LATE_JUDGED in late.columns:
+            judged_late = late.where(F.col(LATE_JUDGED))
+            copy_rows = copy_rows.unionByName(copies(judged_late), allowMissingColumns=True)
+            marker_rows = marker_rows.unionByName(markers(judged_late), allowMissingColumns=True)
     classified = classify_copies(
         copy_rows, ledger, marker_facts(marker_rows), window, coverage_start=coverage_start
     )
     findings = (
         copy_findings(classified)
-        .unionByName(missing_records(ledger, copy_rows, window))
-        .unionByName(markers_without_record(marker_rows, copy_rows, ledger, window))
+        .unionByName(missing_records(ledger, present, window))
+        .unionByName(markers_without_record(marker_rows, present, ledger, window))
         .unionByName(out_of_order(classified))
     )
     return Judgement(
