@@ -8,7 +8,8 @@ Figures: relay / min(B1, B2) (goal >= 0.6, stretch 0.8); commit-to-visible laten
 read_committed consumer at half the relay's measured rate (or --latency-rate), transactions of
 10 records, from the commit time Postgres recorded (goals <= 25 ms / <= 150 ms; reported with
 the rate the writer really reached); the relay's peak RSS (goal < 200 MB); the drop in
-throughput from a small to a large backlog (goal <= 20%). Final line: JSON.
+throughput from a small to a large backlog (goal <= 20%); the drain with two shards whose
+transactions span both (a measure, no goal). Final line: JSON.
 
     .venv/bin/python -m bench.relay [--records 20000] [--small 10000] [--large 1000000]
                                     [--latency-seconds 15] [--latency-rate R] [--repeat 3]
@@ -201,18 +202,19 @@ class Drain:
     peak_rss_mb: float
 
 
-def drain(dsn: str, bootstrap: str, count: int) -> Drain:
+def drain(dsn: str, bootstrap: str, count: int, shards: int = 1) -> Drain:
     """Fill a backlog, start a relay process, time the drain.
 
-    The relay runs with its defaults (ended rows are deleted). Its op markers (one shard, so one
-    partition, in order) carry the time each was produced: `rate` is what went out after the
-    first batch over the span from the first batch's last marker to the very last one, free of
-    process start-up and of polling granularity. Before its first batch the relay stamps the
-    commit time of the whole backlog (one UPDATE): `rate_from_start` counts that in.
+    The relay runs with its defaults (ended rows are deleted) and owns every shard. Its op
+    markers carry the time each was produced (sorted: with shards, in several partitions):
+    `rate` is what went out after the first batch over the span from the first batch's last
+    marker to the very last one, free of process start-up and of polling granularity. Before
+    its first batch the relay stamps the commit time of the whole backlog (one UPDATE):
+    `rate_from_start` counts that in.
     """
     topic = create_topic(bootstrap)
     fill_outbox(dsn, topic, count)
-    env = relay_env(dsn, bootstrap)
+    env = relay_env(dsn, bootstrap, shards=shards)
     started = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "relay.cli", "relay"], env=env, cwd=ROOT)
     try:
@@ -224,7 +226,9 @@ def drain(dsn: str, bootstrap: str, count: int) -> Drain:
     finally:
         proc.terminate()
         proc.wait(60)
-    times = marker_times(bootstrap, json.loads(env["OUTBOX_RELAY"])["op_marker_topic"], count)
+    times = sorted(
+        marker_times(bootstrap, json.loads(env["OUTBOX_RELAY"])["op_marker_topic"], count)
+    )
     first_batch = min(BATCH, count) - 1
     span = (times[-1] - times[first_batch]) / 1000
     return Drain(
@@ -414,6 +418,11 @@ def main() -> None:
         f"transaction): p50 {lat.p50_ms:.1f} ms, p99 {lat.p99_ms:.1f} ms ({lat.records} records)",
         flush=True,
     )
+    # Two shards: the backlog's transactions (10 keys of 100) each span both, and their home
+    # shards alternate; a shard that waited for the other's whole backlog sent ~20 records/s.
+    with scratch_database() as dsn:
+        two_shards = drain(dsn, bootstrap, args.records, shards=2).rate
+    print(f"relay, 2 shards, transactions across both: {two_shards:.0f}/s", flush=True)
     backlog_small = []
     for _ in range(args.repeat):
         with scratch_database() as dsn:
@@ -445,6 +454,8 @@ def main() -> None:
                 "latency_p50_ms": round(lat.p50_ms, 1),
                 "latency_p99_ms": round(lat.p99_ms, 1),
                 "peak_rss_mb": round(max(rss_small, rss_large), 1),
+                "relay_two_shards_per_s": round(two_shards),
+                "two_shards_vs_one": round(two_shards / small, 3),
                 "small_backlog": args.small,
                 "relay_small_backlog_per_s": round(small_backlog),
                 "large_backlog": args.large,

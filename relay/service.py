@@ -39,6 +39,9 @@ _MAX_BACKOFF_S = 10.0
 STAMP_SLICE = 50_000  # rows per stamping transaction: ~1.5 s here, well inside a lease
 FULL_STAMP_EVERY_S = 60.0  # a stamp of every unstamped row, not only above the last horizon
 LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
+# A round that held transactions back for another relay's shard looks again this soon (that
+# relay's rounds take tens of ms), not after the poll interval.
+HELD_BACK_POLL_S = 0.05
 # What a marker message may hold beyond op_marker_message_bytes: one more entry (its key and
 # reason are capped, relay/markers.py), the envelope, and Kafka's record overhead.
 MARKER_MESSAGE_MARGIN = 32 * 1024
@@ -70,6 +73,7 @@ class RelayRound:
     ended: int = 0
     parked: int = 0
     full: bool = False
+    held_back: bool = False
     shards: int = 0
 
     def add(self, r: ShardRound) -> None:
@@ -77,6 +81,7 @@ class RelayRound:
         self.ended += r.ended
         self.parked += r.parked
         self.full = self.full or r.full
+        self.held_back = self.held_back or r.held_back
 
 
 class Relay:
@@ -391,6 +396,7 @@ class Relay:
     def run(self) -> None:
         """Rounds until stop(): at once while batches come full, else after a wake-up or poll."""
         failures = 0
+        held_back_wait = HELD_BACK_POLL_S
         if self.settings.relay.listen_notify:
             with contextlib.suppress(psycopg.Error):  # the wait for work tries again
                 self._listening()  # from the start: a drain asks it between rounds
@@ -408,6 +414,17 @@ class Relay:
                 self._on_failure(exc)
                 self._stop.wait(_backoff(failures))
                 continue
+            if result.held_back and not result.full:
+                # Held back for another relay's shard: it sends within a round or two, and no
+                # commit wakes this one when it has. Longer each time nothing went (that relay
+                # may be dead until its lease expires, or in trouble), up to the poll interval.
+                self._wait_for_work(held_back_wait)
+                longest = self.settings.relay.poll_interval.total_seconds()
+                held_back_wait = (
+                    HELD_BACK_POLL_S if result.delivered else min(2 * held_back_wait, longest)
+                )
+                continue
+            held_back_wait = HELD_BACK_POLL_S
             if not result.full:
                 self._wait_for_work()
         self._shutdown()
@@ -438,9 +455,9 @@ class Relay:
             exc_info=kind not in ("database", "kafka", "fenced"),
         )
 
-    def _wait_for_work(self) -> None:
+    def _wait_for_work(self, timeout: float | None = None) -> None:
         rs = self.settings.relay
-        timeout = rs.poll_interval.total_seconds()
+        timeout = min(rs.poll_interval.total_seconds(), timeout or float("inf"))
         if rs.listen_notify:
             try:
                 listening = self._listening()

@@ -146,13 +146,15 @@ class ShardRound:
     delivered: int = 0
     ended: int = 0
     parked: int = 0
-    full: bool = False  # the claim hit the batch size: more is waiting
+    full: bool = False  # more is waiting: go again at once
+    held_back: bool = False  # transactions wait for another shard's (see ShardWorker._claim)
 
 
 @dataclass
 class _Batch:
     transactions: list[list[Row]] = field(default_factory=list)
     ended: list[Row] = field(default_factory=list)
+    held_back: int = 0  # transactions claimed that wait for another shard (see _claim)
 
     @property
     def committed(self) -> list[Row]:
@@ -332,7 +334,11 @@ class ShardWorker:
 
     def _claim(self, conn: psycopg.Connection[Any], hold_back: datetime | None) -> _Batch:
         """The next committed transactions in commit order, and the rows waiting for their op
-        marker (rolled back, discarded, parked)."""
+        marker (rolled back, discarded, parked).
+
+        A transaction that must wait (another shard sends it, or an earlier row of one of its
+        keys is still to go out from another shard) is held back, and so is every later one
+        that shares a key with it; the others go. Per-key order is commit order either way."""
         s = self.settings
         batch = _Batch()
         by_tx: dict[str, list[Row]] = {}  # in commit order: the query sorts, dicts keep order
@@ -352,11 +358,19 @@ class ShardWorker:
         for r in claimed.fetchall():  # one call into the C loader, not one per row
             row = Row.from_db(r, state="committed", committed_xid=r[9], commit_ts=r[10])
             by_tx.setdefault(r[9], []).append(row)
+        earliest = self._earliest_elsewhere(conn, by_tx)
+        waiting_keys: set[int] = set()  # keys of the transactions held back
         count = 0
         for xid, tx_rows in by_tx.items():
-            commit_ts = tx_rows[0].commit_ts  # stamped: the claim puts unstamped rows last
-            if not self._may_send(conn, tx_rows, xid, commit_ts):
-                break
+            commit_ts = tx_rows[0].commit_ts
+            assert commit_ts is not None  # stamped: the claim puts unstamped rows last
+            keys = {r.key_hash for r in tx_rows}
+            if not waiting_keys.isdisjoint(keys) or not self._may_send(
+                tx_rows, (commit_ts, int(xid)), earliest
+            ):
+                waiting_keys |= keys
+                batch.held_back += 1
+                continue
             for row in tx_rows:  # rows another shard's relay has not stamped: the same time
                 row.commit_ts = commit_ts
             batch.transactions.append(tx_rows)
@@ -365,6 +379,37 @@ class ShardWorker:
                 break
         batch.ended = [Row.from_db(r, state=r[9], reason=r[10]) for r in unmarked]
         return batch
+
+    def _earliest_elsewhere(
+        self, conn: psycopg.Connection[Any], by_tx: dict[str, list[Row]]
+    ) -> dict[int, tuple[datetime, int]]:
+        """For the keys of other shards in the transactions this shard would send: the earliest
+        committed row of each key that is neither in this claim nor in the batch being ended."""
+        n = self.settings.shards
+        keys: set[int] = set()
+        until: tuple[datetime | None, str] | None = None
+        for xid, tx_rows in by_tx.items():
+            elsewhere = {r.key_hash for r in tx_rows if shard_of(r.key_hash, n) != self.shard}
+            if elsewhere and self._home(tx_rows) == self.shard:
+                keys |= elsewhere
+                until = (tx_rows[0].commit_ts, xid)
+        if until is None:
+            return {}
+        rows = conn.execute(
+            self._q("relay_earliest_of_keys"),
+            {
+                "keys": sorted(keys),
+                "until_ts": until[0],
+                "until_xid": until[1],
+                "skip": [*by_tx, *(self._ending.xids if self._ending else [])],
+            },
+            prepare=False,
+        ).fetchall()
+        return {key_hash: (ts, int(xid)) for key_hash, ts, xid in rows}
+
+    def _home(self, tx_rows: list[Row]) -> int:
+        """The shard that sends a transaction: that of its first row (the same for every relay)."""
+        return shard_of(min(tx_rows, key=lambda r: r.id).key_hash, self.settings.shards)
 
     def _unmarked(self, conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
         return conn.execute(
@@ -379,22 +424,21 @@ class ShardWorker:
         )
 
     def _may_send(
-        self, conn: psycopg.Connection[Any], tx_rows: list[Row], xid: str, ts: datetime | None
+        self,
+        tx_rows: list[Row],
+        at: tuple[datetime, int],
+        earliest: dict[int, tuple[datetime, int]],
     ) -> bool:
+        """Whether this shard sends the transaction now: it is this shard's alone, or this shard
+        is its home and no earlier row of its keys in other shards is still to go out."""
         n = self.settings.shards
-        spanned = {shard_of(r.key_hash, n) for r in tx_rows}
-        if spanned == {self.shard}:
+        if all(shard_of(r.key_hash, n) == self.shard for r in tx_rows):
             return True
-        home = shard_of(min(tx_rows, key=lambda r: r.id).key_hash, n)
-        if home != self.shard:
-            return False  # its home shard sends it; we wait behind it
-        for other in spanned - {self.shard}:
-            row = conn.execute(
-                self._q("relay_shard_has_earlier"),
-                {**_range_params(other, n), "commit_ts": ts, "xid": xid},
-                prepare=False,
-            ).fetchone()
-            if row and row[0]:
+        if self._home(tx_rows) != self.shard:
+            return False  # its home shard sends it; its keys here wait behind it
+        for row in tx_rows:
+            first = earliest.get(row.key_hash)
+            if first is not None and first < at:
                 return False
         return True
 
@@ -416,7 +460,12 @@ class ShardWorker:
 
     def _ship(self, conn: psycopg.Connection[Any], batch: _Batch) -> ShardRound:
         committed, ended = batch.committed, batch.ended
-        result = ShardRound(full=len(committed) >= self.settings.batch_size)
+        # Held back, but some went: those sent may be what the held-back ones wait for (when
+        # this relay owns the other shard too, its round right after sends them).
+        result = ShardRound(
+            full=len(committed) >= self.settings.batch_size or bool(batch.held_back and committed),
+            held_back=batch.held_back > 0,
+        )
         if not committed and not ended:
             return result
 

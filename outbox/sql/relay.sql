@@ -101,22 +101,32 @@ CROSS JOIN LATERAL (  -- lateral: a look-up per transaction, never a scan of all
 ) AS u
 ORDER BY commit_ts, xid, id;  -- xid8, not its text (output columns only, after a UNION)
 
--- name: relay_shard_has_earlier
--- Does shard `shard` hold a committed row that must go out before (commit_ts, xid)? A row its
--- relay has not stamped yet counts by its real commit time: under steady traffic there is nearly
--- always one, and counting them all as earlier stopped the home shard for as long as it lasted.
-SELECT EXISTS (
-    SELECT 1 FROM {schema}.outbox_record
+-- name: relay_earliest_of_keys
+-- For each key hash in `keys` (keys of other shards in transactions this shard would send), the
+-- earliest committed row of that key that must go out before (until_ts, until_xid), leaving out
+-- `skip` (the transactions of this claim, ordered by the caller, and of the batch being ended).
+-- Only the keys: a transaction waits for earlier rows of its own keys, not for the other
+-- shard's whole backlog (waiting for any earlier row stopped both shards of a load whose
+-- transactions span them to one transaction a round). A row its relay has not stamped yet
+-- counts by its real commit time.
+SELECT DISTINCT ON (e.key_hash) e.key_hash, e.ts, e.xid::text
+FROM (
+    SELECT key_hash, commit_ts AS ts, committed_xid AS xid
+    FROM {schema}.outbox_record
     WHERE state = 'committed' AND commit_ts IS NOT NULL
-      AND key_hash BETWEEN %(lo)s AND %(hi)s
-      AND (commit_ts, committed_xid) < (%(commit_ts)s::timestamptz, %(xid)s::xid8)
-) OR EXISTS (
-    SELECT 1 FROM {schema}.outbox_record
+      AND (commit_ts, committed_xid) < (%(until_ts)s::timestamptz, %(until_xid)s::xid8)
+      AND key_hash = ANY(%(keys)s::bigint[])
+      AND committed_xid <> ALL(%(skip)s::xid8[])
+    UNION ALL
+    SELECT key_hash, coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at),
+           committed_xid
+    FROM {schema}.outbox_record
     WHERE state = 'committed' AND commit_ts IS NULL
-      AND key_hash BETWEEN %(lo)s AND %(hi)s
-      AND (coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at),
-           committed_xid) < (%(commit_ts)s::timestamptz, %(xid)s::xid8)
-);
+      AND key_hash = ANY(%(keys)s::bigint[])
+      AND committed_xid <> ALL(%(skip)s::xid8[])
+) AS e
+WHERE (e.ts, e.xid) < (%(until_ts)s::timestamptz, %(until_xid)s::xid8)
+ORDER BY e.key_hash, e.ts, e.xid;
 
 -- name: relay_unmarked
 -- Rolled back, discarded and parked rows whose op marker (and dead-letter copy) is not out yet;

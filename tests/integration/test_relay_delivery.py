@@ -1025,6 +1025,121 @@ def test_a_later_transaction_not_stamped_yet_does_not_hold_the_home_shard_back(
     assert same_key[-1] == b"later"  # after the earlier transaction's record of the key
 
 
+def keys_by_shard(dsn: str, shards: int, per_shard: int) -> list[list[str]]:
+    """Keys whose records land in each shard, `per_shard` of each (hashed as publish() does)."""
+    from relay.sharding import shard_of
+
+    found: list[list[str]] = [[] for _ in range(shards)]
+    with psycopg.connect(dsn) as conn:
+        for i in range(1000):
+            key = f"key-{i}"
+            (key_hash,) = conn.execute(
+                "SELECT hashtextextended(encode(convert_to(%s, 'UTF8'), 'hex'), 0)", (key,)
+            ).fetchone()  # type: ignore[misc]
+            if len(found[shard_of(key_hash, shards)]) < per_shard:
+                found[shard_of(key_hash, shards)].append(key)
+            if all(len(keys) == per_shard for keys in found):
+                return found
+    raise AssertionError("not enough keys for every shard")
+
+
+def publish_tx(dsn: str, topic: str, *keys: str) -> None:
+    """One outbox transaction, a record per key in this order (the first is its home shard's)."""
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        for key in keys:
+            outbox.publish(conn, topic, f"{key}@{time.monotonic_ns()}", key=key)
+
+
+def by_key(bootstrap: str, topic: str) -> dict[bytes, list[bytes]]:
+    got: dict[bytes, list[bytes]] = {}
+    for m in consume_all(bootstrap, topic, "read_committed"):
+        got.setdefault(m.key() or b"", []).append(m.value() or b"")
+    return got
+
+
+def test_transactions_across_shards_whose_home_shards_alternate_go_in_one_round(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Each shard sends those of its home and holds back the others' behind their keys only: a
+    shard that stopped at the first transaction of another home sent one transaction a round,
+    and a load of such transactions crawled at a few a second."""
+    topic = topic_factory()
+    a, b = keys_by_shard(pg_dsn, 2, 4)
+    for i in range(4):  # homes 0, 1, 0, 1; no key in two transactions
+        publish_tx(pg_dsn, topic, *((a[i], b[i]) if i % 2 == 0 else (b[i], a[i])))
+    relay = relay_factory(shards=2)
+    relay.heartbeat()
+    assert sorted(relay.workers) == [0, 1]
+    assert relay.run_once().delivered == 8
+    assert sum(map(len, by_key(kafka_bootstrap, topic).values())) == 8
+    marked = markers(kafka_bootstrap, relay)
+    assert len({(m.shard, m.id) for m in marked}) == 8
+
+
+def test_an_earlier_row_of_its_key_in_another_shard_holds_a_transaction_back_others_do_not(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    first, second = _two_relays_a_shard_each(relay_factory)
+    by_shard = {next(iter(r.workers)): r for r in (first, second)}
+    (a1, a2), (b_shared, b_other) = keys_by_shard(pg_dsn, 2, 2)
+    publish_tx(pg_dsn, topic, b_shared)  # only in shard 1, which has not sent it yet
+    publish_tx(pg_dsn, topic, a1, b_other)  # home 0: nothing earlier of its keys
+    publish_tx(pg_dsn, topic, a2, b_shared)  # home 0: waits for the first
+    assert by_shard[0].run_once().delivered == 2
+    assert by_shard[1].run_once().delivered == 1
+    assert by_shard[0].run_once().delivered == 2
+    got = by_key(kafka_bootstrap, topic)
+    assert [v.split(b"@")[0] for v in got[b_shared.encode()]] == [b_shared.encode()] * 2
+    assert got[b_shared.encode()] == sorted(
+        got[b_shared.encode()], key=lambda v: int(v.split(b"@")[1])
+    )
+
+
+def test_a_transaction_held_back_for_another_shard_holds_back_later_ones_of_its_keys(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    first, second = _two_relays_a_shard_each(relay_factory)
+    by_shard = {next(iter(r.workers)): r for r in (first, second)}
+    (a_shared, a_other), (b1,) = keys_by_shard(pg_dsn, 2, 2)[0], keys_by_shard(pg_dsn, 2, 1)[1]
+    publish_tx(pg_dsn, topic, b1, a_shared)  # home 1: shard 0 holds it back
+    publish_tx(pg_dsn, topic, a_shared)  # shard 0's alone, but after the first on its key
+    publish_tx(pg_dsn, topic, a_other)  # shard 0's alone, no key of a held-back one
+    assert by_shard[0].run_once().delivered == 1
+    assert by_shard[1].run_once().delivered == 2
+    assert by_shard[0].run_once().delivered == 1
+    got = by_key(kafka_bootstrap, topic)[a_shared.encode()]
+    assert len(got) == 2
+    assert got == sorted(got, key=lambda v: int(v.split(b"@")[1]))  # in commit order
+
+
+def test_a_running_relay_held_back_for_another_relay_looks_again_soon(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """No commit wakes a relay when another relay sends what it waits for: it must not wait for
+    its (here long) poll interval."""
+    topic = topic_factory()
+    first = relay_factory(shards=2, poll_interval="PT30S")
+    second = same_settings_other_id(relay_factory, first, "second")
+    for r in (first, second, first, second):
+        r.heartbeat()
+    by_shard = {next(iter(r.workers)): r for r in (first, second)}
+    (a_key,), (b_key,) = keys_by_shard(pg_dsn, 2, 1)
+    publish_tx(pg_dsn, topic, b_key, a_key)  # home 1
+    publish_tx(pg_dsn, topic, a_key)  # shard 0's, behind the first
+    waiting, sending = by_shard[0], by_shard[1]
+    rounds: list[Any] = []
+    run_once = waiting.run_once
+    waiting.run_once = lambda **kw: rounds.append(run_once(**kw)) or rounds[-1]  # type: ignore[method-assign]
+    waiting.start()
+    wait_for(lambda: any(r.held_back for r in rounds))
+    assert sending.run_once().delivered == 2
+    started = time.monotonic()
+    wait_for(lambda: len(consume_all(kafka_bootstrap, topic, "read_committed")) == 3, 10)
+    assert time.monotonic() - started < 10  # not the 30 s poll interval
+
+
 def test_one_shard_in_trouble_backs_off_alone_the_others_go_on(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
