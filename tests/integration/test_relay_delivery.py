@@ -1140,6 +1140,30 @@ def test_a_running_relay_held_back_for_another_relay_looks_again_soon(
     assert time.monotonic() - started < 10  # not the 30 s poll interval
 
 
+def test_two_running_relays_keep_commit_order_per_key_across_shards(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Transactions of 3 keys out of 8, each spanning both shards, their homes in turn, while
+    two relays with a shard each run: every record once, each key's records in commit order."""
+    topic = topic_factory(partitions=3)
+    a, b = keys_by_shard(pg_dsn, 2, 4)
+    first, second = _two_relays_a_shard_each(relay_factory)
+    for r in (first, second):
+        r.start()
+    sent: dict[bytes, list[bytes]] = {}
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(120):
+            keys = [a[i % 4], b[i % 3], a[(i + 1) % 4]] if i % 2 else [b[i % 4], a[i % 3]]
+            with conn.transaction():
+                for key in keys:
+                    value = f"{key}#{i}".encode()
+                    outbox.publish(conn, topic, value, key=key)
+                    sent.setdefault(key.encode(), []).append(value)
+    total = sum(map(len, sent.values()))
+    wait_for(lambda: len(consume_all(kafka_bootstrap, topic, "read_committed")) >= total, 60)
+    assert by_key(kafka_bootstrap, topic) == sent
+
+
 def test_one_shard_in_trouble_backs_off_alone_the_others_go_on(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
