@@ -1102,7 +1102,7 @@ def test_a_transaction_held_back_for_another_shard_holds_back_later_ones_of_its_
     topic = topic_factory()
     first, second = _two_relays_a_shard_each(relay_factory)
     by_shard = {next(iter(r.workers)): r for r in (first, second)}
-    (a_shared, a_other), (b1,) = keys_by_shard(pg_dsn, 2, 2)[0], keys_by_shard(pg_dsn, 2, 1)[1]
+    (a_shared, a_other), (b1, _) = keys_by_shard(pg_dsn, 2, 2)
     publish_tx(pg_dsn, topic, b1, a_shared)  # home 1: shard 0 holds it back
     publish_tx(pg_dsn, topic, a_shared)  # shard 0's alone, but after the first on its key
     publish_tx(pg_dsn, topic, a_other)  # shard 0's alone, no key of a held-back one
