@@ -26,8 +26,8 @@ from outbox import sql as queries
 from outbox import wakeup_channel
 from outbox.migrations import schema_problem
 from relay import metrics
+from relay.background import BackgroundConnection
 from relay.config import SidecarSettings
-from relay.ender import RowEnder
 from relay.kafka import Fenced, OutcomeUnknown, ProducerFailed, ProducerMisconfigured, Topics
 from relay.leases import LeaseManager
 from relay.shard import EndFailed, LeaseLost, ShardRound, ShardWorker
@@ -94,7 +94,8 @@ class Relay:
         self.topics = Topics(self.kafka_conf)
         self.leases = LeaseManager(self.schema, self.relay_id, rs.shards, rs.lease_duration)
         self.workers: dict[int, ShardWorker] = {}
-        self.ender = RowEnder(self._connect)
+        self.ender = BackgroundConnection(self._connect, "ender")
+        self.claimer = BackgroundConnection(self._connect, "claimer")
         self._conn: psycopg.Connection[Any] | None = None
         self._listen: psycopg.Connection[Any] | None = None
         self._stop = threading.Event()
@@ -218,6 +219,7 @@ class Relay:
                 self.kafka_conf,
                 self.topics,
                 self.ender,
+                self.claimer,
             )
         if changes.gained:  # their rows may be left unstamped by another relay
             self._stamp_all_again()
@@ -279,7 +281,9 @@ class Relay:
                 continue
             tried += 1
             try:
-                result.add(worker.deliver_once(self.conn, hold_back, self._keep_alive))
+                result.add(
+                    worker.deliver_once(self.conn, hold_back, self._keep_alive, prefetch=pipelined)
+                )
                 if not pipelined:
                     worker.settle()
                 worker.failures = 0
@@ -532,7 +536,9 @@ class Relay:
         for shard in list(self.workers):
             worker = self.workers.pop(shard)
             worker.close()
-        self.ender.close(timeout=self.settings.relay.shutdown_grace.total_seconds())
+        grace = self.settings.relay.shutdown_grace.total_seconds()
+        self.ender.close(timeout=grace)
+        self.claimer.close(timeout=grace)  # claims only read: nothing is lost if cut short
         try:
             self.leases.leave(self.conn)
         except psycopg.Error as exc:

@@ -3,7 +3,8 @@
 Per round, for a shard it holds:
 1. claim the next committed transactions in commit order (all records of a transaction, even
    across shards, go in one Kafka transaction), and the rolled back / discarded / parked rows
-   whose op marker is not out yet;
+   whose op marker is not out yet. In a drain, the relay's claimer makes this claim while the
+   batch before it waits for Kafka (deliver_once);
 2. in one Kafka transaction: the records on their topics (with outbox-id and outbox-tx-id
    headers), dead-letter copies of discarded and parked records, and an op marker for each;
 3. after the commit, in one Postgres transaction that re-checks the lease: end the rows (delete
@@ -14,8 +15,9 @@ A crash between 2 and 3 leaves rows whose markers are committed: `recover()` rea
 from the stored offset (read_committed) and ends those rows instead of sending them again.
 
 Multi-shard transactions: the shard of its lowest record id is its home. The home relay sends
-it once no other shard it touches holds an earlier-committed record; the other shards stop in
-front of it until it is gone. Per-key commit order therefore holds across shards.
+it once no other shard holds an earlier-committed record of its keys; the other shards hold it,
+and their later transactions of its keys, back until it is gone (_claim). Per-key commit order
+therefore holds across shards.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from outbox import sql as queries
 from relay import _failpoints, metrics
+from relay.background import BackgroundConnection
 from relay.config import RelaySettings
-from relay.ender import RowEnder
 from relay.kafka import PERMANENT_RECORD_ERRORS, Sent, ShardProducer, Topics
 from relay.leases import Lease
 from relay.markers import (
@@ -162,8 +164,17 @@ class _Batch:
 
 
 @dataclass
+class _Prefetch:
+    """The next claim, made on the claimer's connection while a full batch waits for Kafka."""
+
+    batch: Future[_Batch]
+    epoch: int  # the lease it was claimed under
+    valid: bool = False  # set once the batch before it is committed in Kafka
+
+
+@dataclass
 class _Ending:
-    """A batch committed in Kafka whose rows are being ended (relay/ender.py)."""
+    """A batch committed in Kafka whose rows are being ended (relay/background.py)."""
 
     markers: list[Ended]
     poison: dict[int, str]  # its records the broker refused: parked in the same transaction
@@ -188,7 +199,8 @@ class ShardWorker:
         relay_id: str,
         kafka_conf: dict[str, Any],
         topics: Topics,
-        ender: RowEnder | None = None,
+        ender: BackgroundConnection | None = None,
+        claimer: BackgroundConnection | None = None,
     ) -> None:
         self.lease = lease
         self.shard = lease.shard
@@ -215,7 +227,9 @@ class ShardWorker:
         # its own, and only one refused alone is parked
         self._alone: set[int] = set()
         self.ender = ender  # None: each batch's rows are ended before deliver_once returns
+        self.claimer = claimer  # None: no claim is made ahead (see deliver_once)
         self._ending: _Ending | None = None  # the last batch, while the ender ends its rows
+        self._prefetch: _Prefetch | None = None  # the next claim, made during the last batch
         if lease.marker_partition not in (None, self.marker_partition):
             raise RuntimeError(
                 f"shard {self.shard} recorded its op markers in partition "
@@ -332,9 +346,17 @@ class ShardWorker:
 
     # --- claim ------------------------------------------------------------------------------
 
-    def _claim(self, conn: psycopg.Connection[Any], hold_back: datetime | None) -> _Batch:
+    def _claim(
+        self,
+        conn: psycopg.Connection[Any],
+        hold_back: datetime | None,
+        skip_xids: list[str],
+        skip_ids: list[int],
+    ) -> _Batch:
         """The next committed transactions in commit order, and the rows waiting for their op
-        marker (rolled back, discarded, parked).
+        marker (rolled back, discarded, parked), leaving out `skip_xids` (transactions) and
+        `skip_ids` (rows waiting for their marker) of batches committed, or being committed,
+        in Kafka whose rows are not ended yet. Thread-safe: reads no state that changes.
 
         A transaction that must wait (another shard sends it, or an earlier row of one of its
         keys is still to go out from another shard) is held back, and so is every later one
@@ -349,16 +371,16 @@ class ShardWorker:
                 **self.key_range,
                 "hold_back": hold_back,
                 "limit": s.batch_size,
-                "ending": self._ending.xids if self._ending else [],
+                "ending": skip_xids,
             },
             binary=True,
             prepare=False,  # a custom plan: a generic one cannot estimate the key range
         )
-        unmarked = self._unmarked(conn)  # in a pipeline: one round trip with the claim
+        unmarked = self._unmarked(conn, skip_ids)  # in a pipeline: one round trip with the claim
         for r in claimed.fetchall():  # one call into the C loader, not one per row
             row = Row.from_db(r, state="committed", committed_xid=r[9], commit_ts=r[10])
             by_tx.setdefault(r[9], []).append(row)
-        earliest = self._earliest_elsewhere(conn, by_tx)
+        earliest = self._earliest_elsewhere(conn, by_tx, skip_xids)
         waiting_keys: set[int] = set()  # keys of the transactions held back
         count = 0
         for xid, tx_rows in by_tx.items():
@@ -381,10 +403,10 @@ class ShardWorker:
         return batch
 
     def _earliest_elsewhere(
-        self, conn: psycopg.Connection[Any], by_tx: dict[str, list[Row]]
+        self, conn: psycopg.Connection[Any], by_tx: dict[str, list[Row]], skip_xids: list[str]
     ) -> dict[int, tuple[datetime, int]]:
         """For the keys of other shards in the transactions this shard would send: the earliest
-        committed row of each key that is neither in this claim nor in the batch being ended."""
+        committed row of each key that is neither in this claim nor in `skip_xids`."""
         n = self.settings.shards
         keys: set[int] = set()
         until: tuple[datetime | None, str] | None = None
@@ -401,7 +423,7 @@ class ShardWorker:
                 "keys": sorted(keys),
                 "until_ts": until[0],
                 "until_xid": until[1],
-                "skip": [*by_tx, *(self._ending.xids if self._ending else [])],
+                "skip": [*by_tx, *skip_xids],
             },
             prepare=False,
         ).fetchall()
@@ -411,14 +433,10 @@ class ShardWorker:
         """The shard that sends a transaction: that of its first row (the same for every relay)."""
         return shard_of(min(tx_rows, key=lambda r: r.id).key_hash, self.settings.shards)
 
-    def _unmarked(self, conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
+    def _unmarked(self, conn: psycopg.Connection[Any], skip_ids: list[int]) -> psycopg.Cursor[Any]:
         return conn.execute(
             self._q("relay_unmarked"),
-            {
-                **self.key_range,
-                "limit": self.settings.batch_size,
-                "ending": self._ending.ids if self._ending else [],
-            },
+            {**self.key_range, "limit": self.settings.batch_size, "ending": skip_ids},
             binary=True,
             prepare=False,
         )
@@ -449,16 +467,75 @@ class ShardWorker:
         conn: psycopg.Connection[Any],
         hold_back: datetime | None,
         keep_alive: Callable[[], None] | None = None,
+        *,
+        prefetch: bool = False,
     ) -> ShardRound:
+        """One batch: claim (or take the claim made during the last batch), send, commit.
+
+        `prefetch` (the relay's loop, in a drain): while a full batch waits for Kafka's reports
+        and commit, the claimer claims the next one, which the next round takes if that batch
+        committed."""
         if self._ending is not None and self._ending.changed and self._ending.changed.done():
             self._settle_quietly()  # if it failed, recovery now, not a batch claimed around it
+        batch = self._take_prefetch()
         if self.needs_recovery:
             self.recover(conn, keep_alive)
-        with conn.pipeline(), conn.transaction():  # pipelined: 2 round trips, not 5
-            batch = self._claim(conn, hold_back)
-        return self._ship(conn, batch)
+        if batch is None:
+            with conn.pipeline(), conn.transaction():  # pipelined: 2 round trips, not 5
+                batch = self._claim(conn, hold_back, *self._ending_skips())
+        claim_next = None
+        if prefetch and self.claimer is not None:
+            claim_next = functools.partial(self._start_prefetch, hold_back, batch)
+        return self._ship(conn, batch, claim_next)
 
-    def _ship(self, conn: psycopg.Connection[Any], batch: _Batch) -> ShardRound:
+    def _ending_skips(self) -> tuple[list[str], list[int]]:
+        """What the next claim leaves out: the batch whose rows are being ended."""
+        ending = self._ending
+        return ([], []) if ending is None else (list(ending.xids), list(ending.ids))
+
+    def _take_prefetch(self) -> _Batch | None:
+        """The claim made during the last batch, if it may go: that batch committed in Kafka,
+        nothing needs recovery, the lease is the same, and it came full. A claim that did not
+        come full is made again: a round that ends short must have seen every row its own
+        stamp stamped, or rows committed meanwhile would wait for the poll interval."""
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is None:
+            return None
+        if not prefetch.valid or self.needs_recovery or prefetch.epoch != self.lease.epoch:
+            return None  # made in vain; it may still run on the claimer: nothing waits for it
+        try:
+            batch = prefetch.batch.result()
+        except Exception as exc:  # the claim is made again, on the relay's connection
+            logger.info("shard %s: the claim made in the background failed: %s", self.shard, exc)
+            return None
+        if len(batch.committed) < self.settings.batch_size:
+            return None
+        return batch
+
+    def _start_prefetch(self, hold_back: datetime | None, batch: _Batch) -> None:
+        """Claim the batch after `batch` (sent, not committed yet) on the claimer's connection.
+        It leaves out the rows of `batch` and of the batch before it, whose end may still run;
+        valid once `batch` is committed. It claims as of this round's stamp and hold-back:
+        every row stamped later committed after the rows it returns (relay.sql,
+        relay_hold_back)."""
+        assert self.claimer is not None
+        skip_xids, skip_ids = self._ending_skips()
+        skip_xids += [xid for tx in batch.transactions if (xid := tx[0].committed_xid)]
+        skip_ids += [r.id for r in batch.ended]
+
+        def claim(conn: psycopg.Connection[Any]) -> _Batch:
+            with conn.pipeline(), conn.transaction():
+                return self._claim(conn, hold_back, skip_xids, skip_ids)
+
+        self._prefetch = _Prefetch(self.claimer.submit(claim), self.lease.epoch)
+
+    def _ship(
+        self,
+        conn: psycopg.Connection[Any],
+        batch: _Batch,
+        claim_next: Callable[[], None] | None = None,
+    ) -> ShardRound:
+        """`claim_next`: starts the next claim, called once a full batch is produced."""
         committed, ended = batch.committed, batch.ended
         # Held back, but some went: those sent may be what the held-back ones wait for (when
         # this relay owns the other shard too, its round right after sends them).
@@ -553,6 +630,8 @@ class ShardWorker:
             if row.id not in sent:
                 mark(row, None)
         awaiting = len(sent)  # records and dead-letter copies without a report yet
+        if claim_next is not None and len(committed) >= self.settings.batch_size and not doomed:
+            claim_next()  # a drain: the next claim meanwhile (Kafka's reports and commit)
         if not awaiting:
             send_markers(batcher.take())
         failed: list[Sent] = []
@@ -640,6 +719,8 @@ class ShardWorker:
         else:  # ended while the next batch is claimed and produced; settle() waits for it
             ending.changed = self.ender.submit(functools.partial(self._end_or_recover, ending))
             self._ending = ending
+        if self._prefetch is not None:
+            self._prefetch.valid = True  # what it left out is committed in Kafka
         result.delivered = sum(1 for r in committed if r.id in sent)
         result.ended = len(ended)
         result.parked = len(poison)

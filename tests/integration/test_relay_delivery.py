@@ -1185,7 +1185,7 @@ def test_one_shard_in_trouble_backs_off_alone_the_others_go_on(
         ]
     troubled = relay.workers[0]
 
-    def no_leader(*args: Any) -> Any:
+    def no_leader(*args: Any, **kwargs: Any) -> Any:
         raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, "no leader"))
 
     troubled.deliver_once = no_leader  # type: ignore[method-assign]

@@ -1,4 +1,4 @@
-"""A batch's rows are ended in the background while the next batch is claimed (relay/ender.py):
+"""A batch's rows are ended in the background while the next batch is claimed (relay/background.py):
 nothing goes twice meanwhile, and an end that fails costs the next batch, not a record."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The ender's thread: ends in order, errors to the waiter, a stuck end never holds up exit."""
+"""The relay's background connection (its ender's and claimer's): work in order, errors to the
+waiter, a stuck end never holds up exit."""
 
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from relay.ender import RowEnder
+from relay.background import BackgroundConnection
 
 
 class FakeConnection(SimpleNamespace):
@@ -30,7 +31,7 @@ def test_ends_run_in_order_and_an_error_reaches_the_one_who_waits() -> None:
         connections.append(FakeConnection())
         return connections[-1]
 
-    ender = RowEnder(connect)
+    ender = BackgroundConnection(connect, "ender")
     seen: list[int] = []
     first = ender.submit(lambda conn: seen.append(1) or 1)
 
@@ -57,9 +58,9 @@ def test_an_end_that_never_returns_does_not_keep_the_process_alive() -> None:
         """
         import threading
         from types import SimpleNamespace
-        from relay.ender import RowEnder
+        from relay.background import BackgroundConnection
 
-        ender = RowEnder(lambda: SimpleNamespace(closed=False, broken=False))
+        ender = BackgroundConnection(lambda: SimpleNamespace(closed=False, broken=False), "ender")
         started = threading.Event()
         ender.submit(lambda conn: (started.set(), threading.Event().wait()))
         started.wait(10)
@@ -76,7 +77,7 @@ def test_an_end_that_never_returns_does_not_keep_the_process_alive() -> None:
 
 def test_close_waits_for_the_ends_submitted() -> None:
     release = threading.Event()
-    ender = RowEnder(lambda: FakeConnection())
+    ender = BackgroundConnection(lambda: FakeConnection(), "ender")
     ended: list[str] = []
     ender.submit(lambda conn: (release.wait(5), ended.append("a")))
     closing = threading.Thread(target=ender.close, kwargs={"timeout": 10})
