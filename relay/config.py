@@ -144,6 +144,11 @@ class RelaySettings(BaseModel):
     listen_notify: bool = Field(
         default=True, description="LISTEN for commits; off for PgBouncer transaction pooling."
     )
+    claim_ahead: bool = Field(
+        default=True,
+        description="In a drain, claim the next batch on a connection of its own while a full "
+        "batch waits for Kafka; off: one Postgres connection fewer.",
+    )
     lease_duration: timedelta = timedelta(seconds=15)
     heartbeat_interval: timedelta = timedelta(seconds=5)
     delivered_retention: timedelta = Field(

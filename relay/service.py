@@ -95,7 +95,9 @@ class Relay:
         self.leases = LeaseManager(self.schema, self.relay_id, rs.shards, rs.lease_duration)
         self.workers: dict[int, ShardWorker] = {}
         self.ender = BackgroundConnection(self._connect, "ender")
-        self.claimer = BackgroundConnection(self._connect, "claimer")
+        self.claimer = (
+            BackgroundConnection(self._connect, "claimer") if settings.relay.claim_ahead else None
+        )
         self._conn: psycopg.Connection[Any] | None = None
         self._listen: psycopg.Connection[Any] | None = None
         self._stop = threading.Event()
@@ -538,7 +540,8 @@ class Relay:
             worker.close()
         grace = self.settings.relay.shutdown_grace.total_seconds()
         self.ender.close(timeout=grace)
-        self.claimer.close(timeout=grace)  # claims only read: nothing is lost if cut short
+        if self.claimer is not None:
+            self.claimer.close(timeout=grace)  # claims only read: nothing is lost if cut short
         try:
             self.leases.leave(self.conn)
         except psycopg.Error as exc:

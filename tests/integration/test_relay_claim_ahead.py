@@ -142,3 +142,20 @@ def test_a_claim_ahead_that_fails_costs_a_claim_on_the_relays_connection_not_a_r
         p.encode() for p in payloads
     ]
     assert committed_rows(pg_dsn) == 0
+
+
+def test_with_claim_ahead_off_every_claim_is_made_on_the_relays_connection(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=False)
+    relay.run_once()
+    payloads = [f"r{i:02d}" for i in range(2 * BATCH + 1)]
+    publish(pg_dsn, topic, *payloads)
+    made_by = claims_by_connection(relay)
+    drained(relay)
+    assert relay.claimer is None
+    assert set(made_by) == {"relay"} and len(made_by) >= 3
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [
+        p.encode() for p in payloads
+    ]
