@@ -52,12 +52,17 @@ class BackgroundConnection:
         return done
 
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            work, done = job
-            try:
-                done.set_result(self._run(work))
-            except BaseException as exc:  # handed to whoever waits for the result
-                done.set_exception(exc)
+        try:
+            while (job := self._jobs.get()) is not None:
+                work, done = job
+                try:
+                    done.set_result(self._run(work))
+                except BaseException as exc:  # handed to whoever waits for the result
+                    done.set_exception(exc)
+        finally:  # here, not in close(): a close that timed out leaves the thread its work
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
     def _run(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
         if self._conn is None or self._conn.closed or self._conn.broken:
@@ -76,6 +81,3 @@ class BackgroundConnection:
             return
         self._jobs.put(None)
         self._thread.join(timeout)
-        if not self._thread.is_alive() and self._conn is not None:
-            self._conn.close()
-            self._conn = None

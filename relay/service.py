@@ -270,6 +270,8 @@ class Relay:
             self.last_round_at = time.monotonic()
             return result
         owned = sorted(self.workers)
+        for claiming in self.workers.values():
+            claiming.await_claim_ahead()  # claimed as of the last stamp: before the next one
         if pipelined and self._stamp_may_wait():
             hold_back = None
         else:
@@ -538,10 +540,9 @@ class Relay:
         for shard in list(self.workers):
             worker = self.workers.pop(shard)
             worker.close()
-        grace = self.settings.relay.shutdown_grace.total_seconds()
-        self.ender.close(timeout=grace)
-        if self.claimer is not None:
-            self.claimer.close(timeout=grace)  # claims only read: nothing is lost if cut short
+        if self.claimer is not None:  # claims only read: nothing waits for them any more
+            self.claimer.close(timeout=0)
+        self.ender.close(timeout=self.settings.relay.shutdown_grace.total_seconds())
         try:
             self.leases.leave(self.conn)
         except psycopg.Error as exc:

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -512,12 +513,21 @@ class ShardWorker:
             return None
         return batch
 
+    def await_claim_ahead(self) -> None:
+        """Wait until the claim made ahead has run (it is then taken or dropped as usual).
+
+        The relay calls this before its next stamp: a claim made with this round's hold-back
+        must not see rows that stamp stamps. With hold-back None nothing else bounds it, and a
+        row stamped then can have committed after a row still unstamped of the same key."""
+        if self._prefetch is not None:
+            futures.wait([self._prefetch.batch])
+
     def _start_prefetch(self, hold_back: datetime | None, batch: _Batch) -> None:
         """Claim the batch after `batch` (sent, not committed yet) on the claimer's connection.
         It leaves out the rows of `batch` and of the batch before it, whose end may still run;
-        valid once `batch` is committed. It claims as of this round's stamp and hold-back:
-        every row stamped later committed after the rows it returns (relay.sql,
-        relay_hold_back)."""
+        valid once `batch` is committed. It claims as of this round's stamp and hold-back, so
+        it must run before the next stamp (await_claim_ahead): then every row stamped later
+        committed after the rows it returns (relay.sql, relay_hold_back)."""
         assert self.claimer is not None
         skip_xids, skip_ids = self._ending_skips()
         skip_xids += [xid for tx in batch.transactions if (xid := tx[0].committed_xid)]

@@ -109,8 +109,11 @@ def test_a_claim_made_ahead_that_did_not_come_full_is_made_again_with_what_commi
     publish(pg_dsn, topic, *(f"a{i}" for i in range(BATCH + 1)))
     assert relay.run_once(pipelined=True).delivered == BATCH  # the claim ahead found "a4"
     publish(pg_dsn, topic, "b0", "b1")
+    made_by = claims_by_connection(relay)
     # Taken, that claim would have sent "a4" alone and left b0, b1 for a later wake-up.
     assert relay.run_once(pipelined=True).delivered == 3
+    assert made_by == ["relay"]  # the claim made ahead was dropped
+    assert relay.workers[0]._prefetch is None
     relay.run_once()
     got = values(consume_all(kafka_bootstrap, topic, "read_committed"))
     assert got == [*(f"a{i}".encode() for i in range(BATCH + 1)), b"b0", b"b1"]
@@ -160,3 +163,50 @@ def test_with_claim_ahead_off_every_claim_is_made_on_the_relays_connection(
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [
         p.encode() for p in payloads
     ]
+
+
+def test_a_claim_made_ahead_runs_before_the_next_stamp_so_a_later_commit_never_overtakes(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """S takes its transaction id before the open transaction `old`, U after it; U commits
+    first, then S. The next stamp stamps S (below the horizon `old` holds) and not U, and holds
+    back everything that committed after U. A claim made ahead with no hold-back (nothing was
+    unstamped at its round's stamp) that ran after that stamp found S, and S went before U."""
+    topic = topic_factory()
+    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S")
+    relay.run_once()
+    publish(pg_dsn, topic, *(f"r{i}" for i in range(2 * BATCH - 1)))
+    (worker,) = relay.workers.values()
+    claim, stamped = worker._claim, threading.Event()
+
+    def late(conn: psycopg.Connection[Any], *args: Any) -> Any:
+        if threading.current_thread().name == "outbox-claimer":
+            stamped.wait(2)  # till the next stamp: the relay must not stamp before it is done
+        return claim(conn, *args)
+
+    worker._claim = late  # type: ignore[method-assign]
+    assert relay.run_once(pipelined=True).delivered == BATCH
+    stamp = relay._stamp
+
+    def stamp_then_signal(params: dict[str, Any]) -> Any:
+        try:
+            return stamp(params)
+        finally:
+            stamped.set()
+
+    relay._stamp = stamp_then_signal  # type: ignore[method-assign]
+    with (
+        psycopg.connect(pg_dsn) as s_conn,
+        psycopg.connect(pg_dsn) as old,
+        psycopg.connect(pg_dsn) as u_conn,
+    ):
+        outbox.publish(s_conn, topic, "S", key="k")
+        old.execute("SELECT pg_current_xact_id()")
+        outbox.publish(u_conn, topic, "U", key="k")
+        u_conn.commit()
+        s_conn.commit()
+        relay.run_once(pipelined=True)
+        old.rollback()
+    drained(relay)
+    got = values(consume_all(kafka_bootstrap, topic, "read_committed"))
+    assert got == [*(f"r{i}".encode() for i in range(2 * BATCH - 1)), b"U", b"S"]

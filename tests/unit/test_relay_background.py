@@ -87,3 +87,22 @@ def test_close_waits_for_the_ends_submitted() -> None:
     release.set()
     closing.join(10)
     assert ended == ["a"]
+
+
+def test_a_close_that_timed_out_leaves_its_connection_to_the_thread_which_closes_it_after() -> None:
+    release, started = threading.Event(), threading.Event()
+    connections: list[FakeConnection] = []
+
+    def connect() -> Any:
+        connections.append(FakeConnection())
+        return connections[-1]
+
+    claimer = BackgroundConnection(connect, "claimer")
+    claimer.submit(lambda conn: (started.set(), release.wait(5)))
+    assert started.wait(5)
+    claimer.close(timeout=0)  # a relay stopping: nothing waits for a claim any more
+    assert not connections[0].closed  # still in use by the work in flight
+    release.set()
+    assert claimer._thread is not None
+    claimer._thread.join(5)
+    assert connections[0].closed
