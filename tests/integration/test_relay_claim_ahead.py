@@ -1,6 +1,7 @@
-"""In a drain, the next batch is claimed on the claimer's connection while a full batch waits for
-Kafka (ShardWorker._start_prefetch). The next round takes that claim only if the batch before it
-committed, nothing needs recovery, and it came full; otherwise it claims again itself."""
+"""With claim_ahead on: in a drain, the next batch is claimed on the claimer's connection while a
+full batch waits for Kafka (ShardWorker._start_prefetch). The next round takes that claim only if
+the batch before it committed, nothing needs recovery, and it came full; otherwise it claims again
+itself."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_a_drain_claims_each_next_batch_while_the_one_before_waits_for_kafka(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S")
+    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=True)
     relay.run_once()  # shard 0 taken
     payloads = [f"r{i:02d}" for i in range(3 * BATCH + 1)]
     publish(pg_dsn, topic, *payloads)
@@ -73,7 +74,7 @@ def test_a_claim_made_during_a_batch_whose_commit_failed_is_dropped_and_order_ho
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S")
+    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=True)
     relay.run_once()
     payloads = [f"r{i:02d}" for i in range(3 * BATCH)]
     publish(pg_dsn, topic, *payloads)
@@ -104,16 +105,21 @@ def test_a_claim_made_ahead_that_did_not_come_full_is_made_again_with_what_commi
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S")
+    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=True)
     relay.run_once()
     publish(pg_dsn, topic, *(f"a{i}" for i in range(BATCH + 1)))
-    assert relay.run_once(pipelined=True).delivered == BATCH  # the claim ahead found "a4"
+    assert relay.run_once(pipelined=True).delivered == BATCH
+    (worker,) = relay.workers.values()
+    worker.await_claim_ahead()  # it found "a4" alone
+    # the end of the batch, a transaction of its own, must not hold the horizon below b0, b1
+    worker.settle()
+    assert worker._prefetch is not None
+    assert worker._prefetch.valid
     publish(pg_dsn, topic, "b0", "b1")
     made_by = claims_by_connection(relay)
     # Taken, that claim would have sent "a4" alone and left b0, b1 for a later wake-up.
     assert relay.run_once(pipelined=True).delivered == 3
     assert made_by == ["relay"]  # the claim made ahead was dropped
-    assert relay.workers[0]._prefetch is None
     relay.run_once()
     got = values(consume_all(kafka_bootstrap, topic, "read_committed"))
     assert got == [*(f"a{i}".encode() for i in range(BATCH + 1)), b"b0", b"b1"]
@@ -123,7 +129,7 @@ def test_a_claim_ahead_that_fails_costs_a_claim_on_the_relays_connection_not_a_r
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S")
+    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=True)
     relay.run_once()
     payloads = [f"r{i:02d}" for i in range(2 * BATCH + 1)]
     publish(pg_dsn, topic, *payloads)
@@ -147,11 +153,11 @@ def test_a_claim_ahead_that_fails_costs_a_claim_on_the_relays_connection_not_a_r
     assert committed_rows(pg_dsn) == 0
 
 
-def test_with_claim_ahead_off_every_claim_is_made_on_the_relays_connection(
+def test_with_claim_ahead_off_the_default_every_claim_is_made_on_the_relays_connection(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=False)
+    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S")
     relay.run_once()
     payloads = [f"r{i:02d}" for i in range(2 * BATCH + 1)]
     publish(pg_dsn, topic, *payloads)
@@ -173,7 +179,7 @@ def test_a_claim_made_ahead_runs_before_the_next_stamp_so_a_later_commit_never_o
     back everything that committed after U. A claim made ahead with no hold-back (nothing was
     unstamped at its round's stamp) that ran after that stamp found S, and S went before U."""
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S")
+    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=True)
     relay.run_once()
     publish(pg_dsn, topic, *(f"r{i}" for i in range(2 * BATCH - 1)))
     (worker,) = relay.workers.values()
