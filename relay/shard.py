@@ -169,7 +169,6 @@ class _Prefetch:
     """The next claim, made on the claimer's connection while a full batch waits for Kafka."""
 
     batch: Future[_Batch]
-    epoch: int  # the lease it was claimed under
     valid: bool = False  # set once the batch before it is committed in Kafka
 
 
@@ -496,13 +495,14 @@ class ShardWorker:
 
     def _take_prefetch(self) -> _Batch | None:
         """The claim made during the last batch, if it may go: that batch committed in Kafka,
-        nothing needs recovery, the lease is the same, and it came full. A claim that did not
-        come full is made again: a round that ends short must have seen every row its own
-        stamp stamped, or rows committed meanwhile would wait for the poll interval."""
+        nothing needs recovery, and it came full. A claim that did not come full is made again:
+        a round that ends short must have seen every row its own stamp stamped, or rows
+        committed meanwhile would wait for the poll interval. (A lease lost and gained again
+        gets a new worker, so a claim is never taken under another lease.)"""
         prefetch, self._prefetch = self._prefetch, None
         if prefetch is None:
             return None
-        if not prefetch.valid or self.needs_recovery or prefetch.epoch != self.lease.epoch:
+        if not prefetch.valid or self.needs_recovery:
             return None  # made in vain; it may still run on the claimer: nothing waits for it
         try:
             batch = prefetch.batch.result()
@@ -537,7 +537,7 @@ class ShardWorker:
             with conn.pipeline(), conn.transaction():
                 return self._claim(conn, hold_back, skip_xids, skip_ids)
 
-        self._prefetch = _Prefetch(self.claimer.submit(claim), self.lease.epoch)
+        self._prefetch = _Prefetch(self.claimer.submit(claim))
 
     def _ship(
         self,
