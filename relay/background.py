@@ -7,7 +7,7 @@ The relay has two (relay/service.py):
   is claimed and produced; a shard waits for it before it commits its next Kafka transaction
   (relay/shard.py), so at most one batch per shard is ever in doubt, as before.
 - the claimer, with claim_ahead on: in a drain, the next batch is claimed while a full batch
-  waits for Kafka's reports and commit (ShardWorker._start_prefetch). On the ender's thread it
+  waits for Kafka's reports and commit (ShardWorker._start_claim_ahead). On the ender's thread it
   waited behind the end of the batch before, and the two made the ender the slowest thread.
 One of each for all the relay's shards: their work goes one after the other.
 """

@@ -286,7 +286,9 @@ class Relay:
             tried += 1
             try:
                 result.add(
-                    worker.deliver_once(self.conn, hold_back, self._keep_alive, prefetch=pipelined)
+                    worker.deliver_once(
+                        self.conn, hold_back, self._keep_alive, claim_ahead=pipelined
+                    )
                 )
                 if not pipelined:
                     worker.settle()

@@ -165,7 +165,7 @@ class _Batch:
 
 
 @dataclass
-class _Prefetch:
+class _ClaimAhead:
     """The next claim, made on the claimer's connection while a full batch waits for Kafka."""
 
     batch: Future[_Batch]
@@ -229,7 +229,7 @@ class ShardWorker:
         self.ender = ender  # None: each batch's rows are ended before deliver_once returns
         self.claimer = claimer  # None: no claim is made ahead (see deliver_once)
         self._ending: _Ending | None = None  # the last batch, while the ender ends its rows
-        self._prefetch: _Prefetch | None = None  # the next claim, made during the last batch
+        self._claim_ahead: _ClaimAhead | None = None  # the next claim, made during the last batch
         if lease.marker_partition not in (None, self.marker_partition):
             raise RuntimeError(
                 f"shard {self.shard} recorded its op markers in partition "
@@ -468,24 +468,24 @@ class ShardWorker:
         hold_back: datetime | None,
         keep_alive: Callable[[], None] | None = None,
         *,
-        prefetch: bool = False,
+        claim_ahead: bool = False,
     ) -> ShardRound:
         """One batch: claim (or take the claim made during the last batch), send, commit.
 
-        `prefetch` (the relay's loop, in a drain): while a full batch waits for Kafka's reports
+        `claim_ahead` (the relay's loop, in a drain): while a full batch waits for Kafka's reports
         and commit, the claimer claims the next one, which the next round takes if that batch
         committed."""
         if self._ending is not None and self._ending.changed and self._ending.changed.done():
             self._settle_quietly()  # if it failed, recovery now, not a batch claimed around it
-        batch = self._take_prefetch()
+        batch = self._take_claim_ahead()
         if self.needs_recovery:
             self.recover(conn, keep_alive)
         if batch is None:
             with conn.pipeline(), conn.transaction():  # pipelined: 2 round trips, not 5
                 batch = self._claim(conn, hold_back, *self._ending_skips())
         claim_next = None
-        if prefetch and self.claimer is not None:
-            claim_next = functools.partial(self._start_prefetch, hold_back, batch)
+        if claim_ahead and self.claimer is not None:
+            claim_next = functools.partial(self._start_claim_ahead, hold_back, batch)
         return self._ship(conn, batch, claim_next)
 
     def _ending_skips(self) -> tuple[list[str], list[int]]:
@@ -493,19 +493,19 @@ class ShardWorker:
         ending = self._ending
         return ([], []) if ending is None else (list(ending.xids), list(ending.ids))
 
-    def _take_prefetch(self) -> _Batch | None:
+    def _take_claim_ahead(self) -> _Batch | None:
         """The claim made during the last batch, if it may go: that batch committed in Kafka,
         nothing needs recovery, and it came full. A claim that did not come full is made again:
         a round that ends short must have seen every row its own stamp stamped, or rows
         committed meanwhile would wait for the poll interval. (A lease lost and gained again
         gets a new worker, so a claim is never taken under another lease.)"""
-        prefetch, self._prefetch = self._prefetch, None
-        if prefetch is None:
+        ahead, self._claim_ahead = self._claim_ahead, None
+        if ahead is None:
             return None
-        if not prefetch.valid or self.needs_recovery:
+        if not ahead.valid or self.needs_recovery:
             return None  # made in vain; it may still run on the claimer: nothing waits for it
         try:
-            batch = prefetch.batch.result()
+            batch = ahead.batch.result()
         except Exception as exc:  # the claim is made again, on the relay's connection
             logger.info("shard %s: the claim made in the background failed: %s", self.shard, exc)
             return None
@@ -519,10 +519,10 @@ class ShardWorker:
         The relay calls this before its next stamp: a claim made with this round's hold-back
         must not see rows that stamp stamps. With hold-back None nothing else bounds it, and a
         row stamped then can have committed after a row still unstamped of the same key."""
-        if self._prefetch is not None:
-            futures.wait([self._prefetch.batch])
+        if self._claim_ahead is not None:
+            futures.wait([self._claim_ahead.batch])
 
-    def _start_prefetch(self, hold_back: datetime | None, batch: _Batch) -> None:
+    def _start_claim_ahead(self, hold_back: datetime | None, batch: _Batch) -> None:
         """Claim the batch after `batch` (sent, not committed yet) on the claimer's connection.
         It leaves out the rows of `batch` and of the batch before it, whose end may still run;
         valid once `batch` is committed. It claims as of this round's stamp and hold-back, so
@@ -537,7 +537,7 @@ class ShardWorker:
             with conn.pipeline(), conn.transaction():
                 return self._claim(conn, hold_back, skip_xids, skip_ids)
 
-        self._prefetch = _Prefetch(self.claimer.submit(claim))
+        self._claim_ahead = _ClaimAhead(self.claimer.submit(claim))
 
     def _ship(
         self,
@@ -729,8 +729,8 @@ class ShardWorker:
         else:  # ended while the next batch is claimed and produced; settle() waits for it
             ending.changed = self.ender.submit(functools.partial(self._end_or_recover, ending))
             self._ending = ending
-        if self._prefetch is not None:
-            self._prefetch.valid = True  # what it left out is committed in Kafka
+        if self._claim_ahead is not None:
+            self._claim_ahead.valid = True  # what it left out is committed in Kafka
         result.delivered = sum(1 for r in committed if r.id in sent)
         result.ended = len(ended)
         result.parked = len(poison)

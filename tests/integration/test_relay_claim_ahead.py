@@ -1,5 +1,5 @@
 """With claim_ahead on: in a drain, the next batch is claimed on the claimer's connection while a
-full batch waits for Kafka (ShardWorker._start_prefetch). The next round takes that claim only if
+full batch waits for Kafka (ShardWorker._start_claim_ahead). The next round takes that claim only if
 the batch before it committed, nothing needs recovery, and it came full; otherwise it claims again
 itself."""
 
@@ -43,6 +43,25 @@ def claims_by_connection(relay: Relay) -> list[str]:
     return made_by
 
 
+def relay_with_backlog(
+    relay_factory: Any, dsn: str, topic: str, count: int, **settings: Any
+) -> tuple[Relay, list[str]]:
+    """A relay that holds shard 0 (batches of BATCH, claims ahead unless told), and `count`
+    committed records of one key waiting for it."""
+    relay: Relay = relay_factory(
+        **{"batch_size": BATCH, "heartbeat_interval": "PT60S", "claim_ahead": True, **settings}
+    )
+    relay.run_once()  # shard 0 taken
+    payloads = [f"r{i:02d}" for i in range(count)]
+    publish(dsn, topic, *payloads)
+    return relay, payloads
+
+
+def assert_each_once_in_order(dsn: str, bootstrap: str, topic: str, payloads: list[str]) -> None:
+    assert values(consume_all(bootstrap, topic, "read_committed")) == [p.encode() for p in payloads]
+    assert committed_rows(dsn) == 0
+
+
 def drained(relay: Relay) -> None:
     for _ in range(20):
         if relay.run_once(pipelined=True).delivered == 0:
@@ -54,30 +73,21 @@ def test_a_drain_claims_each_next_batch_while_the_one_before_waits_for_kafka(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=True)
-    relay.run_once()  # shard 0 taken
-    payloads = [f"r{i:02d}" for i in range(3 * BATCH + 1)]
-    publish(pg_dsn, topic, *payloads)
+    relay, payloads = relay_with_backlog(relay_factory, pg_dsn, topic, 3 * BATCH + 1)
     made_by = claims_by_connection(relay)
     drained(relay)
     # rounds 2 and 3 took the claims made during rounds 1 and 2; the claim made during round 3
     # (one record: not full) is made again by round 4 itself
     assert made_by[:4] == ["relay", "outbox-claimer", "outbox-claimer", "outbox-claimer"]
     assert made_by[4] == "relay"
-    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [
-        p.encode() for p in payloads
-    ]
-    assert committed_rows(pg_dsn) == 0
+    assert_each_once_in_order(pg_dsn, kafka_bootstrap, topic, payloads)
 
 
 def test_a_claim_made_during_a_batch_whose_commit_failed_is_dropped_and_order_holds(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=True)
-    relay.run_once()
-    payloads = [f"r{i:02d}" for i in range(3 * BATCH)]
-    publish(pg_dsn, topic, *payloads)
+    relay, payloads = relay_with_backlog(relay_factory, pg_dsn, topic, 3 * BATCH)
     (worker,) = relay.workers.values()
     commit = worker.producer.commit
 
@@ -95,10 +105,7 @@ def test_a_claim_made_during_a_batch_whose_commit_failed_is_dropped_and_order_ho
     # The claim made during the failed batch left that batch's rows out: taken, it would have
     # sent r04.. before r00..r03. The round after the failure claimed on its own.
     assert made_by[:3] == ["relay", "outbox-claimer", "relay"]
-    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [
-        p.encode() for p in payloads
-    ]
-    assert committed_rows(pg_dsn) == 0
+    assert_each_once_in_order(pg_dsn, kafka_bootstrap, topic, payloads)
 
 
 def test_a_claim_made_ahead_that_did_not_come_full_is_made_again_with_what_committed_since(
@@ -113,8 +120,8 @@ def test_a_claim_made_ahead_that_did_not_come_full_is_made_again_with_what_commi
     worker.await_claim_ahead()  # it found "a4" alone
     # the end of the batch, a transaction of its own, must not hold the horizon below b0, b1
     worker.settle()
-    assert worker._prefetch is not None
-    assert worker._prefetch.valid
+    assert worker._claim_ahead is not None
+    assert worker._claim_ahead.valid
     publish(pg_dsn, topic, "b0", "b1")
     made_by = claims_by_connection(relay)
     # Taken, that claim would have sent "a4" alone and left b0, b1 for a later wake-up.
@@ -129,10 +136,7 @@ def test_a_claim_ahead_that_fails_costs_a_claim_on_the_relays_connection_not_a_r
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=True)
-    relay.run_once()
-    payloads = [f"r{i:02d}" for i in range(2 * BATCH + 1)]
-    publish(pg_dsn, topic, *payloads)
+    relay, payloads = relay_with_backlog(relay_factory, pg_dsn, topic, 2 * BATCH + 1)
     made_by = claims_by_connection(relay)
     (worker,) = relay.workers.values()
     recorded = worker._claim
@@ -147,28 +151,22 @@ def test_a_claim_ahead_that_fails_costs_a_claim_on_the_relays_connection_not_a_r
     drained(relay)
     assert made_by[:3] == ["relay", "outbox-claimer", "relay"]
     assert worker.failures == 0
-    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [
-        p.encode() for p in payloads
-    ]
-    assert committed_rows(pg_dsn) == 0
+    assert_each_once_in_order(pg_dsn, kafka_bootstrap, topic, payloads)
 
 
 def test_with_claim_ahead_off_the_default_every_claim_is_made_on_the_relays_connection(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S")
-    relay.run_once()
-    payloads = [f"r{i:02d}" for i in range(2 * BATCH + 1)]
-    publish(pg_dsn, topic, *payloads)
+    relay, payloads = relay_with_backlog(
+        relay_factory, pg_dsn, topic, 2 * BATCH + 1, claim_ahead=False
+    )
     made_by = claims_by_connection(relay)
     drained(relay)
     assert relay.claimer is None
     assert set(made_by) == {"relay"}
     assert len(made_by) >= 3
-    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [
-        p.encode() for p in payloads
-    ]
+    assert_each_once_in_order(pg_dsn, kafka_bootstrap, topic, payloads)
 
 
 def test_a_claim_made_ahead_runs_before_the_next_stamp_so_a_later_commit_never_overtakes(
