@@ -30,7 +30,7 @@ from relay.background import BackgroundConnection
 from relay.config import SidecarSettings
 from relay.kafka import Fenced, OutcomeUnknown, ProducerFailed, ProducerMisconfigured, Topics
 from relay.leases import LeaseManager
-from relay.shard import EndFailed, LeaseLost, ShardRound, ShardWorker
+from relay.shard import EndFailed, LeaseLost, ShardRound, ShardWorker, Unstamped
 from relay.sharding import shard_ranges
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ class Relay:
         self._next_full_stamp = 0.0
         self._stamp_resets = 0
         self._nothing_left_unstamped = False  # the last stamp's hold-back was None
+        self._unstamped: Unstamped | None = None  # what the claims read unstamped (see _stamp)
         self._last_round_full = False
         self.last_round_at = time.monotonic()
 
@@ -287,7 +288,11 @@ class Relay:
             try:
                 result.add(
                     worker.deliver_once(
-                        self.conn, hold_back, self._keep_alive, claim_ahead=pipelined
+                        self.conn,
+                        hold_back,
+                        self._keep_alive,
+                        claim_ahead=pipelined,
+                        unstamped=self._unstamped,
                     )
                 )
                 if not pipelined:
@@ -317,9 +322,10 @@ class Relay:
 
     def _stamp(self, params: dict[str, Any]) -> datetime | None:
         """Stamp the commit time of the owned shards' rows below the xid horizon; return the
-        hold-back (relay.sql, relay_hold_back). A large backlog is stamped a slice per
-        transaction, with leases renewed in between: one UPDATE of a million rows held the
-        horizon and its locks for a minute, longer than a lease.
+        hold-back (relay.sql, relay_hold_back). The usual round, with few rows to stamp, writes
+        nothing: the claims read those unstamped (`_few_unstamped`). A large backlog is stamped
+        a slice per transaction, with leases renewed in between: one UPDATE of a million rows
+        held the horizon and its locks for a minute, longer than a lease.
 
         A complete stamp (not cut at a slice) leaves every committed row of the owned shards
         below the horizon it started with stamped, and the next stamps and hold-backs look
@@ -328,7 +334,8 @@ class Relay:
         stamp and hold-back two. A shard gained starts over from 0 (its rows may be left
         unstamped by another relay), and so do a new connection (the database may have been
         restored) and a stamp every FULL_STAMP_EVERY_S, which finds a row put back by hand with
-        an old transaction id.
+        an old transaction id. A round that stamps nothing moves `_stamped_below` up to the
+        lowest transaction id it left unstamped below the horizon.
         """
 
         def stamp(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None, str]:
@@ -353,7 +360,11 @@ class Relay:
             self._stamp_all_again()
             self._next_full_stamp = time.monotonic() + FULL_STAMP_EVERY_S
         resets = self._stamp_resets
-        count, held, horizon = stamp(with_hold_back=True)  # the usual round: all at once
+        few = self._few_unstamped(params, resets)
+        if few is not None:
+            return few[0]
+        self._unstamped = None
+        count, held, horizon = stamp(with_hold_back=True)
         while count >= STAMP_SLICE:
             if self._heartbeat_due():
                 self.heartbeat()
@@ -370,6 +381,29 @@ class Relay:
             self._stamped_below = horizon  # the last slice was complete
         row = held.fetchone()
         return row[0] if row else None
+
+    def _few_unstamped(self, params: dict[str, Any], resets: int) -> tuple[datetime | None] | None:
+        """The usual round, without a stamp: when at most a batch a shard of committed rows
+        below the xid horizon is unstamped, the claims read those with their commit time
+        looked up (`_unstamped`), and nothing is written. Returns (hold-back,), or None when
+        more are unstamped (a backlog: stamped, so that each claim reads an index in commit
+        order instead of sorting the backlog)."""
+        limit = self.settings.relay.batch_size * len(self.workers)
+        with self.conn.pipeline(), self.conn.transaction():
+            self.conn.execute(queries.query("relay_stamp_plan", self.schema))
+            found = self.conn.execute(
+                queries.query("relay_unstamped_below", self.schema),
+                {**params, "stamped_below": self._stamped_below, "limit": limit},
+                prepare=False,
+            )
+        horizon, count, lowest, hold_back = found.fetchone()  # type: ignore[misc]
+        if count > limit:
+            return None
+        since = lowest or horizon  # every committed row of the owned shards below it is stamped
+        self._unstamped = Unstamped(since=since, below=horizon)
+        if self._stamp_resets == resets:  # else a reset came meanwhile (a shard gained, ...)
+            self._stamped_below = since
+        return (hold_back,)
 
     def _stamp_may_wait(self) -> bool:
         """May this round go on with what is stamped (hold-back None), without a stamp?

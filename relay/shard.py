@@ -164,6 +164,16 @@ class _Batch:
         return [r for tx in self.transactions for r in tx]
 
 
+@dataclass(frozen=True)
+class Unstamped:
+    """Committed rows of the owned shards, `since` <= transaction id < `below`, that no stamp
+    stamped: their transactions are finished, so their commit times are final, and the claim
+    reads them with those looked up (relay.sql, relay_unstamped_below)."""
+
+    since: str  # xid8
+    below: str  # xid8
+
+
 @dataclass
 class _ClaimAhead:
     """The next claim, made on the claimer's connection while a full batch waits for Kafka."""
@@ -352,6 +362,7 @@ class ShardWorker:
         hold_back: datetime | None,
         skip_xids: list[str],
         skip_ids: list[int],
+        unstamped: Unstamped | None = None,
     ) -> _Batch:
         """The next committed transactions in commit order, and the rows waiting for their op
         marker (rolled back, discarded, parked), leaving out `skip_xids` (transactions) and
@@ -372,6 +383,8 @@ class ShardWorker:
                 "hold_back": hold_back,
                 "limit": s.batch_size,
                 "ending": skip_xids,
+                "stamped_below": unstamped.since if unstamped else "0",
+                "below": unstamped.below if unstamped else None,
             },
             binary=True,
             prepare=False,  # a custom plan: a generic one cannot estimate the key range
@@ -385,7 +398,7 @@ class ShardWorker:
         count = 0
         for xid, tx_rows in by_tx.items():
             commit_ts = tx_rows[0].commit_ts
-            assert commit_ts is not None  # stamped: the claim puts unstamped rows last
+            assert commit_ts is not None  # the claim gives every row its transaction's
             keys = {r.key_hash for r in tx_rows}
             if not waiting_keys.isdisjoint(keys) or not self._may_send(
                 tx_rows, (commit_ts, int(xid)), earliest
@@ -469,12 +482,13 @@ class ShardWorker:
         keep_alive: Callable[[], None] | None = None,
         *,
         claim_ahead: bool = False,
+        unstamped: Unstamped | None = None,
     ) -> ShardRound:
         """One batch: claim (or take the claim made during the last batch), send, commit.
 
         `claim_ahead` (the relay's loop, in a drain): while a full batch waits for Kafka's reports
         and commit, the claimer claims the next one, which the next round takes if that batch
-        committed."""
+        committed. `unstamped`: rows the claim reads unstamped, as of the relay's last stamp."""
         if self._ending is not None and self._ending.changed and self._ending.changed.done():
             self._settle_quietly()  # if it failed, recovery now, not a batch claimed around it
         batch = self._take_claim_ahead()
@@ -482,10 +496,10 @@ class ShardWorker:
             self.recover(conn, keep_alive)
         if batch is None:
             with conn.pipeline(), conn.transaction():  # pipelined: 2 round trips, not 5
-                batch = self._claim(conn, hold_back, *self._ending_skips())
+                batch = self._claim(conn, hold_back, *self._ending_skips(), unstamped)
         claim_next = None
         if claim_ahead and self.claimer is not None:
-            claim_next = functools.partial(self._start_claim_ahead, hold_back, batch)
+            claim_next = functools.partial(self._start_claim_ahead, hold_back, unstamped, batch)
         return self._ship(conn, batch, claim_next)
 
     def _ending_skips(self) -> tuple[list[str], list[int]]:
@@ -522,7 +536,9 @@ class ShardWorker:
         if self._claim_ahead is not None:
             futures.wait([self._claim_ahead.batch])
 
-    def _start_claim_ahead(self, hold_back: datetime | None, batch: _Batch) -> None:
+    def _start_claim_ahead(
+        self, hold_back: datetime | None, unstamped: Unstamped | None, batch: _Batch
+    ) -> None:
         """Claim the batch after `batch` (sent, not committed yet) on the claimer's connection.
         It leaves out the rows of `batch` and of the batch before it, whose end may still run;
         valid once `batch` is committed. It claims as of this round's stamp and hold-back, so
@@ -535,7 +551,7 @@ class ShardWorker:
 
         def claim(conn: psycopg.Connection[Any]) -> _Batch:
             with conn.pipeline(), conn.transaction():
-                return self._claim(conn, hold_back, skip_xids, skip_ids)
+                return self._claim(conn, hold_back, skip_xids, skip_ids, unstamped)
 
         self._claim_ahead = _ClaimAhead(self.claimer.submit(claim))
 

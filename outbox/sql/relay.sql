@@ -53,6 +53,36 @@ WHERE state = 'committed' AND commit_ts IS NULL
   AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
               WHERE key_hash BETWEEN o.lo AND o.hi);
 
+-- name: relay_unstamped_below
+-- The usual round, instead of a stamp (after relay_stamp_plan, in its transaction): the xid
+-- horizon; how many committed rows of the owned shards below it are unstamped (counted up to
+-- `limit` + 1) and the lowest transaction id among them; and the hold-back, over the rows at or
+-- above the horizon only. When few rows are below the horizon unstamped, the claim reads them
+-- with their commit time looked up (relay_claim, `below`) and nothing is written: a stamp
+-- rewrote every row once more (a new row version, its index entries, WAL), a third of the
+-- relay's time at a steady 7k records/s. One statement: one snapshot for all four (the
+-- horizon written out, not a CTE: so it bounds the index scans).
+WITH below AS (
+    SELECT committed_xid
+    FROM {schema}.outbox_record
+    WHERE state = 'committed' AND commit_ts IS NULL
+      AND committed_xid >= %(stamped_below)s::xid8
+      AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
+      AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
+                  WHERE key_hash BETWEEN o.lo AND o.hi)
+    ORDER BY committed_xid
+    LIMIT %(limit)s + 1
+)
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
+       (SELECT count(*) FROM below),
+       (SELECT min(committed_xid)::text FROM below),
+       (SELECT min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at))
+        FROM {schema}.outbox_record
+        WHERE state = 'committed' AND commit_ts IS NULL
+          AND committed_xid >= pg_snapshot_xmin(pg_current_snapshot())
+          AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
+                      WHERE key_hash BETWEEN o.lo AND o.hi));
+
 -- name: relay_claim_plan
 -- Before relay_claim, in its transaction: the claim must walk the commit-order index and stop
 -- after a batch. Statistics taken while rows were unstamped (a burst, a backlog) make the planner
@@ -62,21 +92,39 @@ SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true);
 -- name: relay_claim
 -- The shard's next transactions in commit order, each complete: the shard's first `limit` rows
 -- pick the transactions, and every committed row of those comes back, whatever its shard: the
--- stamped ones through the commit-order index, and those another shard's relay has not stamped
--- yet (unstamped rows last), so that the caller sees which shards a transaction spans.
+-- stamped ones through the commit-order index, and the unstamped ones (another shard's relay has
+-- not stamped them yet, or this round did not stamp) by transaction id, each with its
+-- transaction's commit time, so that the caller sees which shards a transaction spans. The
+-- first rows are the stamped ones and, when `below` is set (relay_unstamped_below), the few
+-- unstamped rows of the shard below that horizon, with their commit time looked up.
 -- Columns are qualified in ORDER BY: a bare name would sort by the output column (the text
 -- cast), off the index and in the wrong order. `ending`: transactions of the batch before,
 -- committed in Kafka, whose rows are being ended meanwhile.
 WITH head AS (
     SELECT DISTINCT h.commit_ts, h.committed_xid
     FROM (
-        SELECT r.commit_ts, r.committed_xid
-        FROM {schema}.outbox_record AS r
-        WHERE r.state = 'committed' AND r.commit_ts IS NOT NULL
-          AND (%(hold_back)s::timestamptz IS NULL OR r.commit_ts < %(hold_back)s::timestamptz)
-          AND r.key_hash BETWEEN %(lo)s AND %(hi)s
-          AND r.committed_xid <> ALL(%(ending)s::xid8[])
-        ORDER BY r.commit_ts, r.committed_xid, r.id
+        (SELECT r.commit_ts, r.committed_xid, r.id
+         FROM {schema}.outbox_record AS r
+         WHERE r.state = 'committed' AND r.commit_ts IS NOT NULL
+           AND (%(hold_back)s::timestamptz IS NULL OR r.commit_ts < %(hold_back)s::timestamptz)
+           AND r.key_hash BETWEEN %(lo)s AND %(hi)s
+           AND r.committed_xid <> ALL(%(ending)s::xid8[])
+         ORDER BY r.commit_ts, r.committed_xid, r.id
+         LIMIT %(limit)s)
+        UNION ALL
+        SELECT u.commit_ts, u.committed_xid, u.id
+        FROM (
+            SELECT coalesce(pg_xact_commit_timestamp(r.committed_xid::xid), r.state_changed_at)
+                       AS commit_ts, r.committed_xid, r.id
+            FROM {schema}.outbox_record AS r
+            WHERE r.state = 'committed' AND r.commit_ts IS NULL
+              AND r.committed_xid >= %(stamped_below)s::xid8
+              AND r.committed_xid < %(below)s::xid8
+              AND r.key_hash BETWEEN %(lo)s AND %(hi)s
+              AND r.committed_xid <> ALL(%(ending)s::xid8[])
+        ) AS u
+        WHERE %(hold_back)s::timestamptz IS NULL OR u.commit_ts < %(hold_back)s::timestamptz
+        ORDER BY 1, 2, 3
         LIMIT %(limit)s
     ) AS h
 )
@@ -93,7 +141,7 @@ FROM head
 CROSS JOIN LATERAL (  -- lateral: a look-up per transaction, never a scan of all unstamped rows
     SELECT r.id, r.producer_group, r.tx_id, r.topic, r.key, r.value,
            nullif(r.headers, '[]'::jsonb), r.partition, r.key_hash,
-           r.committed_xid::text, r.commit_ts, r.committed_xid
+           r.committed_xid::text, head.commit_ts, r.committed_xid
     FROM {schema}.outbox_record AS r
     WHERE r.committed_xid = head.committed_xid AND r.state = 'committed'
       AND r.commit_ts IS NULL

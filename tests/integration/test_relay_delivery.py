@@ -578,7 +578,7 @@ def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit
                 outbox.publish(conn, topic, f"{tx}-a", key="a")
                 outbox.publish(conn, topic, f"{tx}-b", key="b")
     monkeypatch.setattr(relay.service, "STAMP_SLICE", 3)
-    r = relay_factory()
+    r = relay_factory(batch_size=4)  # a backlog (more than a batch): stamped, not read unstamped
     beats = counting(r, "heartbeat")
     delivered = 0
     while (done := r.run_once()).delivered or done.full:
@@ -593,6 +593,84 @@ def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit
         b"a": [f"{tx}-a".encode() for tx in range(10)],
         b"b": [f"{tx}-b".encode() for tx in range(10)],
     }
+
+
+def noting_stamps(dsn: str) -> Callable[[], int]:
+    """A trigger notes each stamp (a row's commit time set while it is still committed; the end
+    of a row changes its state too). Returns a function that counts them."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE stamped (id bigint)")
+        conn.execute(
+            """
+            CREATE FUNCTION note_stamp() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF OLD.commit_ts IS NULL AND NEW.commit_ts IS NOT NULL
+                   AND NEW.state = 'committed' THEN
+                    INSERT INTO stamped VALUES (NEW.id);
+                END IF;
+                RETURN NEW;
+            END $$
+            """
+        )
+        conn.execute(
+            "CREATE TRIGGER note_stamp BEFORE UPDATE ON outbox.outbox_record"
+            " FOR EACH ROW EXECUTE FUNCTION note_stamp()"
+        )
+
+    def count() -> int:
+        with psycopg.connect(dsn) as conn:
+            return conn.execute("SELECT count(*) FROM stamped").fetchone()[0]  # type: ignore[index]
+
+    return count
+
+
+def test_a_few_rows_go_out_unstamped_with_their_real_commit_times(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """The usual round writes no stamp: the claim reads the few committed rows below the xid
+    horizon with their commit times looked up, and they go out in commit order all the same."""
+    topic = topic_factory()
+    stamps = noting_stamps(pg_dsn)
+    with psycopg.connect(pg_dsn) as conn:
+        for value in ("one", "two", "three"):
+            with conn.transaction():
+                outbox.publish(conn, topic, value, key="k")
+    relay = relay_factory(delivered_retention="PT1H")
+    assert relay.run_once().delivered == 3
+    assert stamps() == 0
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [
+        b"one",
+        b"two",
+        b"three",
+    ]
+    with psycopg.connect(pg_dsn) as conn:
+        kept = conn.execute(
+            "SELECT id, commit_ts, pg_xact_commit_timestamp(committed_xid::xid)"
+            " FROM outbox.outbox_record WHERE state = 'delivered' ORDER BY id"
+        ).fetchall()
+    assert len(kept) == 3
+    assert all(commit_ts == real for _, commit_ts, real in kept)  # the end keeps the real one
+    sent_at = {m.id: m.commit_ts for m in markers(kafka_bootstrap, relay)}
+    assert [sent_at[row_id] for row_id, _, _ in kept] == [real for _, _, real in kept]
+
+
+def test_a_backlog_of_more_than_a_batch_is_stamped(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """More than a batch a shard unstamped below the horizon: stamped, so that each claim
+    reads an index in commit order instead of sorting the backlog."""
+    topic = topic_factory()
+    stamps = noting_stamps(pg_dsn)
+    with psycopg.connect(pg_dsn) as conn:
+        for n in range(6):
+            with conn.transaction():
+                outbox.publish(conn, topic, str(n), key="k")
+    relay = relay_factory(batch_size=4)
+    assert relay.run_once().delivered == 4
+    assert stamps() == 6
+    assert relay.run_once().delivered == 2
+    got = values(consume_all(kafka_bootstrap, topic, "read_committed"))
+    assert got == [str(n).encode() for n in range(6)]
 
 
 def test_a_complete_stamp_is_not_scanned_again_below_its_horizon_until_a_full_stamp(
@@ -628,6 +706,7 @@ def test_a_complete_stamp_is_not_scanned_again_below_its_horizon_until_a_full_st
     assert r.run_once().delivered == 0
     r._next_full_stamp = 0.0  # as a minute later
     assert r.run_once().delivered == 1  # "by hand"
+    assert r.run_once().delivered == 0  # nothing below the horizon is left unstamped
     put_back_by_hand("by hand again")
     assert r.run_once().delivered == 0
     r.conn.close()  # as a database restart would
@@ -1214,7 +1293,7 @@ def test_a_relay_that_lost_its_lease_parks_nothing(pg_dsn: str, relay_factory: A
     (stale,) = old.workers.values()
     old._stamp(shard_ranges([0], 1))  # as its round would, before the shard's delivery
     with pytest.raises(LeaseLost):
-        stale.deliver_once(old.conn, None)
+        stale.deliver_once(old.conn, None, unstamped=old._unstamped)
     assert [r[1] for r in rows(pg_dsn)] == ["committed"]
 
 
@@ -1358,7 +1437,7 @@ def test_a_relay_that_lost_its_lease_does_not_fence_the_new_owner(
     (stale,) = old.workers.values()
     stale.needs_recovery = True  # e.g. after an error: it would re-initialise its producer
     with pytest.raises(LeaseLost):
-        stale.deliver_once(old.conn, None)
+        stale.deliver_once(old.conn, None, unstamped=old._unstamped)
     assert heir.run_once().delivered == 1  # the heir was not fenced by the stale relay
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"after the hand-over"]
 
