@@ -30,7 +30,14 @@ from relay.background import BackgroundConnection
 from relay.config import SidecarSettings
 from relay.kafka import Fenced, OutcomeUnknown, ProducerFailed, ProducerMisconfigured, Topics
 from relay.leases import LeaseManager
-from relay.shard import EndFailed, LeaseLost, ShardRound, ShardWorker, Unstamped
+from relay.shard import (
+    EndFailed,
+    LeaseLost,
+    ShardRound,
+    ShardWorker,
+    Unstamped,
+    UnstampedSeen,
+)
 from relay.sharding import shard_ranges
 
 logger = logging.getLogger(__name__)
@@ -110,9 +117,7 @@ class Relay:
         # is stamped (see _stamp)
         self._next_full_stamp = 0.0
         self._stamp_resets = 0
-        self._nothing_left_unstamped = False  # the last stamp's hold-back was None
-        self._unstamped: Unstamped | None = None  # what the claims read unstamped (see _stamp)
-        self._last_round_full = False
+        self._backlog_unstamped = False  # the last claim left a backlog unstamped: stamp it
         self.last_round_at = time.monotonic()
 
     # --- connections ------------------------------------------------------------------------
@@ -273,11 +278,18 @@ class Relay:
         owned = sorted(self.workers)
         for claiming in self.workers.values():
             claiming.await_claim_ahead()  # claimed as of the last stamp: before the next one
-        if pipelined and self._stamp_may_wait():
-            hold_back = None
-        else:
-            hold_back = self._stamp(shard_ranges(owned, self.settings.relay.shards))
-            self._nothing_left_unstamped = hold_back is None
+        ranges = shard_ranges(owned, self.settings.relay.shards)
+        hold_back, unstamped = None, None
+        if self._stamp_due():
+            hold_back = self._stamp(ranges)
+        else:  # the usual round: the claims bound themselves and stamp nothing
+            unstamped = Unstamped(
+                since=self._stamped_below,
+                lo=ranges["lo"],
+                hi=ranges["hi"],
+                limit=self.settings.relay.batch_size * len(owned),
+                resets=self._stamp_resets,
+            )
         tried, failed = 0, []
         for shard in owned:
             self._keep_alive()  # a slow shard must not let the others' leases lapse
@@ -286,15 +298,16 @@ class Relay:
                 continue
             tried += 1
             try:
-                result.add(
-                    worker.deliver_once(
-                        self.conn,
-                        hold_back,
-                        self._keep_alive,
-                        claim_ahead=pipelined,
-                        unstamped=self._unstamped,
-                    )
+                delivered = worker.deliver_once(
+                    self.conn,
+                    hold_back,
+                    self._keep_alive,
+                    claim_ahead=pipelined,
+                    unstamped=unstamped,
                 )
+                result.add(delivered)
+                if delivered.unstamped_seen is not None:
+                    self._saw_unstamped(delivered.unstamped_seen)
                 if not pipelined:
                     worker.settle()
                 worker.failures = 0
@@ -315,15 +328,14 @@ class Relay:
                 self._count_failure(exc, f"shard {shard}")
                 failed.append(exc)
         self.last_round_at = time.monotonic()
-        self._last_round_full = result.full
         if failed and len(failed) == tried:
             raise failed[0]  # nothing went: the loop backs off
         return result
 
     def _stamp(self, params: dict[str, Any]) -> datetime | None:
         """Stamp the commit time of the owned shards' rows below the xid horizon; return the
-        hold-back (relay.sql, relay_hold_back). The usual round, with few rows to stamp, writes
-        nothing: the claims read those unstamped (`_few_unstamped`). A large backlog is stamped
+        hold-back (relay.sql, relay_hold_back). Only some rounds stamp (`_stamp_due`): in the
+        others, the claims read the few rows unstamped (Unstamped). A large backlog is stamped
         a slice per transaction, with leases renewed in between: one UPDATE of a million rows
         held the horizon and its locks for a minute, longer than a lease.
 
@@ -334,8 +346,8 @@ class Relay:
         stamp and hold-back two. A shard gained starts over from 0 (its rows may be left
         unstamped by another relay), and so do a new connection (the database may have been
         restored) and a stamp every FULL_STAMP_EVERY_S, which finds a row put back by hand with
-        an old transaction id. A round that stamps nothing moves `_stamped_below` up to the
-        lowest transaction id it left unstamped below the horizon.
+        an old transaction id. A round that stamps nothing moves `_stamped_below` to the
+        lowest transaction id its claims left unstamped below the horizon.
         """
 
         def stamp(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None, str]:
@@ -360,10 +372,6 @@ class Relay:
             self._stamp_all_again()
             self._next_full_stamp = time.monotonic() + FULL_STAMP_EVERY_S
         resets = self._stamp_resets
-        few = self._few_unstamped(params, resets)
-        if few is not None:
-            return few[0]
-        self._unstamped = None
         count, held, horizon = stamp(with_hold_back=True)
         while count >= STAMP_SLICE:
             if self._heartbeat_due():
@@ -379,47 +387,27 @@ class Relay:
                 )
         if self._stamp_resets == resets:  # else a reset came meanwhile (a shard gained, ...)
             self._stamped_below = horizon  # the last slice was complete
+            self._backlog_unstamped = False
         row = held.fetchone()
         return row[0] if row else None
 
-    def _few_unstamped(self, params: dict[str, Any], resets: int) -> tuple[datetime | None] | None:
-        """The usual round, without a stamp: when at most a batch a shard of committed rows
-        below the xid horizon is unstamped, the claims read those with their commit time
-        looked up (`_unstamped`), and nothing is written. Returns (hold-back,), or None when
-        more are unstamped (a backlog: stamped, so that each claim reads an index in commit
-        order instead of sorting the backlog)."""
-        limit = self.settings.relay.batch_size * len(self.workers)
-        with self.conn.pipeline(), self.conn.transaction():
-            self.conn.execute(queries.query("relay_stamp_plan", self.schema))
-            found = self.conn.execute(
-                queries.query("relay_unstamped_below", self.schema),
-                {**params, "stamped_below": self._stamped_below, "limit": limit},
-                prepare=False,
-            )
-        horizon, count, lowest, hold_back = found.fetchone()  # type: ignore[misc]
-        if count > limit:
-            return None
-        since = lowest or horizon  # every committed row of the owned shards below it is stamped
-        self._unstamped = Unstamped(since=since, below=horizon)
-        if self._stamp_resets == resets:  # else a reset came meanwhile (a shard gained, ...)
-            self._stamped_below = since
-        return (hold_back,)
-
-    def _stamp_may_wait(self) -> bool:
-        """May this round go on with what is stamped (hold-back None), without a stamp?
-
-        In a drain (the last round came full) after a stamp that left nothing unstamped, until a
-        commit notifies: a row a stamp would find now committed after that stamp, so after
-        every row stamped already, and may go in a later round. About 9 ms a round of a drain,
-        with nothing to stamp. Not when a full stamp is due (see _stamp), nor without LISTEN.
-        """
+    def _stamp_due(self) -> bool:
+        """Does this round stamp? At the start and after a reset (`_stamped_below` is 0), when
+        a full stamp is due, and when the last claims left more than a batch a shard unstamped
+        below the horizon (a backlog: stamped, so that each claim reads an index in commit
+        order instead of sorting the backlog). Else the claims read the few rows unstamped."""
         return (
-            self._last_round_full
-            and self._nothing_left_unstamped
-            and self._stamped_below != "0"
-            and time.monotonic() < self._next_full_stamp
-            and not self._commits_since_last_round()
+            self._stamped_below == "0"
+            or self._backlog_unstamped
+            or time.monotonic() >= self._next_full_stamp
         )
+
+    def _saw_unstamped(self, seen: UnstampedSeen) -> None:
+        """After an unstamped claim: a backlog to stamp next round, or few rows, the lowest of
+        which every committed row below is stamped."""
+        self._backlog_unstamped = seen.backlog
+        if self._stamp_resets == seen.resets:  # else a shard was gained since, or the like
+            self._stamped_below = seen.lowest or seen.horizon
 
     def _stamp_all_again(self) -> None:
         """The next stamp and hold-back look at every unstamped row, not only above the last
@@ -469,7 +457,9 @@ class Relay:
                 )
                 continue
             held_back_wait = HELD_BACK_POLL_S
-            if not result.full:
+            if result.full:
+                self._forget_wakeups()  # the next round finds what they announce
+            else:
                 self._wait_for_work()
         self._shutdown()
 
@@ -539,16 +529,17 @@ class Relay:
             self._listen = listen
         return self._listen
 
-    def _commits_since_last_round(self) -> bool:
-        """Did a commit notify since the last round? True when it cannot tell."""
+    def _forget_wakeups(self) -> None:
+        """Read the notifications pending, in a drain: left unread, they pile up in Postgres's
+        notification queue, which every other listener shares."""
         if not self.settings.relay.listen_notify or self._listen is None:
-            return True
+            return
         try:
-            return bool(list(self._listen.notifies(timeout=0)))  # all that are pending
+            for _ in self._listen.notifies(timeout=0):
+                pass
         except psycopg.Error:
             self._listen.close()
             self._listen = None
-            return True
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="outbox-relay", daemon=True)

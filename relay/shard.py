@@ -151,6 +151,7 @@ class ShardRound:
     parked: int = 0
     full: bool = False  # more is waiting: go again at once
     held_back: bool = False  # transactions wait for another shard's (see ShardWorker._claim)
+    unstamped_seen: UnstampedSeen | None = None
 
 
 @dataclass
@@ -158,6 +159,7 @@ class _Batch:
     transactions: list[list[Row]] = field(default_factory=list)
     ended: list[Row] = field(default_factory=list)
     held_back: int = 0  # transactions claimed that wait for another shard (see _claim)
+    unstamped_seen: UnstampedSeen | None = None
 
     @property
     def committed(self) -> list[Row]:
@@ -166,12 +168,27 @@ class _Batch:
 
 @dataclass(frozen=True)
 class Unstamped:
-    """Committed rows of the owned shards, `since` <= transaction id < `below`, that no stamp
-    stamped: their transactions are finished, so their commit times are final, and the claim
-    reads them with those looked up (relay.sql, relay_unstamped_below)."""
+    """The usual round's claim, which stamps nothing (relay.sql, relay_claim with `inline`): it
+    reads the shard's committed rows from `since` up to the xid horizon unstamped, with their
+    commit times looked up, and holds back by the unstamped rows of the owned shards (`lo`,
+    `hi`) above that horizon. Then it counts what is left unstamped below (UnstampedSeen)."""
 
-    since: str  # xid8
-    below: str  # xid8
+    since: str  # xid8: every committed row of the owned shards below it is stamped
+    lo: list[int]
+    hi: list[int]
+    limit: int  # more unstamped rows than this below the horizon: a backlog, to be stamped
+    resets: int  # the relay's count of stamp resets when it was made (Relay._stamp_all_again)
+
+
+@dataclass(frozen=True)
+class UnstampedSeen:
+    """What an unstamped claim left unstamped below the xid horizon of its pipeline's last
+    statement: more rows than the limit (`backlog`) or not, and the lowest transaction id."""
+
+    horizon: str  # xid8
+    lowest: str | None  # xid8; None: nothing
+    backlog: bool
+    resets: int
 
 
 @dataclass
@@ -383,13 +400,28 @@ class ShardWorker:
                 "hold_back": hold_back,
                 "limit": s.batch_size,
                 "ending": skip_xids,
+                "inline": unstamped is not None,
                 "stamped_below": unstamped.since if unstamped else "0",
-                "below": unstamped.below if unstamped else None,
+                "lo_all": unstamped.lo if unstamped else [],
+                "hi_all": unstamped.hi if unstamped else [],
             },
             binary=True,
             prepare=False,  # a custom plan: a generic one cannot estimate the key range
         )
         unmarked = self._unmarked(conn, skip_ids)  # in a pipeline: one round trip with the claim
+        seen = None
+        if unstamped is not None:
+            seen = conn.execute(
+                self._q("relay_unstamped_below"),
+                {
+                    "lo": unstamped.lo,
+                    "hi": unstamped.hi,
+                    "stamped_below": unstamped.since,
+                    "limit": unstamped.limit,
+                    "ending": skip_xids,
+                },
+                prepare=False,
+            )
         for r in claimed.fetchall():  # one call into the C loader, not one per row
             row = Row.from_db(r, state="committed", committed_xid=r[9], commit_ts=r[10])
             by_tx.setdefault(r[9], []).append(row)
@@ -413,6 +445,11 @@ class ShardWorker:
             if count >= s.batch_size:
                 break
         batch.ended = [Row.from_db(r, state=r[9], reason=r[10]) for r in unmarked]
+        if seen is not None and unstamped is not None:
+            horizon, count, lowest = seen.fetchone()  # type: ignore[misc]
+            batch.unstamped_seen = UnstampedSeen(
+                horizon, lowest, count > unstamped.limit, unstamped.resets
+            )
         return batch
 
     def _earliest_elsewhere(
@@ -488,7 +525,7 @@ class ShardWorker:
 
         `claim_ahead` (the relay's loop, in a drain): while a full batch waits for Kafka's reports
         and commit, the claimer claims the next one, which the next round takes if that batch
-        committed. `unstamped`: rows the claim reads unstamped, as of the relay's last stamp."""
+        committed. `unstamped`: the usual round, which stamps nothing (see Unstamped)."""
         if self._ending is not None and self._ending.changed and self._ending.changed.done():
             self._settle_quietly()  # if it failed, recovery now, not a batch claimed around it
         batch = self._take_claim_ahead()
@@ -568,6 +605,7 @@ class ShardWorker:
         result = ShardRound(
             full=len(committed) >= self.settings.batch_size or bool(batch.held_back and committed),
             held_back=batch.held_back > 0,
+            unstamped_seen=batch.unstamped_seen,
         )
         if not committed and not ended:
             return result

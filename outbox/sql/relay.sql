@@ -54,40 +54,39 @@ WHERE state = 'committed' AND commit_ts IS NULL
               WHERE key_hash BETWEEN o.lo AND o.hi);
 
 -- name: relay_unstamped_below
--- The usual round, instead of a stamp (after relay_stamp_plan, in its transaction): the xid
--- horizon; how many committed rows of the owned shards below it are unstamped (counted up to
--- `limit` + 1) and the lowest transaction id among them; and the hold-back, over the rows at or
--- above the horizon only. When few rows are below the horizon unstamped, the claim reads them
--- with their commit time looked up (relay_claim, `below`) and nothing is written: a stamp
--- rewrote every row once more (a new row version, its index entries, WAL), a third of the
--- relay's time at a steady 7k records/s. One statement: one snapshot for all four (the
--- horizon written out, not a CTE: so it bounds the index scans).
-WITH below AS (
-    SELECT committed_xid
-    FROM {schema}.outbox_record
-    WHERE state = 'committed' AND commit_ts IS NULL
-      AND committed_xid >= %(stamped_below)s::xid8
-      AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
-      AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
-                  WHERE key_hash BETWEEN o.lo AND o.hi)
-    ORDER BY committed_xid
-    LIMIT %(limit)s + 1
-)
+-- After an unstamped claim (relay_claim with `inline`), in its pipeline: the xid horizon, how
+-- many committed rows of the owned shards below it are unstamped (counted up to `limit` + 1;
+-- the claim's own among them, not those of `ending`), and the lowest transaction id among them
+-- (`ending`'s too: they stay if their end fails). Few: the next claims read them unstamped;
+-- more (a backlog): the next round stamps them (relay/service.py, Relay._stamp_due). The
+-- horizon written out, not in a CTE: so that it bounds the index scans, each cut short.
 SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
-       (SELECT count(*) FROM below),
-       (SELECT min(committed_xid)::text FROM below),
-       (SELECT min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at))
-        FROM {schema}.outbox_record
+       (SELECT count(*) FROM (
+            SELECT 1 FROM {schema}.outbox_record
+            WHERE state = 'committed' AND commit_ts IS NULL
+              AND committed_xid >= %(stamped_below)s::xid8
+              AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
+              AND committed_xid <> ALL(%(ending)s::xid8[])
+              AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
+                          WHERE key_hash BETWEEN o.lo AND o.hi)
+            LIMIT %(limit)s + 1) AS n),
+       (SELECT committed_xid FROM {schema}.outbox_record  -- cast outside: ordered by the xid8
         WHERE state = 'committed' AND commit_ts IS NULL
-          AND committed_xid >= pg_snapshot_xmin(pg_current_snapshot())
+          AND committed_xid >= %(stamped_below)s::xid8
+          AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
           AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
-                      WHERE key_hash BETWEEN o.lo AND o.hi));
+                      WHERE key_hash BETWEEN o.lo AND o.hi)
+        ORDER BY committed_xid
+        LIMIT 1)::text;
 
 -- name: relay_claim_plan
 -- Before relay_claim, in its transaction: the claim must walk the commit-order index and stop
 -- after a batch. Statistics taken while rows were unstamped (a burst, a backlog) make the planner
--- think few rows are stamped, and it then sorts the whole backlog on every claim instead.
-SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true);
+-- think few rows are stamped, and it then sorts the whole backlog on every claim instead. The
+-- unstamped rows are read through their own index too (see relay_stamp_plan).
+SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true),
+       set_config('enable_seqscan', 'off', true),
+       set_config('max_parallel_workers_per_gather', '0', true);
 
 -- name: relay_claim
 -- The shard's next transactions in commit order, each complete: the shard's first `limit` rows
@@ -95,18 +94,34 @@ SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true);
 -- stamped ones through the commit-order index, and the unstamped ones (another shard's relay has
 -- not stamped them yet, or this round did not stamp) by transaction id, each with its
 -- transaction's commit time, so that the caller sees which shards a transaction spans. The
--- first rows are the stamped ones and, when `below` is set (relay_unstamped_below), the few
--- unstamped rows of the shard below that horizon, with their commit time looked up.
+-- first rows are the stamped ones below the hold-back and, with `inline` (the usual round, which
+-- stamps nothing), the unstamped rows of the shard from `stamped_below` up to the xid horizon,
+-- with their commit time looked up: a stamp rewrote every row once more (a new row version, its
+-- index entries, WAL), a third of the relay's time at a steady 7k records/s.
 -- Columns are qualified in ORDER BY: a bare name would sort by the output column (the text
 -- cast), off the index and in the wrong order. `ending`: transactions of the batch before,
 -- committed in Kafka, whose rows are being ended meanwhile.
-WITH head AS (
+WITH bound AS MATERIALIZED (
+    -- `inline`: the hold-back and the horizon of this statement's own snapshot (one snapshot:
+    -- see relay_hold_back), the hold-back over the owned shards (`lo_all`, `hi_all`).
+    SELECT CASE WHEN %(inline)s THEN pg_snapshot_xmin(pg_current_snapshot()) END AS below,
+           CASE WHEN %(inline)s THEN (
+               SELECT min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at))
+               FROM {schema}.outbox_record
+               WHERE state = 'committed' AND commit_ts IS NULL
+                 AND committed_xid >= pg_snapshot_xmin(pg_current_snapshot())
+                 AND EXISTS (SELECT 1 FROM unnest(%(lo_all)s::bigint[], %(hi_all)s::bigint[])
+                                          AS o(lo, hi)
+                             WHERE key_hash BETWEEN o.lo AND o.hi))
+           ELSE %(hold_back)s::timestamptz END AS hold_back
+),
+head AS (
     SELECT DISTINCT h.commit_ts, h.committed_xid
     FROM (
         (SELECT r.commit_ts, r.committed_xid, r.id
          FROM {schema}.outbox_record AS r
          WHERE r.state = 'committed' AND r.commit_ts IS NOT NULL
-           AND (%(hold_back)s::timestamptz IS NULL OR r.commit_ts < %(hold_back)s::timestamptz)
+           AND r.commit_ts < coalesce((SELECT hold_back FROM bound), 'infinity')
            AND r.key_hash BETWEEN %(lo)s AND %(hi)s
            AND r.committed_xid <> ALL(%(ending)s::xid8[])
          ORDER BY r.commit_ts, r.committed_xid, r.id
@@ -119,11 +134,11 @@ WITH head AS (
             FROM {schema}.outbox_record AS r
             WHERE r.state = 'committed' AND r.commit_ts IS NULL
               AND r.committed_xid >= %(stamped_below)s::xid8
-              AND r.committed_xid < %(below)s::xid8
+              AND r.committed_xid < (SELECT below FROM bound)
               AND r.key_hash BETWEEN %(lo)s AND %(hi)s
               AND r.committed_xid <> ALL(%(ending)s::xid8[])
         ) AS u
-        WHERE %(hold_back)s::timestamptz IS NULL OR u.commit_ts < %(hold_back)s::timestamptz
+        WHERE u.commit_ts < coalesce((SELECT hold_back FROM bound), 'infinity')
         ORDER BY 1, 2, 3
         LIMIT %(limit)s
     ) AS h
