@@ -30,6 +30,7 @@ from relay.background import BackgroundConnection
 from relay.config import SidecarSettings
 from relay.kafka import Fenced, OutcomeUnknown, ProducerFailed, ProducerMisconfigured, Topics
 from relay.leases import LeaseManager
+from relay.pipelined import pipelined_transaction
 from relay.shard import (
     EndFailed,
     LeaseLost,
@@ -352,7 +353,7 @@ class Relay:
 
         def stamp(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None, str]:
             bounded = {**params, "stamped_below": self._stamped_below}
-            with self.conn.pipeline(), self.conn.transaction():  # 2 round trips, not 5
+            with pipelined_transaction(self.conn):  # 2 round trips
                 plan = self.conn.execute(queries.query("relay_stamp_plan", self.schema))
                 # Unprepared: custom plans, which can estimate the key ranges.
                 stamped = self.conn.execute(

@@ -61,6 +61,7 @@ from relay.markers import (
     marker_entry,
     marker_partition,
 )
+from relay.pipelined import pipelined_transaction
 from relay.sharding import shard_of, shard_range
 
 logger = logging.getLogger(__name__)
@@ -532,7 +533,7 @@ class ShardWorker:
         if self.needs_recovery:
             self.recover(conn, keep_alive)
         if batch is None:
-            with conn.pipeline(), conn.transaction():  # pipelined: 2 round trips, not 5
+            with pipelined_transaction(conn):  # 2 round trips
                 batch = self._claim(conn, hold_back, *self._ending_skips(), unstamped)
         claim_next = None
         if claim_ahead and self.claimer is not None:
@@ -587,7 +588,7 @@ class ShardWorker:
         skip_ids += [r.id for r in batch.ended]
 
         def claim(conn: psycopg.Connection[Any]) -> _Batch:
-            with conn.pipeline(), conn.transaction():
+            with pipelined_transaction(conn):
                 return self._claim(conn, hold_back, skip_xids, skip_ids, unstamped)
 
         self._claim_ahead = _ClaimAhead(self.claimer.submit(claim))
@@ -806,7 +807,7 @@ class ShardWorker:
         markers = ending.markers
         # Pipelined (2 round trips, not 5): the lease is checked before the commit, and the
         # LeaseLost it raises rolls back what was sent after it.
-        with conn.pipeline(), conn.transaction():
+        with pipelined_transaction(conn):
             lease = conn.execute(self._q("relay_lock_lease"), ending.lease_params)
             cursors = self._end_rows(conn, markers)
             conn.execute(

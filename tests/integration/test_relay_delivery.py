@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import select
 import threading
 import time
 from collections.abc import Callable
