@@ -18,7 +18,10 @@ def pipelined_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
     connection that is not in autocommit mode (psycopg begins the transaction itself), and
     with no transaction open when it starts."""
     if conn.autocommit or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-        raise RuntimeError("pipelined_transaction needs an idle connection, not in autocommit")
+        # a psycopg error: the relay drops such a connection and makes a new one
+        raise psycopg.ProgrammingError(
+            "pipelined_transaction needs an idle connection, not in autocommit"
+        )
     with conn.pipeline():
         try:
             yield

@@ -447,9 +447,9 @@ class ShardWorker:
                 break
         batch.ended = [Row.from_db(r, state=r[9], reason=r[10]) for r in unmarked]
         if seen is not None and unstamped is not None:
-            horizon, count, lowest = seen.fetchone()  # type: ignore[misc]
+            horizon, left, lowest = seen.fetchone()  # type: ignore[misc]
             batch.unstamped_seen = UnstampedSeen(
-                horizon, lowest, count > unstamped.limit, unstamped.resets
+                horizon, lowest, left > unstamped.limit, unstamped.resets
             )
         return batch
 

@@ -77,9 +77,11 @@ def test_an_exception_of_the_caller_rolls_back(conn: psycopg.Connection[Any]) ->
 
 def test_refuses_an_open_transaction_and_autocommit(conn: psycopg.Connection[Any]) -> None:
     conn.execute("INSERT INTO t VALUES (1)")  # psycopg began a transaction
-    with pytest.raises(RuntimeError, match="idle connection"), pipelined_transaction(conn):
+    refused = pytest.raises(psycopg.ProgrammingError, match="idle connection")
+    with refused, pipelined_transaction(conn):
         pass
     conn.rollback()
     conn.autocommit = True
-    with pytest.raises(RuntimeError, match="not in autocommit"), pipelined_transaction(conn):
+    refused = pytest.raises(psycopg.ProgrammingError, match="not in autocommit")
+    with refused, pipelined_transaction(conn):
         pass
