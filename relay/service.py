@@ -282,6 +282,10 @@ class Relay:
         ranges = shard_ranges(owned, self.settings.relay.shards)
         hold_back, unstamped = None, None
         if self._stamp_due():
+            for ending in self.workers.values():
+                # The claims took rows unstamped, and a stamp would lock those whose end runs
+                # meanwhile, in another order than the end: deadlocks, seen under load.
+                ending.settle_quietly()
             hold_back = self._stamp(ranges)
         else:  # the usual round: the claims bound themselves and stamp nothing
             unstamped = Unstamped(

@@ -277,7 +277,7 @@ class ShardWorker:
         self, conn: psycopg.Connection[Any], keep_alive: Callable[[], None] | None = None
     ) -> int:
         """Fence older producers of this shard, then end the rows whose markers are committed."""
-        self._settle_quietly()  # its rows end either way: there, or from its markers here
+        self.settle_quietly()  # its rows end either way: there, or from its markers here
         with conn.transaction():  # first: a relay that lost the lease must not fence its heir
             self._lock_lease(conn)
         self.producer.init()
@@ -528,7 +528,7 @@ class ShardWorker:
         and commit, the claimer claims the next one, which the next round takes if that batch
         committed. `unstamped`: the usual round, which stamps nothing (see Unstamped)."""
         if self._ending is not None and self._ending.changed and self._ending.changed.done():
-            self._settle_quietly()  # if it failed, recovery now, not a batch claimed around it
+            self.settle_quietly()  # if it failed, recovery now, not a batch claimed around it
         batch = self._take_claim_ahead()
         if self.needs_recovery:
             self.recover(conn, keep_alive)
@@ -872,7 +872,8 @@ class ShardWorker:
                 logger.warning("shard %s: abort after a failed end: %s", self.shard, exc)
             raise
 
-    def _settle_quietly(self) -> None:
+    def settle_quietly(self) -> None:
+        """settle(), with its error logged: the shard recovers before its next batch."""
         try:
             self.settle()
         except Exception as exc:
@@ -1023,5 +1024,5 @@ class ShardWorker:
                 metrics.PARKED.labels(_reason_kind(reason)).inc()
 
     def close(self) -> None:
-        self._settle_quietly()
+        self.settle_quietly()
         self.producer.close()

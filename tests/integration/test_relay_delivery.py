@@ -675,6 +675,46 @@ def test_a_backlog_of_more_than_a_batch_is_stamped(
     assert got == [str(n).encode() for n in range(6)]
 
 
+def test_a_stamp_waits_for_the_end_of_rows_claimed_unstamped(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Rows claimed unstamped are ended while the next round runs. A round that stamps must
+    wait for that end first: its UPDATE would lock the same rows, in another order (deadlocks
+    under load). Here the end is held up by a lock on one of its rows; the stamping round must
+    not be found waiting for a lock in Postgres meanwhile."""
+    topic = topic_factory()
+    r = relay_factory()
+    assert r.run_once(pipelined=True).delivered == 0  # its first round stamps: nothing
+    ids = []
+    with psycopg.connect(pg_dsn) as conn:
+        for value in ("a", "b", "c"):
+            with conn.transaction():
+                ids.append(outbox.publish(conn, topic, value, key=value))
+    with psycopg.connect(pg_dsn) as holder:
+        holder.execute("SELECT 1 FROM outbox.outbox_record WHERE id = %s FOR UPDATE", (ids[1],))
+        assert r.run_once(pipelined=True).delivered == 3  # their end waits for the holder
+        r._next_full_stamp = 0.0  # a stamp is due
+        relay_pid = r.conn.info.backend_pid
+        stamping = threading.Thread(target=r.run_once, kwargs={"pipelined": True})
+        stamping.start()
+        with psycopg.connect(pg_dsn, autocommit=True) as probe:
+            deadline = time.monotonic() + 2  # a stamp that did not wait is blocked within this
+            while time.monotonic() < deadline:
+                (blocked,) = probe.execute(
+                    "SELECT count(*) FROM pg_locks WHERE pid = %s AND NOT granted", (relay_pid,)
+                ).fetchone()  # type: ignore[misc]
+                assert blocked == 0, "the stamp ran while the end of the rows was held up"
+                time.sleep(0.05)
+        assert stamping.is_alive()  # waiting for the end, in the relay
+        holder.commit()
+        stamping.join(15)
+        assert not stamping.is_alive()
+    with psycopg.connect(pg_dsn) as conn:
+        left = conn.execute("SELECT count(*) FROM outbox.outbox_record").fetchone()[0]  # type: ignore[index]
+    assert left == 0
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"a", b"b", b"c"]
+
+
 def test_a_complete_stamp_is_not_scanned_again_below_its_horizon_until_a_full_stamp(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
