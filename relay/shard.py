@@ -568,8 +568,8 @@ class ShardWorker:
     def await_claim_ahead(self) -> None:
         """Wait until the claim made ahead has run (it is then taken or dropped as usual).
 
-        The relay calls this before its next stamp: a claim made with this round's hold-back
-        must not see rows that stamp stamps. With hold-back None nothing else bounds it, and a
+        The relay calls this before its next stamp: a claim made with a stamp's hold-back
+        must not see rows the next stamp stamps. With hold-back None nothing else bounds it, and a
         row stamped then can have committed after a row still unstamped of the same key."""
         if self._claim_ahead is not None:
             futures.wait([self._claim_ahead.batch])
@@ -579,9 +579,10 @@ class ShardWorker:
     ) -> None:
         """Claim the batch after `batch` (sent, not committed yet) on the claimer's connection.
         It leaves out the rows of `batch` and of the batch before it, whose end may still run;
-        valid once `batch` is committed. It claims as of this round's stamp and hold-back, so
-        it must run before the next stamp (await_claim_ahead): then every row stamped later
-        committed after the rows it returns (relay.sql, relay_hold_back)."""
+        valid once `batch` is committed. Made in a round that stamped, it claims as of that
+        stamp and hold-back, so it must run before the next stamp (await_claim_ahead): then
+        every row stamped later committed after the rows it returns (relay.sql,
+        relay_hold_back). Made in a round that did not stamp, it bounds itself (Unstamped)."""
         assert self.claimer is not None
         skip_xids, skip_ids = self._ending_skips()
         skip_xids += [xid for tx in batch.transactions if (xid := tx[0].committed_xid)]

@@ -175,7 +175,9 @@ def test_a_claim_made_ahead_runs_before_the_next_stamp_so_a_later_commit_never_o
     """S takes its transaction id before the open transaction `old`, U after it; U commits
     first, then S. The next stamp stamps S (below the horizon `old` holds) and not U, and holds
     back everything that committed after U. A claim made ahead with no hold-back (nothing was
-    unstamped at its round's stamp) that ran after that stamp found S, and S went before U."""
+    unstamped at its round's stamp) that ran after that stamp found S, and S went before U.
+    Both rounds stamp (a full stamp is due): a round that stamps nothing bounds its claims,
+    and the claim made ahead, by themselves."""
     topic = topic_factory()
     relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=True)
     relay.run_once()
@@ -189,6 +191,7 @@ def test_a_claim_made_ahead_runs_before_the_next_stamp_so_a_later_commit_never_o
         return claim(conn, *args)
 
     worker._claim = late  # type: ignore[method-assign]
+    relay._next_full_stamp = 0.0
     assert relay.run_once(pipelined=True).delivered == BATCH
     stamp = relay._stamp
 
@@ -209,6 +212,7 @@ def test_a_claim_made_ahead_runs_before_the_next_stamp_so_a_later_commit_never_o
         outbox.publish(u_conn, topic, "U", key="k")
         u_conn.commit()
         s_conn.commit()
+        relay._next_full_stamp = 0.0
         relay.run_once(pipelined=True)
         old.rollback()
     drained(relay)
