@@ -157,9 +157,18 @@ def _number(value: int | None) -> str:
     return "null" if value is None else f"{value:d}"
 
 
-@lru_cache(maxsize=256)  # a transaction's records share their commit time
-def _instant(value: datetime | None) -> str:
-    return "null" if value is None else f'"{value.isoformat()}"'
+@lru_cache(maxsize=256)  # a transaction's records share these: built once for all of them
+def _names(tx_id: str, producer_group: str, topic: str) -> str:
+    return (
+        f'"tx_id":{_quote(tx_id)},"producer_group":{_quote(producer_group)},'
+        f'"topic":{_quote(topic)},'
+    )
+
+
+@lru_cache(maxsize=256)  # as _names: a transaction's commit time and xid
+def _tail(commit_ts: datetime | None, reason: str | None, xid: int | None) -> str:
+    instant = "null" if commit_ts is None else f'"{commit_ts.isoformat()}"'
+    return f'"commit_ts":{instant},"reason":{_reason(reason)},"xid":{_number(xid)}}}'
 
 
 def marker_entry(
@@ -179,12 +188,12 @@ def marker_entry(
     """One entry of a version 2 message, as JSON text: what `json` writes for the entry's dict
     (tests/unit/test_relay_markers.py holds them equal), built as text because this runs per
     record on the relay's hot path, where the dict and the encoder cost ~10 µs (a pydantic
-    model more)."""
+    model more). The parts a transaction's records share are built once (_names, _tail): with
+    them built per record, this was a sixth of the relay thread's time in a drain."""
     return (
-        f'{{"op":"{op.value}","id":{id:d},"tx_id":{_quote(tx_id)},'
-        f'"producer_group":{_quote(producer_group)},"topic":{_quote(topic)},'
+        f'{{"op":"{op.value}","id":{id:d},{_names(tx_id, producer_group, topic)}'
         f'"key":{_key(key)},"partition":{_number(partition)},"offset":{_number(offset)},'
-        f'"commit_ts":{_instant(commit_ts)},"reason":{_reason(reason)},"xid":{_number(xid)}}}'
+        f"{_tail(commit_ts, reason, xid)}"
     )
 
 
