@@ -161,6 +161,9 @@ class _Batch:
     ended: list[Row] = field(default_factory=list)
     held_back: int = 0  # transactions claimed that wait for another shard (see _claim)
     unstamped_seen: UnstampedSeen | None = None
+    # (commit time, xid8) of the last transaction taken before any held back: once this batch
+    # is committed in Kafka, the shard's next claims start past it (ShardWorker._claimed_past)
+    claimed_through: tuple[datetime, str] | None = None
 
     @property
     def committed(self) -> list[Row]:
@@ -258,6 +261,11 @@ class ShardWorker:
         self.claimer = claimer  # None: no claim is made ahead (see deliver_once)
         self._ending: _Ending | None = None  # the last batch, while the ender ends its rows
         self._claim_ahead: _ClaimAhead | None = None  # the next claim, made during the last batch
+        # Where the usual round's claim starts reading stamped rows (relay.sql, relay_claim's
+        # `after_ts`): past the transactions of batches committed in Kafka. Only a stamp can put
+        # a row before it (rows that became visible after a later commit, or put back by hand),
+        # and a round that stamps claims from the first row; so does a shard after recovery.
+        self._claimed_past: tuple[datetime, str] | None = None
         if lease.marker_partition not in (None, self.marker_partition):
             raise RuntimeError(
                 f"shard {self.shard} recorded its op markers in partition "
@@ -297,6 +305,7 @@ class ShardWorker:
             )
         self.lease = Lease(self.shard, self.lease.epoch, self.marker_partition, end_offset)
         self.needs_recovery = False
+        self._claimed_past = None  # the rows of a batch that failed go again
         metrics.RECOVERIES.inc()
         logger.info(
             "shard %s recovered: %s committed markers from offset %s, %s rows ended by them",
@@ -381,11 +390,13 @@ class ShardWorker:
         skip_xids: list[str],
         skip_ids: list[int],
         unstamped: Unstamped | None = None,
+        after: tuple[datetime, str] | None = None,
     ) -> _Batch:
         """The next committed transactions in commit order, and the rows waiting for their op
         marker (rolled back, discarded, parked), leaving out `skip_xids` (transactions) and
         `skip_ids` (rows waiting for their marker) of batches committed, or being committed,
-        in Kafka whose rows are not ended yet. Thread-safe: reads no state that changes.
+        in Kafka whose rows are not ended yet, and stamped rows up to `after` (commit time,
+        xid8; see _claimed_past). Thread-safe: reads no state that changes.
 
         A transaction that must wait (another shard sends it, or an earlier row of one of its
         keys is still to go out from another shard) is held back, and so is every later one
@@ -405,6 +416,8 @@ class ShardWorker:
                 "stamped_below": unstamped.since if unstamped else "0",
                 "lo_all": unstamped.lo if unstamped else [],
                 "hi_all": unstamped.hi if unstamped else [],
+                "after_ts": after[0] if after else "-infinity",
+                "after_xid": after[1] if after else "0",
             },
             binary=True,
             prepare=False,  # a custom plan: a generic one cannot estimate the key range
@@ -442,6 +455,8 @@ class ShardWorker:
             for row in tx_rows:  # rows another shard's relay has not stamped: the same time
                 row.commit_ts = commit_ts
             batch.transactions.append(tx_rows)
+            if not batch.held_back:  # none before it is left behind
+                batch.claimed_through = (commit_ts, xid)
             count += len(tx_rows)
             if count >= s.batch_size:
                 break
@@ -532,9 +547,14 @@ class ShardWorker:
         batch = self._take_claim_ahead()
         if self.needs_recovery:
             self.recover(conn, keep_alive)
+        if unstamped is None:  # a round that stamped: rows may be stamped before _claimed_past
+            self._claimed_past = None
+            if batch is not None:  # claimed before that stamp
+                batch.claimed_through = None
         if batch is None:
             with pipelined_transaction(conn):  # 2 round trips
-                batch = self._claim(conn, hold_back, *self._ending_skips(), unstamped)
+                skips = self._ending_skips()
+                batch = self._claim(conn, hold_back, *skips, unstamped, self._claimed_past)
         claim_next = None
         if claim_ahead and self.claimer is not None:
             claim_next = functools.partial(self._start_claim_ahead, hold_back, unstamped, batch)
@@ -587,10 +607,12 @@ class ShardWorker:
         skip_xids, skip_ids = self._ending_skips()
         skip_xids += [xid for tx in batch.transactions if (xid := tx[0].committed_xid)]
         skip_ids += [r.id for r in batch.ended]
+        # past `batch` too: the claim is taken only if `batch` commits
+        after = batch.claimed_through or self._claimed_past
 
         def claim(conn: psycopg.Connection[Any]) -> _Batch:
             with pipelined_transaction(conn):
-                return self._claim(conn, hold_back, skip_xids, skip_ids, unstamped)
+                return self._claim(conn, hold_back, skip_xids, skip_ids, unstamped, after)
 
         self._claim_ahead = _ClaimAhead(self.claimer.submit(claim))
 
@@ -769,6 +791,8 @@ class ShardWorker:
             raise
         metrics.COMMIT_SECONDS.observe(time.perf_counter() - started)
         metrics.BATCH_SIZE.observe(len(sent))
+        if batch.claimed_through is not None:
+            self._claimed_past = batch.claimed_through
         _failpoints.hit(_failpoints.AFTER_KAFKA_COMMIT)
 
         ending = _Ending(

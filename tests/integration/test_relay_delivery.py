@@ -683,7 +683,9 @@ def test_a_stamp_waits_for_the_end_of_rows_claimed_unstamped(
     under load). Here the end is held up by a lock on one of its rows; the stamping round must
     not be found waiting for a lock in Postgres meanwhile."""
     topic = topic_factory()
-    r = relay_factory()
+    # No heartbeat in the stamping round: it waits for the lease, which the end holds locked
+    # (a wait that cannot deadlock, and not the one looked for; once seen in a full run).
+    r = relay_factory(heartbeat_interval="PT60S")
     assert r.run_once(pipelined=True).delivered == 0  # its first round stamps: nothing
     ids = []
     with psycopg.connect(pg_dsn) as conn:
@@ -755,6 +757,39 @@ def test_a_complete_stamp_is_not_scanned_again_below_its_horizon_until_a_full_st
     assert r.run_once().delivered == 1
     got = [m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed")]
     assert got == [b"first", b"second", b"by hand", b"by hand again"]
+
+
+def test_a_row_stamped_before_where_the_claims_start_waits_for_the_next_stamp(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A usual round's claim starts past the transactions already sent (over the index entries
+    of their ended rows). A row that a stamp puts before that point (here one put back by
+    hand, stamped with an old commit time) is claimed by the next round that stamps, which
+    starts from the first row."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            (old_xid,) = conn.execute("SELECT pg_current_xact_id()::text").fetchone()  # type: ignore[misc]
+        with conn.transaction():
+            outbox.publish(conn, topic, "first", key="a")
+    r = relay_factory()
+    assert r.run_once().delivered == 1  # a round that stamps
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "second", key="a")
+    assert r.run_once().delivered == 1  # the usual round: later claims start past "second"
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            row_id = outbox.publish(conn, topic, "by hand", key="b")
+        conn.execute(
+            "UPDATE outbox.outbox_record SET committed_xid = %s::xid8,"
+            " commit_ts = now() - interval '1 hour' WHERE id = %s",
+            (old_xid, row_id),
+        )
+    assert r.run_once().delivered == 0  # before where the claim starts
+    r._next_full_stamp = 0.0  # as a minute later: a round that stamps
+    assert r.run_once().delivered == 1
+    got = [m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed")]
+    assert got == [b"first", b"second", b"by hand"]
 
 
 def test_a_relay_that_gains_a_shard_stamps_its_rows_below_its_own_stamped_horizon(
