@@ -420,7 +420,7 @@ class ShardWorker:
                 "after_xid": after[1] if after else "0",
             },
             binary=True,
-            prepare=False,  # a custom plan: a generic one cannot estimate the key range
+            prepare=True,  # a generic plan (relay_claim_plan): planned once, not per claim
         )
         unmarked = self._unmarked(conn, skip_ids)  # in a pipeline: one round trip with the claim
         seen = None
