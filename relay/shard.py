@@ -405,6 +405,8 @@ class ShardWorker:
         batch = _Batch()
         by_tx: dict[str, list[Row]] = {}  # in commit order: the query sorts, dicts keep order
         conn.execute(self._q("relay_claim_plan"))
+        # Prepared as psycopg prepares (its 5th run on a connection), then run with a generic
+        # plan (see relay_claim_plan): planned once, not per claim.
         claimed = conn.execute(
             self._q("relay_claim"),
             {
@@ -420,7 +422,6 @@ class ShardWorker:
                 "after_xid": after[1] if after else "0",
             },
             binary=True,
-            prepare=True,  # a generic plan (relay_claim_plan): planned once, not per claim
         )
         unmarked = self._unmarked(conn, skip_ids)  # in a pipeline: one round trip with the claim
         seen = None
