@@ -717,6 +717,16 @@ def test_a_stamp_waits_for_the_end_of_rows_claimed_unstamped(
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"a", b"b", b"c"]
 
 
+def _an_old_xid_then_first(pg_dsn: str, topic: str) -> str:
+    """The xid of a transaction that commits nothing, then "first" published (key "a")."""
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            (old_xid,) = conn.execute("SELECT pg_current_xact_id()::text").fetchone()  # type: ignore[misc]
+        with conn.transaction():
+            outbox.publish(conn, topic, "first", key="a")
+    return str(old_xid)
+
+
 def test_a_complete_stamp_is_not_scanned_again_below_its_horizon_until_a_full_stamp(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
@@ -725,11 +735,7 @@ def test_a_complete_stamp_is_not_scanned_again_below_its_horizon_until_a_full_st
     old transaction id waits for the next stamp of every row: a minute at most, or a new
     database connection."""
     topic = topic_factory()
-    with psycopg.connect(pg_dsn) as conn:
-        with conn.transaction():
-            (old_xid,) = conn.execute("SELECT pg_current_xact_id()::text").fetchone()  # type: ignore[misc]
-        with conn.transaction():
-            outbox.publish(conn, topic, "first", key="a")
+    old_xid = _an_old_xid_then_first(pg_dsn, topic)
     r = relay_factory()
     assert r.run_once().delivered == 1  # its first round: a complete stamp of every row
     assert int(r._stamped_below) > int(old_xid)
@@ -767,11 +773,7 @@ def test_a_row_stamped_before_where_the_claims_start_waits_for_the_next_stamp(
     hand, stamped with an old commit time) is claimed by the next round that stamps, which
     starts from the first row."""
     topic = topic_factory()
-    with psycopg.connect(pg_dsn) as conn:
-        with conn.transaction():
-            (old_xid,) = conn.execute("SELECT pg_current_xact_id()::text").fetchone()  # type: ignore[misc]
-        with conn.transaction():
-            outbox.publish(conn, topic, "first", key="a")
+    old_xid = _an_old_xid_then_first(pg_dsn, topic)
     r = relay_factory()
     assert r.run_once().delivered == 1  # a round that stamps
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
