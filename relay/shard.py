@@ -423,6 +423,7 @@ class ShardWorker:
             },
             binary=True,
         )
+        conn.execute(self._q("relay_claim_planned"))
         unmarked = self._unmarked(conn, skip_ids)  # in a pipeline: one round trip with the claim
         seen = None
         if unstamped is not None:

@@ -85,11 +85,17 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
 -- think few rows are stamped, and it then sorts the whole backlog on every claim instead. The
 -- unstamped rows are read through their own index too (see relay_stamp_plan). With the plan
 -- pinned so, the prepared claim's generic plan is the custom one's shape, and planning each
--- claim anew took ~2 ms of its ~10 (a batch of 1000).
+-- claim anew took ~2 ms of its ~10 (a batch of 1000). Generic plans for the claim alone: the
+-- statements after it in the transaction go back to custom ones (relay_claim_planned).
 SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true),
        set_config('enable_seqscan', 'off', true),
        set_config('max_parallel_workers_per_gather', '0', true),
        set_config('plan_cache_mode', 'force_generic_plan', true);
+
+-- name: relay_claim_planned
+-- Right after relay_claim: Postgres plans any statement with parameters, even an unprepared
+-- one, by plan_cache_mode, and the claim's other statements estimate their key ranges.
+SET LOCAL plan_cache_mode TO DEFAULT;
 
 -- name: relay_claim
 -- The shard's next transactions in commit order, each complete: the shard's first `limit` rows

@@ -16,6 +16,7 @@ import outbox
 from outbox import Record
 from relay.config import SidecarSettings
 from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
+from relay.pipelined import pipelined_transaction
 from relay.service import Relay, RelayConfigError
 from tests.fixtures.kafka import consume_all
 
@@ -715,6 +716,25 @@ def test_a_stamp_waits_for_the_end_of_rows_claimed_unstamped(
         left = conn.execute("SELECT count(*) FROM outbox.outbox_record").fetchone()[0]  # type: ignore[index]
     assert left == 0
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"a", b"b", b"c"]
+
+
+def test_only_the_claim_is_planned_generically(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """The claim runs with a generic plan (planned once a connection); the statements after it
+    in its transaction get custom plans again, which see their key ranges: Postgres plans even
+    an unprepared statement by plan_cache_mode."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "one", key="a")
+    r = relay_factory()
+    assert r.run_once().delivered == 1
+    worker = next(iter(r.workers.values()))
+    with pipelined_transaction(r.conn):
+        claimed = worker._claim(r.conn, None, [], [])
+        mode = r.conn.execute("SELECT current_setting('plan_cache_mode')")
+    assert claimed.transactions == []
+    assert mode.fetchone() == ("auto",)
 
 
 def _an_old_xid_then_first(pg_dsn: str, topic: str) -> str:
