@@ -285,16 +285,17 @@ class JudgeWindow:
     ) -> Self:
         """The next judgement of a running job that judged up to `judged_to` before.
 
-        It decides what became due since, and once more the last deadline before that (a copy
-        whose Kafka time is a little older than its arrival is still judged), with one more
-        deadline of observations around it as the context, instead of the whole horizon: the
-        cost of a judgement follows the traffic since the last one, not the horizon. Without an
+        It decides what became due since, with one deadline of observations before that as the
+        context, instead of the whole horizon: the cost of a judgement follows the traffic since
+        the last one, not the horizon. What the last judgements decided is not decided again: an
+        observation whose Kafka time is older than its arrival is judged by the first judgement
+        that reads it (ReconcileJob.judge marks it LATE_JUDGED), however late it is. Without an
         earlier judgement inside the horizon (a start, a restart) it judges the whole horizon.
         """
         full = cls.streaming(as_of, deadline, horizon)
-        if judged_to is None or judged_to - deadline <= full.lo:
+        if judged_to is None or judged_to <= full.lo:
             return full
-        lo = judged_to - deadline
+        lo = judged_to
         # the summary window that was still open at `judged_to` is emitted whole now
         windows_from = _floor(judged_to, summary_window)
         if windows_from < full.store_low:  # not all of it is in the store any more
