@@ -267,8 +267,10 @@ class ReconcileJob:
         self._stopping.set()
         with self._lock:  # let a judgement in progress finish rather than interrupt it
             query, self._query = self._query, None
-            if query is not None and query.isActive:
-                query.stop()
+        # Not under the lock: Spark's stop waits for a micro-batch that may be waiting for the
+        # lock (it then sees _stopping and fails, uncommitted); holding it, both waited forever.
+        if query is not None and query.isActive:
+            query.stop()
         ticker, self._ticker = self._ticker, None
         if ticker is not None and ticker is not threading.current_thread():
             ticker.join(timeout=60)
