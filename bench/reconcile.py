@@ -85,7 +85,7 @@ def fill_ledger(
                convert_to((g %% %(keys)s)::text, 'UTF8'), %(value)s,
                hashtextextended((g %% %(keys)s)::text, 0), 'committed', pg_current_xact_id(),
                clock_timestamp()
-        FROM generate_series(%(first)s, %(first)s + %(n)s - 1) AS g
+        FROM generate_series(%(first)s::bigint, %(first)s::bigint + %(n)s - 1) AS g
         RETURNING id, tx_id, key, commit_ts
         """,
         {"per_tx": PER_TX, "topic": topic, "keys": KEYS, "value": VALUE, "n": count,
