@@ -268,6 +268,8 @@ class JudgeWindow:
     hi: datetime
     include_stuck: bool
     windows_from: datetime | None = None  # summary windows starting here or later (None: lo)
+    # the job holds the histograms of the summary windows open at lo (see following())
+    latency_carried: bool = False
 
     @classmethod
     def streaming(cls, as_of: datetime, deadline: timedelta, horizon: timedelta) -> Self:
@@ -282,6 +284,7 @@ class JudgeWindow:
         deadline: timedelta,
         horizon: timedelta,
         summary_window: timedelta,
+        latency_from: datetime | None = None,
     ) -> Self:
         """The next judgement of a running job that judged up to `judged_to` before.
 
@@ -291,13 +294,19 @@ class JudgeWindow:
         observation whose Kafka time is older than its arrival is judged by the first judgement
         that reads it (ReconcileJob.judge marks it LATE_JUDGED), however late it is. Without an
         earlier judgement inside the horizon (a start, a restart) it judges the whole horizon.
+
+        The summary window still open at `judged_to` is emitted once it closes. When it begins
+        at `latency_from` or later, the job holds the latency histogram of its copies up to
+        `judged_to` (spark/latency.py: every copy since `latency_from`); otherwise the context
+        reaches back to the window's start, to count them again.
         """
         full = cls.streaming(as_of, deadline, horizon)
         if judged_to is None or judged_to <= full.lo:
             return full
         lo = judged_to
-        # the summary window that was still open at `judged_to` is emitted whole now
         windows_from = _floor(judged_to, summary_window)
+        if latency_from is not None and windows_from >= latency_from:
+            return cls(as_of, lo - deadline, lo, as_of - deadline, True, windows_from, True)
         if windows_from < full.store_low:  # not all of it is in the store any more
             return full
         store_low = min(lo - deadline, windows_from)

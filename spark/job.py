@@ -70,7 +70,7 @@ import psycopg
 from pydantic import ValidationError
 from pyspark import SparkContext
 from pyspark.errors import AnalysisException, StreamingQueryException
-from pyspark.sql import DataFrame, Observation, SparkSession
+from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import LongType, StructField, StructType
@@ -88,6 +88,7 @@ from spark.config import (
     spark_interval,
     trigger_end,
 )
+from spark.latency import OpenWindows, close, merge_rows
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +222,9 @@ class ReconcileJob:
         # Up to where a running job has judged: kept under the checkpoint, so that a restart
         # goes on from there instead of judging the whole horizon again.
         self._judged_to: datetime | None = None
+        # The summary windows open at `_judged_to`, with the latencies counted so far (kept with
+        # it): the next judgement adds to them instead of reading their copies again.
+        self._open_windows: OpenWindows | None = None
         # The first store batch no judgement has read: its late observations are judged too.
         self._unread_from: int | None = None
         self._continuous = False
@@ -256,7 +260,9 @@ class ReconcileJob:
         self._failure = None
         self._last_judged = self._clock()
         self._continuous = True
-        self._judged_to = self._load_judged_to()
+        self._judged_to, self._open_windows, unread_from = self._load_judged_to()
+        if unread_from is not None:  # a batch Spark replays was read (and counted) before
+            self._unread_from = unread_from
         self._query_started = self._clock()  # before any trigger of the query reads Kafka
         self._query = self._start_query(available_now=False)
         self._ticker = threading.Thread(target=self._tick_loop, name="reconcile-tick", daemon=True)
@@ -514,8 +520,14 @@ class ReconcileJob:
         of both cores; idle, one came every trigger interval.
         """
         settings = self.settings
+        carried = self._open_windows
         window = JudgeWindow.following(
-            self._judged_to, as_of, settings.deadline, settings.horizon, settings.summary_window
+            self._judged_to,
+            as_of,
+            settings.deadline,
+            settings.horizon,
+            settings.summary_window,
+            latency_from=None if carried is None else carried.counted_from,
         )
         self._last_as_of = as_of
         if skip_if_idle and window.windows_from is not None:
@@ -546,19 +558,29 @@ class ReconcileJob:
         # the copies of rows ended late, which answer ledger rows due now.
         obs = store.where(F.col("ts") >= F.lit(window.store_low))
         late = store.where(F.col("ts") < F.lit(window.store_low))
-        report = self._judge(obs, window, detected_in, trim_before=current_batch, late=late)
+        counted = None  # the copies the carried summary windows lack: new ones, late ones
+        if window.latency_carried:
+            counted = F.col("ts") >= F.lit(window.lo)
+            if transform.LATE_JUDGED in store.columns:
+                counted = counted | F.coalesce(F.col(transform.LATE_JUDGED), F.lit(False))
+        report = self._judge(
+            obs, window, detected_in, trim_before=current_batch, late=late, counted=counted
+        )
         if last_read is not None:
             self._unread_from = last_read + 1
         self._judged_to = window.hi
         if self._continuous:  # a --once run judges its whole horizon every time
-            self._save_judged_to(window.hi)
+            self._save_judged_to(window.hi, self._open_windows)
         return report
 
     def _idle(self, window: JudgeWindow) -> bool:
         """Nothing to judge: no observation since the window's context began (no copy or marker
         to judge, no summary window to close), none in a batch no judgement read (a late
-        arrival), and no ledger row it may call missing (with include_stuck, that is no
-        committed row at all)."""
+        arrival), no carried summary window that closes, and no ledger row it may call missing
+        (with include_stuck, that is no committed row at all)."""
+        carried = self._open_windows
+        if carried is not None and any(w.end <= window.hi for w in carried.windows.values()):
+            return False
         for batch_id, (_path, written) in self._store_batches().items():
             known = self._batch_newest.get(batch_id)
             unread = self._unread_from is not None and batch_id >= self._unread_from
@@ -572,9 +594,9 @@ class ReconcileJob:
 
     def _judged_idle(self, window: JudgeWindow, detected_in: str, seconds: float) -> RunReport:
         """What a judgement of an idle window would have done: move on, find nothing."""
-        self._judged_to = window.hi
+        self._judged_to = window.hi  # the carried windows lack nothing: nothing arrived
         if self._continuous:
-            self._save_judged_to(window.hi)
+            self._save_judged_to(window.hi, self._open_windows)
         self._last_judged = self._clock()
         if self._prune_due():  # a job idle for days still applies its retention
             with sink.connect(self.settings.dsn.get_secret_value()) as conn:
@@ -604,29 +626,47 @@ class ReconcileJob:
         jvm: Any = self.spark._jvm
         return jvm.org.apache.hadoop.fs.Path(f"{self._checkpoint()}/judged_to")
 
-    def _load_judged_to(self) -> datetime | None:
+    def _load_judged_to(self) -> tuple[datetime | None, OpenWindows | None, int | None]:
+        """Where an earlier run judged to, the summary windows it left open and the first store
+        batch it did not read (None: a checkpoint of a version before them; the first judgement
+        counts the open windows' copies again)."""
         path = self._judged_to_path()
         fs = path.getFileSystem(self.spark._jsc.hadoopConfiguration())
         if not fs.exists(path):
-            return None
+            return None, None, None
         jvm: Any = self.spark._jvm
         stream = fs.open(path)
         try:
             text = jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
         finally:
             stream.close()
+        text = str(text).strip()
         try:
-            return parse_time(str(text).strip())
-        except ValueError:
-            logger.warning("ignored %s: not a time (%r)", path.toString(), text)
-            return None
+            if not text.startswith("{"):  # written by a version without open windows
+                return parse_time(text), None, None
+            saved = json.loads(text)
+            open_windows = saved.get("open_windows")
+            unread_from = saved.get("unread_from")
+            return (
+                parse_time(saved["judged_to"]),
+                None if open_windows is None else OpenWindows.from_json(open_windows),
+                None if unread_from is None else int(unread_from),
+            )
+        except (ValueError, KeyError, TypeError):
+            logger.warning("ignored %s: not a judged time (%r)", path.toString(), text[:200])
+            return None, None, None
 
-    def _save_judged_to(self, hi: datetime) -> None:
+    def _save_judged_to(self, hi: datetime, open_windows: OpenWindows | None) -> None:
         path = self._judged_to_path()
         fs = path.getFileSystem(self.spark._jsc.hadoopConfiguration())
+        saved = {
+            "judged_to": hi.isoformat(),
+            "open_windows": None if open_windows is None else open_windows.as_json(),
+            "unread_from": self._unread_from,
+        }
         out = fs.create(path, True)  # overwrite: a crash mid-write leaves it unparseable, ignored
         try:
-            out.writeBytes(hi.isoformat())
+            out.writeBytes(json.dumps(saved))
         finally:
             out.close()
 
@@ -787,6 +827,7 @@ class ReconcileJob:
         *,
         trim_before: int | None = None,
         late: DataFrame | None = None,
+        counted: Column | None = None,
     ) -> RunReport:
         settings = self.settings
         started = self._clock()
@@ -823,16 +864,22 @@ class ReconcileJob:
                     coverage_start=coverage,
                     summary_window=settings.summary_window,
                     late=late,
+                    latency_counted=counted,
                 )
                 cached.append(judgement.classified.persist())
                 with clock("judge"):
-                    windows = [_window_row(r) for r in _windows_out(judgement.windows).collect()]
+                    histogram = _latency_rows(judgement.latency)
                     findings = _finding_rows(judgement.findings)
+                carried = self._open_windows if window.latency_carried else None
+                merged = merge_rows({} if carried is None else carried.windows, histogram)
+                closed, still_open = close(merged, window.hi, window.summaries_from)
+                windows = [w.summary() for w in closed]
                 with clock("sink"):
                     new = sink.write_judgement(
                         conn, settings.schema_name, findings, windows, detected_in=detected_in
                     )
                     self._prune(conn)
+            self._open_windows = still_open
             if settings.checkpoint is not None and not settings.audit:
                 with clock("trim"):
                     self._trim(newest, window, trim_before)
@@ -931,23 +978,21 @@ def _finding_rows(findings: DataFrame) -> list[tuple[Any, ...]]:
     ]
 
 
-def _windows_out(windows: DataFrame) -> DataFrame:
-    return windows.select(
-        F.unix_micros("window_start").alias("window_start"),
-        F.unix_micros("window_end").alias("window_end"),
+def _latency_rows(histogram: DataFrame) -> list[tuple[datetime, datetime, float, int, float]]:
+    """A judgement's latency histogram (transform.LATENCY_SCHEMA) collected to the driver: a
+    few hundred buckets per summary window at most (latency.LATENCY_DIGITS)."""
+    out = histogram.select(
+        F.unix_micros("window_start").alias("start_us"),
+        F.unix_micros("window_end").alias("end_us"),
+        "bucket_ms",
         "records",
-        "latency_p50_ms",
-        "latency_p95_ms",
-        "latency_p99_ms",
-        "latency_max_ms",
-    ).orderBy("window_start")
-
-
-def _window_row(row: Any) -> dict[str, Any]:
-    out = row.asDict()
-    out["window_start"] = _from_micros(out["window_start"])
-    out["window_end"] = _from_micros(out["window_end"])
-    return dict(out)
+        "max_ms",
+    )
+    return [
+        (EPOCH + timedelta(microseconds=r.start_us), EPOCH + timedelta(microseconds=r.end_us),
+         r.bucket_ms, r.records, r.max_ms)
+        for r in out.collect()
+    ]  # fmt: skip
 
 
 # --- command line ----------------------------------------------------------------------------

@@ -28,7 +28,8 @@ is claimed, is the record's *canonical* copy. Findings, one of each kind per rec
                    key whose record committed later (commit time, then the committing
                    transaction's xid, then id: the relay's order)
 and per summary window of delivery time: the canonical copies and the latency from commit time
-to Kafka timestamp (p50, p95, p99, max).
+to Kafka timestamp, as a histogram (spark/latency.py merges the judgements' histograms of a window
+and summarises it: p50, p95, p99, max).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from relay.markers import (
     Op,
 )
 from spark.config import JudgeWindow, spark_interval
+from spark.latency import LATENCY_DIGITS
 
 RECORD = "record"
 MARKER = "marker"
@@ -66,7 +68,6 @@ NEVER_COMMITTED_STATES = ("prepared", "rolled_back", "discarded")
 NEVER_COMMITTED_OPS = (Op.ROLLED_BACK.value, Op.DISCARDED.value)
 RECORD_WITHOUT_MARKER = "record_without_marker"
 MARKER_WITHOUT_RECORD = "marker_without_record"
-LATENCY_ACCURACY = 10_000
 
 # What Spark's Kafka source gives with includeHeaders=true.
 KAFKA_SCHEMA = StructType(
@@ -172,15 +173,13 @@ FINDING_SCHEMA = StructType(
 )
 FINDING_COLUMNS = tuple(f.name for f in FINDING_SCHEMA.fields)
 
-WINDOW_SCHEMA = StructType(
+LATENCY_SCHEMA = StructType(
     [
         StructField("window_start", TimestampType()),
         StructField("window_end", TimestampType()),
+        StructField("bucket_ms", DoubleType()),  # latency.bucket(): LATENCY_DIGITS digits
         StructField("records", LongType()),
-        StructField("latency_p50_ms", DoubleType()),
-        StructField("latency_p95_ms", DoubleType()),
-        StructField("latency_p99_ms", DoubleType()),
-        StructField("latency_max_ms", DoubleType()),
+        StructField("max_ms", DoubleType()),
     ]
 )
 
@@ -188,7 +187,7 @@ WINDOW_SCHEMA = StructType(
 @dataclass(frozen=True)
 class Judgement:
     findings: DataFrame  # FINDING_SCHEMA
-    windows: DataFrame  # WINDOW_SCHEMA
+    latency: DataFrame  # LATENCY_SCHEMA
     classified: DataFrame  # every copy with its verdict (persist it: two outputs read it)
 
 
@@ -559,26 +558,42 @@ def out_of_order(classified: DataFrame) -> DataFrame:
     )
 
 
-def latency_windows(classified: DataFrame, window: JudgeWindow, size: timedelta) -> DataFrame:
-    """Per summary window of Kafka time inside the judged range: canonical copies and the
-    latency from commit to topic in milliseconds."""
+def latency_bucket(latency_ms: Column) -> Column:
+    """`latency_ms` rounded to LATENCY_DIGITS significant digits, as latency.bucket()."""
+    quantum = F.pow(F.lit(10.0), F.floor(F.log10(F.abs(latency_ms))) - (LATENCY_DIGITS - 1))
+    return F.when(latency_ms == 0, F.lit(0.0)).otherwise(F.round(latency_ms / quantum) * quantum)
+
+
+def latency_histogram(
+    classified: DataFrame, window: JudgeWindow, size: timedelta, counted: Column | None = None
+) -> DataFrame:
+    """Per summary window of Kafka time from `window.summaries_from` on, and per latency bucket:
+    the canonical copies up to `window.hi` and their latency from commit to topic (ms).
+
+    `counted`: which of them this judgement adds (the job's choice: those no judgement before
+    added to the windows it carries); None: all.
+    """
     latency = (F.unix_micros("ts") - F.unix_micros("commit_time")) / F.lit(1000.0)
-    rows = classified.where(F.col("canonical") & F.col("commit_time").isNotNull())
-    grouped = rows.groupBy(F.window("ts", spark_interval(size)).alias("w")).agg(
-        F.count(F.lit(1)).alias("records"),
-        F.percentile_approx(latency, [0.5, 0.95, 0.99], LATENCY_ACCURACY).alias("p"),
-        F.max(latency).alias("latency_max_ms"),
+    rows = classified.where(
+        F.col("canonical")
+        & F.col("commit_time").isNotNull()
+        & F.col("ts").between(F.lit(window.summaries_from), F.lit(window.hi))
     )
-    return grouped.where(
-        (F.col("w.start") >= F.lit(window.summaries_from)) & (F.col("w.end") <= F.lit(window.hi))
-    ).select(
-        F.col("w.start").alias("window_start"),
-        F.col("w.end").alias("window_end"),
-        "records",
-        F.col("p")[0].cast("double").alias("latency_p50_ms"),
-        F.col("p")[1].cast("double").alias("latency_p95_ms"),
-        F.col("p")[2].cast("double").alias("latency_p99_ms"),
-        F.col("latency_max_ms").cast("double"),
+    if counted is not None:
+        rows = rows.where(counted)
+    return (
+        rows.groupBy(
+            F.window("ts", spark_interval(size)).alias("w"),
+            latency_bucket(latency).alias("bucket_ms"),
+        )
+        .agg(F.count(F.lit(1)).alias("records"), F.max(latency).alias("max_ms"))
+        .select(
+            F.col("w.start").alias("window_start"),
+            F.col("w.end").alias("window_end"),
+            "bucket_ms",
+            "records",
+            "max_ms",
+        )
     )
 
 
@@ -590,8 +605,9 @@ def judge(
     coverage_start: datetime | None,
     summary_window: timedelta,
     late: DataFrame | None = None,
+    latency_counted: Column | None = None,
 ) -> Judgement:
-    """All findings and summary windows of one judgement (see the module docstring).
+    """All findings and the latency histogram of one judgement (see the module docstring).
 
     `obs` holds each Kafka record once (the store writes each micro-batch to its own directory,
     overwritten on replay; an audit reads each offset once); those with a Kafka time in the
@@ -601,6 +617,7 @@ def judge(
     `late_judged` column is judged whatever its time, and is the context of the others (a
     copy it precedes is a duplicate, its marker says where its record landed): it arrived
     after the judgements of its time (the job's choice, see ReconcileJob.judge).
+    `latency_counted`: see latency_histogram.
     """
     copy_rows = copies(obs)
     marker_rows = markers(obs)
@@ -625,6 +642,6 @@ def judge(
     )
     return Judgement(
         findings=findings,
-        windows=latency_windows(classified, window, summary_window),
+        latency=latency_histogram(classified, window, summary_window, latency_counted),
         classified=classified,
     )

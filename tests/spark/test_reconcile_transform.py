@@ -6,6 +6,8 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+import pytest
+
 from relay.markers import (
     OUTBOX_ID_HEADER,
     OUTBOX_TX_ID_HEADER,
@@ -15,6 +17,7 @@ from relay.markers import (
     marker_entry,
 )
 from spark.config import JudgeWindow
+from spark.latency import bucket, merge_rows
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -273,11 +276,16 @@ def test_judge_finds_each_kind_once(spark: SparkSession) -> None:
     assert json.loads(found[("out_of_order", 6, "")]["detail"])["placed_after_id"] == 7
     assert found[("marker_mismatch", 8, "marker_without_record")]["kafka_offset"] == 50
 
-    (window,) = judgement.windows.selectExpr("unix_micros(window_start) AS start_us", "*").collect()
+    buckets = judgement.latency.selectExpr(
+        "unix_micros(window_start) AS start_us", "bucket_ms", "records", "max_ms"
+    ).collect()
+    assert {b.start_us for b in buckets} == {int(T.timestamp()) * 1_000_000}
+    rows = [(T, s(60), b.bucket_ms, b.records, b.max_ms) for b in buckets]
+    (window,) = merge_rows({}, rows).values()
     # canonical copies with a known commit time delivered in [T, T+1m): ids 1, 3, 5, 6, 7, 14
-    assert (window.start_us, window.records) == (int(T.timestamp()) * 1_000_000, 6)
-    assert window.latency_p50_ms == 1000.0
-    assert window.latency_max_ms == 3000.0
+    assert window.records == 6
+    assert window.percentile(0.5) == 1000.0
+    assert window.max_ms == 3000.0
 
     # An audit of a past window reports no stuck rows from before it, and nothing not yet due.
     audit = JudgeWindow.audit(s(0), s(30), now=s(60), deadline=timedelta(seconds=20))
@@ -409,3 +417,59 @@ def test_equal_commit_times_are_ordered_by_xid_as_the_relay_orders_them(
     for in_ledger in (True, False):
         assert out_of_order(placed=(2, 1), in_ledger=in_ledger) == set()  # the relay's order
         assert out_of_order(placed=(1, 2), in_ledger=in_ledger) == {2}
+
+
+def test_the_latency_buckets_of_spark_and_of_the_driver_agree(spark: SparkSession) -> None:
+    """The histogram is bucketed by Spark and merged by the driver: both must round alike."""
+    from pyspark.sql import functions as F
+
+    from spark.transform import latency_bucket
+
+    values = [
+        0.0,
+        0.001,
+        0.5,
+        1.0,
+        12.345,
+        999.5,
+        1000.0,
+        1234.5,
+        1235.0,
+        99_950.0,
+        3.6e6,
+        -7.25,
+        -1235.0,
+    ]
+    df = spark.createDataFrame([(v,) for v in values], "ms double")
+    got = {r.ms: r.b for r in df.select("ms", latency_bucket(F.col("ms")).alias("b")).collect()}
+    assert got == {v: bucket(v) for v in values}
+    assert got[1234.5] == 1230.0  # three digits
+    assert got[1235.0] == 1240.0  # half away from zero
+    assert got[-1235.0] == -1240.0
+    assert got[12.345] == pytest.approx(12.3)
+    assert got[99_950.0] == 100_000.0
+
+
+def test_only_the_counted_copies_are_added_to_the_histogram(spark: SparkSession) -> None:
+    """A running job adds to the windows it carries only what no judgement added before."""
+    from pyspark.sql import functions as F
+
+    from spark.transform import LEDGER_SCHEMA, judge, observations
+
+    kafka, ledger = Kafka(), []
+    for outbox_id, at in ((1, s(5)), (2, s(20)), (3, s(40))):
+        kafka.copy(outbox_id, outbox_id, at)
+        kafka.marker(outbox_id, at, offset=outbox_id, commit=at - timedelta(seconds=1))
+        ledger.append(ledger_row(outbox_id, "delivered", at - timedelta(seconds=1), at,
+                                 offset=outbox_id))  # fmt: skip
+    obs = observations(kafka.frame(spark), marker_topic=MARKERS)
+    window = JudgeWindow(s(200), s(0), s(15), s(140), True, windows_from=T, latency_carried=True)
+
+    def records(counted: Any) -> int:
+        judgement = judge(obs, spark.createDataFrame(ledger, LEDGER_SCHEMA), window,
+                          coverage_start=None, summary_window=timedelta(minutes=1),
+                          latency_counted=counted)  # fmt: skip
+        return sum(r.records for r in judgement.latency.collect())
+
+    assert records(None) == 3
+    assert records(F.col("ts") >= F.lit(window.lo)) == 2  # id 1 was counted before

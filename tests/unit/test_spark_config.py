@@ -213,6 +213,27 @@ def test_a_running_job_judges_what_became_due_since_its_last_judgement() -> None
     assert w.include_stuck
 
 
+def test_with_the_open_summary_window_carried_the_context_is_one_deadline() -> None:
+    deadline, horizon, summary = timedelta(seconds=5), timedelta(minutes=15), timedelta(minutes=1)
+    as_of = T + timedelta(minutes=20, seconds=50)
+    before = as_of - timedelta(seconds=10) - deadline  # 11 s into its summary window
+    windows_from = datetime(2026, 1, 1, 12, 20, tzinfo=UTC)
+    recounted = JudgeWindow.following(before, as_of, deadline, horizon, summary)
+    assert recounted.store_low == windows_from  # its copies are read again to summarise it
+    assert not recounted.latency_carried
+    carried = JudgeWindow.following(
+        before, as_of, deadline, horizon, summary, latency_from=windows_from
+    )
+    assert carried.store_low == carried.lo - deadline
+    assert carried.latency_carried
+    assert carried.windows_from == windows_from
+    # histograms counted from later than the window's start lack some of its copies
+    late_count = JudgeWindow.following(
+        before, as_of, deadline, horizon, summary, latency_from=windows_from + deadline
+    )
+    assert late_count == recounted
+
+
 def test_without_a_recent_judgement_the_whole_horizon_is_judged() -> None:
     deadline, horizon, summary = timedelta(seconds=60), timedelta(minutes=15), timedelta(minutes=1)
     full = JudgeWindow.streaming(T, deadline, horizon)
