@@ -567,8 +567,9 @@ def latency_bucket(latency_ms: Column) -> Column:
 def latency_histogram(
     classified: DataFrame, window: JudgeWindow, size: timedelta, counted: Column | None = None
 ) -> DataFrame:
-    """Per summary window of Kafka time from `window.summaries_from` on, and per latency bucket:
-    the canonical copies up to `window.hi` and their latency from commit to topic (ms).
+    """Per summary window of Kafka time starting at `window.summaries_from` or later, and per
+    latency bucket: the canonical copies before `window.hi` and their latency from commit to
+    topic (ms). Copies at `hi` are the next judgement's (it counts from its `lo`, this `hi`).
 
     `counted`: which of them this judgement adds (the job's choice: those no judgement before
     added to the windows it carries); None: all.
@@ -577,7 +578,8 @@ def latency_histogram(
     rows = classified.where(
         F.col("canonical")
         & F.col("commit_time").isNotNull()
-        & F.col("ts").between(F.lit(window.summaries_from), F.lit(window.hi))
+        & (F.col("ts") >= F.lit(window.summaries_from))
+        & (F.col("ts") < F.lit(window.hi))
     )
     if counted is not None:
         rows = rows.where(counted)
@@ -587,6 +589,7 @@ def latency_histogram(
             latency_bucket(latency).alias("bucket_ms"),
         )
         .agg(F.count(F.lit(1)).alias("records"), F.max(latency).alias("max_ms"))
+        .where(F.col("w.start") >= F.lit(window.summaries_from))  # whole windows only
         .select(
             F.col("w.start").alias("window_start"),
             F.col("w.end").alias("window_end"),

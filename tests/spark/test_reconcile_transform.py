@@ -473,3 +473,9 @@ def test_only_the_counted_copies_are_added_to_the_histogram(spark: SparkSession)
 
     assert records(None) == 3
     assert records(F.col("ts") >= F.lit(window.lo)) == 2  # id 1 was counted before
+    # a window that began before what a judgement sums up (a whole-horizon one's lo) is left
+    # out, not summed from part of its copies; a copy at hi is the next judgement's
+    window = JudgeWindow(s(200), s(0), s(10), s(40), True)
+    assert records(None) == 0
+    window = JudgeWindow(s(200), s(0), s(0), s(40), True)
+    assert records(None) == 2  # ids 1 and 2; id 3, at hi (40 s), is not yet counted
