@@ -979,8 +979,8 @@ def _finding_rows(findings: DataFrame) -> list[tuple[Any, ...]]:
 
 
 def _latency_rows(histogram: DataFrame) -> list[tuple[datetime, datetime, float, int, float]]:
-    """A judgement's latency histogram (transform.LATENCY_SCHEMA) collected to the driver: a
-    few hundred buckets per summary window at most (latency.LATENCY_DIGITS)."""
+    """A judgement's latency histogram (transform.LATENCY_SCHEMA) collected to the driver: per
+    summary window at most 900 buckets for each tenfold of latency (latency.LATENCY_DIGITS)."""
     out = histogram.select(
         F.unix_micros("window_start").alias("start_us"),
         F.unix_micros("window_end").alias("end_us"),
