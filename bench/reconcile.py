@@ -4,7 +4,7 @@ One run, one scratch database, one broker, N records of 1 KiB on a 3-partition t
   baseline   a raw confluent-kafka transactional produce of the N records with their outbox
              headers and their N op markers, 500 records per transaction, no Postgres (it also
              writes the data the reconciliation reads).
-  relay      the relay's own rate: `relay_rate()`, a real relay process draining N records.
+  relay      the relay's own rate: `relay_drain()`, a real relay process draining N records.
   reconcile  the job with Trigger.AvailableNow on local[2] (shuffle partitions 2) over those N
              records, their markers and their N ledger rows: records reconciled per second,
              cold (the first query in the JVM) and warm (same data, a fresh checkpoint).
@@ -38,22 +38,26 @@ import tempfile
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from bench import _cpu
 from bench._services import delete_topics, scratch_database, service_env
 from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, marker_entry, marker_messages
+
+if TYPE_CHECKING:
+    from bench.relay import Drain
 
 VALUE = os.urandom(512).hex().encode()  # 1 KiB
 PER_TX = 500
 KEYS = 1000
 
 
-def relay_rate(dsn: str, bootstrap: str, records: int) -> float | None:
-    """The relay's own throughput (records/s) in this same run, on the same broker.
+def relay_drain(dsn: str, bootstrap: str, records: int) -> Drain:
+    """The relay's own throughput (records/s) and CPU in this same run, on the same broker.
 
     bench/relay.py's drain: `records` committed rows in a scratch database of their own (this
     run's `dsn` holds the reconciliation's ledger), a real `outboxctl relay` process.
@@ -62,7 +66,7 @@ def relay_rate(dsn: str, bootstrap: str, records: int) -> float | None:
 
     atexit.register(delete_made_topics, bootstrap)  # the drain's topics, on an exception too
     with scratch_database() as relay_dsn:
-        return drain(relay_dsn, bootstrap, records).rate
+        return drain(relay_dsn, bootstrap, records)
 
 
 def create_topics(bootstrap: str, *names_partitions: tuple[str, int]) -> None:
@@ -192,17 +196,9 @@ IDLE_SECONDS = 20.0
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process and its children alive now (the Spark JVM), from /proc."""
-    me, total = os.getpid(), 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name
-        except OSError:
-            continue  # gone meanwhile
-        if int(pid) == me or int(fields[1]) == me:  # fields[1]: the parent's pid
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    """CPU time of this process and its children alive now (the Spark JVM)."""
+    parts = _cpu.sample().by_part
+    return parts.get("bench", 0.0) + parts.get("children", 0.0)
 
 
 def idle_cpu_cores(settle: float) -> float:
@@ -228,6 +224,7 @@ def streaming_capacity(
         while job.last_report is None or job._query.lastProgress is None:
             time.sleep(0.2)
         before = {p.batchId for p in job._query.recentProgress if p.numInputRows > 0}
+        cpu_before = _cpu.sample(children="spark")
         produce_s = deliver_like_the_relay(dsn, bootstrap, topic, markers, count, first)
         produced = datetime.now(UTC)
         started = time.monotonic()
@@ -238,6 +235,7 @@ def streaming_capacity(
             if time.monotonic() - started > 600:
                 raise TimeoutError("the running job did not catch up in 600 s")
             time.sleep(0.5)
+        cpu = _cpu.per_record(cpu_before, _cpu.sample(children="spark"), count)
         batches = [
             p for p in job._query.recentProgress if p.numInputRows > 0 and p.batchId not in before
         ]
@@ -256,6 +254,8 @@ def streaming_capacity(
         "last_judgement_copies": last_report.copies if last_report else None,
         # where a judgement spends its time (store read, ledger, judge, sink, trim)
         "last_judgement_seconds": last_report.seconds if last_report else None,
+        # the stand-in producer included (bench: its Python and the driver's; spark: the JVM)
+        "cpu_us_per_record": cpu,
     }
 
 
@@ -298,7 +298,8 @@ def main() -> None:
                 f"records + markers): {baseline:,.0f} records/s",
                 flush=True,
             )
-            relay = relay_rate(dsn, bootstrap, n)
+            relay_run = relay_drain(dsn, bootstrap, n)
+            relay = relay_run.rate
 
             def settings(checkpoint: str) -> ReconcileSettings:
                 return ReconcileSettings(
@@ -311,13 +312,17 @@ def main() -> None:
             spark.sparkContext.setLogLevel("ERROR")
             time.sleep(deadline.total_seconds() + 0.5)  # every record is due
             runs: dict[str, float] = {}
+            cpu: dict[str, dict[str, float]] = {}
             for name in ("cold", "warm"):
+                before = _cpu.sample(children="spark")
                 started = time.perf_counter()
                 report = ReconcileJob(settings(f"{tmp.name}/{name}"), spark).run_once()
                 runs[name] = time.perf_counter() - started
+                cpu[name] = _cpu.per_record(before, _cpu.sample(children="spark"), n)
                 print(
                     f"reconcile {name}: {n / runs[name]:,.0f} records/s ({runs[name]:.1f} s; "
-                    f"{report.copies:,} copies, {report.found_total} findings)",
+                    f"{report.copies:,} copies, {report.found_total} findings); CPU µs/record "
+                    f"{cpu[name]}",
                     flush=True,
                 )
                 if (report.copies, report.found_total) != (n, 0):
@@ -369,10 +374,13 @@ def main() -> None:
         "records": n,
         "spark_master": "local[2]",
         "reconcile_records_per_s": {k: round(n / v) for k, v in runs.items()},
+        # CPU per record by part (bench: the driver's Python; spark: its JVM), from /proc
+        "reconcile_cpu_us_per_record": cpu,
         "baseline_kafka_produce_records_per_s": round(baseline),
         "baseline_is": "stand-in for the relay: raw transactional produce of records + op "
         "markers, 500 per transaction, no Postgres",
         "relay_records_per_s": relay,
+        "relay_cpu_us_per_record": relay_run.cpu,
         "ratio_reconcile_warm_vs_baseline": round(n / runs["warm"] / baseline, 3),
         "ratio_reconcile_warm_vs_relay": round(n / runs["warm"] / relay, 3) if relay else None,
         "detection_delay_s": {

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from bench import _cpu
 from bench._services import ROOT, delete_topics, scratch_database, service_env
 from outbox import Outbox, OutboxConfig, Record, State, _core
 from relay.markers import decode_markers
@@ -82,7 +84,13 @@ def fill_outbox(dsn: str, topic: str, count: int, per_tx: int = PER_TX) -> None:
             pipeline.sync()
 
 
-def b1_kafka(bootstrap: str, count: int) -> float:
+@dataclass(frozen=True)
+class Timed:
+    rate: float  # records/s
+    cpu: dict[str, float]  # µs of CPU per record by part (bench/_cpu.py)
+
+
+def b1_kafka(bootstrap: str, count: int) -> Timed:
     topic = create_topic(bootstrap)
     producer = Producer(
         {
@@ -92,16 +100,18 @@ def b1_kafka(bootstrap: str, count: int) -> float:
         }
     )
     producer.init_transactions(30)
+    before = _cpu.sample()
     started = time.perf_counter()
     for start in range(0, count, BATCH):
         producer.begin_transaction()
         for i in range(start, min(count, start + BATCH)):
             producer.produce(topic, value=VALUE, key=str(i % 100).encode())
         producer.commit_transaction(60)
-    return count / (time.perf_counter() - started)
+    rate = count / (time.perf_counter() - started)
+    return Timed(rate, _cpu.per_record(before, _cpu.sample(), count))
 
 
-def b2_postgres(dsn: str, count: int) -> float:
+def b2_postgres(dsn: str, count: int) -> Timed:
     with psycopg.connect(dsn) as conn:
         conn.execute("CREATE TABLE b2 (id bigserial PRIMARY KEY, key text, value bytea)")
         conn.execute(
@@ -109,6 +119,7 @@ def b2_postgres(dsn: str, count: int) -> float:
             (VALUE, count),
         )
         conn.commit()
+        before = _cpu.sample()
         started = time.perf_counter()
         done = 0
         while done < count:
@@ -119,7 +130,8 @@ def b2_postgres(dsn: str, count: int) -> float:
                     (BATCH,),
                 ).fetchall()
             done += len(rows)
-        return count / (time.perf_counter() - started)
+        rate = count / (time.perf_counter() - started)
+        return Timed(rate, _cpu.per_record(before, _cpu.sample(), count))
 
 
 def delete_made_topics(bootstrap: str) -> None:
@@ -157,13 +169,19 @@ def peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def undelivered(dsn: str) -> bool:
+def undelivered(conn: psycopg.Connection[Any]) -> bool:
     """Is anything left? (An index probe: counting a large backlog would load the database.)"""
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute(
-            "SELECT EXISTS (SELECT 1 FROM outbox.outbox_record WHERE state = 'committed')"
-        ).fetchone()
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM outbox.outbox_record WHERE state = 'committed')"
+    ).fetchone()
     return bool(row and row[0])
+
+
+def gone(conn: psycopg.Connection[Any], row_id: int) -> bool:
+    row = conn.execute(
+        "SELECT NOT EXISTS (SELECT FROM outbox.outbox_record WHERE id = %s)", (row_id,)
+    )
+    return bool(row.fetchone()[0])  # type: ignore[index]
 
 
 def marker_times(bootstrap: str, topic: str, count: int) -> list[int]:
@@ -200,6 +218,7 @@ class Drain:
     rate_from_start: float  # records/s from the process start: start-up and stamping included
     first_batch_s: float  # process start to the first batch's last marker
     peak_rss_mb: float
+    cpu: dict[str, float]  # µs per record by part, after the first batch (bench/_cpu.py)
 
 
 def drain(dsn: str, bootstrap: str, count: int, shards: int = 1) -> Drain:
@@ -210,22 +229,39 @@ def drain(dsn: str, bootstrap: str, count: int, shards: int = 1) -> Drain:
     `rate` is what went out after the first batch over the span from the first batch's last
     marker to the very last one, free of process start-up and of polling granularity. Before
     its first batch the relay stamps the commit time of the whole backlog (one UPDATE):
-    `rate_from_start` counts that in.
+    `rate_from_start` counts that in. CPU is counted from the end of the first batch (start-up
+    and stamping left out, as in `rate`) until nothing is left, the relay process apart.
     """
     topic = create_topic(bootstrap)
     fill_outbox(dsn, topic, count)
     env = relay_env(dsn, bootstrap, shards=shards)
-    started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "relay.cli", "relay"], env=env, cwd=ROOT)
-    try:
-        while undelivered(dsn):
-            time.sleep(0.5)
-            if proc.poll() is not None:
-                raise RuntimeError(f"the relay exited with {proc.returncode}")
-        rss = peak_rss_mb(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    with psycopg.connect(dsn, autocommit=True) as conn:  # one connection: a backend each poll
+        # would cost Postgres CPU of its own
+        first = conn.execute(
+            "SELECT id FROM outbox.outbox_record ORDER BY id OFFSET %s LIMIT 1", (BATCH - 1,)
+        ).fetchone()
+        started = time.time()
+        proc = subprocess.Popen([sys.executable, "-m", "relay.cli", "relay"], env=env, cwd=ROOT)
+        try:
+
+            def wait(until: Callable[[], bool], poll: float) -> None:
+                while not until():
+                    time.sleep(poll)
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"the relay exited with {proc.returncode}")
+
+            if first is not None:
+                wait(lambda: gone(conn, first[0]), 0.05)
+            before = _cpu.sample(children="relay")
+            left = conn.execute(
+                "SELECT count(*) FROM outbox.outbox_record WHERE state = 'committed'"
+            ).fetchone()[0]  # type: ignore[index]
+            wait(lambda: not undelivered(conn), 0.1)
+            cpu = _cpu.per_record(before, _cpu.sample(children="relay"), max(left, 1))
+            rss = peak_rss_mb(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(60)
     times = sorted(
         marker_times(bootstrap, json.loads(env["OUTBOX_RELAY"])["op_marker_topic"], count)
     )
@@ -236,6 +272,7 @@ def drain(dsn: str, bootstrap: str, count: int, shards: int = 1) -> Drain:
         rate_from_start=count / (times[-1] / 1000 - started),
         first_batch_s=times[first_batch] / 1000 - started,
         peak_rss_mb=rss,
+        cpu=cpu,
     )
 
 
@@ -373,6 +410,11 @@ def latency(dsn: str, bootstrap: str, rate: float, seconds: float, per_tx: int =
     )
 
 
+def median_cpu(runs: list[dict[str, float]]) -> dict[str, float]:
+    parts = sorted({part for run in runs for part in run})
+    return {p: round(statistics.median(run.get(p, 0.0) for run in runs), 1) for p in parts}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -394,22 +436,25 @@ def main() -> None:
 
     # This machine's broker is noisy (B1 has varied 2x between runs): each figure is the median
     # of --repeat runs, interleaved so that a slow spell hits all three alike.
-    b1s, b2s, smalls, rss_small = [], [], [], 0.0
+    b1s: list[Timed] = []
+    b2s: list[Timed] = []
+    runs: list[Drain] = []
     for _ in range(args.repeat):
         b1s.append(b1_kafka(bootstrap, args.records))
         with scratch_database() as dsn:
             b2s.append(b2_postgres(dsn, args.records))
         with scratch_database() as dsn:
-            run = drain(dsn, bootstrap, args.records)
-        rate, rss = run.rate, run.peak_rss_mb
-        smalls.append(rate)
-        rss_small = max(rss_small, rss)
+            runs.append(drain(dsn, bootstrap, args.records))
         print(
-            f"B1 {b1s[-1]:8.0f}/s   B2 {b2s[-1]:8.0f}/s   relay {rate:8.0f}/s "
-            f"({args.records} backlog, peak RSS {rss:.0f} MB)",
+            f"B1 {b1s[-1].rate:8.0f}/s   B2 {b2s[-1].rate:8.0f}/s   relay {runs[-1].rate:8.0f}/s "
+            f"({args.records} backlog, peak RSS {runs[-1].peak_rss_mb:.0f} MB)\n"
+            f"  CPU µs/record: B1 {b1s[-1].cpu}\n  B2 {b2s[-1].cpu}\n  relay {runs[-1].cpu}",
             flush=True,
         )
-    b1, b2, small = statistics.median(b1s), statistics.median(b2s), statistics.median(smalls)
+    b1 = statistics.median(t.rate for t in b1s)
+    b2 = statistics.median(t.rate for t in b2s)
+    small = statistics.median(r.rate for r in runs)
+    rss_small = max(r.peak_rss_mb for r in runs)
     lat_rate = args.latency_rate or small / 2
     with scratch_database() as dsn:
         lat = latency(dsn, bootstrap, lat_rate, args.latency_seconds)
@@ -448,6 +493,12 @@ def main() -> None:
                 "b2_postgres_per_s": round(b2),
                 "relay_per_s": round(small),
                 "ratio_relay_vs_min_b1_b2": round(small / min(b1, b2), 3),
+                # where each one's records cost CPU: medians per part over the runs
+                "cpu_us_per_record": {
+                    "b1": median_cpu([t.cpu for t in b1s]),
+                    "b2": median_cpu([t.cpu for t in b2s]),
+                    "relay": median_cpu([r.cpu for r in runs]),
+                },
                 "latency_rate_per_s": round(lat_rate),
                 "latency_rate_achieved_per_s": round(lat.achieved_per_s),
                 "latency_records_per_tx": PER_TX,

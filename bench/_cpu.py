@@ -1,0 +1,91 @@
+"""CPU time by part of the local stack, from /proc: what a benchmark's records cost the machine.
+
+A rate on this 2-core machine mixes our code with the broker and Postgres beside it, and swings
+by tens of percent within an hour. CPU per record, by part, says where the cost is and holds
+still when the rate does not (Linux only; elsewhere the parts come out empty).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    pid: int
+    ppid: int
+    comm: str
+    cmdline: str
+    cpu_s: float  # user + system
+    children_cpu_s: float  # of children it has waited for (exited)
+
+
+def processes() -> Iterator[ProcStat]:
+    """Every process alive now (those gone meanwhile are skipped)."""
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        comm, rest = stat.split("(", 1)[1].rsplit(")", 1)
+        fields = rest.split()  # from the state on: fields[1] is the parent's pid
+        utime, stime, cutime, cstime = (int(x) / TICK for x in fields[11:15])
+        yield ProcStat(int(name), int(fields[1]), comm, cmdline, utime + stime, cutime + cstime)
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    at: float  # time.monotonic()
+    idle_s: float  # the machine's idle time, all cores
+    by_part: dict[str, float] = field(default_factory=dict)
+
+
+def sample(children: str = "children") -> CpuSample:
+    """CPU seconds so far of: `bench` (this process, its client libraries' threads included),
+    its child processes alive now under the name given (a relay, Spark's JVM), `postgres`
+    (every server process, and the backends that exited, through the postmaster's children
+    time) and `broker` (the Kafka server)."""
+    me = os.getpid()
+    parts: dict[str, float] = {}
+    for p in processes():
+        if p.comm == "postgres":
+            part = "postgres"
+            cpu = p.cpu_s + (p.children_cpu_s if p.ppid == 1 or " -D " in p.cmdline else 0.0)
+        elif "kafka.Kafka" in p.cmdline:
+            part, cpu = "broker", p.cpu_s
+        elif p.pid == me:
+            part, cpu = "bench", p.cpu_s
+        elif p.ppid == me:
+            part, cpu = children, p.cpu_s
+        else:
+            continue
+        parts[part] = parts.get(part, 0.0) + cpu
+    idle = 0.0
+    if os.path.exists("/proc/stat"):
+        with open("/proc/stat") as f:
+            cpu_line = f.readline().split()  # cpu user nice system idle iowait ...
+        idle = (int(cpu_line[4]) + int(cpu_line[5])) / TICK
+    return CpuSample(time.monotonic(), idle, parts)
+
+
+def per_record(before: CpuSample, after: CpuSample, records: int) -> dict[str, float]:
+    """Microseconds of CPU per record by part, and the cores left idle meanwhile."""
+    wall = after.at - before.at
+    out = {
+        f"{part}_us": round(
+            (after.by_part[part] - before.by_part.get(part, 0.0)) / records * 1e6, 1
+        )
+        for part in sorted(after.by_part)
+    }
+    out["idle_cores"] = round((after.idle_s - before.idle_s) / wall, 2) if wall > 0 else 0.0
+    return out
