@@ -34,6 +34,7 @@ built-in functions and need none of our Python code):
         --jars "$OUTBOX_SPARK_JARS" \\
         --py-files dist/outbox_spark.zip \\
         --conf spark.sql.shuffle.partitions=8 \\
+        --conf spark.sql.codegen.cache.maxEntries=1000 \\
         spark/job.py \\
         --dsn "postgresql://reconciler@db:5432/app" --schema outbox \\
         --bootstrap kafka:9092 --topic-pattern 'orders\\..*' \\
@@ -68,7 +69,7 @@ from typing import Any
 
 import psycopg
 from pydantic import ValidationError
-from pyspark import SparkContext
+from pyspark import SparkConf, SparkContext
 from pyspark.errors import AnalysisException, StreamingQueryException
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
@@ -97,6 +98,12 @@ STORE_DIR = "observations"
 STORE_SCHEMA = StructType([*transform.OBSERVATION_SCHEMA.fields, StructField("batch", LongType())])
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 EXIT_FINDINGS = 3  # with --fail-on-findings
+# Spark compiles the code it generates once per distinct class and keeps the last 100 (its
+# default). One judgement and its micro-batch generate ~130, so each evicted the next one's
+# before it came round again: every judgement compiled all of them anew (~1 s of driver time,
+# and code that the JVM had to warm up again). 1000 holds many judgements' worth. A static
+# setting: it takes effect only in a session this job creates (spark-submit: pass --conf).
+CODEGEN_CACHE_ENTRIES = ("spark.sql.codegen.cache.maxEntries", "1000")
 PRUNE_EVERY_S = 600  # the retention is days: deleting more often than this finds nothing new
 
 
@@ -194,6 +201,10 @@ def build_session(settings: ReconcileSettings) -> tuple[SparkSession, bool]:
     if settings.shuffle_partitions is not None:
         builder = builder.config("spark.sql.shuffle.partitions", str(settings.shuffle_partitions))
     builder = builder.config("spark.sql.session.timeZone", "UTC")
+    # under spark-submit the JVM is up and holds the --conf given: a value given there wins
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
+    if not submitted or not SparkConf().contains(CODEGEN_CACHE_ENTRIES[0]):
+        builder = builder.config(*CODEGEN_CACHE_ENTRIES)
     return builder.getOrCreate(), True
 
 

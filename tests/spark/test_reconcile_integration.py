@@ -736,3 +736,39 @@ def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(
             assert job.wait(60) == 0, log.read_text(errors="replace")
     assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", dropped.id)]
     assert len(list((checkpoint / "observations").glob("batch-*"))) >= 1
+
+
+def _compilations(spark: SparkSession) -> int:
+    """Classes Spark has compiled from its generated code so far (cache misses), in this JVM."""
+    jvm: Any = spark.sparkContext._jvm
+    return int(
+        jvm.org.apache.spark.metrics.source.CodegenMetrics.METRIC_COMPILATION_TIME().getCount()
+    )
+
+
+def test_a_judgement_run_again_reuses_the_code_spark_generated_for_it(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    tmp_path: Path,
+) -> None:
+    """With Spark's default of 100 cached classes, one judgement's ~130 evicted each other, and
+    every judgement compiled them all again (spark.job.CODEGEN_CACHE_ENTRIES)."""
+    from spark.job import ReconcileJob
+
+    orders, markers = topic_factory(), topic_factory()
+    rows = publish(pg_dsn, [outbox.Record(orders, {"i": i}, key=f"k{i}") for i in range(3)])
+    RelayStandIn(pg_dsn, transactional_producer, markers).deliver(
+        rows, at=datetime.now(UTC) - timedelta(seconds=10)
+    )
+    compiled = []
+    for run in ("first", "again"):  # a fresh checkpoint: the same data, the same plans
+        before = _compilations(spark)
+        settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path / run)
+        report = ReconcileJob(settings, spark).run_once()
+        assert (report.copies, report.found_total) == (3, 0)
+        compiled.append(_compilations(spark) - before)
+    # What is left is code with this judgement's own times in it (Spark writes them in).
+    assert compiled[1] < compiled[0] / 3, compiled
