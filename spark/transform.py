@@ -192,9 +192,13 @@ class Judgement:
 
 
 def _header(name: str) -> Column:
-    """The first value of a Kafka header as text (NULL when absent)."""
-    matching = F.filter("headers", lambda h: h["key"] == F.lit(name))
-    return F.get(matching, 0)["value"].cast("string")
+    """The first value of a Kafka header as text (NULL when absent).
+
+    By position, not F.filter: a lambda is interpreted row by row where this is generated
+    code (a tenth of the observations' cost, three headers a copy). Position 0 (absent) reads
+    index -1, which F.get answers with NULL."""
+    position = F.array_position(F.col("headers")["key"], name)
+    return F.get("headers", (position - 1).cast("int"))["value"].cast("string")
 
 
 def observations(

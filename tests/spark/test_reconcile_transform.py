@@ -206,6 +206,32 @@ def test_observations_parse_copies_and_markers(spark: SparkSession) -> None:
     assert marker.commit_ts is not None
 
 
+def test_a_copy_s_outbox_headers_are_read_wherever_they_are_and_the_first_of_a_name_wins(
+    spark: SparkSession,
+) -> None:
+    from spark.transform import observations
+
+    kafka = Kafka()
+    kafka.raw(
+        TOPIC,
+        b"a",
+        [
+            ("trace", b"t"),
+            (OUTBOX_TX_ID_HEADER, b"tx-a"),
+            (OUTBOX_ID_HEADER, b"31"),
+            (OUTBOX_ID_HEADER, b"99"),
+        ],
+        s(1),
+    )
+    kafka.raw(TOPIC, b"b", [(OUTBOX_ID_HEADER, b"32"), (OUTBOX_TX_ID_HEADER, None)], s(2))
+    kafka.raw(TOPIC, b"c", [(OUTBOX_ID_HEADER, b"not a number")], s(3))
+    kafka.raw(TOPIC, b"d", [("trace", b"t")], s(4))
+    kafka.raw(TOPIC, b"e", None, s(5))  # type: ignore[arg-type]  # Kafka: no headers at all
+    obs = observations(kafka.frame(spark), marker_topic=MARKERS)
+    got = sorted((r.outbox_id, r.tx_id, r.producer_group) for r in obs.collect())
+    assert got == [(31, "tx-a", None), (32, None, None)]  # fmt: skip
+
+
 def test_observations_read_each_marker_of_a_message_and_older_versions(
     spark: SparkSession,
 ) -> None:
