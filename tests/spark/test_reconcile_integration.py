@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -772,3 +773,54 @@ def test_a_judgement_run_again_reuses_the_code_spark_generated_for_it(
         compiled.append(_compilations(spark) - before)
     # What is left is code with this judgement's own times in it (Spark writes them in).
     assert compiled[1] < compiled[0] / 3, compiled
+
+
+def test_stop_while_a_micro_batch_waits_for_a_judgement_returns(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    tmp_path: Path,
+) -> None:
+    """stop() stops Spark's query, which waits for the running micro-batch; the batch waits for
+    the judgement lock. Here the batch asks for the lock exactly while stop() stops the query:
+    had stop() held the lock then (as it once did), both waited for ever."""
+    from spark.job import ReconcileJob
+
+    orders, markers = topic_factory(), topic_factory()
+    job = ReconcileJob(running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path), spark)
+    armed, in_batch, stopping_query = threading.Event(), threading.Event(), threading.Event()
+    on_batch = job._on_batch
+
+    def held_batch(batch: Any, batch_id: int) -> None:
+        if armed.is_set():
+            in_batch.set()
+            stopping_query.wait(60)  # on to the lock only once stop() stops the query
+        on_batch(batch, batch_id)
+
+    job._on_batch = held_batch  # type: ignore[method-assign]
+    job.start()
+    stopper = threading.Thread(target=job.stop, daemon=True)
+    try:
+        wait_for_first_judgement(job)
+        query = job._query
+        assert query is not None
+        stop_query = query.stop
+
+        def stop() -> None:
+            stopping_query.set()
+            stop_query()
+
+        query.stop = stop  # type: ignore[method-assign]
+        armed.set()
+        rows = publish(pg_dsn, [outbox.Record(orders, "x", key="k")])  # a micro-batch with data
+        RelayStandIn(pg_dsn, transactional_producer, markers).deliver(rows, at=datetime.now(UTC))
+        assert in_batch.wait(60), "no micro-batch came"
+        stopper.start()
+        stopper.join(90)
+        assert not stopper.is_alive(), "stop() and the micro-batch wait for each other"
+        assert stopping_query.is_set()
+    finally:
+        if not stopper.is_alive():
+            job.stop()
