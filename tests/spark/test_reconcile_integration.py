@@ -771,8 +771,10 @@ def test_a_judgement_run_again_reuses_the_code_spark_generated_for_it(
         report = ReconcileJob(settings, spark).run_once()
         assert (report.copies, report.found_total) == (3, 0)
         compiled.append(_compilations(spark) - before)
-    # What is left is code with this judgement's own times in it (Spark writes them in).
-    assert compiled[1] < compiled[0] / 3, compiled
+    # What is left is code with this judgement's own times in it (Spark writes them in): ~20
+    # classes, where a cache that evicted them compiled all ~130 again. Not relative to the
+    # first run: in a session that ran other judgements before, their code is cached already.
+    assert compiled[1] <= 40, compiled
 
 
 def test_stop_while_a_micro_batch_waits_for_a_judgement_returns(
