@@ -104,6 +104,10 @@ EXIT_FINDINGS = 3  # with --fail-on-findings
 # and code that the JVM had to warm up again). 1000 holds many judgements' worth. A static
 # setting: it takes effect only in a session this job creates (spark-submit: pass --conf).
 CODEGEN_CACHE_ENTRIES = ("spark.sql.codegen.cache.maxEntries", "1000")
+# The ledger window is read by this many JDBC connections at most (one per core of the job, no
+# more than this): one task took most of a judgement's ledger step, the cores idle. Each runs the
+# window's query for its share of ids, so more would only load the application's database.
+LEDGER_READ_PARTITIONS = 4
 PRUNE_EVERY_S = 600  # the retention is days: deleting more often than this finds nothing new
 
 
@@ -744,14 +748,14 @@ class ReconcileJob:
             ended_from=window.store_low,
             ended_until=window.as_of + self.settings.horizon,
         )
+        parts = min(self.spark.sparkContext.defaultParallelism, LEDGER_READ_PARTITIONS)
         window_rows = (
-            self.spark.read.format("jdbc")
-            .option("url", url)
-            .option("query", query)
-            .option("fetchsize", "10000")
-            .options(**props)
-            .load()
-            .select([F.col(f.name).cast(f.dataType) for f in transform.LEDGER_SCHEMA.fields])
+            self.spark.read.jdbc(
+                url,
+                f"({query}) AS ledger_window",
+                predicates=[f"id % {parts} = {n}" for n in range(parts)],
+                properties={**props, "fetchsize": "10000"},
+            ).select([F.col(f.name).cast(f.dataType) for f in transform.LEDGER_SCHEMA.fields])
         ).persist()
         cached.append(window_rows)
         others = (
