@@ -235,8 +235,8 @@ def drain(dsn: str, bootstrap: str, count: int, shards: int = 1) -> Drain:
     topic = create_topic(bootstrap)
     fill_outbox(dsn, topic, count)
     env = relay_env(dsn, bootstrap, shards=shards)
-    with psycopg.connect(dsn, autocommit=True) as conn:  # one connection: a backend each poll
-        # would cost Postgres CPU of its own
+    # Polled on one connection: a backend for each poll would cost Postgres CPU of its own.
+    with psycopg.connect(dsn, autocommit=True) as conn:
         first = conn.execute(
             "SELECT id FROM outbox.outbox_record ORDER BY id OFFSET %s LIMIT 1", (BATCH - 1,)
         ).fetchone()

@@ -34,7 +34,6 @@ built-in functions and need none of our Python code):
         --jars "$OUTBOX_SPARK_JARS" \\
         --py-files dist/outbox_spark.zip \\
         --conf spark.sql.shuffle.partitions=8 \\
-        --conf spark.sql.codegen.cache.maxEntries=1000 \\
         spark/job.py \\
         --dsn "postgresql://reconciler@db:5432/app" --schema outbox \\
         --bootstrap kafka:9092 --topic-pattern 'orders\\..*' \\
@@ -99,10 +98,11 @@ STORE_SCHEMA = StructType([*transform.OBSERVATION_SCHEMA.fields, StructField("ba
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 EXIT_FINDINGS = 3  # with --fail-on-findings
 # Spark compiles the code it generates once per distinct class and keeps the last 100 (its
-# default). One judgement and its micro-batch generate ~130, so each evicted the next one's
-# before it came round again: every judgement compiled all of them anew (~1 s of driver time,
-# and code that the JVM had to warm up again). 1000 holds many judgements' worth. A static
-# setting: it takes effect only in a session this job creates (spark-submit: pass --conf).
+# default). One judgement and its micro-batch generate ~130, which evicted one another before
+# each came round again: every judgement compiled all of them anew (~1 s of driver time, and
+# code that the JVM had to warm up again). 1000 holds many judgements' worth. A static
+# setting: it counts only in a session this job creates (spark-submit's included); a session
+# made before the job (a notebook's) needs it set where it is made.
 CODEGEN_CACHE_ENTRIES = ("spark.sql.codegen.cache.maxEntries", "1000")
 # The ledger window is read by this many JDBC connections at most (one per core of the job, no
 # more than this): one task took most of a judgement's ledger step, the cores idle. Each runs the
