@@ -45,7 +45,12 @@ from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bench import _cpu
-from bench._services import delete_topics, scratch_database, service_env
+from bench._services import (
+    delete_topics,
+    scratch_database,
+    service_env,
+    sweep_leftover_topics,
+)
 from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, marker_entry, marker_messages
 
 if TYPE_CHECKING:
@@ -276,6 +281,7 @@ def main() -> None:
 
     env = service_env()
     bootstrap = env["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
+    sweep_leftover_topics(bootstrap)
     jars = tuple(j for j in env["OUTBOX_SPARK_JARS"].split(",") if j)
     tag = uuid.uuid4().hex[:8]
     topic, markers = f"bench.reconcile.{tag}", f"bench.reconcile.markers.{tag}"

@@ -39,7 +39,13 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bench import _cpu
-from bench._services import ROOT, delete_topics, scratch_database, service_env
+from bench._services import (
+    ROOT,
+    delete_topics,
+    scratch_database,
+    service_env,
+    sweep_leftover_topics,
+)
 from outbox import Outbox, OutboxConfig, Record, State, _core
 from relay.markers import decode_markers
 
@@ -432,6 +438,7 @@ def main() -> None:
         parser.error(f"--records, --small and --large must exceed the batch size, {BATCH}: a "
                      "drain's rate is timed after its first batch")  # fmt: skip
     bootstrap = service_env()["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
+    sweep_leftover_topics(bootstrap)
     atexit.register(delete_made_topics, bootstrap)  # on an exception too
 
     # This machine's broker is noisy (B1 has varied 2x between runs): each figure is the median
