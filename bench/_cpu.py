@@ -1,8 +1,9 @@
 """CPU time by part of the local stack, from /proc: what a benchmark's records cost the machine.
 
 A rate on this 2-core machine mixes our code with the broker and Postgres beside it, and swings
-by tens of percent within an hour. CPU per record, by part, says where the cost is and holds
-still when the rate does not (Linux only; elsewhere the parts come out empty).
+by tens of percent within an hour. CPU per record, by part, says where the cost is, and how much
+of the machine is left idle (it varies too, though less: a host's slow spell makes the same work
+take more CPU). Linux only; elsewhere the parts come out empty.
 """
 
 from __future__ import annotations
