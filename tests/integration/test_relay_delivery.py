@@ -928,7 +928,9 @@ def test_a_drain_holds_back_every_round_while_a_committed_row_is_above_the_horiz
 
 
 def test_a_schema_with_capitals_is_migrated_once_and_wakes_its_relay(
-    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str]
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    relay_settings: Callable[..., SidecarSettings],
 ) -> None:
     """The migrations quote the schema's name, so LISTEN and the version look-up must too:
     unquoted, Postgres folds the name to lower case (a relay never woken, a version never seen)."""
@@ -936,13 +938,7 @@ def test_a_schema_with_capitals_is_migrated_once_and_wakes_its_relay(
     assert outbox.migrate(pg_dsn, schema=schema).applied
     assert outbox.migrate(pg_dsn, schema=schema).applied == ()  # its version is seen
     topic = topic_factory()
-    settings = SidecarSettings(
-        database={"dsn": pg_dsn, "schema_name": schema},
-        kafka={"bootstrap_servers": kafka_bootstrap},
-        relay={"poll_interval": "PT20S", "op_marker_topic": f"markers.{topic}",
-               "dead_letter_topic": f"dlt.{topic}", "transactional_id_prefix": topic},
-    )  # fmt: skip
-    relay = Relay(settings)
+    relay = Relay(relay_settings(schema_name=schema, poll_interval="PT20S"))
     try:
         relay.run_once()
 
