@@ -40,7 +40,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from outbox import sql as queries
-from relay import _failpoints, metrics
+from relay import _failpoints, metrics, pgarray
 from relay.background import BackgroundConnection
 from relay.config import RelaySettings
 from relay.kafka import PERMANENT_RECORD_ERRORS, Sent, ShardProducer, Topics
@@ -413,7 +413,7 @@ class ShardWorker:
                 **self.key_range,
                 "hold_back": hold_back,
                 "limit": s.batch_size,
-                "ending": skip_xids,
+                "ending": pgarray.words(skip_xids),
                 "inline": unstamped is not None,
                 "stamped_below": unstamped.since if unstamped else "0",
                 "lo_all": unstamped.lo if unstamped else [],
@@ -434,7 +434,7 @@ class ShardWorker:
                     "hi": unstamped.hi,
                     "stamped_below": unstamped.since,
                     "limit": unstamped.limit,
-                    "ending": skip_xids,
+                    "ending": pgarray.words(skip_xids),
                 },
                 prepare=False,
             )
@@ -488,10 +488,10 @@ class ShardWorker:
         rows = conn.execute(
             self._q("relay_earliest_of_keys"),
             {
-                "keys": sorted(keys),
+                "keys": pgarray.integers(sorted(keys)),
                 "until_ts": until[0],
                 "until_xid": until[1],
-                "skip": [*by_tx, *skip_xids],
+                "skip": pgarray.words([*by_tx, *skip_xids]),
             },
             prepare=False,
         ).fetchall()
@@ -504,7 +504,11 @@ class ShardWorker:
     def _unmarked(self, conn: psycopg.Connection[Any], skip_ids: list[int]) -> psycopg.Cursor[Any]:
         return conn.execute(
             self._q("relay_unmarked"),
-            {**self.key_range, "limit": self.settings.batch_size, "ending": skip_ids},
+            {
+                **self.key_range,
+                "limit": self.settings.batch_size,
+                "ending": pgarray.integers(skip_ids),
+            },
             binary=True,
             prepare=False,
         )
@@ -1011,7 +1015,10 @@ class ShardWorker:
             cursors.append(
                 conn.execute(
                     self._q("relay_delete_rows"),
-                    {"ids": [m.id for m in deleted], "states": [_shipped_as(m) for m in deleted]},
+                    {
+                        "ids": pgarray.integers([m.id for m in deleted]),
+                        "states": pgarray.words([_shipped_as(m) for m in deleted]),
+                    },
                 )
             )
         if kept:
@@ -1019,10 +1026,10 @@ class ShardWorker:
                 conn.execute(
                     self._q("relay_end_rows"),
                     {
-                        "ids": [m.id for m in kept],
-                        "states": [_shipped_as(m) for m in kept],
-                        "partitions": [m.partition for m in kept],
-                        "offsets": [m.offset for m in kept],
+                        "ids": pgarray.integers([m.id for m in kept]),
+                        "states": pgarray.words([_shipped_as(m) for m in kept]),
+                        "partitions": pgarray.integers([m.partition for m in kept]),
+                        "offsets": pgarray.integers([m.offset for m in kept]),
                     },
                 )
             )
