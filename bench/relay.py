@@ -13,6 +13,7 @@ transactions span both (a measure, no goal). Final line: JSON.
 
     .venv/bin/python -m bench.relay [--records 20000] [--small 10000] [--large 1000000]
                                     [--latency-seconds 15] [--latency-rate R] [--repeat 3]
+                                    [--batch-size N]
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ from bench._services import (
     sweep_leftover_topics,
 )
 from outbox import Outbox, OutboxConfig, Record, State, _core
+from relay.config import RelaySettings
 from relay.markers import decode_markers
 
 VALUE = os.urandom(512).hex().encode()  # 1 KiB
-BATCH = 1000  # the relay's default batch_size
+BATCH: int = RelaySettings.model_fields["batch_size"].default  # --batch-size, by default
 PER_TX = 10  # records per outbox transaction in the backlogs and the latency load
 # Topics this run made or had the relay make: deleted at the end (left behind, thousands of
 # partitions gathered on a developer's broker and slowed its restarts).
@@ -96,7 +98,7 @@ class Timed:
     cpu: dict[str, float]  # µs of CPU per record by part (bench/_cpu.py)
 
 
-def b1_kafka(bootstrap: str, count: int) -> Timed:
+def b1_kafka(bootstrap: str, count: int, batch: int = BATCH) -> Timed:
     topic = create_topic(bootstrap)
     producer = Producer(
         {
@@ -108,16 +110,16 @@ def b1_kafka(bootstrap: str, count: int) -> Timed:
     producer.init_transactions(30)
     before = _cpu.sample()
     started = time.perf_counter()
-    for start in range(0, count, BATCH):
+    for start in range(0, count, batch):
         producer.begin_transaction()
-        for i in range(start, min(count, start + BATCH)):
+        for i in range(start, min(count, start + batch)):
             producer.produce(topic, value=VALUE, key=str(i % 100).encode())
         producer.commit_transaction(60)
     rate = count / (time.perf_counter() - started)
     return Timed(rate, _cpu.per_record(before, _cpu.sample(), count))
 
 
-def b2_postgres(dsn: str, count: int) -> Timed:
+def b2_postgres(dsn: str, count: int, batch: int = BATCH) -> Timed:
     with psycopg.connect(dsn) as conn:
         conn.execute("CREATE TABLE b2 (id bigserial PRIMARY KEY, key text, value bytea)")
         conn.execute(
@@ -133,7 +135,7 @@ def b2_postgres(dsn: str, count: int) -> Timed:
                 rows = conn.execute(
                     "DELETE FROM b2 WHERE id IN (SELECT id FROM b2 ORDER BY id LIMIT %s "
                     "FOR UPDATE SKIP LOCKED) RETURNING id, key, value",
-                    (BATCH,),
+                    (batch,),
                 ).fetchall()
             done += len(rows)
         rate = count / (time.perf_counter() - started)
@@ -145,7 +147,7 @@ def delete_made_topics(bootstrap: str) -> None:
     made_topics.clear()
 
 
-def relay_env(dsn: str, bootstrap: str, **relay: Any) -> dict[str, str]:
+def relay_env(dsn: str, bootstrap: str, batch: int = BATCH, **relay: Any) -> dict[str, str]:
     tag = uuid.uuid4().hex[:8]
     made_topics.extend((f"bench.markers.{tag}", f"bench.dlt.{tag}"))
     return {
@@ -157,7 +159,7 @@ def relay_env(dsn: str, bootstrap: str, **relay: Any) -> dict[str, str]:
                 "op_marker_topic": f"bench.markers.{tag}",
                 "dead_letter_topic": f"bench.dlt.{tag}",
                 "transactional_id_prefix": f"bench-relay-{tag}",
-                "batch_size": BATCH,
+                "batch_size": batch,
                 **relay,
             }
         ),
@@ -227,7 +229,7 @@ class Drain:
     cpu: dict[str, float]  # µs per record by part, after the first batch (bench/_cpu.py)
 
 
-def drain(dsn: str, bootstrap: str, count: int, shards: int = 1) -> Drain:
+def drain(dsn: str, bootstrap: str, count: int, shards: int = 1, batch: int = BATCH) -> Drain:
     """Fill a backlog, start a relay process, time the drain.
 
     The relay runs with its defaults (ended rows are deleted) and owns every shard. Its op
@@ -240,11 +242,11 @@ def drain(dsn: str, bootstrap: str, count: int, shards: int = 1) -> Drain:
     """
     topic = create_topic(bootstrap)
     fill_outbox(dsn, topic, count)
-    env = relay_env(dsn, bootstrap, shards=shards)
+    env = relay_env(dsn, bootstrap, batch, shards=shards)
     # Polled on one connection: a backend for each poll would cost Postgres CPU of its own.
     with psycopg.connect(dsn, autocommit=True) as conn:
         first = conn.execute(
-            "SELECT id FROM outbox.outbox_record ORDER BY id OFFSET %s LIMIT 1", (BATCH - 1,)
+            "SELECT id FROM outbox.outbox_record ORDER BY id OFFSET %s LIMIT 1", (batch - 1,)
         ).fetchone()
         started = time.time()
         proc = subprocess.Popen([sys.executable, "-m", "relay.cli", "relay"], env=env, cwd=ROOT)
@@ -271,7 +273,7 @@ def drain(dsn: str, bootstrap: str, count: int, shards: int = 1) -> Drain:
     times = sorted(
         marker_times(bootstrap, json.loads(env["OUTBOX_RELAY"])["op_marker_topic"], count)
     )
-    first_batch = min(BATCH, count) - 1
+    first_batch = min(batch, count) - 1
     span = (times[-1] - times[first_batch]) / 1000
     return Drain(
         rate=(count - first_batch - 1) / span if span > 0 else float("nan"),
@@ -361,7 +363,14 @@ class Latency:
     achieved_per_s: float  # what was really written: below `rate` if the writer fell behind
 
 
-def latency(dsn: str, bootstrap: str, rate: float, seconds: float, per_tx: int = PER_TX) -> Latency:
+def latency(
+    dsn: str,
+    bootstrap: str,
+    rate: float,
+    seconds: float,
+    per_tx: int = PER_TX,
+    batch: int = BATCH,
+) -> Latency:
     """Commit-to-visible, for transactions of `per_tx` records written at `rate` records/s.
 
     From the commit time Postgres recorded to the poll of a read_committed consumer (a process
@@ -373,7 +382,7 @@ def latency(dsn: str, bootstrap: str, rate: float, seconds: float, per_tx: int =
     statements = _transactions(topic, rate, seconds, per_tx)
     proc = subprocess.Popen(
         [sys.executable, "-m", "relay.cli", "relay"],
-        env=relay_env(dsn, bootstrap),
+        env=relay_env(dsn, bootstrap, batch),
         cwd=ROOT,
     )
     spawn = multiprocessing.get_context("spawn")
@@ -433,9 +442,16 @@ def main() -> None:
         "--latency-rate", type=float, help="records/s of the latency load (default: relay rate / 2)"
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs of B1, B2 and the relay")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=BATCH,
+        help="the relay's batch_size, and B1's transaction and B2's claim (default: the relay's)",
+    )
     args = parser.parse_args()
-    if min(args.records, args.small, args.large) <= BATCH:
-        parser.error(f"--records, --small and --large must exceed the batch size, {BATCH}: a "
+    batch = args.batch_size
+    if min(args.records, args.small, args.large) <= batch:
+        parser.error(f"--records, --small and --large must exceed the batch size, {batch}: a "
                      "drain's rate is timed after its first batch")  # fmt: skip
     bootstrap = service_env()["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
     sweep_leftover_topics(bootstrap)
@@ -447,11 +463,11 @@ def main() -> None:
     b2s: list[Timed] = []
     runs: list[Drain] = []
     for _ in range(args.repeat):
-        b1s.append(b1_kafka(bootstrap, args.records))
+        b1s.append(b1_kafka(bootstrap, args.records, batch))
         with scratch_database() as dsn:
-            b2s.append(b2_postgres(dsn, args.records))
+            b2s.append(b2_postgres(dsn, args.records, batch))
         with scratch_database() as dsn:
-            runs.append(drain(dsn, bootstrap, args.records))
+            runs.append(drain(dsn, bootstrap, args.records, batch=batch))
         print(
             f"B1 {b1s[-1].rate:8.0f}/s   B2 {b2s[-1].rate:8.0f}/s   relay {runs[-1].rate:8.0f}/s "
             f"({args.records} backlog, peak RSS {runs[-1].peak_rss_mb:.0f} MB)\n"
@@ -464,7 +480,7 @@ def main() -> None:
     rss_small = max(r.peak_rss_mb for r in runs)
     lat_rate = args.latency_rate or small / 2
     with scratch_database() as dsn:
-        lat = latency(dsn, bootstrap, lat_rate, args.latency_seconds)
+        lat = latency(dsn, bootstrap, lat_rate, args.latency_seconds, batch=batch)
     print(
         f"latency at {lat_rate:.0f}/s (written: {lat.achieved_per_s:.0f}/s, {PER_TX} a "
         f"transaction): p50 {lat.p50_ms:.1f} ms, p99 {lat.p99_ms:.1f} ms ({lat.records} records)",
@@ -473,15 +489,15 @@ def main() -> None:
     # Two shards: the backlog's transactions (10 keys of 100) each span both, and their home
     # shards alternate; a shard that waited for the other's whole backlog sent ~20 records/s.
     with scratch_database() as dsn:
-        two_shards = drain(dsn, bootstrap, args.records, shards=2).rate
+        two_shards = drain(dsn, bootstrap, args.records, shards=2, batch=batch).rate
     print(f"relay, 2 shards, transactions across both: {two_shards:.0f}/s", flush=True)
     backlog_small = []
     for _ in range(args.repeat):
         with scratch_database() as dsn:
-            backlog_small.append(drain(dsn, bootstrap, args.small))
+            backlog_small.append(drain(dsn, bootstrap, args.small, batch=batch))
     small_backlog = statistics.median(d.rate for d in backlog_small)
     with scratch_database() as dsn:
-        large_run = drain(dsn, bootstrap, args.large)
+        large_run = drain(dsn, bootstrap, args.large, batch=batch)
     large, rss_large = large_run.rate, large_run.peak_rss_mb
     print(
         f"relay, backlog {args.small}: {small_backlog:.0f}/s, backlog {args.large}: {large:.0f}/s "
@@ -496,6 +512,7 @@ def main() -> None:
                 "benchmark": "relay",
                 "records": args.records,
                 "repeat": args.repeat,
+                "batch_size": batch,
                 "b1_kafka_per_s": round(b1),
                 "b2_postgres_per_s": round(b2),
                 "relay_per_s": round(small),
