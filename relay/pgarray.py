@@ -22,7 +22,7 @@ def integers(values: Sequence[int | None]) -> str:
 
 
 def _decimal(value: int) -> str:
-    if type(value) is not int:  # an int subclass too: True would go out as 1, an enum as its name
+    if type(value) is not int:  # exactly: a bool or an IntEnum is refused, not sent as 1
         raise TypeError(f"not an integer for a Postgres array: {value!r}")
     return int.__repr__(value)
 
