@@ -450,6 +450,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     batch = args.batch_size
+    if batch < 1:
+        parser.error(f"--batch-size must be at least 1, not {batch}")
     if min(args.records, args.small, args.large) <= batch:
         parser.error(f"--records, --small and --large must exceed the batch size, {batch}: a "
                      "drain's rate is timed after its first batch")  # fmt: skip
