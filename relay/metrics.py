@@ -36,5 +36,9 @@ HORIZON_HOLDER_PID = Gauge(
     "outbox_relay_horizon_holder_pid", "Backend pid of that transaction; 0 when none."
 )
 SHARDS_OWNED = Gauge("outbox_relay_shards_owned", "Shards this relay holds a lease on.")
+STAMP_LOCK_WAITS = Counter(
+    "outbox_relay_stamp_lock_waits",
+    "Stamps made again after waiting too long for a row lock (another relay's end).",
+)
 ERRORS = Counter("outbox_relay_errors", "Errors by kind.", ["kind"])
 RECOVERIES = Counter("outbox_relay_recoveries", "Recoveries from the op-marker topic.")

@@ -22,12 +22,14 @@ def pipelined_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
         raise psycopg.ProgrammingError(
             "pipelined_transaction needs an idle connection, not in autocommit"
         )
-    with conn.pipeline():
-        try:
+    try:
+        with conn.pipeline():
             yield
-        except BaseException:
-            if not conn.broken:
-                with contextlib.suppress(psycopg.Error):  # the caller's error says more
-                    conn.rollback()
-            raise
-        conn.execute("COMMIT")  # sent with the pipeline's last Sync: conn.commit() syncs too
+            conn.execute("COMMIT")  # sent with the pipeline's last Sync: conn.commit() syncs too
+    except BaseException:
+        # Out of the pipeline: a statement's error is raised as it exits (its Sync), and a
+        # rollback inside it is refused, which left the connection in a failed transaction.
+        if not conn.broken:
+            with contextlib.suppress(psycopg.Error):  # the caller's error says more
+                conn.rollback()
+        raise

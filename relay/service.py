@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 _MAX_BACKOFF_S = 10.0
 STAMP_SLICE = 50_000  # rows per stamping transaction: ~1.5 s here, well inside a lease
 FULL_STAMP_EVERY_S = 60.0  # a stamp of every unstamped row, not only above the last horizon
+# A stamp gives up waiting for a row lock after this (relay_stamp_plan), well before Postgres's
+# deadlock_timeout (1 s by default) would end it or the other relay's end, and is made again:
+# an end holds its rows for milliseconds.
+STAMP_LOCK_TIMEOUT = {"lock_timeout": "200ms"}
+STAMP_LOCK_ATTEMPTS = 25  # ~5 s of waiting for locks, with the leases renewed in between
 LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
 # A round that held transactions back for another relay's shard looks again this soon (that
 # relay's rounds take tens of ms), not after the poll interval.
@@ -355,10 +360,12 @@ class Relay:
         lowest transaction id its claims left unstamped below the horizon.
         """
 
-        def stamp(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None, str]:
+        def stamp_once(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None, str]:
             bounded = {**params, "stamped_below": self._stamped_below}
             with pipelined_transaction(self.conn):  # 2 round trips
-                plan = self.conn.execute(queries.query("relay_stamp_plan", self.schema))
+                plan = self.conn.execute(
+                    queries.query("relay_stamp_plan", self.schema), STAMP_LOCK_TIMEOUT
+                )
                 # Unprepared: custom plans, which can estimate the key ranges.
                 stamped = self.conn.execute(
                     queries.query("relay_stamp_commit_ts", self.schema),
@@ -373,6 +380,19 @@ class Relay:
             horizon = plan.fetchone()[-1]  # type: ignore[index]
             return stamped.rowcount, held, horizon  # the pipeline synced: all results are in
 
+        def stamp(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None, str]:
+            """A slice, made again while it gives up waiting for a row lock (relay_stamp_plan):
+            the end that held the lock is done by then."""
+            for attempt in range(1, STAMP_LOCK_ATTEMPTS + 1):
+                try:
+                    return stamp_once(with_hold_back)
+                except psycopg.errors.LockNotAvailable:
+                    if attempt == STAMP_LOCK_ATTEMPTS:
+                        raise
+                    metrics.STAMP_LOCK_WAITS.inc()
+                    self._keep_alive()
+            raise AssertionError("unreachable")
+
         if time.monotonic() >= self._next_full_stamp:
             self._stamp_all_again()
             self._next_full_stamp = time.monotonic() + FULL_STAMP_EVERY_S
@@ -384,7 +404,9 @@ class Relay:
             count, held, horizon = stamp(with_hold_back=False)
         if held is None:
             with self.conn.transaction():
-                self.conn.execute(queries.query("relay_stamp_plan", self.schema))
+                self.conn.execute(
+                    queries.query("relay_stamp_plan", self.schema), STAMP_LOCK_TIMEOUT
+                )
                 held = self.conn.execute(
                     queries.query("relay_hold_back", self.schema),
                     {**params, "stamped_below": self._stamped_below},

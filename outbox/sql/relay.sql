@@ -8,8 +8,13 @@
 -- the whole table every round (JIT-compiled, too) instead of the small unstamped index.
 -- Also the xid horizon before the stamp: once a stamp is complete, every committed row of the
 -- shards below it is stamped (relay/service.py, Relay._stamp).
+-- lock_timeout: the stamp locks rows in index order, and another relay's end of a transaction
+-- that spans shards locks some of the same rows in its batch's order. Waiting for each other,
+-- Postgres would end one after deadlock_timeout (a second, and maybe the end, which then
+-- recovers from the op markers); a stamp that gives up sooner is made again (Relay._stamp).
 SELECT set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true),
        set_config('max_parallel_workers_per_gather', '0', true),
+       set_config('lock_timeout', %(lock_timeout)s, true),
        pg_snapshot_xmin(pg_current_snapshot())::text;
 
 -- name: relay_stamp_commit_ts

@@ -718,6 +718,141 @@ def test_a_stamp_waits_for_the_end_of_rows_claimed_unstamped(
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"a", b"b", b"c"]
 
 
+def _waiting_for_a_lock(probe: psycopg.Connection[Any], pid: int) -> bool:
+    (waiting,) = probe.execute(
+        "SELECT count(*) FROM pg_locks WHERE pid = %s AND NOT granted", (pid,)
+    ).fetchone()  # type: ignore[misc]
+    return bool(waiting)
+
+
+def test_a_stamp_gives_way_to_another_relays_end_that_locks_its_rows_in_another_order(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Another relay ends a transaction that spans shards, rows of this relay's shard among
+    them, while this relay stamps: the stamp locks rows by transaction id, the end in its own
+    order. Here the stamp holds X and wants Y, the end holds Y and wants X. Postgres would end
+    one of them after deadlock_timeout (the end: it waited longer); the stamp gives up first
+    and is made again, so the end goes through and the stamp after it."""
+    topic = topic_factory()
+    r = relay_factory(heartbeat_interval="PT60S")
+    assert r.run_once().delivered == 0  # set up, its first stamp done
+    ids = []
+    with psycopg.connect(pg_dsn) as conn:
+        for value in ("x", "y"):  # two transactions: X's transaction id is the lower
+            with conn.transaction():
+                ids.append(outbox.publish(conn, topic, value, key=value))
+    x, y = ids
+    waits_before = REGISTRY.get_sample_value("outbox_relay_stamp_lock_waits_total") or 0.0
+    failed: list[BaseException] = []
+
+    def catching(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                failed.append(exc)
+
+        return run
+
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as probe,
+        psycopg.connect(pg_dsn) as holder,
+        psycopg.connect(pg_dsn) as ender,
+    ):
+
+        def other_relays_end() -> None:  # its statement, rows in the other order
+            with ender.transaction():
+                # The plan of a table with a backlog, not of these two rows: each row of the
+                # batch looked up by its key in turn, and locked in the batch's order.
+                ender.execute("SET LOCAL enable_seqscan = off")
+                ender.execute("SET LOCAL enable_hashjoin = off")
+                ender.execute("SET LOCAL enable_mergejoin = off")
+                ender.execute(
+                    outbox.sql.query("relay_delete_rows", "outbox"),
+                    {"ids": [y, x], "states": ["committed", "committed"]},
+                )
+
+        holder.execute("SELECT 1 FROM outbox.outbox_record WHERE id = %s FOR UPDATE", (x,))
+        r._next_full_stamp = 0.0  # a stamp is due
+        stamping = threading.Thread(target=catching(r.run_once))
+        ending = threading.Thread(target=catching(other_relays_end))
+        try:
+            stamping.start()
+            wait_for(lambda: _waiting_for_a_lock(probe, r.conn.info.backend_pid))  # for X
+            ending.start()
+            wait_for(lambda: _waiting_for_a_lock(probe, ender.info.backend_pid))  # for X
+            with pytest.raises(psycopg.errors.LockNotAvailable):  # and it has Y
+                probe.execute(
+                    "SELECT 1 FROM outbox.outbox_record WHERE id = %s FOR UPDATE NOWAIT", (y,)
+                )
+        finally:
+            holder.rollback()  # the stamp takes X, and wants Y
+        ending.join(15)
+        stamping.join(15)
+    assert not ending.is_alive()
+    assert not stamping.is_alive()
+    assert failed == []
+    assert REGISTRY.get_sample_value("outbox_relay_stamp_lock_waits_total") > waits_before  # type: ignore[operator]
+    with psycopg.connect(pg_dsn) as conn:
+        left = conn.execute("SELECT count(*) FROM outbox.outbox_record").fetchone()[0]  # type: ignore[index]
+    assert left == 0
+
+
+def test_an_end_that_postgres_ends_to_break_a_deadlock_is_made_again(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Another session (as another relay's stamp would) holds Y and then wants X while this
+    relay's end holds X and wants Y: Postgres ends the end, which waited longer. It is made
+    again at once, instead of the shard recovering from its op markers."""
+    topic = topic_factory()
+    r = relay_factory(heartbeat_interval="PT60S")
+    assert r.run_once(pipelined=True).delivered == 0
+    ids = []
+    with psycopg.connect(pg_dsn) as conn:
+        for value in ("x", "y"):
+            with conn.transaction():
+                ids.append(outbox.publish(conn, topic, value, key=value))
+    x, y = ids
+    deadlocks = REGISTRY.get_sample_value("outbox_relay_errors_total", {"kind": "end_deadlock"})
+    failed: list[BaseException] = []
+    with psycopg.connect(pg_dsn, autocommit=True) as probe, psycopg.connect(pg_dsn) as other:
+        other.execute("SELECT 1 FROM outbox.outbox_record WHERE id = %s FOR UPDATE", (y,))
+        try:
+            assert r.run_once(pipelined=True).delivered == 2  # their end waits for Y
+
+            def end_waits() -> bool:
+                (waiting,) = probe.execute(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE wait_event_type = 'Lock' AND query LIKE '%%DELETE FROM%%'"
+                ).fetchone()  # type: ignore[misc]
+                return bool(waiting)
+
+            wait_for(end_waits)
+
+            def take_x() -> None:
+                try:
+                    other.execute(
+                        "SELECT 1 FROM outbox.outbox_record WHERE id = %s FOR UPDATE", (x,)
+                    )
+                except BaseException as exc:
+                    failed.append(exc)
+
+            taking = threading.Thread(target=take_x)
+            taking.start()
+            taking.join(15)
+        finally:
+            other.rollback()
+    assert failed == []  # the other session got X: Postgres ended the end
+    worker = next(iter(r.workers.values()))
+    worker.settle()  # raises if the end failed
+    assert not worker.needs_recovery
+    after = REGISTRY.get_sample_value("outbox_relay_errors_total", {"kind": "end_deadlock"})
+    assert (after or 0.0) == (deadlocks or 0.0) + 1
+    with psycopg.connect(pg_dsn) as conn:
+        left = conn.execute("SELECT count(*) FROM outbox.outbox_record").fetchone()[0]  # type: ignore[index]
+    assert left == 0
+
+
 def test_only_the_claim_is_planned_generically(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:

@@ -62,6 +62,25 @@ def test_an_error_rolls_back_and_leaves_the_connection_usable(
     conn.rollback()
 
 
+def test_an_error_found_only_as_it_commits_rolls_back_too(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """Nothing fetched in the transaction: the error comes with the pipeline's last Sync."""
+
+    def divide_by_zero_unfetched() -> None:
+        with pipelined_transaction(conn):
+            conn.execute("INSERT INTO t VALUES (1)")
+            conn.execute("SELECT 1 / 0")
+
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        divide_by_zero_unfetched()
+    assert conn.info.transaction_status == TransactionStatus.IDLE
+    with pipelined_transaction(conn):  # the connection goes on
+        conn.execute("INSERT INTO t VALUES (2)")
+    assert count(conn) == 1
+    conn.rollback()
+
+
 def test_an_exception_of_the_caller_rolls_back(conn: psycopg.Connection[Any]) -> None:
     def fail() -> None:
         with pipelined_transaction(conn):
