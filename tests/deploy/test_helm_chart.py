@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import promql_parser
 import pytest
 import yaml
+from prometheus_client.metrics import MetricWrapperBase
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "outbox-sidecar"
@@ -39,9 +41,10 @@ def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {d["kind"]: d for d in docs}
 
 
-def test_lint(helm: str) -> None:
+@pytest.mark.parametrize("extra", [(), ("--set", "prometheusRule.enabled=true")])
+def test_lint(helm: str, extra: tuple[str, ...]) -> None:
     lint = subprocess.run(
-        [helm, "lint", "--strict", str(CHART), "--set", "existingSecret=s"],
+        [helm, "lint", "--strict", str(CHART), "--set", "existingSecret=s", *extra],
         text=True,
         capture_output=True,
     )
@@ -146,6 +149,89 @@ def test_sidecar_mode_renders_no_deployment_and_an_app_chart_includes_the_contai
     assert "readinessProbe" not in sidecar
     secrets = [v for v in pod["volumes"] if "secret" in v]
     assert secrets == [{"name": "outbox-secrets", "secret": {"secretName": "app-outbox"}}]
+
+
+def _exported_series() -> dict[str, set[str]]:
+    """Each series the sidecar exports (relay and checker), with its label names."""
+    import checker._metrics
+    import relay.metrics
+
+    series: dict[str, set[str]] = {}
+    for module in (relay.metrics, checker._metrics):
+        for metric in vars(module).values():
+            if not isinstance(metric, MetricWrapperBase):
+                continue
+            labels = set(metric._labelnames)
+            if metric._type == "counter":
+                series[f"{metric._name}_total"] = labels
+            elif metric._type == "histogram":
+                series[f"{metric._name}_bucket"] = labels | {"le"}
+                series[f"{metric._name}_sum"] = series[f"{metric._name}_count"] = labels
+            else:
+                series[metric._name] = labels
+    return series
+
+
+def _walk(node: Any, selectors: list[Any], grouped: set[str]) -> None:
+    """The vector selectors of a PromQL expression, and the labels it aggregates by."""
+    if isinstance(node, promql_parser.VectorSelector):
+        selectors.append(node)
+    elif isinstance(node, promql_parser.MatrixSelector):
+        _walk(node.vector_selector, selectors, grouped)
+    elif isinstance(node, promql_parser.AggregateExpr):
+        grouped.update(node.modifier.labels if node.modifier else ())
+        _walk(node.expr, selectors, grouped)
+    elif isinstance(node, promql_parser.BinaryExpr):
+        _walk(node.lhs, selectors, grouped)
+        _walk(node.rhs, selectors, grouped)
+    elif isinstance(node, promql_parser.Call):
+        for arg in node.args:
+            _walk(arg, selectors, grouped)
+    elif isinstance(node, promql_parser.ParenExpr | promql_parser.UnaryExpr):
+        _walk(node.expr, selectors, grouped)
+
+
+def test_alert_rules_are_off_by_default(helm: str) -> None:
+    kinds = {d["kind"] for d in render(helm, "existingSecret=s")}
+    assert "PrometheusRule" not in kinds
+
+
+@pytest.mark.parametrize("mode", ["standalone", "sidecar"])
+def test_alert_rules_use_only_series_and_labels_the_sidecar_exports(helm: str, mode: str) -> None:
+    """Each rule's expression parses as PromQL; every selector names a series the relay or the
+    checker exports and carries the configured matchers; it aggregates only by their labels.
+    A metric renamed in the code fails here, not silently in someone's Prometheus."""
+    docs = by_kind(
+        render(
+            helm,
+            "existingSecret=s",
+            f"mode={mode}",
+            "prometheusRule.enabled=true",
+            'prometheusRule.matchers=namespace="orders"',
+            "prometheusRule.labels.release=prom",
+            "prometheusRule.deliveryLagSeconds=120",
+        )
+    )
+    rule = docs["PrometheusRule"]
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    rules = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert "OutboxDeliveryLagging" in rules
+    assert rules["OutboxDeliveryLagging"]["expr"].endswith("> 120")
+    exported = _exported_series()
+    for name, r in rules.items():
+        selectors: list[Any] = []
+        grouped: set[str] = set()
+        _walk(promql_parser.parse(r["expr"]), selectors, grouped)
+        assert selectors, name
+        for selector in selectors:
+            assert selector.name in exported, f"{name}: {selector.name} is not exported"
+            matchers = {(m.name, m.value) for m in selector.matchers.matchers}
+            assert ("namespace", "orders") in matchers, name
+            assert grouped <= exported[selector.name], (
+                f"{name}: by {grouped - exported[selector.name]}"
+            )
+        assert r["labels"]["severity"] == "warning"
+        assert r["annotations"]["summary"]
 
 
 @pytest.mark.parametrize(
