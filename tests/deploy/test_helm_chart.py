@@ -219,19 +219,68 @@ def test_alert_rules_use_only_series_and_labels_the_sidecar_exports(helm: str, m
     assert rules["OutboxDeliveryLagging"]["expr"].endswith("> 120")
     exported = _exported_series()
     for name, r in rules.items():
-        selectors: list[Any] = []
-        grouped: set[str] = set()
-        _walk(promql_parser.parse(r["expr"]), selectors, grouped)
-        assert selectors, name
-        for selector in selectors:
-            assert selector.name in exported, f"{name}: {selector.name} is not exported"
-            matchers = {(m.name, m.value) for m in selector.matchers.matchers}
-            assert ("namespace", "orders") in matchers, name
-            assert grouped <= exported[selector.name], (
-                f"{name}: by {grouped - exported[selector.name]}"
-            )
+        _assert_exported(name, r["expr"], exported, ("namespace", "orders"))
         assert r["labels"]["severity"] == "warning"
         assert r["annotations"]["summary"]
+
+
+def _assert_exported(
+    name: str,
+    expr: str,
+    exported: dict[str, set[str]],
+    matcher: tuple[str, str],
+    target_labels: frozenset[str] = frozenset(),
+) -> None:
+    """`expr` parses, and each of its selectors names an exported series, carries `matcher`,
+    and is aggregated only by that series' labels (or labels Prometheus adds to targets)."""
+    selectors: list[Any] = []
+    grouped: set[str] = set()
+    _walk(promql_parser.parse(expr), selectors, grouped)
+    assert selectors, name
+    for selector in selectors:
+        assert selector.name in exported, f"{name}: {selector.name} is not exported"
+        assert matcher in {(m.name, m.value) for m in selector.matchers.matchers}, name
+        unknown = grouped - exported[selector.name] - target_labels
+        assert not unknown, f"{name}: by {unknown}"
+
+
+def test_the_dashboard_queries_only_series_and_labels_the_sidecar_exports(helm: str) -> None:
+    """The Grafana dashboard's ConfigMap carries the label Grafana's sidecar looks for; every
+    panel's query is held to the exported series as the alerting rules are, filtered by the
+    dashboard's namespace variable."""
+    docs = render(
+        helm,
+        "existingSecret=s",
+        "grafanaDashboard.enabled=true",
+        "grafanaDashboard.annotations.grafana_folder=Outbox",
+    )
+    (configmap,) = [d for d in docs if d["metadata"]["name"].endswith("-dashboard")]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["metadata"]["annotations"] == {"grafana_folder": "Outbox"}
+    dashboard = json.loads(configmap["data"]["outbox-sidecar.json"])
+    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "namespace"}
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    exported = _exported_series()
+    queried = []
+    for panel in (p for p in dashboard["panels"] if p["type"] != "row"):
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$__rate_interval", "5m")  # Grafana's own variable
+            _assert_exported(
+                panel["title"],
+                expr,
+                exported,
+                ("namespace", "$namespace"),
+                frozenset({"pod", "namespace", "instance", "job"}),
+            )
+            queried.append(expr)
+    assert any("outbox_relay_oldest_undelivered_seconds" in q for q in queried)
+    assert any("outbox_checker_checks_total" in q for q in queried)
+
+
+def test_the_dashboard_is_off_by_default(helm: str) -> None:
+    names = [d["metadata"]["name"] for d in render(helm, "existingSecret=s")]
+    assert not any(name.endswith("-dashboard") for name in names)
 
 
 @pytest.mark.parametrize(
