@@ -92,8 +92,9 @@ ORDER BY state;
 -- when all its records are prepared and coalesce(next_check_at, first created_at + check
 -- immunity) <= now. Index-ordered scans find candidates: checked before, by next_check_at
 -- (outbox_record_prepared_due_idx); never checked, by age: those with the default immunity are
--- a range of outbox_record_never_checked_idx, those with their own are read in order until
--- `limit` are due (outbox_record_own_immunity_idx: a per-record option); then every
+-- a range of outbox_record_never_checked_idx; those with their own (a per-record option), a
+-- range of outbox_record_own_immunity_due_idx by when their immunity ends, and one of
+-- outbox_record_own_immunity_idx by age for those past the maximum prepared age; then every
 -- prepared record of a candidate is locked with SKIP LOCKED and re-read in its newest version (a
 -- record another checker claimed meanwhile carries its lease, so it is not due any more).
 -- The caller uses a transaction only if `locked` = `prepared` (no record held elsewhere); if
@@ -116,11 +117,17 @@ WITH candidate AS (
          ORDER BY created_at, id
          LIMIT %(limit)s)
         UNION ALL
-        (SELECT producer_group, tx_id,
-                created_at + least(check_immunity, %(max_age)s) AS due_at
+        (SELECT producer_group, tx_id, {schema}.immune_until(created_at, check_immunity) AS due_at
          FROM {schema}.outbox_record
          WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
-           AND created_at + least(check_immunity, %(max_age)s) <= %(now)s
+           AND {schema}.immune_until(created_at, check_immunity) <= %(now)s
+         ORDER BY {schema}.immune_until(created_at, check_immunity), id
+         LIMIT %(limit)s)
+        UNION ALL
+        (SELECT producer_group, tx_id, created_at + %(max_age)s AS due_at
+         FROM {schema}.outbox_record
+         WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
+           AND created_at <= %(now)s - %(max_age)s
          ORDER BY created_at, id
          LIMIT %(limit)s)
     ) AS c
@@ -149,14 +156,17 @@ GROUP BY l.producer_group, l.tx_id, n.prepared, n.records
 -- A record without its own immunity has the default, here as in the candidate scan: with
 -- min() ignoring it, a transaction mixing the two was a candidate every round, never due. No
 -- immunity outlasts the maximum prepared age: the checker discards such a record then.
+-- An immunity counts in seconds (immune_until), as in the candidate scan.
 HAVING coalesce(max(l.next_check_at),
-                min(l.created_at) + least(min(coalesce(l.check_immunity, %(default_immunity)s)),
-                                          %(max_age)s))
+                least({schema}.immune_until(min(l.created_at),
+                                            min(coalesce(l.check_immunity, %(default_immunity)s))),
+                      min(l.created_at) + %(max_age)s))
        <= %(now)s
 ORDER BY coalesce(max(l.next_check_at),
-                  min(l.created_at) + least(min(coalesce(l.check_immunity,
-                                                         %(default_immunity)s)),
-                                            %(max_age)s)),
+                  least({schema}.immune_until(min(l.created_at),
+                                              min(coalesce(l.check_immunity,
+                                                           %(default_immunity)s))),
+                        min(l.created_at) + %(max_age)s)),
          l.producer_group, l.tx_id;
 
 -- name: checker_claim

@@ -90,6 +90,15 @@ CREATE INDEX outbox_record_never_checked_idx
 CREATE INDEX outbox_record_own_immunity_idx
     ON {schema}.outbox_record (created_at, id)
     WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL;
+-- ...and those by when they are due (seconds added: timestamptz + interval depends on the time
+-- zone, and cannot be indexed), so that the due scan reads only the due ones.
+CREATE FUNCTION {schema}.immune_until(created_at timestamptz, immunity interval)
+RETURNS timestamptz
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+AS $$ SELECT created_at + make_interval(secs => extract(epoch FROM immunity)::float8) $$;
+CREATE INDEX outbox_record_own_immunity_due_idx
+    ON {schema}.outbox_record ({schema}.immune_until(created_at, check_immunity), id)
+    WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL;
 -- commit()/rollback() and duplicate detection find a transaction's rows.
 CREATE INDEX outbox_record_tx_idx
     ON {schema}.outbox_record (producer_group, tx_id);

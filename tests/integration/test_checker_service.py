@@ -379,6 +379,36 @@ def test_check_immunity_default_and_per_record(
     assert endpoint.resolver.count(own_tx) == 1
 
 
+def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", ()):
+        yield from _plan_nodes(child)
+
+
+def test_the_due_scan_reads_no_record_still_inside_its_own_immunity(pg_dsn: str) -> None:
+    """Records with an immunity of their own are found by when it ends: the scan reads the due
+    one, not the many still immune (read by age, every round read all of them)."""
+    for _ in range(200):
+        prepare(pg_dsn, check_immunity=3600)
+    due_tx, created = prepare(pg_dsn, check_immunity=1)
+    params = {
+        "now": created + 2 * S,
+        "limit": 100,
+        "default_immunity": 6 * S,
+        "max_age": timedelta(hours=72),
+    }
+    query = outbox.sql.query("checker_lock_due", "outbox")
+    with psycopg.connect(pg_dsn) as conn, conn.transaction(force_rollback=True):
+        conn.execute("SET LOCAL enable_seqscan = off")  # the plan of a table of many rows
+        assert [r[1] for r in conn.execute(query, params).fetchall()] == [due_tx]
+        explain = b"EXPLAIN (ANALYZE, FORMAT JSON) " + query
+        (explained,) = conn.execute(explain, params).fetchone()  # type: ignore[misc]
+    nodes = list(_plan_nodes(explained[0]["Plan"]))
+    assert sum(n.get("Rows Removed by Filter", 0) for n in nodes) == 0
+    (own,) = [n for n in nodes if n.get("Index Name") == "outbox_record_own_immunity_due_idx"]
+    assert own["Actual Rows"] == 1
+
+
 def test_a_transaction_mixing_default_and_own_immunity_is_due_at_the_earlier(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
