@@ -6,14 +6,15 @@
     checker.run_once()                    # one round; or start() / stop() for a thread
 
 The checker only changes the database (commit, roll back, discard, reschedule); the relay ships
-whatever the changes hand it. Manual tools: ``rearm`` and ``resolve`` (also ``outboxctl rearm`` /
-``outboxctl resolve``). Errors derive from ``outbox.OutboxError`` (tree in ``checker._errors``).
+whatever the changes hand it. Manual tools: ``rearm``, ``resolve`` and ``redrive`` (also
+``outboxctl rearm``, ``outboxctl resolve``, ``outboxctl redrive``). Errors derive from
+``outbox.OutboxError`` (tree in ``checker._errors``).
 """
 
 from checker._breaker import CircuitBreaker, CircuitState
 from checker._client import CheckAnswer, CheckClient, HttpCheckClient, Outcome
 from checker._errors import CheckerError, TransactionBusyError
-from checker._manual import ManualResult, rearm, resolve
+from checker._manual import ManualResult, rearm, redrive, resolve
 from checker.config import CheckerSettings, EndpointSettings
 from checker.service import Checker, CheckRoundResult
 
@@ -32,5 +33,6 @@ __all__ = [
     "Outcome",
     "TransactionBusyError",
     "rearm",
+    "redrive",
     "resolve",
 ]

@@ -1,4 +1,4 @@
-"""Manual decisions on one transaction, by an operator, audited: re-arm and resolve.
+"""Manual decisions on one transaction, by an operator, audited: re-arm, resolve and redrive.
 
 - ``rearm`` (RocketMQ's resumeCheckHalfMessage): a discarded transaction whose records have not
   been handed out yet (the relay has not written their op markers: ``ended_at IS NULL``) goes back
@@ -7,6 +7,10 @@
 - ``resolve``: commit or roll back a prepared transaction, or a discarded one not handed out yet,
   by hand. The end itself is the library's compare-and-set (``end_transaction``), so a commit
   NOTIFYs the relay like any other.
+- ``redrive``: parked records (the broker refused them for good: too large, unknown topic, not
+  authorised; kept with their reason) go back to committed once their cause is fixed, as if
+  committed now, and the relay ships them again. They go after whatever of their keys went
+  out meanwhile: a parked record's key lost its order when it was parked.
 
 Each runs in one database transaction (a savepoint if the caller has one open) that first locks
 every record of the transaction with NOWAIT: if a checker is claiming them right now, the call
@@ -32,7 +36,7 @@ from psycopg.types.json import Jsonb
 
 from checker._errors import TransactionBusyError
 from outbox import sql as queries
-from outbox._core import OutboxConfig, State
+from outbox._core import OutboxConfig, State, wakeup_channel
 from outbox._errors import IllegalTransitionError, UnknownTransactionError
 from outbox._records import check_producer_group, check_tx_id
 from outbox._session import database_errors
@@ -54,7 +58,7 @@ _ALREADY = {
 class ManualResult:
     producer_group: str
     tx_id: str
-    action: str  # "rearm" or "resolve"
+    action: str  # "rearm", "resolve" or "redrive"
     from_state: str
     to_state: str
     record_ids: tuple[int, ...]
@@ -306,4 +310,78 @@ def resolve(
     )
     return ManualResult(
         group, tx_id, "resolve", from_state, to_state.value, transition.ids, True, audit_id
+    )
+
+
+def redrive(
+    conn: Conn,
+    producer_group: str,
+    tx_id: str,
+    *,
+    actor: str,
+    reason: str,
+    record_ids: Sequence[int] = (),
+    schema: str = "outbox",
+) -> ManualResult:
+    """parked -> committed, as if committed now: the relay ships the records again (and parks
+    them again if the broker still refuses them). ``record_ids``: only those of the
+    transaction's parked records (default: all of them).
+
+    Raises UnknownTransactionError, IllegalTransitionError (no parked record, or a record id
+    that is not one of the transaction's parked records), TransactionBusyError; in each case
+    nothing changed.
+    """
+    group, tx_id = check_producer_group(producer_group), check_tx_id(tx_id)
+    actor = _require_text("actor", actor)
+    reason = _require_text("reason", reason)
+    wanted = sorted({int(i) for i in record_ids})
+    schema = OutboxConfig(schema_name=schema).schema_name
+    with database_errors(), conn.transaction():
+        rows = _lock(conn, schema, group, tx_id)
+        parked = {r.id for r in rows if r.state == State.PARKED}
+        strangers = [i for i in wanted if i not in parked]
+        if not parked or strangers:
+            current = _describe(rows)
+            what = (
+                f"record(s) {strangers} are not among its parked ones ({sorted(parked)})"
+                if parked
+                else f"none of its records is parked (they are {', '.join(current)})"
+            )
+            raise IllegalTransitionError(
+                f"cannot redrive tx id {tx_id!r} of producer group {group!r}: {what}",
+                producer_group=group,
+                tx_id=tx_id,
+                current_states=current,
+            )
+        redriven = conn.execute(
+            queries.query("checker_redrive", schema),
+            {"producer_group": group, "tx_id": tx_id, "ids": wanted},
+        ).fetchall()
+        ids = tuple(sorted(int(r[0]) for r in redriven))
+        conn.execute(
+            queries.query("checker_wake_relay", schema), {"channel": wakeup_channel(schema)}
+        )
+        audit_id = _audit(
+            conn,
+            schema,
+            actor=actor,
+            action="redrive",
+            group=group,
+            tx_id=tx_id,
+            detail={
+                "reason": reason,
+                "record_ids": list(ids),
+                "parked_for": {str(r[0]): r[1] for r in redriven},
+            },
+        )
+    logger.info(
+        "redrove %d parked record(s) of tx %s of producer group %s by %s: %s",
+        len(ids),
+        tx_id,
+        group,
+        actor,
+        reason,
+    )
+    return ManualResult(
+        group, tx_id, "redrive", State.PARKED.value, State.COMMITTED.value, ids, True, audit_id
     )

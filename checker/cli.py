@@ -4,11 +4,14 @@
     outboxctl rearm   --producer-group G --tx-id T [--checks N] [--actor NAME] [--reason TEXT]
     outboxctl resolve --producer-group G --tx-id T (--commit | --rollback)
                       --actor NAME --reason TEXT
+    outboxctl redrive --producer-group G --tx-id T [--id N ...] --actor NAME --reason TEXT
 
 `rearm` puts a discarded transaction that the relay has not shipped yet back to prepared, with
 its check count set to N (default 0: a full `max_checks` again), due at once, its maximum
 prepared age counted from the re-arm. `resolve` commits or rolls back by hand a prepared
-transaction (or a discarded one not shipped yet). Both are audited in `audit_log`. The
+transaction (or a discarded one not shipped yet). `redrive` puts parked records (refused by
+the broker for good) back to committed once their cause is fixed, and the relay ships them
+again. All three are audited in `audit_log`. The
 database comes from `--dsn` or OUTBOX_DATABASE_URL (for `checker`: from the settings, `--dsn`
 overriding them).
 """
@@ -28,7 +31,7 @@ from typing import Any
 
 import psycopg
 
-from checker._manual import ManualResult, rearm, resolve
+from checker._manual import ManualResult, rearm, redrive, resolve
 from outbox.checkback import TransactionStatus
 
 logger = logging.getLogger(__name__)
@@ -80,6 +83,27 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--actor", required=True, help="who decides, for the audit log")
     p.add_argument("--reason", required=True, help="why, for the audit log")
     p.set_defaults(func=_cmd_resolve)
+    _add_redrive(sub, common, tx)
+
+
+def _add_redrive(sub: Any, common: argparse.ArgumentParser, tx: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "redrive",
+        parents=[common, tx],
+        help="parked records (refused by the broker for good), their cause fixed: shipped again",
+    )
+    p.add_argument(
+        "--id",
+        dest="ids",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="only this parked record of the transaction (repeat for more; default: all of them)",
+    )
+    p.add_argument("--actor", required=True, help="who does this, for the audit log")
+    p.add_argument("--reason", required=True, help="what was fixed, for the audit log")
+    p.set_defaults(func=_cmd_redrive)
 
 
 def _non_negative(text: str) -> int:
@@ -157,6 +181,21 @@ def _cmd_resolve(args: argparse.Namespace) -> int:
             args.decision,
             actor=args.actor,
             reason=args.reason,
+            schema=args.schema,
+        ),
+    )
+
+
+def _cmd_redrive(args: argparse.Namespace) -> int:
+    return _manual(
+        args,
+        lambda conn: redrive(
+            conn,
+            args.producer_group,
+            args.tx_id,
+            actor=args.actor,
+            reason=args.reason,
+            record_ids=args.ids,
             schema=args.schema,
         ),
     )

@@ -269,6 +269,22 @@ WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
   AND state = 'discarded' AND ended_at IS NULL
 RETURNING id;
 
+-- name: checker_redrive
+-- Parked records (the broker refused them for good; kept with their reason) back to committed,
+-- as if committed by this transaction: its xid, so that the relay takes them once it commits,
+-- after what committed before; unstamped, not ended, no Kafka position. The relay then ships
+-- them as any committed record, or parks them again if the broker still refuses them. `ids`
+-- empty: every parked record of the transaction. Only under the locks of
+-- checker_lock_transaction. Returns each record's id and the reason it was parked for.
+UPDATE {schema}.outbox_record AS r
+SET state = 'committed', reason = NULL, committed_xid = pg_current_xact_id(), commit_ts = NULL,
+    ended_at = NULL, kafka_partition = NULL, kafka_offset = NULL, state_changed_at = now()
+FROM {schema}.outbox_record AS was
+WHERE was.id = r.id
+  AND r.producer_group = %(producer_group)s AND r.tx_id = %(tx_id)s AND r.state = 'parked'
+  AND (cardinality(%(ids)s::bigint[]) = 0 OR r.id = ANY(%(ids)s::bigint[]))
+RETURNING r.id, was.reason;
+
 -- name: checker_audit
 INSERT INTO {schema}.audit_log (actor, action, producer_group, tx_id, detail)
 VALUES (%(actor)s, %(action)s, %(producer_group)s, %(tx_id)s, %(detail)s)

@@ -1,4 +1,5 @@
-"""`outboxctl rearm | resolve | checker` against the real Postgres (and a real check endpoint)."""
+"""`outboxctl rearm | resolve | redrive | checker` against the real Postgres (and a real
+check endpoint)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,65 @@ def test_rearm_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> No
     err = capsys.readouterr().err
     assert "cannot re-arm" in err
     assert "prepared" in err
+
+
+def parked(dsn: str) -> tuple[str, str, int, int]:
+    """A transaction of two records as the relay leaves them parked (reason, marker out)."""
+    with psycopg.connect(dsn) as conn:
+        with conn.transaction():
+            written = outbox.publish_many(
+                conn, [outbox.Record("billing.charged", n, key="k") for n in (1, 2)]
+            )
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'parked', ended_at = now(),"
+            " reason = 'refused by the broker: Broker: Topic authorization failed'"
+            " WHERE tx_id = %s",
+            (written.tx_id,),
+        )
+        conn.commit()
+    first, second = written.ids
+    return written.producer_group, written.tx_id, first, second
+
+
+def test_redrive_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    group, tx_id, first, second = parked(pg_dsn)
+    argv = ["redrive", "--dsn", pg_dsn, "--producer-group", group, "--tx-id", tx_id]
+    who = ["--actor", "erin", "--reason", "ACL granted"]
+    assert main([*argv, "--id", str(second + 1), *who]) == 1  # not one of its records
+    assert f"record(s) [{second + 1}] are not among its parked ones" in capsys.readouterr().err
+    assert state(pg_dsn, tx_id) == "parked"  # nothing changed
+
+    xids = "SELECT committed_xid::text::bigint FROM outbox.outbox_record WHERE id = %s"
+    with psycopg.connect(pg_dsn) as conn:
+        (xid_before,) = conn.execute(xids, (first,)).fetchone()  # type: ignore[misc]
+    assert main([*argv, "--id", str(first), *who, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["action"], printed["record_ids"], printed["to_state"]) == (
+        "redrive",
+        [first],
+        "committed",
+    )
+    with psycopg.connect(pg_dsn) as conn:
+        got = conn.execute(
+            "SELECT id, state, reason, ended_at IS NULL, committed_xid IS NOT NULL"
+            " FROM outbox.outbox_record WHERE tx_id = %s ORDER BY id",
+            (tx_id,),
+        ).fetchall()
+        (xid_after,) = conn.execute(xids, (first,)).fetchone()  # type: ignore[misc]
+    assert got[0] == (first, "committed", None, True, True)
+    assert xid_after > xid_before  # as if committed now: after what the relay has seen
+    assert got[1][:2] == (second, "parked")
+    actor, action, detail = last_audit(pg_dsn, tx_id)
+    assert (actor, action, detail["record_ids"]) == ("erin", "redrive", [first])
+    assert "authorization" in str(detail["parked_for"])
+
+    assert main([*argv, *who]) == 0  # the rest of the transaction's parked records
+    assert "1 record(s) parked -> committed" in capsys.readouterr().out
+    assert main([*argv, *who]) == 1  # nothing parked is left
+    assert "none of its records is parked (they are committed)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an audited action says who and why
+        main(["redrive", "--dsn", pg_dsn, "--producer-group", group, "--tx-id", tx_id])
+    assert "--actor" in capsys.readouterr().err
 
 
 def test_resolve_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,9 +10,11 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka import Message, Producer
+from confluent_kafka.admin import AdminClient, NewPartitions
 from prometheus_client import REGISTRY
 
 import outbox
+from checker import redrive
 from outbox import Record
 from relay.config import SidecarSettings
 from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
@@ -266,6 +268,47 @@ def test_poison_records_are_parked_and_the_rest_goes_on(
     assert all(r[3] for r in rows(pg_dsn))  # parked rows stay, ended (shipped to the DLT)
     third = relay.run_once()
     assert (third.delivered, third.ended, third.parked) == (0, 0, 0)
+
+
+def test_a_parked_record_redriven_once_its_cause_is_fixed_goes_out_once(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    kafka_admin: AdminClient,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+) -> None:
+    topic = topic_factory(partitions=2)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        row_id = outbox.publish(conn, topic, "to partition 7", partition=7, tx_id="redrive-me")
+    first = relay_factory()
+    assert first.run_once().parked == 1
+    assert first.run_once().ended == 1  # its dead-letter copy and op marker
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        (group,) = conn.execute(
+            "SELECT producer_group FROM outbox.outbox_record WHERE id = %s", (row_id,)
+        ).fetchone()  # type: ignore[misc]
+        for future in kafka_admin.create_partitions([NewPartitions(topic, 8)]).values():
+            future.result(30)  # the cause, fixed
+        done = redrive(conn, group, "redrive-me", actor="erin", reason="partitions added")
+        assert (done.record_ids, done.from_state, done.to_state) == (
+            (row_id,),
+            "parked",
+            "committed",
+        )
+        (actor, action, detail) = conn.execute(
+            "SELECT actor, action, detail FROM outbox.audit_log WHERE id = %s", (done.audit_id,)
+        ).fetchone()  # type: ignore[misc]
+    assert (actor, action, detail["reason"]) == ("erin", "redrive", "partitions added")
+    assert "partition 7 out of range" in detail["parked_for"][str(row_id)]
+    first.stop()  # a relay that starts after the fix: no partition count cached from before
+    second = relay_factory()
+    assert second.run_once().delivered == 1
+    (copy,) = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert (copy.value(), copy.partition()) == (b"to partition 7", 7)
+    ops = [m.op.value for m in markers(kafka_bootstrap, second) if m.id == row_id]
+    assert ops == ["parked", "delivered"]  # the op-marker topic holds both, in order
+    assert rows(pg_dsn) == []
+    assert second.run_once().delivered == 0
 
 
 def drain(relay: Relay) -> int:
