@@ -24,6 +24,7 @@ from outbox import sql as outbox_sql
 from outbox.migrations import check_applied, current_version, latest_version
 from relay import sidecar
 from relay.config import SidecarSettings, load_settings
+from relay.records import list_records
 from relay.status import outbox_status
 from spark.findings import read_findings
 
@@ -129,6 +130,36 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_records(args: argparse.Namespace) -> int:
+    try:
+        with psycopg.connect(_dsn(args)) as conn:
+            found = list_records(
+                conn,
+                args.schema,
+                state=args.state,
+                producer_group=args.producer_group,
+                tx_id=args.tx_id,
+                topic=args.topic,
+                limit=args.limit,
+            )
+    except ValueError as exc:  # bad input: nothing was asked
+        print(f"outboxctl records: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([r.as_dict() for r in found], default=str))
+        return 0
+    for r in found:
+        reason = f"  {r.reason}" if r.reason else ""
+        print(
+            f"{r.id:>10}  {r.state:11} {r.producer_group}/{r.tx_id}  {r.topic}  "
+            f"key {r.key_text()}  {r.value_bytes or 0} B  {r.created_at:%Y-%m-%d %H:%M:%S}"
+            f"{reason}"
+        )
+    if not found:
+        print("no records")
+    return 0
+
+
 def _cmd_reconcile(args: argparse.Namespace) -> int:
     try:  # PySpark is an optional extra (not in the sidecar's image): import late
         from spark.job import main as reconcile_main
@@ -200,6 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_config)
     p = sub.add_parser("status", parents=[common], help="records by state, relays and leases")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser(
+        "records",
+        parents=[common],
+        help="list records (no values) by state, producer group, tx id or topic",
+    )
+    p.add_argument("--state", help="e.g. parked, committed, prepared, discarded")
+    p.add_argument("--producer-group")
+    p.add_argument("--tx-id")
+    p.add_argument("--topic")
+    p.add_argument("--limit", type=int, default=100, help="at most this many, oldest first")
+    p.set_defaults(func=_cmd_records)
 
     p = sub.add_parser(
         "reconcile",

@@ -289,3 +289,17 @@ RETURNING r.id, was.reason;
 INSERT INTO {schema}.audit_log (actor, action, producer_group, tx_id, detail)
 VALUES (%(actor)s, %(action)s, %(producer_group)s, %(tx_id)s, %(detail)s)
 RETURNING id, at;
+
+-- name: cli_records
+-- `outboxctl records`: records matching the filters given (null: any), oldest first, without
+-- their values (they may hold personal data): the size only.
+SELECT id, producer_group, tx_id, state, topic, key, partition, octet_length(value) AS value_bytes,
+       created_at, state_changed_at, check_count, next_check_at, ended_at, kafka_partition,
+       kafka_offset, reason
+FROM {schema}.outbox_record
+WHERE (%(state)s::text IS NULL OR state = %(state)s::text)
+  AND (%(producer_group)s::text IS NULL OR producer_group = %(producer_group)s::text)
+  AND (%(tx_id)s::text IS NULL OR tx_id = %(tx_id)s::text)
+  AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+ORDER BY id
+LIMIT %(limit)s;

@@ -143,6 +143,44 @@ def test_redrive_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> 
     assert "--actor" in capsys.readouterr().err
 
 
+def test_records_lists_what_is_asked_without_values(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    group, tx_id, first, second = parked(pg_dsn)
+    prepared_tx = prepare(pg_dsn)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        binary = outbox.publish(conn, "billing.charged", b"\x00secret", key=b"\xff\x01")
+
+    def records(*argv: str) -> list[dict[str, object]]:
+        assert main(["records", "--dsn", pg_dsn, "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+    found = records("--state", "parked", "--producer-group", group, "--tx-id", tx_id)
+    assert [r["id"] for r in found] == [first, second]
+    assert all(r["reason"] and "value" not in r for r in found)
+    assert [r["value_bytes"] for r in found] == [1, 1]  # the JSON values 1 and 2
+    assert [r["tx_id"] for r in records("--state", "prepared", "--producer-group", GROUP)] == [
+        prepared_tx
+    ]
+    assert len(records("--tx-id", tx_id, "--limit", "1")) == 1
+
+    assert main(["records", "--dsn", pg_dsn, "--tx-id", tx_id]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 2
+    assert all("parked" in line and "Topic authorization failed" in line for line in table)
+    assert (
+        main(["records", "--dsn", pg_dsn, "--topic", "billing.charged", "--state", "committed"])
+        == 0
+    )
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[0] == str(binary))
+    assert "key base64:/wE=" in line
+    assert "secret" not in line
+    assert main(["records", "--dsn", pg_dsn, "--producer-group", "nobody"]) == 0
+    assert capsys.readouterr().out == "no records\n"
+    assert main(["records", "--dsn", pg_dsn, "--state", "lost"]) == 2
+    assert "state must be one of prepared, committed" in capsys.readouterr().err
+
+
 def test_resolve_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     tx_id = prepare(pg_dsn)
     argv = ["resolve", "--dsn", pg_dsn, "--producer-group", GROUP, "--tx-id", tx_id]

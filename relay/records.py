@@ -1,0 +1,75 @@
+"""What `outboxctl records` lists: outbox records by state, producer group, tx id or topic."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from outbox import sql as queries
+from outbox._core import State
+
+
+@dataclass(frozen=True)
+class RecordRow:
+    id: int
+    producer_group: str
+    tx_id: str
+    state: str
+    topic: str
+    key: bytes | None
+    partition: int | None
+    value_bytes: int | None
+    created_at: datetime
+    state_changed_at: datetime
+    check_count: int
+    next_check_at: datetime | None
+    ended_at: datetime | None
+    kafka_partition: int | None
+    kafka_offset: int | None
+    reason: str | None
+
+    def key_text(self) -> str:
+        """The key as text when it is UTF-8, else base64 (marked so)."""
+        if self.key is None:
+            return "-"
+        try:
+            return self.key.decode("utf-8")
+        except UnicodeDecodeError:
+            return "base64:" + base64.b64encode(self.key).decode("ascii")
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["key"] = None if self.key is None else base64.b64encode(self.key).decode("ascii")
+        return out
+
+
+def list_records(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    *,
+    state: str | None = None,
+    producer_group: str | None = None,
+    tx_id: str | None = None,
+    topic: str | None = None,
+    limit: int = 100,
+) -> list[RecordRow]:
+    """Records matching every filter given, oldest first, at most `limit`."""
+    if state is not None and state not in {s.value for s in State}:
+        raise ValueError(f"state must be one of {', '.join(s.value for s in State)}, not {state!r}")
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
+    rows = conn.execute(
+        queries.query("cli_records", schema),
+        {
+            "state": state,
+            "producer_group": producer_group,
+            "tx_id": tx_id,
+            "topic": topic,
+            "limit": limit,
+        },
+    ).fetchall()
+    return [RecordRow(*r) for r in rows]
