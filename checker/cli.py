@@ -11,9 +11,8 @@ its check count set to N (default 0: a full `max_checks` again), due at once, it
 prepared age counted from the re-arm. `resolve` commits or rolls back by hand a prepared
 transaction (or a discarded one not shipped yet). `redrive` puts parked records (refused by
 the broker for good) back to committed once their cause is fixed, and the relay ships them
-again. All three are audited in `audit_log`. The
-database comes from `--dsn` or OUTBOX_DATABASE_URL (for `checker`: from the settings, `--dsn`
-overriding them).
+again. All three are audited in `audit_log`. The database comes from `--dsn` or
+OUTBOX_DATABASE_URL (for `checker`: from the settings, `--dsn` overriding them).
 """
 
 from __future__ import annotations
