@@ -14,7 +14,7 @@ whatever the changes hand it. Manual tools: ``rearm``, ``resolve`` and ``redrive
 from checker._breaker import CircuitBreaker, CircuitState
 from checker._client import CheckAnswer, CheckClient, HttpCheckClient, Outcome
 from checker._errors import CheckerError, TransactionBusyError
-from checker._manual import ManualResult, rearm, redrive, resolve
+from checker._manual import ManualResult, rearm, redrive, redrive_topic, resolve
 from checker.config import CheckerSettings, EndpointSettings
 from checker.service import Checker, CheckRoundResult
 
@@ -34,5 +34,6 @@ __all__ = [
     "TransactionBusyError",
     "rearm",
     "redrive",
+    "redrive_topic",
     "resolve",
 ]

@@ -9,8 +9,9 @@
   NOTIFYs the relay like any other.
 - ``redrive``: parked records (the broker refused them for good: too large, unknown topic, not
   authorised; kept with their reason) go back to committed once their cause is fixed, as if
-  committed now, and the relay ships them again. They go after whatever of their keys went
-  out meanwhile: a parked record's key lost its order when it was parked.
+  committed now, and the relay ships them again (``redrive_topic``: all of a topic's). They go
+  after whatever of their keys went out meanwhile: a parked record's key lost its order when
+  it was parked.
 
 Each runs in one database transaction (a savepoint if the caller has one open) that first locks
 every record of the transaction with NOWAIT: if a checker is claiming them right now, the call
@@ -385,3 +386,31 @@ def redrive(
     return ManualResult(
         group, tx_id, "redrive", State.PARKED.value, State.COMMITTED.value, ids, True, audit_id
     )
+
+
+def redrive_topic(
+    conn: Conn,
+    topic: str,
+    *,
+    actor: str,
+    reason: str,
+    schema: str = "outbox",
+    limit: int = 1000,
+) -> list[ManualResult]:
+    """``redrive`` of every record parked for ``topic`` (after the topic was created, say), one
+    transaction after another, each audited on its own; other records of those transactions
+    stay as they are. At most ``limit`` transactions: run it again for more. An error stops it
+    there; the transactions before it are redriven (run it again for the rest)."""
+    actor = _require_text("actor", actor)
+    reason = _require_text("reason", reason)
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
+    schema = OutboxConfig(schema_name=schema).schema_name
+    with database_errors():
+        parked = conn.execute(
+            queries.query("checker_parked_of_topic", schema), {"topic": topic, "limit": limit}
+        ).fetchall()
+    return [
+        redrive(conn, group, tx_id, actor=actor, reason=reason, record_ids=ids, schema=schema)
+        for group, tx_id, ids in parked
+    ]

@@ -4,14 +4,16 @@
     outboxctl rearm   --producer-group G --tx-id T [--checks N] [--actor NAME] [--reason TEXT]
     outboxctl resolve --producer-group G --tx-id T (--commit | --rollback)
                       --actor NAME --reason TEXT
-    outboxctl redrive --producer-group G --tx-id T [--id N ...] --actor NAME --reason TEXT
+    outboxctl redrive (--producer-group G --tx-id T [--id N ...] | --topic X)
+                      --actor NAME --reason TEXT
 
 `rearm` puts a discarded transaction that the relay has not shipped yet back to prepared, with
 its check count set to N (default 0: a full `max_checks` again), due at once, its maximum
 prepared age counted from the re-arm. `resolve` commits or rolls back by hand a prepared
 transaction (or a discarded one not shipped yet). `redrive` puts parked records (refused by
 the broker for good) back to committed once their cause is fixed, and the relay ships them
-again. All three are audited in `audit_log`. The database comes from `--dsn` or
+again (`--topic`: every record parked for that topic, transaction by transaction). All
+three are audited in `audit_log`. The database comes from `--dsn` or
 OUTBOX_DATABASE_URL (for `checker`: from the settings, `--dsn` overriding them).
 """
 
@@ -30,7 +32,7 @@ from typing import Any
 
 import psycopg
 
-from checker._manual import ManualResult, rearm, redrive, resolve
+from checker._manual import ManualResult, rearm, redrive, redrive_topic, resolve
 from outbox.checkback import TransactionStatus
 
 logger = logging.getLogger(__name__)
@@ -82,15 +84,18 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--actor", required=True, help="who decides, for the audit log")
     p.add_argument("--reason", required=True, help="why, for the audit log")
     p.set_defaults(func=_cmd_resolve)
-    _add_redrive(sub, common, tx)
+    _add_redrive(sub, common)
 
 
-def _add_redrive(sub: Any, common: argparse.ArgumentParser, tx: argparse.ArgumentParser) -> None:
+def _add_redrive(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "redrive",
-        parents=[common, tx],
+        parents=[common],
         help="parked records (refused by the broker for good), their cause fixed: shipped again",
     )
+    p.add_argument("--producer-group", help="the transaction's producer group")
+    p.add_argument("--tx-id", help="the transaction id")
+    p.add_argument("--topic", help="instead of a transaction: every record parked for this topic")
     p.add_argument(
         "--id",
         dest="ids",
@@ -186,18 +191,45 @@ def _cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def _cmd_redrive(args: argparse.Namespace) -> int:
-    return _manual(
-        args,
-        lambda conn: redrive(
-            conn,
-            args.producer_group,
-            args.tx_id,
-            actor=args.actor,
-            reason=args.reason,
-            record_ids=args.ids,
-            schema=args.schema,
-        ),
-    )
+    one_tx = args.producer_group is not None and args.tx_id is not None
+    if args.topic is None and not one_tx:
+        print("outboxctl redrive: give --producer-group and --tx-id, or --topic", file=sys.stderr)
+        return 2
+    if args.topic is not None and (args.producer_group or args.tx_id or args.ids):
+        print(
+            "outboxctl redrive: --topic goes alone, without --producer-group, --tx-id or --id",
+            file=sys.stderr,
+        )
+        return 2
+    if one_tx:
+        return _manual(
+            args,
+            lambda conn: redrive(
+                conn,
+                args.producer_group,
+                args.tx_id,
+                actor=args.actor,
+                reason=args.reason,
+                record_ids=args.ids,
+                schema=args.schema,
+            ),
+        )
+    try:
+        with psycopg.connect(_dsn(args), autocommit=True) as conn:
+            done = redrive_topic(
+                conn, args.topic, actor=args.actor, reason=args.reason, schema=args.schema
+            )
+    except ValueError as exc:  # bad input: nothing was sent
+        print(f"outboxctl {args.command}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([r.as_dict() for r in done]))
+        return 0
+    for result in done:
+        _print(args, result)
+    if not done:
+        print(f"no record is parked for topic {args.topic}")
+    return 0
 
 
 def _cmd_checker(args: argparse.Namespace) -> int:

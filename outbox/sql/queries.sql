@@ -285,6 +285,15 @@ WHERE was.id = r.id
   AND (cardinality(%(ids)s::bigint[]) = 0 OR r.id = ANY(%(ids)s::bigint[]))
 RETURNING r.id, was.reason;
 
+-- name: checker_parked_of_topic
+-- The transactions with records parked for one topic, and those records' ids (redrive --topic).
+SELECT producer_group, tx_id, array_agg(id ORDER BY id) AS ids
+FROM {schema}.outbox_record
+WHERE state = 'parked' AND topic = %(topic)s
+GROUP BY producer_group, tx_id
+ORDER BY min(id)
+LIMIT %(limit)s;
+
 -- name: checker_audit
 INSERT INTO {schema}.audit_log (actor, action, producer_group, tx_id, detail)
 VALUES (%(actor)s, %(action)s, %(producer_group)s, %(tx_id)s, %(detail)s)

@@ -84,12 +84,15 @@ def test_rearm_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> No
     assert "prepared" in err
 
 
-def parked(dsn: str) -> tuple[str, str, int, int]:
+def parked(
+    dsn: str, topic: str = "billing.charged", second_topic: str | None = None
+) -> tuple[str, str, int, int]:
     """A transaction of two records as the relay leaves them parked (reason, marker out)."""
+    topics = (topic, second_topic or topic)
     with psycopg.connect(dsn) as conn:
         with conn.transaction():
             written = outbox.publish_many(
-                conn, [outbox.Record("billing.charged", n, key="k") for n in (1, 2)]
+                conn, [outbox.Record(t, n, key="k") for n, t in enumerate(topics)]
             )
         conn.execute(
             "UPDATE outbox.outbox_record SET state = 'parked', ended_at = now(),"
@@ -141,6 +144,38 @@ def test_redrive_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):  # an audited action says who and why
         main(["redrive", "--dsn", pg_dsn, "--producer-group", group, "--tx-id", tx_id])
     assert "--actor" in capsys.readouterr().err
+
+
+def test_redrive_of_a_topic_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every record parked for one topic (once it exists, say), transaction by transaction."""
+    _, first_tx, *_ = parked(pg_dsn, "billing.missing")
+    _, second_tx, *_ = parked(pg_dsn, "billing.missing")
+    _, other_tx, *_ = parked(pg_dsn, "billing.other")
+    _, mixed_tx, mixed_missing, mixed_other = parked(pg_dsn, "billing.missing", "billing.other")
+    argv = ["redrive", "--dsn", pg_dsn, "--actor", "erin", "--reason", "topic created"]
+    assert main([*argv, "--topic", "billing.missing", "--json"]) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert [(d["tx_id"], len(d["record_ids"])) for d in done] == [
+        (first_tx, 2),
+        (second_tx, 2),
+        (mixed_tx, 1),
+    ]
+    assert done[2]["record_ids"] == [mixed_missing]  # its record of the other topic stays
+    with psycopg.connect(pg_dsn) as conn:
+        (still,) = conn.execute(
+            "SELECT state FROM outbox.outbox_record WHERE id = %s", (mixed_other,)
+        ).fetchone()  # type: ignore[misc]
+    assert still == "parked"
+    assert (state(pg_dsn, first_tx), state(pg_dsn, second_tx)) == ("committed", "committed")
+    assert state(pg_dsn, other_tx) == "parked"
+    assert last_audit(pg_dsn, second_tx)[:2] == ("erin", "redrive")  # one audit row a transaction
+    assert main([*argv, "--topic", "billing.missing"]) == 0
+    assert capsys.readouterr().out == "no record is parked for topic billing.missing\n"
+    assert main([*argv, "--topic", "billing.other", "--tx-id", other_tx]) == 2
+    assert "--topic goes alone" in capsys.readouterr().err
+    assert main(argv) == 2
+    assert "give --producer-group and --tx-id, or --topic" in capsys.readouterr().err
+    assert state(pg_dsn, other_tx) == "parked"
 
 
 def test_records_lists_what_is_asked_without_values(
