@@ -839,6 +839,33 @@ def test_a_stamp_gives_way_to_another_relays_end_that_locks_its_rows_in_another_
     assert rows(pg_dsn) == []  # ended by the other relay; stamped by none
 
 
+def test_a_stamp_kept_from_a_row_for_long_fails_its_round_and_the_next_one_goes_through(
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lock held long on a committed row (an operator's open transaction): the stamp tries a
+    few times, then its round fails with the lock named, instead of waiting unseen; once the
+    lock goes, the next round delivers."""
+    import relay.service
+
+    topic = topic_factory()
+    r = relay_factory(heartbeat_interval="PT60S")
+    assert r.run_once().delivered == 0
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        row_id = outbox.publish(conn, topic, "held", key="h")
+    monkeypatch.setattr(relay.service, "STAMP_LOCK_ATTEMPTS", 2)
+    waits = REGISTRY.get_sample_value("outbox_relay_stamp_lock_waits_total") or 0.0
+    with psycopg.connect(pg_dsn) as holder:
+        holder.execute("SELECT 1 FROM outbox.outbox_record WHERE id = %s FOR UPDATE", (row_id,))
+        r._next_full_stamp = 0.0  # a stamp is due
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            r.run_once()
+    assert REGISTRY.get_sample_value("outbox_relay_stamp_lock_waits_total") == waits + 1
+    assert r.run_once().delivered == 1  # the lock is gone, and the connection was usable
+
+
 def test_an_end_that_postgres_ends_to_break_a_deadlock_is_made_again(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
