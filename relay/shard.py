@@ -72,6 +72,9 @@ _SIZE_ERRORS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_
 # What librdkafka reports for the records it drops after another one failed the transaction.
 _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 END_DEADLOCK_ATTEMPTS = 3  # an end chosen by Postgres to break a deadlock is made again
+# The fewest rows of its own a claim reads after a round that held transactions back (see
+# ShardWorker._next_claim_limit)
+MIN_CLAIM_LIMIT = 100
 # The forms of a dead-letter copy, each smaller than the one before: what a refusal falls to.
 _FULL, _NO_VALUE, _BARE = 0, 1, 2
 
@@ -165,6 +168,7 @@ class _Batch:
     transactions: list[list[Row]] = field(default_factory=list)
     ended: list[Row] = field(default_factory=list)
     held_back: int = 0  # transactions claimed that wait for another shard (see _claim)
+    cut_short: bool = False  # claimed fewer than a batch's rows, and there were more
     unstamped_seen: UnstampedSeen | None = None
     # (commit time, xid8) of the last transaction taken before any held back: once this batch
     # is committed in Kafka, the shard's next claims start past it (ShardWorker._claimed_past)
@@ -271,6 +275,7 @@ class ShardWorker:
         # a row before it (rows that became visible after a later commit, or put back by hand),
         # and a round that stamps claims from the first row; so does a shard after recovery.
         self._claimed_past: tuple[datetime, str] | None = None
+        self._claim_limit = settings.batch_size  # rows of its own the next claim reads
         if lease.marker_partition not in (None, self.marker_partition):
             raise RuntimeError(
                 f"shard {self.shard} recorded its op markers in partition "
@@ -396,12 +401,14 @@ class ShardWorker:
         skip_ids: list[int],
         unstamped: Unstamped | None = None,
         after: tuple[datetime, str] | None = None,
+        limit: int | None = None,
     ) -> _Batch:
         """The next committed transactions in commit order, and the rows waiting for their op
         marker (rolled back, discarded, parked), leaving out `skip_xids` (transactions) and
         `skip_ids` (rows waiting for their marker) of batches committed, or being committed,
         in Kafka whose rows are not ended yet, and stamped rows up to `after` (commit time,
-        xid8; see _claimed_past). Thread-safe: reads no state that changes.
+        xid8; see _claimed_past). `limit`: how many rows of this shard pick the transactions
+        (the batch size when None). Thread-safe: reads no state that changes.
 
         A transaction that must wait (another shard sends it, or an earlier row of one of its
         keys is still to go out from another shard) is held back, and so is every later one
@@ -417,7 +424,7 @@ class ShardWorker:
             {
                 **self.key_range,
                 "hold_back": hold_back,
-                "limit": s.batch_size,
+                "limit": limit or s.batch_size,
                 "ending": pgarray.words(skip_xids),
                 "inline": unstamped is not None,
                 "stamped_below": unstamped.since if unstamped else "0",
@@ -443,9 +450,13 @@ class ShardWorker:
                 },
                 prepare=False,
             )
-        for r in claimed.fetchall():  # one call into the C loader, not one per row
+        rows = claimed.fetchall()  # one call into the C loader, not one per row
+        for r in rows:
             row = Row.from_db(r, state="committed", committed_xid=r[9], commit_ts=r[10])
             by_tx.setdefault(r[9], []).append(row)
+        if limit is not None and limit < s.batch_size:
+            lo, hi = self.key_range["lo"], self.key_range["hi"]
+            batch.cut_short = sum(1 for r in rows if lo <= r[8] <= hi) >= limit
         earliest = self._earliest_elsewhere(conn, by_tx, skip_xids)
         waiting_keys: set[int] = set()  # keys of the transactions held back
         count = 0
@@ -565,11 +576,27 @@ class ShardWorker:
         if batch is None:
             with pipelined_transaction(conn):  # 2 round trips
                 skips = self._ending_skips()
-                batch = self._claim(conn, hold_back, *skips, unstamped, self._claimed_past)
+                batch = self._claim(
+                    conn, hold_back, *skips, unstamped, self._claimed_past, self._claim_limit
+                )
+        self._claim_limit = self._next_claim_limit(batch)
         claim_next = None
         if claim_ahead and self.claimer is not None:
             claim_next = functools.partial(self._start_claim_ahead, hold_back, unstamped, batch)
         return self._ship(conn, batch, claim_next)
+
+    def _next_claim_limit(self, batch: _Batch) -> int:
+        """How many rows of this shard the next claim reads. All of a batch when nothing was
+        held back; after a round that held transactions back, twice what it sent. A load whose
+        transactions span shards holds most of a claim back (each transaction is sent by one
+        shard, and the later ones of its keys wait behind it): reading a whole batch's
+        transactions, with their rows in every shard, to send a few of them made each round
+        read ten times what it sent. A shorter claim is the same prefix in commit order, so
+        what goes out, and in which order, does not change; only how much a round reads."""
+        size = self.settings.batch_size
+        if not batch.held_back:
+            return size if self._claim_limit >= size // 2 else self._claim_limit * 2
+        return max(min(MIN_CLAIM_LIMIT, size), min(size, 2 * len(batch.committed)))
 
     def _ending_skips(self) -> tuple[list[str], list[int]]:
         """What the next claim leaves out: the batch whose rows are being ended."""
@@ -638,7 +665,9 @@ class ShardWorker:
         # Held back, but some went: those sent may be what the held-back ones wait for (when
         # this relay owns the other shard too, its round right after sends them).
         result = ShardRound(
-            full=len(committed) >= self.settings.batch_size or bool(batch.held_back and committed),
+            full=len(committed) >= self.settings.batch_size
+            or bool(batch.held_back and committed)
+            or batch.cut_short,
             held_back=batch.held_back > 0,
             unstamped_seen=batch.unstamped_seen,
         )

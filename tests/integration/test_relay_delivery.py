@@ -1496,6 +1496,35 @@ def test_a_transaction_held_back_for_another_shard_holds_back_later_ones_of_its_
     assert got == sorted(got, key=lambda v: int(v.split(b"@")[1]))  # in commit order
 
 
+def test_a_claim_after_a_round_that_held_back_reads_less_and_goes_again_at_once_if_cut_short(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A round that held transactions back makes the next claim read fewer rows (see
+    ShardWorker._next_claim_limit); a claim cut short by that must say more is waiting, or the
+    rest of a backlog would wait for the poll interval."""
+    from relay.shard import MIN_CLAIM_LIMIT
+
+    topic = topic_factory()
+    first, second = _two_relays_a_shard_each(relay_factory)
+    by_shard = {next(iter(r.workers)): r for r in (first, second)}
+    (a_key,), (b_key,) = keys_by_shard(pg_dsn, 2, 1)
+    publish_tx(pg_dsn, topic, b_key, a_key)  # home 1: shard 0 holds it back
+    behind = MIN_CLAIM_LIMIT + MIN_CLAIM_LIMIT // 2
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(behind):  # shard 0's alone, each behind the first on its key
+            with conn.transaction():
+                outbox.publish(conn, topic, f"{a_key}#{i}", key=a_key)
+    held = by_shard[0].run_once()
+    assert (held.delivered, held.held_back) == (0, True)
+    assert by_shard[1].run_once().delivered == 2
+    cut = by_shard[0].run_once()
+    assert (cut.delivered, cut.held_back, cut.full) == (MIN_CLAIM_LIMIT, False, True)
+    rest = by_shard[0].run_once()  # the claim grows again: the rest at once
+    assert (rest.delivered, rest.full) == (behind - MIN_CLAIM_LIMIT, False)
+    got = by_key(kafka_bootstrap, topic)[a_key.encode()]
+    assert [v.split(b"@")[0] for v in got[1:]] == [f"{a_key}#{i}".encode() for i in range(behind)]
+
+
 def test_a_running_relay_held_back_for_another_relay_looks_again_soon(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
