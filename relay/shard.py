@@ -591,7 +591,7 @@ class ShardWorker:
         transactions span shards holds most of a claim back (each transaction is sent by one
         shard, and the later ones of its keys wait behind it): reading a whole batch's
         transactions, with their rows in every shard, to send a few of them made each round
-        read ten times what it sent. A shorter claim is the same prefix in commit order, so
+        read many times what it sent. A shorter claim is the same prefix in commit order, so
         what goes out, and in which order, does not change; only how much a round reads."""
         size = self.settings.batch_size
         if not batch.held_back:
@@ -667,7 +667,7 @@ class ShardWorker:
         result = ShardRound(
             full=len(committed) >= self.settings.batch_size
             or bool(batch.held_back and committed)
-            or batch.cut_short,
+            or (batch.cut_short and not batch.held_back),  # held back: wait, not spin
             held_back=batch.held_back > 0,
             unstamped_seen=batch.unstamped_seen,
         )

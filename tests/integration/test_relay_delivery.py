@@ -1516,6 +1516,8 @@ def test_a_claim_after_a_round_that_held_back_reads_less_and_goes_again_at_once_
                 outbox.publish(conn, topic, f"{a_key}#{i}", key=a_key)
     held = by_shard[0].run_once()
     assert (held.delivered, held.held_back) == (0, True)
+    again = by_shard[0].run_once()  # a short claim, all held back: waits, does not spin
+    assert (again.delivered, again.held_back, again.full) == (0, True, False)
     assert by_shard[1].run_once().delivered == 2
     cut = by_shard[0].run_once()
     assert (cut.delivered, cut.held_back, cut.full) == (MIN_CLAIM_LIMIT, False, True)
