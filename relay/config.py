@@ -145,10 +145,10 @@ class RelaySettings(BaseModel):
         default=True, description="LISTEN for commits; off for PgBouncer transaction pooling."
     )
     claim_ahead: bool = Field(
-        default=False,
+        default=True,
         description="In a drain, claim the next batch on a connection of its own while a full "
-        "batch waits for Kafka (one Postgres connection more). Off by default: no gain measured "
-        "on a 2-core machine with Postgres and Kafka beside the relay.",
+        "batch waits for Kafka (one Postgres connection more; drains ~8% faster on a 2-core "
+        "machine with Postgres and Kafka beside the relay, README).",
     )
     lease_duration: timedelta = timedelta(seconds=15)
     heartbeat_interval: timedelta = timedelta(seconds=5)

@@ -154,7 +154,7 @@ def test_a_claim_ahead_that_fails_costs_a_claim_on_the_relays_connection_not_a_r
     assert_each_once_in_order(pg_dsn, kafka_bootstrap, topic, payloads)
 
 
-def test_with_claim_ahead_off_the_default_every_claim_is_made_on_the_relays_connection(
+def test_with_claim_ahead_off_every_claim_is_made_on_the_relays_connection(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
