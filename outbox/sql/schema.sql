@@ -99,6 +99,9 @@ AS $$ SELECT created_at + make_interval(secs => extract(epoch FROM immunity)::fl
 CREATE INDEX outbox_record_own_immunity_due_idx
     ON {schema}.outbox_record ({schema}.immune_until(created_at, check_immunity), id)
     WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL;
+-- Parked records by topic (redrive --topic, records --state parked): few, a small index.
+CREATE INDEX outbox_record_parked_idx
+    ON {schema}.outbox_record (topic, id) WHERE state = 'parked';
 -- commit()/rollback() and duplicate detection find a transaction's rows.
 CREATE INDEX outbox_record_tx_idx
     ON {schema}.outbox_record (producer_group, tx_id);

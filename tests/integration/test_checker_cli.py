@@ -309,3 +309,43 @@ def test_outboxctl_finds_the_database_where_the_sidecar_does(
         "latest": latest_version(),
         "problem": None,
     }
+
+
+def test_parked_records_are_read_from_their_own_index_not_the_whole_table(pg_dsn: str) -> None:
+    """`redrive --topic` and `records --state parked` on an outbox that keeps an archive of
+    delivered rows: only the parked ones are read (migration 0005), not every row."""
+    from outbox.sql import query
+
+    parked(pg_dsn, "billing.missing")
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            """
+            INSERT INTO outbox.outbox_record
+                (producer_group, tx_id, topic, key, value, key_hash, state, committed_xid,
+                 ended_at, kafka_partition, kafka_offset)
+            SELECT 'archive', 'tx-' || g, 'billing.missing', NULL, '1', 0, 'delivered',
+                   pg_current_xact_id(), now(), 0, g
+            FROM generate_series(1, 20000) AS g
+            """
+        )
+        conn.commit()
+        conn.execute("ANALYZE outbox.outbox_record")
+        asked = [
+            (
+                "checker_parked_of_topic",
+                {"topic": "billing.missing", "limit": 1000},
+            ),
+            (
+                "cli_records",
+                {"state": "parked", "producer_group": None, "tx_id": None, "topic": None,
+                 "limit": 50},
+            ),
+        ]  # fmt: skip
+        for name, params in asked:
+            plan = conn.execute(
+                b"EXPLAIN (ANALYZE, FORMAT JSON) " + query(name, "outbox"), params
+            ).fetchone()[0]  # type: ignore[index]
+            text = json.dumps(plan)
+            assert "outbox_record_parked_idx" in text, name
+            assert "Seq Scan" not in text, name
+            assert conn.execute(query(name, "outbox"), params).fetchall(), name  # it finds them
