@@ -39,7 +39,7 @@ from checker._errors import TransactionBusyError
 from outbox import sql as queries
 from outbox._core import OutboxConfig, State, wakeup_channel
 from outbox._errors import IllegalTransitionError, UnknownTransactionError
-from outbox._records import check_producer_group, check_tx_id
+from outbox._records import check_producer_group, check_topic, check_tx_id
 from outbox._session import database_errors
 from outbox._sync import Outbox
 from outbox.checkback import TransactionStatus
@@ -401,6 +401,7 @@ def redrive_topic(
     transaction after another, each audited on its own; other records of those transactions
     stay as they are. At most ``limit`` transactions: run it again for more. An error stops it
     there; the transactions before it are redriven (run it again for the rest)."""
+    topic = check_topic(topic)  # a name no record can have: said so, not "none parked"
     actor = _require_text("actor", actor)
     reason = _require_text("reason", reason)
     if limit < 1:

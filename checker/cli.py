@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -146,14 +146,26 @@ def _print(args: argparse.Namespace, result: ManualResult) -> None:
         )
 
 
+_Done = TypeVar("_Done")
+
+
+def _connected(
+    args: argparse.Namespace, action: Callable[[psycopg.Connection[Any]], _Done]
+) -> _Done | None:
+    """`action` on a connection of its own; None once bad input was refused (said on stderr)."""
+    try:
+        with psycopg.connect(_dsn(args), autocommit=True) as conn:
+            return action(conn)
+    except ValueError as exc:  # bad input: nothing was sent
+        print(f"outboxctl {args.command}: {exc}", file=sys.stderr)
+        return None
+
+
 def _manual(
     args: argparse.Namespace, action: Callable[[psycopg.Connection[Any]], ManualResult]
 ) -> int:
-    try:
-        with psycopg.connect(_dsn(args), autocommit=True) as conn:
-            result = action(conn)
-    except ValueError as exc:  # bad input: nothing was sent
-        print(f"outboxctl {args.command}: {exc}", file=sys.stderr)
+    result = _connected(args, action)
+    if result is None:
         return 2
     _print(args, result)
     return 0
@@ -214,13 +226,13 @@ def _cmd_redrive(args: argparse.Namespace) -> int:
                 schema=args.schema,
             ),
         )
-    try:
-        with psycopg.connect(_dsn(args), autocommit=True) as conn:
-            done = redrive_topic(
-                conn, args.topic, actor=args.actor, reason=args.reason, schema=args.schema
-            )
-    except ValueError as exc:  # bad input: nothing was sent
-        print(f"outboxctl {args.command}: {exc}", file=sys.stderr)
+    done = _connected(
+        args,
+        lambda conn: redrive_topic(
+            conn, args.topic, actor=args.actor, reason=args.reason, schema=args.schema
+        ),
+    )
+    if done is None:
         return 2
     if args.json:
         print(json.dumps([r.as_dict() for r in done]))

@@ -175,6 +175,8 @@ def test_redrive_of_a_topic_by_command(pg_dsn: str, capsys: pytest.CaptureFixtur
     assert "--topic goes alone" in capsys.readouterr().err
     assert main(argv) == 2
     assert "give --producer-group and --tx-id, or --topic" in capsys.readouterr().err
+    assert main([*argv, "--topic", "billing other"]) == 2  # no record can have it
+    assert "topic 'billing other' is invalid" in capsys.readouterr().err
     assert state(pg_dsn, other_tx) == "parked"
 
 
