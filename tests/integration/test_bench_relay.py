@@ -1,0 +1,58 @@
+"""`python -m bench.relay` end to end, small: it runs, honours --batch-size, and its final line
+is the JSON the README and the notes quote."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench.relay", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_small_run_reports_every_figure_for_the_batch_size_asked(kafka_bootstrap: str) -> None:
+    done = bench(
+        *("--records", "300", "--small", "300", "--large", "600", "--repeat", "1"),
+        *("--latency-seconds", "1", "--batch-size", "100"),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["benchmark"] == "relay"
+    assert (report["batch_size"], report["records"], report["large_backlog"]) == (100, 300, 600)
+    for rate in ("b1_kafka_per_s", "b2_postgres_per_s", "relay_per_s", "relay_two_shards_per_s",
+                 "relay_small_backlog_per_s", "relay_large_backlog_per_s"):  # fmt: skip
+        assert report[rate] > 0, rate
+    expected = round(
+        report["relay_per_s"] / min(report["b1_kafka_per_s"], report["b2_postgres_per_s"]), 3
+    )
+    assert abs(report["ratio_relay_vs_min_b1_b2"] - expected) <= 0.002
+    assert 0 < report["latency_p50_ms"] <= report["latency_p99_ms"]
+    assert report["latency_rate_achieved_per_s"] > 0
+    assert 0 < report["peak_rss_mb"] < 1000
+    assert set(report["cpu_us_per_record"]) == {"b1", "b2", "relay"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (("--batch-size", "0"), "--batch-size must be at least 1, not 0"),
+        (("--records", "100", "--batch-size", "100"), "must exceed the batch size, 100"),
+    ],
+)
+def test_bad_sizes_are_refused_before_anything_runs(argv: tuple[str, ...], said: str) -> None:
+    done = bench(*argv)
+    assert done.returncode == 2
+    assert said in done.stderr
