@@ -26,7 +26,7 @@ then holds both ends of the records, in the order they happened. Every change wr
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -396,11 +396,13 @@ def redrive_topic(
     reason: str,
     schema: str = "outbox",
     limit: int = 1000,
+    on_redriven: Callable[[ManualResult], None] | None = None,
 ) -> list[ManualResult]:
     """``redrive`` of every record parked for ``topic`` (after the topic was created, say), one
     transaction after another, each audited on its own; other records of those transactions
     stay as they are. At most ``limit`` transactions: run it again for more. An error stops it
-    there; the transactions before it are redriven (run it again for the rest)."""
+    there; the transactions before it are redriven (run it again for the rest), and
+    ``on_redriven`` has been called with each, as it was done."""
     topic = check_topic(topic)  # a name no record can have: said so, not "none parked"
     actor = _require_text("actor", actor)
     reason = _require_text("reason", reason)
@@ -411,7 +413,12 @@ def redrive_topic(
         parked = conn.execute(
             queries.query("checker_parked_of_topic", schema), {"topic": topic, "limit": limit}
         ).fetchall()
-    return [
-        redrive(conn, group, tx_id, actor=actor, reason=reason, record_ids=ids, schema=schema)
-        for group, tx_id, ids in parked
-    ]
+    done = []
+    for group, tx_id, ids in parked:
+        result = redrive(
+            conn, group, tx_id, actor=actor, reason=reason, record_ids=ids, schema=schema
+        )
+        done.append(result)
+        if on_redriven is not None:
+            on_redriven(result)
+    return done

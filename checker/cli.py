@@ -226,20 +226,29 @@ def _cmd_redrive(args: argparse.Namespace) -> int:
                 schema=args.schema,
             ),
         )
-    done = _connected(
-        args,
-        lambda conn: redrive_topic(
-            conn, args.topic, actor=args.actor, reason=args.reason, schema=args.schema
-        ),
-    )
-    if done is None:
+    # Each transaction is said as it is done: if one fails (busy, say), those before it are
+    # redriven already, and the operator must see which.
+    done: list[ManualResult] = []
+    say = done.append if args.json else lambda result: _print(args, result)
+    redriven = None
+    try:
+        redriven = _connected(
+            args,
+            lambda conn: redrive_topic(
+                conn,
+                args.topic,
+                actor=args.actor,
+                reason=args.reason,
+                schema=args.schema,
+                on_redriven=say,
+            ),
+        )
+    finally:
+        if args.json and (done or redriven is not None):  # on an error, what went before it
+            print(json.dumps([r.as_dict() for r in done]))
+    if redriven is None:
         return 2
-    if args.json:
-        print(json.dumps([r.as_dict() for r in done]))
-        return 0
-    for result in done:
-        _print(args, result)
-    if not done:
+    if not redriven and not args.json:
         print(f"no record is parked for topic {args.topic}")
     return 0
 

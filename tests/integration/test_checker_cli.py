@@ -313,6 +313,31 @@ def test_outboxctl_finds_the_database_where_the_sidecar_does(
     }
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_redrive_of_a_topic_stopped_by_a_busy_transaction_says_which_went_before(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str], as_json: bool
+) -> None:
+    """Another session holds the second transaction's rows (a checker claiming them, say): the
+    command stops there, and the operator sees that the first one is redriven already."""
+    _, first_tx, *_ = parked(pg_dsn, "billing.missing")
+    _, busy_tx, *_ = parked(pg_dsn, "billing.missing")
+    argv = ["redrive", "--dsn", pg_dsn, "--topic", "billing.missing", "--actor", "erin"]
+    with psycopg.connect(pg_dsn) as holder:
+        holder.execute(
+            "SELECT id FROM outbox.outbox_record WHERE tx_id = %s FOR UPDATE", (busy_tx,)
+        )
+        code = main([*argv, "--reason", "topic created", *(["--json"] if as_json else [])])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert busy_tx in err
+    if as_json:
+        assert [d["tx_id"] for d in json.loads(out)] == [first_tx]
+    else:
+        assert out.startswith(f"tx {first_tx} of producer group")
+        assert busy_tx not in out
+    assert (state(pg_dsn, first_tx), state(pg_dsn, busy_tx)) == ("committed", "parked")
+
+
 def test_parked_records_are_read_from_their_own_index_not_the_whole_table(pg_dsn: str) -> None:
     """`redrive --topic` and `records --state parked` on an outbox that keeps an archive of
     delivered rows: only the parked ones are read (migration 0005), not every row."""
