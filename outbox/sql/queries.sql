@@ -32,8 +32,10 @@ WITH tx AS (
            hashtextextended(coalesce(encode(r.key, 'hex'), tx.tx_id), 0),
            %(state)s, %(check_immunity)s,
            CASE WHEN %(state)s = 'committed' THEN pg_current_xact_id() END
-    FROM tx, unnest(%(topics)s::text[], %(keys)s::bytea[], %(values)s::bytea[],
-                    %(headers)s::jsonb[], %(partitions)s::integer[])
+    -- The arrays go in binary (b placeholders): as text, psycopg escapes every element in Python,
+    -- a regex over each value's hex, which took half the statement's time for ten 1 KiB records.
+    FROM tx, unnest(%(topics)b::text[], %(keys)b::bytea[], %(values)b::bytea[],
+                    %(headers)b::jsonb[], %(partitions)b::integer[])
              WITH ORDINALITY AS r(topic, key, value, headers, partition, ord)
     ORDER BY r.ord
     RETURNING id, tx_id

@@ -95,6 +95,44 @@ def test_batch_keeps_order_and_returns_ids(pg_dsn: str) -> None:
     assert {r[1] for r in stored} == {"batch-1"} == {written.tx_id}
 
 
+AWKWARD = [  # what text-format arrays must escape: quotes, backslashes, braces, commas, NUL
+    Record("t.a", b'{"q":"\\",\x00\xff}', key=b"k,{1}", headers=[("h", b'"\\'), ("h", None)]),
+    Record("t.b", None, key=None, partition=3),  # a keyless tombstone
+    Record("t.c", b"", key="ä", headers={"näme": "väl"}),
+    Record("t.d", "x" * 5000, key=str(7), partition=0),
+]
+
+
+def test_a_batch_stores_every_field_as_single_publishes_do(pg_dsn: str) -> None:
+    """publish_many sends its arrays in binary, publish its values one by one: both must store
+    the same bytes, headers, partitions and key hashes (a keyless record hashes by tx id)."""
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish_many(conn, AWKWARD, tx_id="batch")
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        for r in AWKWARD:
+            outbox.publish(
+                conn, r.topic, r.value, key=r.key, headers=r.headers, partition=r.partition,
+                tx_id="single",
+            )  # fmt: skip
+    with psycopg.connect(pg_dsn) as conn:
+        stored = conn.execute(
+            "SELECT tx_id, topic, key, value, headers, partition, key_hash"
+            " FROM outbox.outbox_record ORDER BY id"
+        ).fetchall()
+    batch, single = stored[: len(AWKWARD)], stored[len(AWKWARD) :]
+    assert [r[1:6] for r in batch] == [r[1:6] for r in single]
+    assert [r[2:4] for r in batch] == [
+        (b"k,{1}", b'{"q":"\\",\x00\xff}'),
+        (None, None),
+        ("ä".encode(), b""),
+        (b"7", b"x" * 5000),
+    ]
+    assert [r[5] for r in batch] == [None, 3, None, 0]
+    keyed = [i for i, r in enumerate(AWKWARD) if r.key is not None]
+    assert [batch[i][6] for i in keyed] == [single[i][6] for i in keyed]
+    assert batch[1][6] != single[1][6]  # the keyless one: by its tx id, which differs
+
+
 def test_a_cursor_works_as_well_as_a_connection(pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn) as conn, conn.transaction(), conn.cursor() as cur:
         record_id = outbox.publish(cur, "t", "v")
