@@ -18,7 +18,7 @@ from outbox._core import OutboxConfig, State, Transition, Written
 from outbox._errors import OutboxUsageError, TransactionStateError
 from outbox._local import LocalTransactionResult, parse_status, require_idle, settled_first
 from outbox._records import Headers, Record, check_immunity_interval, require_records
-from outbox._session import database_errors, require_transaction
+from outbox._session import async_statement_cursor, database_errors, require_transaction
 from outbox._txid import new_tx_id
 from outbox.checkback import TransactionStatus
 
@@ -39,7 +39,7 @@ async def _run(
     query, params = next(op)
     if in_transaction:
         require_transaction(conn)
-    cur = target if isinstance(target, psycopg.AsyncCursor) else conn.cursor()
+    cur = async_statement_cursor(target)
     with database_errors():
         while True:
             await cur.execute(query, params)

@@ -29,6 +29,28 @@ def require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[
         )
 
 
+def statement_cursor(target: psycopg.Connection[Any] | psycopg.Cursor[Any]) -> psycopg.Cursor[Any]:
+    """A cursor that runs the outbox's statements in the caller's transaction: the caller's own,
+    or one of the connection's `cursor_factory` (a ClientCursor, say, behind a pooler that
+    allows no server-side binding). Not a RawCursor (positional $1 parameters only, where the
+    outbox's statements name theirs) nor a ServerCursor (a single SELECT): a plain one on the
+    same connection then, which is the same transaction."""
+    cur = target if isinstance(target, psycopg.Cursor) else target.cursor()
+    if isinstance(cur, psycopg.RawCursor | psycopg.ServerCursor):
+        return psycopg.Cursor(cur.connection)
+    return cur
+
+
+def async_statement_cursor(
+    target: psycopg.AsyncConnection[Any] | psycopg.AsyncCursor[Any],
+) -> psycopg.AsyncCursor[Any]:
+    """statement_cursor() for asyncio."""
+    cur = target if isinstance(target, psycopg.AsyncCursor) else target.cursor()
+    if isinstance(cur, psycopg.AsyncRawCursor | psycopg.AsyncServerCursor):
+        return psycopg.AsyncCursor(cur.connection)
+    return cur
+
+
 @contextmanager
 def database_errors() -> Iterator[None]:
     try:

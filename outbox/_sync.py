@@ -19,7 +19,7 @@ from outbox._local import (
     settled_first,
 )
 from outbox._records import Headers, Record, check_immunity_interval, require_records
-from outbox._session import database_errors, require_transaction
+from outbox._session import database_errors, require_transaction, statement_cursor
 from outbox._txid import new_tx_id
 from outbox.checkback import TransactionStatus
 
@@ -42,7 +42,7 @@ def _run(target: ConnectionOrCursor, op: _core.Operation, *, in_transaction: boo
     query, params = next(op)  # validation runs here, before anything is sent
     if in_transaction:
         require_transaction(conn)
-    cur = target if isinstance(target, psycopg.Cursor) else conn.cursor()
+    cur = statement_cursor(target)
     with database_errors():
         while True:
             cur.execute(query, params)

@@ -133,6 +133,62 @@ def test_a_batch_stores_every_field_as_single_publishes_do(pg_dsn: str) -> None:
     assert batch[1][6] != single[1][6]  # the keyless one: by its tx id, which differs
 
 
+def stored_fields(dsn: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(
+            "SELECT topic, key, value, headers, partition FROM outbox.outbox_record ORDER BY id"
+        ).fetchall()
+
+
+@pytest.mark.parametrize("factory", [psycopg.ClientCursor, psycopg.RawCursor])
+def test_any_cursor_factory_of_the_connection_works(pg_dsn: str, factory: type) -> None:
+    """ClientCursor (client-side binding, for poolers that allow no other) is used as it is; a
+    RawCursor takes $1 parameters only, so the outbox runs its statements on a plain cursor."""
+    with psycopg.connect(pg_dsn) as plain, plain.transaction():
+        outbox.publish_many(plain, AWKWARD)
+        outbox.publish(plain, "t.single", b"one", key="k")
+    expected = stored_fields(pg_dsn)
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("TRUNCATE outbox.outbox_record")
+        conn.commit()
+    with psycopg.connect(pg_dsn, cursor_factory=factory) as conn, conn.transaction():
+        outbox.publish_many(conn, AWKWARD)
+        outbox.publish(conn, "t.single", b"one", key="k")
+    assert stored_fields(pg_dsn) == expected
+
+
+def test_a_server_cursor_or_raw_cursor_given_writes_in_its_connection(pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction(), conn.cursor(name="named") as named:
+            outbox.publish(named, "t", b"server")
+            outbox.publish_many(psycopg.RawCursor(conn), [Record("t", b"raw")])
+        with conn.cursor(name="named2") as named:  # the caller's transaction: rolled back
+            outbox.publish(named, "t", b"gone")
+            conn.rollback()
+    assert [r[2] for r in stored_fields(pg_dsn)] == [b"server", b"raw"]
+
+
+def test_async_any_cursor_works(pg_dsn: str) -> None:
+    async def main() -> None:
+        aoutbox = outbox.AsyncOutbox()
+        for factory in (psycopg.AsyncClientCursor, psycopg.AsyncRawCursor):
+            connecting = psycopg.AsyncConnection.connect(pg_dsn, cursor_factory=factory)
+            async with await connecting as conn, conn.transaction():
+                await aoutbox.publish_many(conn, [Record("t", factory.__name__)])
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as conn, conn.transaction():
+            await aoutbox.publish(psycopg.AsyncRawCursor(conn), "t", "raw")
+            async with conn.cursor(name="named") as named:
+                await aoutbox.publish(named, "t", "server")
+
+    asyncio.run(main())
+    assert [r[2] for r in stored_fields(pg_dsn)] == [
+        b"AsyncClientCursor",
+        b"AsyncRawCursor",
+        b"raw",
+        b"server",
+    ]
+
+
 def test_a_cursor_works_as_well_as_a_connection(pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn) as conn, conn.transaction(), conn.cursor() as cur:
         record_id = outbox.publish(cur, "t", "v")
