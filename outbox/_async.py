@@ -39,15 +39,15 @@ async def _run(
     query, params = next(op)
     if in_transaction:
         require_transaction(conn)
-    cur = async_statement_cursor(target)
     with database_errors():
-        while True:
-            await cur.execute(query, params)
-            rows = await cur.fetchall() if cur.description else []
-            try:
-                query, params = op.send(rows)
-            except StopIteration as done:
-                return done.value
+        async with async_statement_cursor(target) as cur:
+            while True:
+                await cur.execute(query, params)
+                rows = await cur.fetchall() if cur.description else []
+                try:
+                    query, params = op.send(rows)
+                except StopIteration as done:
+                    return done.value
 
 
 class AsyncOutbox:

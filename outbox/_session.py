@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus as PgTxStatus
+from psycopg.rows import tuple_row
 
 from outbox._errors import OutboxDatabaseError, OutboxUsageError, SchemaError
 
@@ -29,26 +30,30 @@ def require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[
         )
 
 
-def statement_cursor(target: psycopg.Connection[Any] | psycopg.Cursor[Any]) -> psycopg.Cursor[Any]:
-    """A cursor that runs the outbox's statements in the caller's transaction: the caller's own,
-    or one of the connection's `cursor_factory` (a ClientCursor, say, behind a pooler that
-    allows no server-side binding). Not a RawCursor (positional $1 parameters only, where the
-    outbox's statements name theirs) nor a ServerCursor (a single SELECT): a plain one on the
-    same connection then, which is the same transaction."""
-    cur = target if isinstance(target, psycopg.Cursor) else target.cursor()
-    if isinstance(cur, psycopg.RawCursor | psycopg.ServerCursor):
-        return psycopg.Cursor(cur.connection)
-    return cur
+def statement_cursor(
+    target: psycopg.Connection[Any] | psycopg.Cursor[Any],
+) -> psycopg.Cursor[tuple[Any, ...]]:
+    """A cursor of the outbox's own on the caller's connection, so in the caller's transaction,
+    whatever the caller's cursor or `cursor_factory` and `row_factory` are: the outbox reads
+    its rows as tuples (a dict_row connection failed after the INSERT), and names its
+    parameters (a RawCursor takes $1 ones only; a named cursor runs a single SELECT). A
+    ClientCursor stays one: it is chosen for poolers that allow no server-side binding."""
+    conn = target.connection if isinstance(target, psycopg.Cursor) else target
+    kind = type(target) if isinstance(target, psycopg.Cursor) else conn.cursor_factory
+    if issubclass(kind, psycopg.ClientCursor):
+        return psycopg.ClientCursor(conn, row_factory=tuple_row)
+    return psycopg.Cursor(conn, row_factory=tuple_row)
 
 
 def async_statement_cursor(
     target: psycopg.AsyncConnection[Any] | psycopg.AsyncCursor[Any],
-) -> psycopg.AsyncCursor[Any]:
+) -> psycopg.AsyncCursor[tuple[Any, ...]]:
     """statement_cursor() for asyncio."""
-    cur = target if isinstance(target, psycopg.AsyncCursor) else target.cursor()
-    if isinstance(cur, psycopg.AsyncRawCursor | psycopg.AsyncServerCursor):
-        return psycopg.AsyncCursor(cur.connection)
-    return cur
+    conn = target.connection if isinstance(target, psycopg.AsyncCursor) else target
+    kind = type(target) if isinstance(target, psycopg.AsyncCursor) else conn.cursor_factory
+    if issubclass(kind, psycopg.AsyncClientCursor):
+        return psycopg.AsyncClientCursor(conn, row_factory=tuple_row)
+    return psycopg.AsyncCursor(conn, row_factory=tuple_row)
 
 
 @contextmanager

@@ -42,8 +42,7 @@ def _run(target: ConnectionOrCursor, op: _core.Operation, *, in_transaction: boo
     query, params = next(op)  # validation runs here, before anything is sent
     if in_transaction:
         require_transaction(conn)
-    cur = statement_cursor(target)
-    with database_errors():
+    with database_errors(), statement_cursor(target) as cur:
         while True:
             cur.execute(query, params)
             rows = cur.fetchall() if cur.description else []

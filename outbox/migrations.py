@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import tuple_row
 
 from outbox import sql as queries
 from outbox._core import OutboxConfig
@@ -50,12 +51,19 @@ def migrate(
     return _migrate(conninfo_or_conn, schema)
 
 
+def _tuples(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
+    """A plain cursor with tuple rows, whatever the caller's connection makes by default (a
+    dict_row or RawCursor factory broke the reads below)."""
+    return psycopg.Cursor(conn, row_factory=tuple_row)
+
+
 def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
     ident = sql.Identifier(schema)
+    cur = _tuples(conn)
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_LOCK_NAMESPACE, schema))
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
-        conn.execute(
+        cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_LOCK_NAMESPACE, schema))
+        cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+        cur.execute(
             sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {}.schema_migration ("
                 " version integer PRIMARY KEY, name text NOT NULL,"
@@ -73,13 +81,13 @@ def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
         _refuse_other_migrations(schema, applied)
         pending = [m for m in queries.migrations() if m.version not in done]
         if not done:
-            conn.execute(queries.schema_sql(schema))
+            cur.execute(queries.schema_sql(schema))
         else:
             for m in pending:
                 logger.info("applying migration %04d_%s to schema %s", m.version, m.name, schema)
-                conn.execute(m.sql_for(schema))
+                cur.execute(m.sql_for(schema))
         for m in pending:
-            conn.execute(
+            cur.execute(
                 sql.SQL("INSERT INTO {}.schema_migration (version, name) VALUES (%s, %s)").format(
                     ident
                 ),
@@ -91,7 +99,7 @@ def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
 def _applied(conn: psycopg.Connection[Any], schema: str) -> dict[int, str]:
     """The recorded migrations: version -> name."""
     query = sql.SQL("SELECT version, name FROM {}.schema_migration").format(sql.Identifier(schema))
-    return {row[0]: row[1] for row in conn.execute(query)}
+    return {row[0]: row[1] for row in _tuples(conn).execute(query)}
 
 
 def _refuse_other_migrations(schema: str, applied: dict[int, str]) -> None:
@@ -147,12 +155,18 @@ def schema_problem(conn: psycopg.Connection[Any], schema: str = "outbox") -> str
 def current_version(conn: psycopg.Connection[Any], schema: str = "outbox") -> int | None:
     """The newest applied migration, or None where the schema was never migrated."""
     # quoted: a name with capitals is the table the migrations made (they quote it too)
-    row = conn.execute(
-        "SELECT to_regclass(format('%%I.schema_migration', %s::text))", (schema,)
-    ).fetchone()
+    row = (
+        _tuples(conn)
+        .execute("SELECT to_regclass(format('%%I.schema_migration', %s::text))", (schema,))
+        .fetchone()
+    )
     if row is None or row[0] is None:
         return None
-    got = conn.execute(
-        sql.SQL("SELECT max(version) FROM {}.schema_migration").format(sql.Identifier(schema))
-    ).fetchone()
+    got = (
+        _tuples(conn)
+        .execute(
+            sql.SQL("SELECT max(version) FROM {}.schema_migration").format(sql.Identifier(schema))
+        )
+        .fetchone()
+    )
     return None if got is None else got[0]

@@ -10,10 +10,11 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.rows import dict_row
 
 import outbox
 from outbox import sql as outbox_sql
-from outbox.migrations import check_applied, current_version, latest_version
+from outbox.migrations import check_applied, current_version, latest_version, schema_problem
 from relay.cli import main as cli_main
 from tests.fixtures.services import Services
 
@@ -71,6 +72,23 @@ def test_migrate_is_idempotent_and_versioned(empty_db: str) -> None:
     with psycopg.connect(empty_db) as conn:
         assert current_version(conn) == latest_version()
         assert current_version(conn, "absent") is None
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"row_factory": dict_row}, {"cursor_factory": psycopg.RawCursor}],
+    ids=["dict_row", "RawCursor"],
+)
+def test_migrate_on_a_connection_of_any_row_or_cursor_factory(
+    empty_db: str, options: dict[str, Any]
+) -> None:
+    with psycopg.connect(empty_db, **options) as conn:
+        assert current_version(conn) is None
+        assert outbox.migrate(conn).applied == tuple(range(1, latest_version() + 1))
+        assert outbox.migrate(conn).applied == ()
+        assert current_version(conn) == latest_version()
+        check_applied(conn)
+        assert schema_problem(conn) is None
 
 
 def test_concurrent_migrate_from_many_pods(empty_db: str) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row, namedtuple_row, scalar_row
 
 import outbox
 from outbox import Outbox, Record
@@ -155,6 +156,33 @@ def test_any_cursor_factory_of_the_connection_works(pg_dsn: str, factory: type) 
         outbox.publish_many(conn, AWKWARD)
         outbox.publish(conn, "t.single", b"one", key="k")
     assert stored_fields(pg_dsn) == expected
+
+
+@pytest.mark.parametrize("row_factory", [dict_row, namedtuple_row, scalar_row])
+def test_any_row_factory_of_the_connection_works(pg_dsn: str, row_factory: Any) -> None:
+    """The outbox reads its own rows as tuples: a dict_row connection failed after the INSERT."""
+    with psycopg.connect(pg_dsn, row_factory=row_factory) as conn:
+        with conn.transaction():
+            one = outbox.publish(conn, "t", b"one", key="k")
+            many = outbox.publish_many(conn, [Record("t", b"two"), Record("t", b"three")])
+        with conn.transaction(), conn.cursor() as cur:
+            prepared = outbox.prepare(cur, "t", b"four")
+        outbox.commit(conn, prepared.tx_id)
+    assert [r[0] for r in rows(pg_dsn)] == [one, *many.ids, *prepared.ids]
+    assert [r[8] for r in rows(pg_dsn)] == ["committed"] * 4
+
+
+def test_async_any_row_factory_works(pg_dsn: str) -> None:
+    async def main() -> list[int]:
+        aoutbox = outbox.AsyncOutbox()
+        async with await psycopg.AsyncConnection.connect(pg_dsn, row_factory=dict_row) as conn:
+            async with conn.transaction():
+                one = await aoutbox.publish(conn, "t", b"one")
+                many = await aoutbox.publish_many(conn, [Record("t", b"two")])
+            return [one, *many.ids]
+
+    written = asyncio.run(main())
+    assert [r[0] for r in rows(pg_dsn)] == written
 
 
 def test_a_server_cursor_or_raw_cursor_given_writes_in_its_connection(pg_dsn: str) -> None:
