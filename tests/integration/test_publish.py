@@ -13,6 +13,7 @@ from psycopg.rows import dict_row, namedtuple_row, scalar_row
 
 import outbox
 from outbox import Outbox, Record
+from outbox._session import statement_cursor
 
 
 def rows(dsn: str, schema: str = "outbox") -> list[tuple[Any, ...]]:
@@ -155,6 +156,8 @@ def test_any_cursor_factory_of_the_connection_works(pg_dsn: str, factory: type) 
     with psycopg.connect(pg_dsn, cursor_factory=factory) as conn, conn.transaction():
         outbox.publish_many(conn, AWKWARD)
         outbox.publish(conn, "t.single", b"one", key="k")
+        used = type(statement_cursor(conn))
+        assert used is (psycopg.ClientCursor if factory is psycopg.ClientCursor else psycopg.Cursor)
     assert stored_fields(pg_dsn) == expected
 
 
