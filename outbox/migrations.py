@@ -155,18 +155,13 @@ def schema_problem(conn: psycopg.Connection[Any], schema: str = "outbox") -> str
 def current_version(conn: psycopg.Connection[Any], schema: str = "outbox") -> int | None:
     """The newest applied migration, or None where the schema was never migrated."""
     # quoted: a name with capitals is the table the migrations made (they quote it too)
-    row = (
-        _tuples(conn)
-        .execute("SELECT to_regclass(format('%%I.schema_migration', %s::text))", (schema,))
-        .fetchone()
-    )
+    cur = _tuples(conn)
+    row = cur.execute(
+        "SELECT to_regclass(format('%%I.schema_migration', %s::text))", (schema,)
+    ).fetchone()
     if row is None or row[0] is None:
         return None
-    got = (
-        _tuples(conn)
-        .execute(
-            sql.SQL("SELECT max(version) FROM {}.schema_migration").format(sql.Identifier(schema))
-        )
-        .fetchone()
-    )
+    got = cur.execute(
+        sql.SQL("SELECT max(version) FROM {}.schema_migration").format(sql.Identifier(schema))
+    ).fetchone()
     return None if got is None else got[0]
