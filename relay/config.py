@@ -155,6 +155,12 @@ class RelaySettings(BaseModel):
     delivered_retention: timedelta = Field(
         default=timedelta(0), description="Keep delivered rows this long (0: delete at once)."
     )
+    audit_retention: timedelta = Field(
+        default=timedelta(days=90),
+        ge=timedelta(0),
+        description="Keep audit_log entries (commands run by hand, discards) this long "
+        "(0: for ever).",
+    )
     kafka_transaction_timeout: timedelta = timedelta(seconds=60)
     shutdown_grace: timedelta = timedelta(seconds=25)
 

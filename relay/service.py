@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -119,6 +119,7 @@ class Relay:
         self._set_up = False
         self._last_heartbeat = 0.0
         self._last_trim = 0.0
+        self._audit_trim_refused = False  # the role may not delete from audit_log: said once
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
         # is stamped (see _stamp)
         self._next_full_stamp = 0.0
@@ -246,6 +247,30 @@ class Relay:
         retention = self.settings.relay.delivered_retention
         if not retention:
             return 0
+        return self._trim("relay_trim_archive", retention, limit, budget_s)
+
+    def trim_audit_log(self, limit: int = 10_000, budget_s: float | None = None) -> int:
+        """Delete audit_log entries past audit_retention (0: kept for ever), as trim_archive.
+
+        A relay role granted before this retention existed may not delete them: that is said
+        once, and the relay goes on without it (its deliveries matter more than the trim)."""
+        retention = self.settings.relay.audit_retention
+        if not retention or self._audit_trim_refused:
+            return 0
+        try:
+            return self._trim("relay_trim_audit_log", retention, limit, budget_s)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            self._audit_trim_refused = True
+            logger.warning(
+                "audit_log entries are kept for ever: this role may not delete them (%s); grant "
+                "it DELETE on audit_log (`outboxctl grants`), or set relay.audit_retention to 0",
+                exc.diag.message_primary,
+            )
+            return 0
+
+    def _trim(self, query: str, retention: timedelta, limit: int, budget_s: float | None) -> int:
+        """Run a trim statement, a slice of `limit` rows per transaction, until a slice comes
+        short or `budget_s` (default: half a heartbeat) is spent."""
         if budget_s is None:
             budget_s = self.settings.relay.heartbeat_interval.total_seconds() / 2
         deadline = time.monotonic() + budget_s
@@ -253,8 +278,7 @@ class Relay:
         while True:
             with self.conn.transaction():
                 cur = self.conn.execute(
-                    queries.query("relay_trim_archive", self.schema),
-                    {"retention": retention, "limit": limit},
+                    queries.query(query, self.schema), {"retention": retention, "limit": limit}
                 )
             trimmed += cur.rowcount
             if cur.rowcount < limit or time.monotonic() > deadline:
@@ -277,6 +301,7 @@ class Relay:
         if time.monotonic() - self._last_trim >= interval:  # its own clock: heartbeats come
             self._last_trim = time.monotonic()  # between shards too, and would starve it
             self.trim_archive()
+            self.trim_audit_log()
         result = RelayRound(shards=len(self.workers))
         if not self.workers:  # alive all the same: a spare relay waits for a shard to free
             self.last_round_at = time.monotonic()

@@ -16,7 +16,8 @@ GRANT UPDATE (state, state_changed_at, next_check_at, committed_xid) ON {schema}
 
 GRANT SELECT, UPDATE, DELETE ON {schema}.outbox_record TO {relay};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.shard_lease, {schema}.relay_member TO {relay};
-GRANT SELECT, INSERT ON {schema}.audit_log TO {relay};
+-- DELETE: the relay trims entries past its audit_retention.
+GRANT SELECT, INSERT, DELETE ON {schema}.audit_log TO {relay};
 GRANT SELECT ON {schema}.schema_migration TO {writer}, {relay};
 
 GRANT USAGE ON SCHEMA {schema} TO {reconciler};

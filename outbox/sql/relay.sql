@@ -267,6 +267,19 @@ WHERE id IN (
     LIMIT %(limit)s
 );
 
+-- name: relay_trim_audit_log
+-- audit_log entries past the relay's audit_retention, from the oldest id, a slice at a time.
+-- Ids grow with time (up to a transaction's length), so a slice that holds a young entry is the
+-- last: the rest are younger. By id, not by `at`: no index on `at` (the table is small, and
+-- takes a row only per command run by hand or transaction discarded).
+DELETE FROM {schema}.audit_log
+WHERE id IN (
+    SELECT id FROM (
+        SELECT id, at FROM {schema}.audit_log ORDER BY id LIMIT %(limit)s
+    ) AS oldest
+    WHERE at < now() - %(retention)s::interval
+);
+
 -- name: relay_set_marker_offset
 UPDATE {schema}.shard_lease
 SET marker_partition = %(partition)s, marker_offset = %(offset)s

@@ -167,6 +167,7 @@ def test_least_privilege_grants(pg_dsn: str, caplog: pytest.LogCaptureFixture) -
             assert sidecar.execute("SELECT count(*) FROM outbox.outbox_record").fetchone() == (2,)
             sidecar.execute("UPDATE outbox.outbox_record SET state = 'delivered'")
             sidecar.execute("DELETE FROM outbox.outbox_record")
+            sidecar.execute("DELETE FROM outbox.audit_log")  # its audit_retention
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 sidecar.execute("INSERT INTO outbox.outbox_record (producer_group) VALUES ('x')")
         with psycopg.connect(pg_dsn, user=reconciler) as spark_job:
