@@ -15,10 +15,11 @@ all derive from `OutboxError`.
 from __future__ import annotations
 
 from outbox._async import AsyncOutbox
-from outbox._core import OutboxConfig, State, Transition, Written, wakeup_channel
+from outbox._core import MAX_SCHEMA_NAME, OutboxConfig, State, Transition, Written, wakeup_channel
 from outbox._errors import (
     DuplicateTransactionError,
     IllegalTransitionError,
+    InvalidConfigError,
     InvalidHeaderError,
     InvalidProducerGroupError,
     InvalidRecordError,
@@ -51,9 +52,11 @@ send_in_transaction = _default.send_in_transaction
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
+    "MAX_SCHEMA_NAME",
     "AsyncOutbox",
     "DuplicateTransactionError",
     "IllegalTransitionError",
+    "InvalidConfigError",
     "InvalidHeaderError",
     "InvalidProducerGroupError",
     "InvalidRecordError",

@@ -16,9 +16,20 @@ from outbox import _core
 from outbox._callbacks import call_back
 from outbox._core import OutboxConfig, State, Transition, Written
 from outbox._errors import OutboxUsageError, TransactionStateError
-from outbox._local import LocalTransactionResult, parse_status, require_idle, settled_first
+from outbox._local import (
+    LocalTransactionResult,
+    left_idle,
+    parse_status,
+    require_idle,
+    settled_first,
+)
 from outbox._records import Headers, Record, check_immunity_interval, require_records
-from outbox._session import async_statement_cursor, database_errors, require_transaction
+from outbox._session import (
+    async_statement_cursor,
+    database_errors,
+    in_pipeline,
+    require_transaction,
+)
 from outbox._txid import new_tx_id
 from outbox.checkback import TransactionStatus
 
@@ -38,12 +49,16 @@ async def _run(
         )
     query, params = next(op)
     if in_transaction:
+        if conn.autocommit and in_pipeline(conn):
+            with database_errors():
+                async with conn.pipeline() as pipeline:
+                    await pipeline.sync()
         require_transaction(conn)
     with database_errors():
         async with async_statement_cursor(target) as cur:
             while True:
                 await cur.execute(query, params)
-                rows = await cur.fetchall() if cur.description else []
+                rows = await cur.fetchall()  # see _sync._run
                 try:
                     query, params = op.send(rows)
                 except StopIteration as done:
@@ -54,7 +69,7 @@ class AsyncOutbox:
     """`Outbox` for asyncio: same methods, awaited."""
 
     def __init__(self, config: OutboxConfig | None = None, **settings: Any) -> None:
-        self.config = config or OutboxConfig(**settings)
+        self.config = _core.config_of(config, settings)
 
     async def publish(
         self,
@@ -82,7 +97,7 @@ class AsyncOutbox:
         tx_id: str | None = None,
         producer_group: str | None = None,
     ) -> Written:
-        require_records(records)
+        records = require_records(records)
         op = _core.insert(
             self.config, records, state=State.COMMITTED, tx_id=tx_id, producer_group=producer_group
         )
@@ -119,7 +134,7 @@ class AsyncOutbox:
         producer_group: str | None = None,
         check_immunity: timedelta | float | None = None,
     ) -> Written:
-        require_records(records)
+        records = require_records(records)
         op = _core.insert(
             self.config,
             records,
@@ -168,7 +183,7 @@ class AsyncOutbox:
         status = parse_status(await call_back(local_transaction, written))
         state = State.PREPARED
         try:
-            if status is not TransactionStatus.UNKNOWN:
+            if status is not TransactionStatus.UNKNOWN and left_idle(conn, written):
                 end = self.commit if status is TransactionStatus.COMMIT else self.rollback
                 async with conn.transaction():
                     state = (

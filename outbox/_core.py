@@ -15,12 +15,14 @@ from enum import StrEnum
 from typing import Any
 
 from psycopg.types.json import Jsonb
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from outbox import sql as queries
+from outbox._describe import describe
 from outbox._errors import (
     DuplicateTransactionError,
     IllegalTransitionError,
+    InvalidConfigError,
     OutboxUsageError,
     UnknownTransactionError,
 )
@@ -38,7 +40,11 @@ Rows = list[tuple[Any, ...]]
 Query = tuple[bytes, dict[str, Any]]
 Operation = Generator[Query, Rows, Any]
 
-_SCHEMA_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]{0,62}")
+_WAKEUP_SUFFIX = "_wakeup"
+# Postgres identifiers hold 63 bytes, and the NOTIFY channel is the schema's name plus the suffix:
+# a longer name migrated, then every publish failed ("channel name too long").
+MAX_SCHEMA_NAME = 63 - len(_WAKEUP_SUFFIX)
+_SCHEMA_NAME = re.compile(rf"[a-zA-Z_][a-zA-Z0-9_]{{0,{MAX_SCHEMA_NAME - 1}}}")
 
 
 class State(StrEnum):
@@ -54,7 +60,7 @@ class State(StrEnum):
 
 def wakeup_channel(schema: str) -> str:
     """The NOTIFY channel the relay listens on for this schema."""
-    return f"{schema}_wakeup"
+    return f"{schema}{_WAKEUP_SUFFIX}"
 
 
 class OutboxConfig(BaseModel):
@@ -80,17 +86,40 @@ class OutboxConfig(BaseModel):
     key_serializer: Serializer = default_serializer
     value_serializer: Serializer = default_serializer
 
+    def __init__(self, **settings: Any) -> None:
+        try:
+            super().__init__(**settings)
+        except ValidationError as exc:  # one root for every error of the library
+            problems = describe(exc, "settings")
+            raise InvalidConfigError(f"invalid outbox settings: {problems}") from exc
+
     @field_validator("schema_name")
     @classmethod
     def _schema_is_identifier(cls, v: str) -> str:
         if not _SCHEMA_NAME.fullmatch(v):
-            raise ValueError(f"{v!r} is not a plain identifier of at most 63 characters")
+            raise ValueError(
+                f"{v!r} is not a plain identifier (letters, digits, _) of at most "
+                f"{MAX_SCHEMA_NAME} characters: its NOTIFY channel, the name plus "
+                f"{_WAKEUP_SUFFIX!r}, must fit Postgres's 63"
+            )
         return v
 
     @field_validator("producer_group")
     @classmethod
     def _group_is_valid(cls, v: str) -> str:
         return check_producer_group(v)
+
+
+def config_of(config: OutboxConfig | None, settings: dict[str, Any]) -> OutboxConfig:
+    """Outbox(config) or Outbox(**settings): both at once would drop the settings unseen."""
+    if config is None:
+        return OutboxConfig(**settings)
+    if settings:
+        raise InvalidConfigError(
+            f"give an OutboxConfig or settings ({', '.join(sorted(settings))}), not both: "
+            "put the settings in the OutboxConfig"
+        )
+    return config
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@
     │   ├── InvalidProducerGroupError
     │   ├── InvalidTxIdError
     │   └── SerializationError
+    ├── InvalidConfigError          bad settings (OutboxConfig, Outbox(...), migrate's schema)
     ├── OutboxUsageError            the API was used in a way that cannot keep its guarantees
     ├── TransactionStateError       a state change the state machine does not allow; nothing changed
     │   ├── UnknownTransactionError
@@ -54,6 +55,10 @@ class InvalidTxIdError(InvalidRecordError):
 
 class SerializationError(InvalidRecordError):
     pass
+
+
+class InvalidConfigError(OutboxError, ValueError):
+    """A setting of OutboxConfig (or of Outbox(...), or migrate's schema) is not acceptable."""
 
 
 class OutboxUsageError(OutboxError):

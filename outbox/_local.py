@@ -38,10 +38,13 @@ class LocalTransactionResult:
 
     @property
     def conflict(self) -> bool:
+        """The records' fate contradicts the answer: never to be delivered after COMMIT
+        (rolled back, or discarded by the checker), delivered or to be after ROLLBACK. Records
+        still prepared are no conflict: the checker settles them by asking the endpoint."""
         if self.status is TransactionStatus.COMMIT:
-            return self.state not in (State.COMMITTED, State.DELIVERED, State.PARKED)
+            return self.state in (State.ROLLED_BACK, State.DISCARDED)
         if self.status is TransactionStatus.ROLLBACK:
-            return self.state is not State.ROLLED_BACK
+            return self.state in (State.COMMITTED, State.DELIVERED, State.PARKED)
         return False
 
 
@@ -69,6 +72,28 @@ def require_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -
             "send_in_transaction needs a connection with no transaction open: the prepared "
             "records must be committed on their own before the local transaction runs"
         )
+
+
+_OPEN = (PgTxStatus.INTRANS, PgTxStatus.INERROR, PgTxStatus.ACTIVE)
+
+
+def left_idle(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], written: Written
+) -> bool:
+    """Whether the local transaction left `conn` with no transaction open. If it used `conn`
+    and left one open, the end would run inside it (a savepoint), committed by nobody, and the
+    result would say committed while the records stay prepared: they are left prepared for
+    the checker instead, and that is said."""
+    if conn.info.transaction_status not in _OPEN:
+        return True  # idle, or the connection is gone: the end tries, and says why it failed
+    logger.error(
+        "tx %s (%s): the local transaction left a transaction open on the outbox's connection, "
+        "so the records cannot be ended on their own; they stay prepared for the checker. Run "
+        "the local transaction on another connection, or end what it opens on this one",
+        written.tx_id,
+        written.producer_group,
+    )
+    return False
 
 
 def parse_status(answer: object) -> TransactionStatus:

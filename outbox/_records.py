@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Annotated, Any
@@ -269,11 +269,21 @@ def _headers_size(headers: Headers | None) -> int:
     return total
 
 
-def require_records(records: Sequence[Record]) -> None:
-    if not records:
+def require_records(records: Iterable[Record]) -> list[Record]:
+    """The records as a list: a generator read here once was empty when the INSERT read it."""
+    if isinstance(records, Record):
+        raise OutboxUsageError("a single Record given: pass a list of records")
+    try:
+        given = list(records)
+    except TypeError:
+        raise OutboxUsageError(
+            f"records must be a list of outbox.Record, got a {type(records).__name__}"
+        ) from None
+    if not given:
         raise OutboxUsageError("no records given: a batch needs at least one record")
-    for i, record in enumerate(records):
+    for i, record in enumerate(given):
         if not isinstance(record, Record):
             raise OutboxUsageError(
                 f"record #{i} is a {type(record).__name__}, expected outbox.Record"
             )
+    return given

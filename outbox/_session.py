@@ -8,6 +8,7 @@ from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg.pq import PipelineStatus
 from psycopg.pq import TransactionStatus as PgTxStatus
 from psycopg.rows import tuple_row
 
@@ -28,6 +29,11 @@ def require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[
             "would commit on its own, apart from your business rows: write it inside "
             "`with conn.transaction():`"
         )
+
+
+def in_pipeline(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """In pipeline mode, statements queued make the transaction status ACTIVE until a Sync."""
+    return conn.pgconn.pipeline_status != PipelineStatus.OFF
 
 
 def statement_cursor(

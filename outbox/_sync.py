@@ -14,12 +14,18 @@ from outbox._core import OutboxConfig, State, Transition, Written
 from outbox._errors import OutboxUsageError, TransactionStateError
 from outbox._local import (
     LocalTransactionResult,
+    left_idle,
     parse_status,
     require_idle,
     settled_first,
 )
 from outbox._records import Headers, Record, check_immunity_interval, require_records
-from outbox._session import database_errors, require_transaction, statement_cursor
+from outbox._session import (
+    database_errors,
+    in_pipeline,
+    require_transaction,
+    statement_cursor,
+)
 from outbox._txid import new_tx_id
 from outbox.checkback import TransactionStatus
 
@@ -41,11 +47,16 @@ def _run(target: ConnectionOrCursor, op: _core.Operation, *, in_transaction: boo
         )
     query, params = next(op)  # validation runs here, before anything is sent
     if in_transaction:
+        if conn.autocommit and in_pipeline(conn):
+            with database_errors(), conn.pipeline() as pipeline:
+                pipeline.sync()  # until then the status says ACTIVE, not whether a block is open
         require_transaction(conn)
     with database_errors(), statement_cursor(target) as cur:
         while True:
             cur.execute(query, params)
-            rows = cur.fetchall() if cur.description else []
+            # Every statement returns rows. Not `if cur.description`: in pipeline mode it is None
+            # until fetchall() fetches the results, and the rows written were read as none.
+            rows = cur.fetchall()
             try:
                 query, params = op.send(rows)
             except StopIteration as done:
@@ -60,7 +71,7 @@ class Outbox:
     """
 
     def __init__(self, config: OutboxConfig | None = None, **settings: Any) -> None:
-        self.config = config or OutboxConfig(**settings)
+        self.config = _core.config_of(config, settings)
 
     def publish(
         self,
@@ -93,7 +104,7 @@ class Outbox:
         producer_group: str | None = None,
     ) -> Written:
         """Insert several committed records in one statement, in the caller's transaction."""
-        require_records(records)
+        records = require_records(records)
         op = _core.insert(
             self.config, records, state=State.COMMITTED, tx_id=tx_id, producer_group=producer_group
         )
@@ -137,7 +148,7 @@ class Outbox:
         check_immunity: timedelta | float | None = None,
     ) -> Written:
         """Insert several half records of one transaction; they change state together."""
-        require_records(records)
+        records = require_records(records)
         op = _core.insert(
             self.config,
             records,
@@ -204,7 +215,7 @@ class Outbox:
         status = parse_status(local_transaction(written))
         state = State.PREPARED
         try:
-            if status is not TransactionStatus.UNKNOWN:
+            if status is not TransactionStatus.UNKNOWN and left_idle(conn, written):
                 end = self.commit if status is TransactionStatus.COMMIT else self.rollback
                 with conn.transaction():
                     state = end(conn, written.tx_id, producer_group=written.producer_group).state

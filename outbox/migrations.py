@@ -9,16 +9,19 @@ waits for the lock, then finds nothing left to do.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
 from outbox import sql as queries
 from outbox._core import OutboxConfig
-from outbox._errors import SchemaError
+from outbox._errors import OutboxDatabaseError, OutboxUsageError, SchemaError
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +45,25 @@ def migrate(
 ) -> MigrationReport:
     """Bring `schema` to the newest version.
 
-    Takes a DSN, or a connection with no transaction open (the migration commits).
+    Takes a DSN, or a connection with no transaction open (the migration commits). Raises
+    InvalidConfigError for a bad schema name, OutboxUsageError for a connection inside a
+    transaction, SchemaError for a schema migrated by another build or a newer library, and
+    OutboxDatabaseError when the database fails (psycopg's error is the __cause__).
     """
     schema = OutboxConfig(schema_name=schema).schema_name  # validates the identifier
-    if isinstance(conninfo_or_conn, str):
-        with psycopg.connect(conninfo_or_conn) as conn:
-            return _migrate(conn, schema)
-    return _migrate(conninfo_or_conn, schema)
+    try:
+        if isinstance(conninfo_or_conn, str):
+            with psycopg.connect(conninfo_or_conn) as conn:
+                return _migrate(conn, schema)
+        if conninfo_or_conn.info.transaction_status != TransactionStatus.IDLE:
+            # Its transaction() would be a savepoint: reported applied, then gone with a rollback.
+            raise OutboxUsageError(
+                "migrate() needs a connection with no transaction open: the migration commits "
+                "on its own (commit or roll back first, or pass a DSN)"
+            )
+        return _migrate(conninfo_or_conn, schema)
+    except psycopg.Error as exc:
+        raise OutboxDatabaseError(f"migrating schema {schema!r} failed: {exc}") from exc
 
 
 def _tuples(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
@@ -121,10 +136,23 @@ def _refuse_other_migrations(schema: str, applied: dict[int, str]) -> None:
         )
 
 
+@contextmanager
+def _as_found(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """Reads that leave `conn` as they found it: a transaction they opened is ended, so a
+    migrate() after a current_version() on the same connection is not refused."""
+    opened = not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE
+    try:
+        yield
+    finally:
+        if opened and not conn.closed:
+            conn.rollback()
+
+
 def check_applied(conn: psycopg.Connection[Any], schema: str = "outbox") -> None:
     """Raise SchemaError when the schema's migrations are not this library's (see migrate)."""
-    if current_version(conn, schema) is not None:
-        _refuse_other_migrations(schema, _applied(conn, schema))
+    with _as_found(conn):
+        if current_version(conn, schema) is not None:
+            _refuse_other_migrations(schema, _applied(conn, schema))
 
 
 def schema_problem(conn: psycopg.Connection[Any], schema: str = "outbox") -> str | None:
@@ -155,13 +183,14 @@ def schema_problem(conn: psycopg.Connection[Any], schema: str = "outbox") -> str
 def current_version(conn: psycopg.Connection[Any], schema: str = "outbox") -> int | None:
     """The newest applied migration, or None where the schema was never migrated."""
     # quoted: a name with capitals is the table the migrations made (they quote it too)
-    cur = _tuples(conn)
-    row = cur.execute(
-        "SELECT to_regclass(format('%%I.schema_migration', %s::text))", (schema,)
-    ).fetchone()
-    if row is None or row[0] is None:
-        return None
-    got = cur.execute(
-        sql.SQL("SELECT max(version) FROM {}.schema_migration").format(sql.Identifier(schema))
-    ).fetchone()
-    return None if got is None else got[0]
+    with _as_found(conn):
+        cur = _tuples(conn)
+        row = cur.execute(
+            "SELECT to_regclass(format('%%I.schema_migration', %s::text))", (schema,)
+        ).fetchone()
+        if row is None or row[0] is None:
+            return None
+        got = cur.execute(
+            sql.SQL("SELECT max(version) FROM {}.schema_migration").format(sql.Identifier(schema))
+        ).fetchone()
+        return None if got is None else got[0]

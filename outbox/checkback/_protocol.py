@@ -26,6 +26,8 @@ from pydantic import (
     ValidationError,
 )
 
+from outbox._describe import describe
+
 from ._signing import (
     HEADER_ID,
     MalformedRequest,
@@ -36,7 +38,6 @@ from ._signing import (
 )
 
 PROTOCOL_VERSION: Final = 1
-_MAX_REPORTED_ERRORS: Final = 5
 
 
 class TransactionStatus(enum.StrEnum):
@@ -111,23 +112,11 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def _describe(exc: ValidationError) -> str:
-    """Name each bad field; never echo the input (it is the sender's data, maybe large)."""
-    errors = exc.errors(include_url=False, include_input=False, include_context=False)
-    parts = [
-        f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}"
-        for err in errors[:_MAX_REPORTED_ERRORS]
-    ]
-    if len(errors) > _MAX_REPORTED_ERRORS:
-        parts.append(f"and {len(errors) - _MAX_REPORTED_ERRORS} more")
-    return "; ".join(parts)
-
-
 def parse_request(body: bytes) -> CheckRequest:
     try:
         return CheckRequest.model_validate_json(body)
     except ValidationError as exc:
-        raise MalformedRequest(_describe(exc)) from None
+        raise MalformedRequest(describe(exc, "body")) from None
 
 
 def _signed_json(
@@ -180,7 +169,7 @@ def verify_response(
     try:
         answer = CheckResponse.model_validate_json(body)
     except ValidationError as exc:
-        raise MalformedResponse(_describe(exc)) from None
+        raise MalformedResponse(describe(exc, "body")) from None
     if answer.request_id != request_id:
         raise ResponseMismatch(
             f"response answers request {answer.request_id!r}, not {request_id!r} "

@@ -332,6 +332,47 @@ def test_send_in_transaction_keeps_records_prepared_when_the_end_cannot_be_writt
         result = outbox.send_in_transaction(conn, [Record("t", "a")], local_transaction)
     assert result.status is TransactionStatus.COMMIT
     assert result.state is State.PREPARED
+    assert not result.conflict  # the checker settles them: the endpoint will say COMMIT
+    assert states(pg_dsn, result.tx_id) == ["prepared"]
+
+
+@pytest.mark.parametrize("answer", [TransactionStatus.COMMIT, TransactionStatus.ROLLBACK])
+def test_a_local_transaction_that_leaves_the_connection_in_a_transaction_leaves_them_prepared(
+    pg_dsn: str, answer: TransactionStatus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The end ran as a savepoint in the transaction the local one left open, which nobody
+    committed: the result said committed, and the records stayed prepared."""
+
+    def local_transaction(written: Written) -> TransactionStatus:
+        conn.execute("SELECT 1")  # work on the outbox's connection, left uncommitted
+        return answer
+
+    with psycopg.connect(pg_dsn) as conn:
+        result = outbox.send_in_transaction(conn, [Record("t", "a")], local_transaction)
+        conn.rollback()
+    assert (result.status, result.state, result.conflict) == (answer, State.PREPARED, False)
+    assert states(pg_dsn, result.tx_id) == ["prepared"]
+    assert "left a transaction open on the outbox's connection" in caplog.text
+
+
+def test_async_a_local_transaction_that_leaves_a_transaction_open_leaves_them_prepared(
+    pg_dsn: str,
+) -> None:
+    async def main() -> outbox.LocalTransactionResult:
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+
+            async def local_transaction(written: Written) -> TransactionStatus:
+                await conn.execute("SELECT 1")
+                return TransactionStatus.COMMIT
+
+            result = await outbox.AsyncOutbox().send_in_transaction(
+                conn, [Record("t", "a")], local_transaction
+            )
+            await conn.rollback()
+            return result
+
+    result = asyncio.run(main())
+    assert result.state is State.PREPARED
     assert states(pg_dsn, result.tx_id) == ["prepared"]
 
 

@@ -235,6 +235,86 @@ def test_autocommit_without_a_transaction_is_refused(pg_dsn: str) -> None:
     assert len(rows(pg_dsn)) == 1
 
 
+def test_every_call_works_in_pipeline_mode(pg_dsn: str) -> None:
+    """In pipeline mode the rows of a statement are there only once fetched: every call wrote
+    its records, then raised IndexError (commit: UnknownTransactionError, after committing)."""
+    with psycopg.connect(pg_dsn) as conn, conn.pipeline():
+        one = outbox.publish(conn, "t", "one", key="k")
+        batch = outbox.publish_many(conn, [Record("t", "two"), Record("t", "three")])
+        named = outbox.publish(conn, "t", "four", tx_id="given")
+        half = outbox.prepare(conn, "t", "five")
+        ended = outbox.commit(conn, half.tx_id)
+    assert (ended.state, ended.changed, ended.ids) == (outbox.State.COMMITTED, True, half.ids)
+    assert [r[0] for r in rows(pg_dsn)] == [one, *batch.ids, named, *half.ids]
+    assert {r[8] for r in rows(pg_dsn)} == {"committed"}
+
+
+def test_async_calls_work_in_pipeline_mode(pg_dsn: str) -> None:
+    async def main() -> list[int]:
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+            async with conn.pipeline():
+                one = await outbox.AsyncOutbox().publish(conn, "t", "one")
+                half = await outbox.AsyncOutbox().prepare(conn, "t", "two")
+                await outbox.AsyncOutbox().commit(conn, half.tx_id)
+            return [one, *half.ids]
+
+    written = asyncio.run(main())
+    assert [r[0] for r in rows(pg_dsn)] == written
+
+
+def test_autocommit_in_pipeline_mode_needs_a_transaction_too(pg_dsn: str) -> None:
+    """A statement queued in a pipeline makes the status ACTIVE, not IDLE: an autocommit
+    connection's record went through the check, and committed on its own."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, conn.pipeline():
+        conn.execute("SELECT 1")
+        with pytest.raises(outbox.OutboxUsageError, match="autocommit"):
+            outbox.publish(conn, "t", "alone")
+        with conn.transaction():
+            kept = outbox.publish(conn, "t", "in a transaction")
+    assert [(r[0], r[5]) for r in rows(pg_dsn)] == [(kept, b"in a transaction")]
+
+
+def test_records_may_come_from_a_generator_but_not_alone(pg_dsn: str) -> None:
+    """A generator was used up by the checks, and the INSERT got none: IndexError."""
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        written = outbox.publish_many(conn, (Record("t", f"v{i}") for i in range(3)))
+        with pytest.raises(outbox.OutboxUsageError, match="single Record given"):
+            outbox.publish_many(conn, Record("t", "alone"))  # type: ignore[arg-type]
+    assert [r[5] for r in rows(pg_dsn)] == [b"v0", b"v1", b"v2"]
+    assert len(written.ids) == 3
+
+
+def test_migrate_refuses_a_connection_inside_a_transaction(pg_dsn: str) -> None:
+    """Its transaction would be a savepoint in the caller's: reported applied, then rolled back
+    with the caller's."""
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("SELECT 1")
+        with pytest.raises(outbox.OutboxUsageError, match="no transaction open"):
+            outbox.migrate(conn, schema="inside")
+        conn.rollback()
+        assert conn.execute("SELECT to_regnamespace('inside')").fetchone() == (None,)
+        conn.rollback()
+        assert outbox.migrate(conn, schema="inside").applied  # once idle, it migrates
+
+
+def test_migrate_reports_database_failures_as_the_librarys_error() -> None:
+    with pytest.raises(outbox.OutboxDatabaseError, match="migrating schema 'outbox' failed") as e:
+        outbox.migrate("host=127.0.0.1 port=1 dbname=none connect_timeout=2")
+    assert isinstance(e.value.__cause__, psycopg.OperationalError)
+
+
+def test_the_longest_schema_name_migrates_publishes_and_wakes_the_relay(pg_dsn: str) -> None:
+    schema = "s" * outbox.MAX_SCHEMA_NAME
+    outbox.migrate(pg_dsn, schema=schema)
+    with psycopg.connect(pg_dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {outbox.wakeup_channel(schema)}")
+        with psycopg.connect(pg_dsn) as conn, conn.transaction():
+            Outbox(schema_name=schema).publish(conn, "t", "v")
+        assert [n.channel for n in listener.notifies(timeout=5, stop_after=1)] == [
+            outbox.wakeup_channel(schema)
+        ]
+
+
 def test_an_aborted_transaction_is_reported_clearly(pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn) as conn:
         with pytest.raises(psycopg.errors.DivisionByZero):

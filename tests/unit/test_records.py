@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -95,6 +96,45 @@ def test_config_validates_at_construction() -> None:
         outbox.OutboxConfig(max_record_bytes=0)
     with pytest.raises(ValueError, match="Extra inputs"):
         outbox.OutboxConfig(shema_name="typo")  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"producer_group": "has space"}, "producer_group: producer group 'has space'"),
+        ({"max_record_bytes": 0}, "max_record_bytes: Input should be greater than 0"),
+        ({"shema_name": "typo"}, "shema_name: Extra inputs are not permitted"),
+        ({"schema_name": "my-schema"}, "schema_name: 'my-schema' is not a plain identifier"),
+    ],
+)
+def test_bad_settings_raise_the_librarys_own_error_naming_the_setting(
+    settings: dict[str, Any], said: str
+) -> None:
+    """Every error of the library derives from OutboxError (README), settings' too: pydantic's
+    ValidationError came through from Outbox(...), AsyncOutbox(...) and OutboxConfig(...)."""
+    for make in (outbox.OutboxConfig, outbox.Outbox, outbox.AsyncOutbox):
+        with pytest.raises(outbox.InvalidConfigError) as caught:
+            make(**settings)
+        assert isinstance(caught.value, outbox.OutboxError)
+        assert said in str(caught.value)
+
+
+def test_a_schema_name_must_leave_room_for_its_notify_channel() -> None:
+    """Postgres names hold 63 bytes, and the relay's wake-up channel is the name plus
+    '_wakeup': a 57-character schema migrated, then every publish failed."""
+    longest = "s" * outbox.MAX_SCHEMA_NAME
+    assert len(outbox.wakeup_channel(outbox.OutboxConfig(schema_name=longest).schema_name)) == 63
+    with pytest.raises(outbox.InvalidConfigError, match="at most 56 characters"):
+        outbox.OutboxConfig(schema_name=longest + "s")
+
+
+def test_a_config_and_settings_together_are_refused_not_dropped() -> None:
+    for make in (outbox.Outbox, outbox.AsyncOutbox):
+        with pytest.raises(outbox.InvalidConfigError, match=r"\(producer_group\), not both"):
+            make(outbox.OutboxConfig(), producer_group="orders")
+    assert outbox.Outbox(outbox.OutboxConfig(producer_group="orders")).config.producer_group == (
+        "orders"
+    )
 
 
 @pytest.mark.parametrize(
