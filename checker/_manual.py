@@ -395,30 +395,42 @@ def redrive_topic(
     actor: str,
     reason: str,
     schema: str = "outbox",
-    limit: int = 1000,
+    limit: int | None = None,
     on_redriven: Callable[[ManualResult], None] | None = None,
+    page: int = 1000,
 ) -> list[ManualResult]:
     """``redrive`` of every record parked for ``topic`` (after the topic was created, say), one
     transaction after another, each audited on its own; other records of those transactions
-    stay as they are. At most ``limit`` transactions: run it again for more. An error stops it
-    there; the transactions before it are redriven (run it again for the rest), and
-    ``on_redriven`` has been called with each, as it was done."""
+    stay as they are. All of them (read `page` transactions at a time; it stopped silently
+    after 1000), or at most ``limit`` transactions. Records the relay parks again meanwhile
+    are not redriven again by this call. An error stops it there; the transactions before it
+    are redriven (run it again for the rest), and ``on_redriven`` has been called with each,
+    as it was done."""
     topic = check_topic(topic)  # a name no record can have: said so, not "none parked"
     actor = _require_text("actor", actor)
     reason = _require_text("reason", reason)
-    if limit < 1:
+    if limit is not None and limit < 1:
         raise ValueError(f"limit must be at least 1, not {limit}")
+    if page < 1:
+        raise ValueError(f"page must be at least 1, not {page}")
     schema = OutboxConfig(schema_name=schema).schema_name
-    with database_errors():
-        parked = conn.execute(
-            queries.query("checker_parked_of_topic", schema), {"topic": topic, "limit": limit}
-        ).fetchall()
-    done = []
-    for group, tx_id, ids in parked:
-        result = redrive(
-            conn, group, tx_id, actor=actor, reason=reason, record_ids=ids, schema=schema
-        )
-        done.append(result)
-        if on_redriven is not None:
-            on_redriven(result)
+    done: list[ManualResult] = []
+    after = 0  # the first parked record id of the last transaction read
+    while limit is None or len(done) < limit:
+        size = page if limit is None else min(page, limit - len(done))
+        with database_errors():
+            parked = conn.execute(
+                queries.query("checker_parked_of_topic", schema),
+                {"topic": topic, "after": after, "limit": size},
+            ).fetchall()
+        for group, tx_id, ids in parked:
+            result = redrive(
+                conn, group, tx_id, actor=actor, reason=reason, record_ids=ids, schema=schema
+            )
+            done.append(result)
+            if on_redriven is not None:
+                on_redriven(result)
+        if len(parked) < size:
+            break
+        after = parked[-1][2][0]
     return done

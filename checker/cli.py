@@ -261,7 +261,7 @@ def _cmd_checker(args: argparse.Namespace) -> int:
     database: dict[str, Any] = {}
     if args.dsn:
         database["dsn"] = args.dsn
-    if args.schema != "outbox":  # the option's default: the settings decide
+    if args.schema_given:  # else the settings decide
         database["schema_name"] = args.schema
     settings = load_settings(args.config, **({"database": database} if database else {}))
     logs.configure(settings.log_level, settings.log_format)
@@ -289,7 +289,11 @@ def _cmd_checker(args: argparse.Namespace) -> int:
     logger.info("checker started (%d endpoint(s))", len(settings.checker.endpoints))
     while not stop.wait(1.0):
         if not checker.alive():
-            logger.error("the checker thread died; exiting")
+            logger.error(
+                "the checker thread died; exiting"
+                if checker.ended_by_itself()
+                else f"no check round finished in {checker.stale_after_s():.0f} s; exiting"
+            )
             checker.stop(settings.relay.shutdown_grace.total_seconds())
             return 1
     checker.stop(settings.relay.shutdown_grace.total_seconds())

@@ -69,6 +69,7 @@ Clock = Callable[[], datetime]
 ClientFactory = Callable[[str, EndpointSettings], CheckClient]
 
 _MAX_FAILURE_WAIT_S = 30.0
+ROUND_ALLOWANCE_S = 120.0  # how long a round may take before the liveness probe calls it stuck
 _MAX_LOGGED_GROUPS = 1000
 _MAX_APPLY_BATCH = 256
 _AGES_STATEMENT_TIMEOUT = "5s"
@@ -693,11 +694,21 @@ class Checker:
         thread = self._thread
         return thread is not None and not thread.is_alive() and not self._stop.is_set()
 
-    def alive(self, stale_after_s: float = 120.0) -> bool:
+    def stale_after_s(self) -> float:
+        """No round finished for this long: stuck. A round's own allowance, plus the longest
+        wait between rounds and the longest a round may ask an endpoint (a request starts
+        within lease_margin, or is given back, and lasts at most its timeout). A poll interval
+        above the allowance failed the liveness probe of a checker that was only waiting."""
+        s = self.settings
+        asking = max((e.timeout for e in s.endpoints.values()), default=timedelta(0))
+        return ROUND_ALLOWANCE_S + (s.poll_interval + asking + s.lease_margin).total_seconds()
+
+    def alive(self, stale_after_s: float | None = None) -> bool:
         """False when the round thread died or has not finished a round for a long time."""
         if self._thread is None:
             return not self._closed
-        return self._thread.is_alive() and time.monotonic() - self._last_round_at < stale_after_s
+        limit = self.stale_after_s() if stale_after_s is None else stale_after_s
+        return self._thread.is_alive() and time.monotonic() - self._last_round_at < limit
 
     def ready(self) -> dict[str, Any]:
         """What /readyz reports. ``ready`` needs the database only: an endpoint that is down is

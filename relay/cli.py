@@ -174,7 +174,11 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def _cmd_findings(args: argparse.Namespace) -> int:
-    found = read_findings(_dsn(args), args.schema, kinds=args.kind or None, limit=args.limit)
+    try:
+        found = read_findings(_dsn(args), args.schema, kinds=args.kind or None, limit=args.limit)
+    except ValueError as exc:  # bad input (a kind, the limit): nothing was asked
+        print(f"outboxctl findings: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([f.as_dict() for f in found], default=str))
         return 0
@@ -269,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if "schema" in args:
+        args.schema_given = args.schema is not None  # `checker --config` reads its own settings
     if "schema" in args and args.schema is None:
         settings, _ = _sidecar_settings()
         args.schema = settings.database.schema_name if settings is not None else "outbox"

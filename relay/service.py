@@ -60,6 +60,10 @@ HELD_BACK_POLL_S = 0.05
 MARKER_MESSAGE_MARGIN = 32 * 1024
 
 
+# How long a round may take before the liveness probe calls the relay stuck.
+ROUND_ALLOWANCE_S = 120.0
+
+
 def _backoff(failures: int) -> float:
     return min(_MAX_BACKOFF_S, 0.25 * 2.0**failures)
 
@@ -639,9 +643,16 @@ class Relay:
         thread = self._thread
         return thread is not None and not thread.is_alive() and not self._stop.is_set()
 
-    def alive(self, stale_after_s: float = 120.0) -> bool:
+    def stale_after_s(self) -> float:
+        """No round finished for this long: stuck. A round's own allowance, plus the longest
+        wait between rounds (a poll interval above the allowance failed the liveness probe of
+        a relay that was only waiting)."""
+        return ROUND_ALLOWANCE_S + self.settings.relay.poll_interval.total_seconds()
+
+    def alive(self, stale_after_s: float | None = None) -> bool:
+        limit = self.stale_after_s() if stale_after_s is None else stale_after_s
         return self._thread is None or (
-            self._thread.is_alive() and time.monotonic() - self.last_round_at < stale_after_s
+            self._thread.is_alive() and time.monotonic() - self.last_round_at < limit
         )
 
     def ready(self) -> dict[str, Any]:

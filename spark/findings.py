@@ -87,6 +87,8 @@ def read_findings(
     since: datetime | None = None,
 ) -> list[Finding]:
     """The newest findings first (by detection time), optionally of some kinds only."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
     schema = OutboxConfig(schema_name=schema).schema_name
     params = {"kinds": _kinds(kinds), "since": since, "limit": limit}
     with psycopg.connect(dsn, connect_timeout=CONNECT_TIMEOUT_S) as conn, schema_needed(schema):

@@ -288,11 +288,14 @@ WHERE was.id = r.id
 RETURNING r.id, was.reason;
 
 -- name: checker_parked_of_topic
--- The transactions with records parked for one topic, and those records' ids (redrive --topic).
+-- The transactions with records parked for one topic, and those records' ids (redrive --topic),
+-- a page at a time in order of their first parked record: past `after`, so that records the
+-- relay parks again while a redrive runs are not redriven twice by it.
 SELECT producer_group, tx_id, array_agg(id ORDER BY id) AS ids
 FROM {schema}.outbox_record
 WHERE state = 'parked' AND topic = %(topic)s
 GROUP BY producer_group, tx_id
+HAVING min(id) > %(after)s
 ORDER BY min(id)
 LIMIT %(limit)s;
 

@@ -49,6 +49,7 @@ from outbox.checkback import (
     build_response,
     serve,
 )
+from tests.integration.test_relay_delivery import wait_for
 
 SECRET = "whsec_" + base64.b64encode(b"s" * 32).decode()
 OTHER_SECRET = "whsec_" + base64.b64encode(b"o" * 32).decode()
@@ -1213,6 +1214,27 @@ def test_start_stop_and_probes(
     assert not checker.alive()
     with pytest.raises(RuntimeError):
         checker.run_once()
+
+
+def test_a_checker_waiting_a_long_poll_interval_is_alive(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """Liveness allowed 120 s without a finished round, whatever the poll interval: with one of
+    150 s, `outboxctl checker` exited ("the thread died") and /healthz failed while it waited."""
+    s = settings(
+        {GROUP: endpoint_settings(endpoint.url, timeout="PT20S")},
+        poll_interval="PT150S",
+        lease_margin="PT10S",
+    )
+    checker = make_checker(s, utc_now)
+    assert checker.stale_after_s() == 120 + 150 + 20 + 10
+    checker.start()
+    wait_for(lambda: checker._last_round_ok)  # its first round: then it waits 150 s
+    checker._last_round_at -= 150  # as if it had been waiting out its poll interval
+    assert checker.alive()
+    checker._last_round_at -= 150  # and then as long again: stuck
+    assert not checker.alive()
+    assert not checker.ended_by_itself()  # stuck, not dead: the log must not say it died
 
 
 def test_a_checker_on_a_schema_migrated_by_another_build_ends_by_itself(

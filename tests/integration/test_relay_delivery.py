@@ -588,6 +588,19 @@ def test_marker_messages_larger_than_the_marker_topic_takes_are_refused_at_start
     assert fitting.run_once().delivered == 1
 
 
+def test_a_relay_waiting_a_long_poll_interval_is_alive(relay_factory: Any) -> None:
+    """Liveness allowed 120 s without a finished round, whatever the poll interval: with one
+    above that, /healthz failed while the relay only waited for work."""
+    relay = relay_factory(poll_interval="PT150S", listen_notify=False)
+    assert relay.stale_after_s() == 120 + 150
+    relay.start()
+    wait_for(lambda: relay.workers)  # its first round: then it waits up to 150 s
+    relay.last_round_at = time.monotonic() - 150
+    assert relay.alive()
+    relay.last_round_at -= 150
+    assert not relay.alive()
+
+
 def test_recovery_skips_what_is_not_a_marker_on_the_marker_topic(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:

@@ -340,6 +340,25 @@ def test_every_query_renders() -> None:
 def test_read_findings_refuses_unknown_kinds_before_connecting() -> None:
     with pytest.raises(ValueError, match="unknown finding kinds"):
         read_findings("postgresql://nowhere.invalid/x", kinds=["missing", "lost"])
+    with pytest.raises(ValueError, match="limit must be at least 1, not -1"):
+        read_findings("postgresql://nowhere.invalid/x", limit=-1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--kind", "lost"], "outboxctl findings: unknown finding kinds ['lost']"),
+        (["--limit", "0"], "outboxctl findings: limit must be at least 1, not 0"),
+    ],
+)
+def test_findings_command_says_what_is_wrong_with_its_options(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad --kind ended in a Python traceback, a bad --limit in Postgres's words."""
+    from relay.cli import main
+
+    assert main(["findings", "--dsn", "postgresql://nowhere.invalid/x", *argv]) == 2
+    assert said in capsys.readouterr().err
 
 
 def test_report_text_and_json() -> None:
