@@ -101,8 +101,8 @@ def _lock(conn: Conn, schema: str, group: str, tx_id: str) -> list[_Row]:
     except pg_errors.LockNotAvailable:
         raise TransactionBusyError(
             f"the records of tx id {tx_id!r} in producer group {group!r} are locked by another "
-            "process right now (a checker claiming them); "
-            "nothing changed: try again",
+            "transaction right now (a checker asking about them or applying an answer, the "
+            "application ending them, another operator's command); nothing changed: try again",
             producer_group=group,
             tx_id=tx_id,
         ) from None

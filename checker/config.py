@@ -22,7 +22,15 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Self
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 
 
 class EndpointSettings(BaseModel):
@@ -54,6 +62,16 @@ class EndpointSettings(BaseModel):
         default=None,
         description="PEM bundle of the CAs to trust for https, instead of the system's.",
     )
+
+    @field_validator("url")
+    @classmethod
+    def _no_credentials(cls, url: AnyHttpUrl) -> AnyHttpUrl:
+        if url.username or url.password:
+            raise ValueError(
+                "the URL holds credentials: the checker never sends them (its requests are "
+                "signed with `secrets`), and `outboxctl config` would print them; remove them"
+            )
+        return url
 
     @model_validator(mode="after")
     def _timeouts(self) -> Self:

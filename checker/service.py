@@ -466,7 +466,12 @@ class Checker:
                 (
                     logger.info if outcome is Outcome.UNKNOWN else logger.warning,
                     (
-                        "tx %s of producer group %s: %s%s (check %d of %d); next check in %.0fs",
+                        "tx %s of producer group %s: %s%s (check %d of %d); "
+                        + (
+                            "next check in %.0fs"
+                            if count < s.max_checks
+                            else "no check is left: discarded in %.0fs unless it is ended first"
+                        ),
                         tx_id,
                         group,
                         outcome.value,

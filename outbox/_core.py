@@ -23,6 +23,7 @@ from outbox._errors import (
     DuplicateTransactionError,
     IllegalTransitionError,
     InvalidConfigError,
+    InvalidTxIdError,
     OutboxUsageError,
     UnknownTransactionError,
 )
@@ -36,6 +37,7 @@ from outbox._records import (
     encode_record,
 )
 
+PER_TRANSACTION_PREFIX = "xid:"  # + the transaction id: the tx id of records given none (SQL)
 Rows = list[tuple[Any, ...]]
 Query = tuple[bytes, dict[str, Any]]
 Operation = Generator[Query, Rows, Any]
@@ -163,6 +165,13 @@ def insert(
     )
     if tx_id is not None:
         check_tx_id(tx_id)
+        if not tx_id_generated and tx_id.startswith(PER_TRANSACTION_PREFIX):
+            # One of those given here could be the id a later transaction gets unchecked.
+            raise InvalidTxIdError(
+                f"tx id {tx_id!r}: ids starting with {PER_TRANSACTION_PREFIX!r} are the ones "
+                "the outbox gives each database transaction; leave tx_id unset to get this "
+                "transaction's, or give an id of your own"
+            )
     encoded = [
         encode_record(
             r,

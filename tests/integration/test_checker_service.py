@@ -618,14 +618,21 @@ def test_tls_is_verified(
 
 
 def test_max_checks_discards_and_audits(
-    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     tx_id, created = prepare(pg_dsn, records=2)
     clock = Clock(created + 7 * S)
     checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}, max_checks=2), clock)
+    caplog.set_level("INFO", logger="checker.service")
     assert checker.run_once().unknown == 1
+    assert "(check 1 of 2); next check in 30s" in caplog.text
     clock.now += 30 * S
     assert checker.run_once().unknown == 1
+    # the last check: no "next check", which never came
+    assert "(check 2 of 2); no check is left: discarded in 60s unless" in caplog.text
     clock.now += 60 * S
     with psycopg.connect(pg_dsn, autocommit=True) as listen:
         listen.execute("LISTEN outbox_wakeup")

@@ -274,6 +274,17 @@ def test_autocommit_in_pipeline_mode_needs_a_transaction_too(pg_dsn: str) -> Non
     assert [(r[0], r[5]) for r in rows(pg_dsn)] == [(kept, b"in a transaction")]
 
 
+def test_a_given_tx_id_of_the_outboxs_own_form_is_refused(pg_dsn: str) -> None:
+    """Given here, `xid:N` could be the id transaction N gets later, unchecked: two database
+    transactions under one tx id."""
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        for write in (outbox.publish, outbox.prepare):
+            with pytest.raises(outbox.InvalidTxIdError, match="leave tx_id unset"):
+                write(conn, "t", "v", tx_id="xid:1000")
+        outbox.publish(conn, "t", "v", tx_id="xid-like-but-mine")  # the transaction goes on
+    assert len(rows(pg_dsn)) == 1
+
+
 def test_records_may_come_from_a_generator_but_not_alone(pg_dsn: str) -> None:
     """A generator was used up by the checks, and the INSERT got none: IndexError."""
     with psycopg.connect(pg_dsn) as conn, conn.transaction():

@@ -54,6 +54,14 @@ def test_endpoint_rejects(bad: dict[str, object]) -> None:
         EndpointSettings.model_validate(endpoint(**bad))
 
 
+def test_an_endpoint_url_with_credentials_is_refused_without_echoing_them() -> None:
+    """They were never sent (a basic-auth endpoint answered 401 to every check), and
+    `outboxctl config` printed them."""
+    with pytest.raises(ValidationError, match="the URL holds credentials") as caught:
+        EndpointSettings.model_validate(endpoint(url="https://app:s3cret@orders.internal/check"))
+    assert "s3cret" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     "bad",
     [
