@@ -21,20 +21,31 @@ from pydantic import ValidationError
 from checker import cli as checker_cli
 from outbox import OutboxError, SchemaError, migrate
 from outbox import sql as outbox_sql
+from outbox._describe import describe
 from outbox.migrations import check_applied, current_version, latest_version
 from relay import sidecar
-from relay.config import SidecarSettings, load_settings
+from relay.config import (
+    DatabaseSettings,
+    SidecarSettings,
+    load_database_settings,
+    load_settings,
+)
 from relay.records import list_records
 from relay.status import outbox_status
 from spark.findings import read_findings
 
 
-def _sidecar_settings() -> tuple[SidecarSettings | None, str]:
-    """The sidecar's own settings, as its container has them, or (None, why not)."""
+def _why(exc: Exception) -> str:
+    return describe(exc, "settings") if isinstance(exc, ValidationError) else str(exc)
+
+
+def _database_settings() -> tuple[DatabaseSettings | None, str]:
+    """The database part of the sidecar's settings, the rest unread (load_database_settings):
+    what the commands that only read or migrate the outbox need."""
     try:
-        return load_settings(), ""
+        return load_database_settings().database, ""
     except Exception as exc:  # not configured here, or configured wrong: say so if needed
-        return None, str(exc).splitlines()[0]
+        return None, _why(exc)
 
 
 def _dsn(args: argparse.Namespace) -> str:
@@ -43,14 +54,14 @@ def _dsn(args: argparse.Namespace) -> str:
     dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
     if dsn:
         return str(dsn)
-    settings, why = _sidecar_settings()
-    if settings is None:
+    database, why = _database_settings()
+    if database is None:
         raise SystemExit(
             "outboxctl: no database: pass --dsn, set OUTBOX_DATABASE_URL, or give the sidecar's "
             "setting (OUTBOX_DATABASE__DSN, or the file outbox_database__dsn in "
             f"OUTBOX_SECRETS_DIR); the sidecar's settings: {why}"
         )
-    return settings.database.dsn.get_secret_value()
+    return database.dsn.get_secret_value()
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
@@ -276,8 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "schema" in args:
         args.schema_given = args.schema is not None  # `checker --config` reads its own settings
     if "schema" in args and args.schema is None:
-        settings, _ = _sidecar_settings()
-        args.schema = settings.database.schema_name if settings is not None else "outbox"
+        database, _ = _database_settings()
+        args.schema = database.schema_name if database is not None else "outbox"
     try:
         return int(args.func(args))
     except (OutboxError, psycopg.Error, ValidationError, FileNotFoundError) as exc:

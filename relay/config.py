@@ -14,9 +14,18 @@ import os
 import re
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     NestedSecretsSettingsSource,
@@ -32,8 +41,11 @@ DEFAULT_SECRETS_DIR = Path("/run/secrets/outbox")
 
 
 MASK = "**********"  # as pydantic shows a SecretStr
-# librdkafka properties that hold secrets: *.password, *.secret, PEM keys, OAUTHBEARER configs
-_SECRET_PROPERTY = re.compile(r"password|secret|pem|oauthbearer\.config|token|credential", re.I)
+# librdkafka properties that hold secrets: *.password, *.secret, PEM keys, OAUTHBEARER configs,
+# key passphrases (sasl.oauthbearer.assertion.private.key.passphrase)
+_SECRET_PROPERTY = re.compile(
+    r"password|passphrase|secret|pem|oauthbearer\.config|token|credential", re.I
+)
 
 
 class KafkaSettings(BaseModel):
@@ -60,6 +72,16 @@ class KafkaSettings(BaseModel):
         description="Further librdkafka properties, passed through.",
         repr=False,  # may hold secrets; `outboxctl config` shows it masked (_masked_extra)
     )
+
+    @field_validator("security_protocol", mode="before")
+    @classmethod
+    def _protocol_any_case(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v  # Kafka's docs write SASL_SSL
+
+    @field_validator("sasl_mechanism", mode="before")
+    @classmethod
+    def _mechanism_any_case(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
 
     @field_serializer("extra")
     def _masked_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
@@ -136,10 +158,14 @@ class RelaySettings(BaseModel):
     dead_letter_topic: str = "outbox.dead-letter"
     batch_size: int = Field(default=1000, ge=1, le=100_000)
     linger: timedelta = Field(
-        default=timedelta(milliseconds=0), description="Wait this long to fill a batch."
+        default=timedelta(milliseconds=0),
+        ge=timedelta(0),
+        description="Wait this long to fill a batch.",
     )
     poll_interval: timedelta = Field(
-        default=timedelta(milliseconds=500), description="Polling fallback between wake-ups."
+        default=timedelta(milliseconds=500),
+        gt=timedelta(0),  # 0: rounds back to back, with nothing to do
+        description="Polling fallback between wake-ups.",
     )
     listen_notify: bool = Field(
         default=True, description="LISTEN for commits; off for PgBouncer transaction pooling."
@@ -150,10 +176,12 @@ class RelaySettings(BaseModel):
         "batch waits for Kafka (one Postgres connection more; drains ~10% faster on a 2-core "
         "machine with Postgres and Kafka beside the relay, README).",
     )
-    lease_duration: timedelta = timedelta(seconds=15)
-    heartbeat_interval: timedelta = timedelta(seconds=5)
+    lease_duration: timedelta = Field(default=timedelta(seconds=15), gt=timedelta(0))
+    heartbeat_interval: timedelta = Field(default=timedelta(seconds=5), ge=timedelta(0))
     delivered_retention: timedelta = Field(
-        default=timedelta(0), description="Keep delivered rows this long (0: delete at once)."
+        default=timedelta(0),
+        ge=timedelta(0),
+        description="Keep delivered rows this long (0: delete at once).",
     )
     audit_retention: timedelta = Field(
         default=timedelta(days=90),
@@ -161,12 +189,24 @@ class RelaySettings(BaseModel):
         description="Keep audit_log entries (commands run by hand, discards) this long "
         "(0: for ever).",
     )
-    kafka_transaction_timeout: timedelta = timedelta(seconds=60)
-    shutdown_grace: timedelta = timedelta(seconds=25)
+    kafka_transaction_timeout: timedelta = Field(default=timedelta(seconds=60), gt=timedelta(0))
+    shutdown_grace: timedelta = Field(default=timedelta(seconds=25), ge=timedelta(0))
+
+    @model_validator(mode="after")
+    def _heartbeats_fit_the_lease(self) -> Self:
+        # A lease renewed no sooner than it expires is taken by another relay between two
+        # heartbeats, and taken back: epochs bump, producers are fenced, over and over.
+        if self.heartbeat_interval * 2 >= self.lease_duration:
+            raise ValueError(
+                f"heartbeat_interval ({self.heartbeat_interval}) must be under half of "
+                f"lease_duration ({self.lease_duration}): a lease must be renewed before it can "
+                "expire, with room for a slow round"
+            )
+        return self
 
 
-class SidecarSettings(BaseSettings):
-    """Everything the sidecar process reads at start."""
+class _FromEverywhere(BaseSettings):
+    """Settings read from the environment, mounted secrets and an optional TOML file."""
 
     model_config = SettingsConfigDict(
         env_prefix="OUTBOX_",
@@ -176,14 +216,6 @@ class SidecarSettings(BaseSettings):
         frozen=True,
         hide_input_in_errors=True,  # a mistyped secret's name must not print its value
     )
-
-    database: DatabaseSettings
-    kafka: KafkaSettings = KafkaSettings()
-    http: HttpSettings = HttpSettings()
-    relay: RelaySettings = RelaySettings()
-    checker: CheckerSettings = CheckerSettings()
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    log_format: Literal["json", "text"] = "json"
 
     @classmethod
     def settings_customise_sources(
@@ -201,19 +233,61 @@ class SidecarSettings(BaseSettings):
         return tuple(sources)
 
 
+class SidecarSettings(_FromEverywhere):
+    """Everything the sidecar process reads at start."""
+
+    database: DatabaseSettings
+    kafka: KafkaSettings = KafkaSettings()
+    http: HttpSettings = HttpSettings()
+    relay: RelaySettings = RelaySettings()
+    checker: CheckerSettings = CheckerSettings()
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "text"] = "json"
+
+    @field_validator("log_level", "log_format", mode="before")
+    @classmethod
+    def _any_case(cls, v: Any, info: ValidationInfo) -> Any:
+        if not isinstance(v, str):
+            return v
+        return v.upper() if info.field_name == "log_level" else v.lower()
+
+
+class DatabaseOnlySettings(_FromEverywhere):
+    """The database part of the sidecar's settings, the rest unread: what `outboxctl migrate`
+    and the inspection commands need. The chart's migration Job mounts the Secret alone (its
+    hook runs before the ConfigMap exists), and a checker endpoint's secret there, without the
+    endpoint's url from the config, failed the whole sidecar's settings."""
+
+    model_config = SettingsConfigDict(extra="ignore")
+
+    database: DatabaseSettings
+
+
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> SidecarSettings:
     """Read the settings from the environment, mounted secrets and an optional TOML file."""
+    return _load(SidecarSettings, config_file, overrides)
+
+
+def load_database_settings(config_file: str | Path | None = None) -> DatabaseOnlySettings:
+    """load_settings() of the database part alone."""
+    return _load(DatabaseOnlySettings, config_file, {})
+
+
+_S = TypeVar("_S", bound=_FromEverywhere)
+
+
+def _load(kind: type[_S], config_file: str | Path | None, overrides: dict[str, Any]) -> _S:
     secrets_dir = os.environ.get("OUTBOX_SECRETS_DIR") or (
         str(DEFAULT_SECRETS_DIR) if DEFAULT_SECRETS_DIR.is_dir() else None
     )
     config_file = config_file or os.environ.get("OUTBOX_CONFIG_FILE")
     if not config_file:
-        return SidecarSettings(_secrets_dir=secrets_dir, **overrides)
+        return kind(_secrets_dir=secrets_dir, **overrides)
     path = Path(config_file)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
 
-    class FromFile(SidecarSettings):
+    class FromFile(kind):  # type: ignore[valid-type,misc]
         model_config = SettingsConfigDict(toml_file=path)
 
     return FromFile(_secrets_dir=secrets_dir, **overrides)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -51,7 +52,7 @@ class ProbeServer:
             def log_message(self, format: str, *args: Any) -> None:
                 logger.debug("probe %s", format % args)
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server = _server_for(host)((host, port), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(
@@ -65,3 +66,15 @@ class ProbeServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def _server_for(host: str) -> type[ThreadingHTTPServer]:
+    """ThreadingHTTPServer listens on IPv4 only: an IPv6 host ("::" in an IPv6-only cluster)
+    failed to start, and the kubelet's probes could not reach "0.0.0.0" there."""
+    if ":" not in host:
+        return ThreadingHTTPServer
+
+    class ThreadingHTTPServerV6(ThreadingHTTPServer):
+        address_family = socket.AF_INET6
+
+    return ThreadingHTTPServerV6

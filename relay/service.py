@@ -124,6 +124,7 @@ class Relay:
         self._last_heartbeat = 0.0
         self._last_trim = 0.0
         self._audit_trim_refused = False  # the role may not delete from audit_log: said once
+        self._holder_seen: tuple[tuple[int, str], float] | None = None  # (pid, xid), first seen
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
         # is stamped (see _stamp)
         self._next_full_stamp = 0.0
@@ -474,6 +475,7 @@ class Relay:
     def _keep_alive(self) -> None:
         if self._heartbeat_due():
             self.heartbeat()
+            self.last_round_at = time.monotonic()  # a long round (a large stamp) is no stall
 
     def _heartbeat_due(self) -> bool:
         interval = self.settings.relay.heartbeat_interval.total_seconds()
@@ -499,6 +501,10 @@ class Relay:
                 break
             except Exception as exc:
                 failures += 1
+                # A round that failed is a round: the loop goes on, and a restart would not
+                # bring the database or the broker back (the liveness probe restarted a relay
+                # every few minutes through an outage, and crash-loop backoff delayed it after).
+                self.last_round_at = time.monotonic()
                 self._on_failure(exc)
                 self._stop.wait(_backoff(failures))
                 continue
@@ -684,4 +690,17 @@ class Relay:
             metrics.OLDEST_AGE.set(float(age[0]) if age and age[0] is not None else 0.0)
             holder = conn.execute(queries.query("relay_horizon_holder", self.schema)).fetchone()
             metrics.HORIZON_HOLDER_PID.set(holder[0] if holder else 0)
-            metrics.HORIZON_HELD.set(holder[1] if holder else 0.0)
+            metrics.HORIZON_HELD.set(self._horizon_held(holder))
+
+    def _horizon_held(self, holder: tuple[int, str, float | None] | None) -> float:
+        """Seconds the oldest running transaction has held the horizon. Its start is hidden
+        from a role without pg_read_all_stats (the least-privilege grants): then the seconds
+        since this relay first saw it, a lower bound. A None here failed every refresh, and
+        the alert on this gauge could never fire."""
+        if holder is None:
+            self._holder_seen = None
+            return 0.0
+        pid, xid, age = holder
+        if self._holder_seen is None or self._holder_seen[0] != (pid, xid):
+            self._holder_seen = ((pid, xid), time.monotonic())
+        return age if age is not None else time.monotonic() - self._holder_seen[1]

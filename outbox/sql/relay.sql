@@ -355,8 +355,10 @@ SELECT (SELECT count(*) FROM {schema}.outbox_record WHERE state = 'committed'),
             ORDER BY committed_xid LIMIT 1));
 
 -- name: relay_horizon_holder
--- The oldest transaction still running (it holds back the xid horizon), other than ours.
-SELECT pid, extract(epoch FROM now() - xact_start)::float8
+-- The oldest transaction still running (it holds back the xid horizon), other than ours. Its
+-- age is NULL for another role's session unless ours has pg_read_all_stats (backend_xid is
+-- shown to all): the relay then counts from when it first saw that transaction.
+SELECT pid, backend_xid::text, extract(epoch FROM now() - xact_start)::float8
 FROM pg_stat_activity
 WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
 ORDER BY age(backend_xid) DESC

@@ -325,6 +325,26 @@ def test_outboxctl_finds_the_database_where_the_sidecar_does(
     }
 
 
+def test_migrate_in_the_charts_hook_finds_the_database_beside_a_checker_secret(
+    pg_dsn: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The migration Job mounts the Secret alone (its hook runs before the ConfigMap exists).
+    A checker endpoint's signing secret there, without the endpoint's url from the config,
+    failed the whole sidecar's settings: "no database", and every install or upgrade."""
+    for name in ("OUTBOX_DATABASE_URL", "OUTBOX_DATABASE__DSN", "OUTBOX_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
+    (tmp_path / f"outbox_checker__endpoints__{GROUP}__secrets").write_text(f'["{SECRET}"]')
+    with pytest.raises(SystemExit, match=r"database: Field required"):  # says what is missing
+        main(["migrate", "--schema", "hooked"])
+    (tmp_path / "outbox_database__dsn").write_text(pg_dsn)
+    assert main(["migrate", "--schema", "hooked"]) == 0
+    assert "hooked" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_redrive_of_a_topic_stopped_by_a_busy_transaction_says_which_went_before(
     pg_dsn: str, capsys: pytest.CaptureFixture[str], as_json: bool

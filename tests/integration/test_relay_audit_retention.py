@@ -5,20 +5,18 @@ delivers as before."""
 from __future__ import annotations
 
 import logging
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
 from pydantic import SecretStr
 
 import outbox
-from outbox import sql as outbox_sql
 from relay.config import SidecarSettings
 from tests.fixtures.kafka import consume_all
+from tests.fixtures.postgres import GrantedRoles
 from tests.integration.test_relay_delivery import values
 
 
@@ -73,41 +71,27 @@ def test_a_negative_retention_is_refused_by_name(relay_settings: Any) -> None:
         relay_settings(audit_retention="-PT1S")
 
 
-@pytest.fixture
-def sidecar_role_without_delete(pg_dsn: str) -> Iterator[str]:
-    """A DSN of a role with the sidecar's grants from before audit_retention: no DELETE on
-    audit_log."""
-    suffix = uuid.uuid4().hex[:8]
-    roles = [f"{kind}_{suffix}" for kind in ("writer", "relay", "recon")]
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        for role in roles:
-            admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-        admin.execute(outbox_sql.grants_sql("outbox", *roles))
-        admin.execute(
-            sql.SQL("REVOKE DELETE ON outbox.audit_log FROM {}").format(sql.Identifier(roles[1]))
-        )
-    try:
-        yield make_conninfo(pg_dsn, user=roles[1])
-    finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            for role in roles:
-                admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-                admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
-
-
 def test_a_role_that_may_not_delete_keeps_the_entries_says_so_once_and_delivers(
     pg_dsn: str,
+    granted_roles: GrantedRoles,  # first: its roles outlive the relay, which is stopped before
     kafka_bootstrap: str,
     topic_factory: Callable[..., str],
     relay_settings: Callable[..., SidecarSettings],
     relay_factory: Any,
-    sidecar_role_without_delete: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     topic = topic_factory()
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:  # as granted before the retention
+        admin.execute(
+            sql.SQL("REVOKE DELETE ON outbox.audit_log FROM {}").format(
+                sql.Identifier(granted_roles.relay)
+            )
+        )
     add_entries(pg_dsn, "2 days")
     settings = relay_settings(audit_retention="P1D")
-    database = settings.database.model_copy(update={"dsn": SecretStr(sidecar_role_without_delete)})
+    database = settings.database.model_copy(
+        update={"dsn": SecretStr(granted_roles.dsn(granted_roles.relay))}
+    )
     as_role = settings.model_copy(update={"database": database})
     relay = relay_factory(as_role)
     caplog.set_level(logging.WARNING, logger="relay.service")

@@ -12,6 +12,7 @@ import pytest
 from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient, NewPartitions
 from prometheus_client import REGISTRY
+from pydantic import SecretStr
 
 import outbox
 from checker import redrive
@@ -21,6 +22,7 @@ from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_mes
 from relay.pipelined import pipelined_transaction
 from relay.service import Relay, RelayConfigError
 from tests.fixtures.kafka import consume_all
+from tests.fixtures.postgres import GrantedRoles
 
 
 def values(msgs: list[Message]) -> list[bytes]:
@@ -1224,6 +1226,35 @@ def test_the_backlog_gauges_count_committed_rows_and_age_the_oldest_stamped_or_n
         assert REGISTRY.get_sample_value("outbox_relay_oldest_undelivered_seconds") == 0
 
 
+def test_the_horizon_gauges_work_for_a_role_that_cannot_see_when_the_holder_began(
+    pg_dsn: str,
+    granted_roles: GrantedRoles,  # first: its roles outlive the relay, which is stopped before
+    relay_settings: Callable[..., SidecarSettings],
+    relay_factory: Any,
+) -> None:
+    """pg_stat_activity hides another role's xact_start from a role without pg_read_all_stats,
+    as the example grants make the relay's: the age came back None, every refresh failed, and
+    the alert on outbox_relay_horizon_held_seconds could never fire."""
+    settings = relay_settings()
+    dsn = SecretStr(granted_roles.dsn(granted_roles.relay))
+    r = relay_factory(
+        settings.model_copy(update={"database": settings.database.model_copy(update={"dsn": dsn})})
+    )
+
+    def held() -> float:
+        r.refresh_gauges()
+        return REGISTRY.get_sample_value("outbox_relay_horizon_held_seconds") or 0.0
+
+    with psycopg.connect(pg_dsn) as app:  # the application's long transaction, another role
+        app.execute("SELECT pg_current_xact_id()")
+        first = held()
+        assert REGISTRY.get_sample_value("outbox_relay_horizon_holder_pid") == app.info.backend_pid
+        wait_for(lambda: held() > first + 0.2)  # counted from when the relay first saw it
+        app.rollback()
+    assert held() == 0.0
+    assert REGISTRY.get_sample_value("outbox_relay_horizon_holder_pid") == 0
+
+
 def test_a_relay_refuses_a_schema_migrated_by_another_build(
     pg_dsn: str, relay_factory: Any
 ) -> None:
@@ -1293,6 +1324,23 @@ def test_a_relay_without_a_shard_stays_alive(
     spare.last_round_at -= 1000  # as if its last round were long ago
     assert spare.run_once().shards == 0
     assert time.monotonic() - spare.last_round_at < 60  # what alive() judges a running relay by
+
+
+def test_a_relay_whose_database_is_down_stays_alive_while_it_tries_again(
+    relay_settings: Callable[..., SidecarSettings], relay_factory: Any
+) -> None:
+    """Failed rounds did not count: through a database outage the liveness probe restarted
+    the relay every few minutes, which brings no database back, and crash-loop backoff then
+    delayed it once the database was back."""
+    settings = relay_settings()
+    gone = SecretStr("host=127.0.0.1 port=1 dbname=gone connect_timeout=1")
+    relay = relay_factory(
+        settings.model_copy(update={"database": settings.database.model_copy(update={"dsn": gone})})
+    )
+    relay.last_round_at -= 1000  # as if it had not finished a round for long
+    relay.start()
+    wait_for(lambda: time.monotonic() - relay.last_round_at < 60)
+    assert relay.alive()
 
 
 def test_leases_are_renewed_between_shards_of_one_round(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from relay.config import KafkaSettings, load_settings
+from relay.config import KafkaSettings, RelaySettings, SidecarSettings, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -91,12 +91,14 @@ def test_secrets_in_passed_through_properties_are_masked_when_shown() -> None:
         extra={
             "sasl.oauthbearer.client.secret": "topsecret",
             "ssl.key.pem": "-----BEGIN",
+            "sasl.oauthbearer.assertion.private.key.passphrase": "keypass",
             "acks": "all",
         }
     )
     shown = kafka.model_dump_json()
     assert "topsecret" not in shown
     assert "BEGIN" not in shown
+    assert "keypass" not in shown  # "passphrase" was not a word the mask knew
     assert "topsecret" not in repr(kafka)
     assert '"acks":"all"' in shown
     assert kafka.to_librdkafka()["sasl.oauthbearer.client.secret"] == "topsecret"  # still used
@@ -112,3 +114,28 @@ def test_a_setting_refused_does_not_print_its_value(
         load_settings()
     assert "sasl_pasword" in str(caught.value)  # what is wrong...
     assert "filesecret" not in str(caught.value)  # ...without the value
+
+
+@pytest.mark.parametrize(
+    ("relay", "said"),
+    [
+        ({"lease_duration": "PT10S", "heartbeat_interval": "PT5S"}, "must be under half of"),
+        ({"poll_interval": "PT0S"}, "poll_interval"),  # rounds back to back, for nothing
+        ({"shutdown_grace": "-PT5S"}, "shutdown_grace"),  # a SIGTERM skipped the graceful stop
+        ({"delivered_retention": "-PT1S"}, "delivered_retention"),
+        ({"lease_duration": "PT0S"}, "lease_duration"),
+    ],
+)
+def test_relay_durations_that_cannot_work_are_refused_by_name(
+    relay: dict[str, str], said: str
+) -> None:
+    with pytest.raises(ValidationError, match=said):
+        RelaySettings.model_validate(relay)
+
+
+def test_names_are_taken_in_any_case_as_kafkas_docs_and_habits_write_them() -> None:
+    kafka = KafkaSettings(security_protocol="SASL_SSL", sasl_mechanism="scram-sha-512")  # type: ignore[arg-type]
+    assert kafka.to_librdkafka()["security.protocol"] == "sasl_ssl"
+    assert kafka.to_librdkafka()["sasl.mechanism"] == "SCRAM-SHA-512"
+    settings = SidecarSettings(database={"dsn": "x"}, log_level="info", log_format="TEXT")  # type: ignore[arg-type]
+    assert (settings.log_level, settings.log_format) == ("INFO", "text")
