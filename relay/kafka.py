@@ -97,21 +97,38 @@ class Sent:
     error: KafkaError | None = None
 
 
+# What exactly-once needs of every shard producer, whatever kafka.extra says...
+_REQUIRED_VALUES: dict[str, Any] = {"enable.idempotence": True, "acks": "all"}
+_REQUIRED = {"enable.idempotence": {"true"}, "acks": {"all", "-1"}}  # as written, same meaning
+# ...and the relay's defaults for the rest, measured with bench/relay.py.
+_TUNABLE_DEFAULTS: dict[str, Any] = {
+    "linger.ms": 2,
+    "queue.buffering.max.messages": 1_000_000,
+    # Unknown topics are caught before producing; do not wait long on metadata.
+    "topic.metadata.propagation.max.ms": 5_000,
+}
+
+
 class ShardProducer:
     """A transactional producer with transactional.id `<prefix>-<shard>`."""
 
     def __init__(self, conf: dict[str, Any], transactional_id: str, timeout: timedelta) -> None:
         self.transactional_id = transactional_id
         self.timeout_s = timeout.total_seconds()
+        for name, allowed in _REQUIRED.items():
+            if name in conf and str(conf[name]).lower() not in allowed:
+                logger.warning(
+                    "kafka.extra %s=%s ignored: a transactional producer needs %s",
+                    name,
+                    conf[name],
+                    _REQUIRED_VALUES[name],
+                )
+        # The tunables are defaults that kafka.extra may change (they were overwritten unsaid).
         self._conf = {
+            **_TUNABLE_DEFAULTS,
             **conf,
             "transactional.id": transactional_id,
-            "enable.idempotence": True,
-            "acks": "all",
-            "linger.ms": 2,
-            "queue.buffering.max.messages": 1_000_000,
-            # Unknown topics are caught before producing; do not wait long on metadata.
-            "topic.metadata.propagation.max.ms": 5_000,
+            **_REQUIRED_VALUES,
         }
         self._producer: Producer | None = None
         self._sent: list[Sent] = []

@@ -57,3 +57,23 @@ def test_a_retriable_commit_error_past_the_timeout_leaves_the_outcome_unknown() 
     error: Any = KafkaError(KafkaError._TIMED_OUT, retriable=True)
     with pytest.raises(OutcomeUnknown):
         producer_failing_with(error).commit()
+
+
+def test_extra_may_tune_the_producer_but_not_loosen_exactly_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """kafka.extra's linger.ms and the like were overwritten without a word; acks and
+    idempotence stay as transactions need them, and an extra that says otherwise is named."""
+    extra = {"linger.ms": 20, "acks": "1", "enable.idempotence": "false", "client.id": "x"}
+    conf = ShardProducer(extra, "test-0", timedelta(seconds=1))._conf
+    assert (conf["linger.ms"], conf["client.id"]) == (20, "x")
+    assert (conf["acks"], conf["enable.idempotence"], conf["transactional.id"]) == (
+        "all",
+        True,
+        "test-0",
+    )
+    assert "kafka.extra acks=1 ignored" in caplog.text
+    assert "kafka.extra enable.idempotence=false ignored" in caplog.text
+    defaults = ShardProducer({"acks": "-1"}, "test-0", timedelta(seconds=1))._conf
+    assert defaults["linger.ms"] == 2
+    assert "acks=-1" not in caplog.text  # the same as all
