@@ -181,7 +181,13 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
             "outboxctl reconcile: PySpark is not installed: "
             "pip install 'kafka-outbox-sidecar[spark]' (or run it with spark-submit)"
         ) from None
-    return reconcile_main(args.job_args)
+    from spark._errors import ReconcileError  # with the job: PySpark is there by now
+
+    try:
+        return reconcile_main(args.job_args)
+    except (ReconcileError, psycopg.Error) as exc:  # said as `python -m spark.job` says them
+        print(f"outboxctl reconcile: {exc}", file=sys.stderr)
+        return 1
 
 
 def _cmd_findings(args: argparse.Namespace) -> int:

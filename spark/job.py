@@ -27,7 +27,7 @@ Python needs this project's dependencies -- psycopg, pydantic -- e.g. `pip insta
 'kafka-outbox-sidecar[spark]'` on the submitting host in client mode; executors run only Spark's
 built-in functions and need none of our Python code):
 
-    python -m zipfile -c dist/outbox_spark.zip spark outbox relay
+    mkdir -p dist && python -m zipfile -c dist/outbox_spark.zip spark outbox relay
     eval "$(scripts/services env)"    # or set OUTBOX_SPARK_JARS to your local jar paths
     spark-submit \\
         --master spark://master:7077 --deploy-mode client \\
@@ -400,6 +400,8 @@ class ReconcileJob:
             kafka,
             marker_topic=self.settings.marker_topic,
             ignored_topics=self.settings.ignored_topics,
+            topics=self.settings.topics,
+            topic_pattern=self.settings.topic_pattern,
         )
 
     def _on_batch(self, batch: DataFrame, batch_id: int) -> None:
@@ -545,6 +547,16 @@ class ReconcileJob:
             latency_from=None if carried is None else carried.counted_from,
         )
         self._last_as_of = as_of
+        if self._judged_to is not None and self._judged_to < window.lo:
+            # Observations older than the horizon are gone: that stretch is never judged.
+            logger.warning(
+                "records that became due from %s to %s are not judged: the job last judged up "
+                "to %s, longer ago than --horizon (%s) allows; audit that range with --from/--to",
+                self._judged_to.isoformat(),
+                window.lo.isoformat(),
+                self._judged_to.isoformat(),
+                settings.horizon,
+            )
         if skip_if_idle and window.windows_from is not None:
             started = time.perf_counter()
             if self._idle(window):
@@ -741,7 +753,8 @@ class ReconcileJob:
         then no id may be called unknown. The window is read once (persisted, added to
         `cached`): the ids looked up and the judgement see the same rows.
         """
-        url, props = self.settings.jdbc()
+        s = self.settings
+        url, props = s.jdbc()
         query = _sql.text(
             "ledger_window",
             self.settings.schema_name,
@@ -755,7 +768,10 @@ class ReconcileJob:
                 f"({query}) AS ledger_window",
                 predicates=[f"id % {parts} = {n}" for n in range(parts)],
                 properties={**props, "fetchsize": "10000"},
-            ).select([F.col(f.name).cast(f.dataType) for f in transform.LEDGER_SCHEMA.fields])
+            )
+            .select([F.col(f.name).cast(f.dataType) for f in transform.LEDGER_SCHEMA.fields])
+            # records of the topics it reads only: the others' were all called missing
+            .where(transform.watched(F.col("topic"), s.topics, s.topic_pattern))
         ).persist()
         cached.append(window_rows)
         others = (

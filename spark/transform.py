@@ -201,15 +201,29 @@ def _header(name: str) -> Column:
     return F.get("headers", (position - 1).cast("int"))["value"].cast("string")
 
 
+def watched(topic: Column, topics: tuple[str, ...], pattern: str | None) -> Column:
+    """Whether `topic` is one the job reads: by name, or a whole match of the Java regex, as
+    Kafka's subscribePattern matches (Spark's rlike is Java's regex too)."""
+    if pattern is not None:
+        return topic.rlike(f"^(?:{pattern})$")
+    return topic.isin(list(topics)) if topics else F.lit(True)
+
+
 def observations(
-    kafka: DataFrame, *, marker_topic: str, ignored_topics: tuple[str, ...] = ()
+    kafka: DataFrame,
+    *,
+    marker_topic: str,
+    ignored_topics: tuple[str, ...] = (),
+    topics: tuple[str, ...] = (),
+    topic_pattern: str | None = None,
 ) -> DataFrame:
     """Kafka source rows (KAFKA_SCHEMA) as observations (OBSERVATION_SCHEMA), in one pass.
 
     Records of the op-marker topic are markers; records of other topics are copies when they carry
     an outbox id header. Anything else (records of other producers, malformed markers or markers
-    without an op or a topic, records of `ignored_topics` such as the dead-letter topic) is
-    dropped.
+    without an op or a topic, records of `ignored_topics` such as the dead-letter topic, markers
+    of records on topics the job does not read: `topics` / `topic_pattern`) is dropped. Kept,
+    those markers made every record of another topic a marker without its record.
     """
     is_marker = F.col("topic") == F.lit(marker_topic)
     message = F.from_json(F.when(is_marker, F.col("value").cast("string")), MARKER_VALUE_SCHEMA)
@@ -257,7 +271,9 @@ def observations(
     )
     # a marker without an op or a topic is not a relay's (the sink would refuse its finding)
     complete = (F.col("source") == RECORD) | (
-        F.col("op").isNotNull() & F.col("target_topic").isNotNull()
+        F.col("op").isNotNull()
+        & F.col("target_topic").isNotNull()
+        & watched(F.col("target_topic"), topics, topic_pattern)
     )
     return obs.where(F.col("outbox_id").isNotNull() & complete)
 

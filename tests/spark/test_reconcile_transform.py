@@ -206,6 +206,31 @@ def test_observations_parse_copies_and_markers(spark: SparkSession) -> None:
     assert marker.commit_ts is not None
 
 
+def test_markers_of_records_on_topics_the_job_does_not_read_are_dropped(
+    spark: SparkSession,
+) -> None:
+    """A job that reads some topics judged every marker: each record of another topic was a
+    marker without its record (or, with an archive, missing). Topics by name, or as Kafka's
+    subscribePattern matches them: the whole name."""
+    from spark.transform import MARKER, observations
+
+    kafka = Kafka()
+    kafka.marker(1, s(1), offset=0, commit=s(0))
+    kafka.copy(1, 0, s(1))
+    frame = kafka.frame(spark)
+
+    def seen(**watched: Any) -> list[str]:
+        obs = observations(frame, marker_topic=MARKERS, **watched)
+        return sorted(r.source for r in obs.collect())
+
+    both = sorted([MARKER, "record"])
+    assert seen() == both
+    assert seen(topics=(TOPIC,)) == both
+    assert seen(topic_pattern="ord.*") == both
+    assert seen(topics=("payments",)) == ["record"]  # the copy: the subscription decides
+    assert seen(topic_pattern="ord") == ["record"]  # a prefix is no match, as in Kafka
+
+
 def test_a_copy_s_outbox_headers_are_read_wherever_they_are_and_the_first_of_a_name_wins(
     spark: SparkSession,
 ) -> None:

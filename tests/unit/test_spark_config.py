@@ -426,3 +426,22 @@ def test_reconcile_without_pyspark_says_what_to_install(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "pyspark", None)  # as if not installed
     with pytest.raises(SystemExit, match=r"pip install 'kafka-outbox-sidecar\[spark\]'"):
         main(["reconcile", "--help"])
+
+
+def test_reconcile_command_says_the_jobs_errors_instead_of_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`outboxctl reconcile` handed the job's own errors (a missing connector, an unreachable
+    database) to Python as a traceback; `python -m spark.job` said them in a line."""
+    import spark.job
+    from relay.cli import main
+    from spark._errors import ReconcileConfigError
+
+    def failing(argv: list[str]) -> int:
+        raise ReconcileConfigError("Spark's Kafka connector is not on the classpath")
+
+    monkeypatch.setattr(spark.job, "main", failing)
+    assert main(["reconcile", "--once"]) == 1
+    assert capsys.readouterr().err == (
+        "outboxctl reconcile: Spark's Kafka connector is not on the classpath\n"
+    )
