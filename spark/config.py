@@ -18,7 +18,9 @@ in being read is not taken for a missing one.
 
 from __future__ import annotations
 
+import getpass
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -87,12 +89,40 @@ def spark_interval(delta: timedelta) -> str:
     return f"{round(delta.total_seconds() * 1000)} milliseconds"
 
 
+# libpq's environment variables for what a DSN leaves out (those jdbc_target passes on)
+_LIBPQ_ENVIRONMENT = {
+    "host": "PGHOST",
+    "hostaddr": "PGHOSTADDR",
+    "port": "PGPORT",
+    "dbname": "PGDATABASE",
+    "user": "PGUSER",
+    "password": "PGPASSWORD",
+    "sslmode": "PGSSLMODE",
+    "sslrootcert": "PGSSLROOTCERT",
+    "sslcert": "PGSSLCERT",
+    "sslkey": "PGSSLKEY",
+    "application_name": "PGAPPNAME",
+    "connect_timeout": "PGCONNECT_TIMEOUT",
+    "options": "PGOPTIONS",
+}
+
+
 def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
     """A libpq connection string as the PostgreSQL JDBC driver takes it: (url, properties).
 
-    The password goes into the properties (Spark redacts it), never into the URL.
+    The password goes into the properties (Spark redacts it), never into the URL. What the DSN
+    leaves out comes from libpq's environment (PGHOST, PGUSER, PGPASSWORD...), as psycopg's side
+    of the job gets it: else the two sides could reach different databases.
     """
     params = conninfo_to_dict(dsn)
+    for name, variable in _LIBPQ_ENVIRONMENT.items():
+        if params.get(name) is None and os.environ.get(variable):
+            params[name] = os.environ[variable]
+    if params.get("service") or os.environ.get("PGSERVICE"):
+        raise ReconcileConfigError(
+            "the JDBC driver cannot read a libpq service file: give host, port and dbname in "
+            "--dsn, or pass --jdbc-url"
+        )
     hosts = str(params.get("host") or params.get("hostaddr") or "localhost").split(",")
     ports = str(params.get("port") or "5432").split(",")
     if len(ports) == 1:
@@ -101,7 +131,7 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
         raise ReconcileConfigError(
             "the JDBC driver cannot use a Unix socket: give a host in --dsn, or pass --jdbc-url"
         )
-    dbname = params.get("dbname") or params.get("user") or "postgres"
+    dbname = params.get("dbname") or params.get("user") or getpass.getuser()  # as libpq
     url = "jdbc:postgresql://{}/{}".format(
         ",".join(f"{h}:{p}" for h, p in zip(hosts, ports, strict=True)), dbname
     )

@@ -49,7 +49,13 @@ def relay_with_backlog(
     """A relay that holds shard 0 (batches of BATCH, claims ahead unless told), and `count`
     committed records of one key waiting for it."""
     relay: Relay = relay_factory(
-        **{"batch_size": BATCH, "heartbeat_interval": "PT60S", "claim_ahead": True, **settings}
+        **{
+            "batch_size": BATCH,
+            "heartbeat_interval": "PT60S",
+            "lease_duration": "PT180S",
+            "claim_ahead": True,
+            **settings,
+        }
     )
     relay.run_once()  # shard 0 taken
     payloads = [f"r{i:02d}" for i in range(count)]
@@ -112,7 +118,9 @@ def test_a_claim_made_ahead_that_did_not_come_full_is_made_again_with_what_commi
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=True)
+    relay: Relay = relay_factory(
+        batch_size=BATCH, heartbeat_interval="PT60S", lease_duration="PT180S", claim_ahead=True
+    )
     relay.run_once()
     publish(pg_dsn, topic, *(f"a{i}" for i in range(BATCH + 1)))
     assert relay.run_once(pipelined=True).delivered == BATCH
@@ -179,7 +187,9 @@ def test_a_claim_made_ahead_runs_before_the_next_stamp_so_a_later_commit_never_o
     Both rounds stamp (a full stamp is due): a round that stamps nothing bounds its claims,
     and the claim made ahead, by themselves."""
     topic = topic_factory()
-    relay: Relay = relay_factory(batch_size=BATCH, heartbeat_interval="PT60S", claim_ahead=True)
+    relay: Relay = relay_factory(
+        batch_size=BATCH, heartbeat_interval="PT60S", lease_duration="PT180S", claim_ahead=True
+    )
     relay.run_once()
     publish(pg_dsn, topic, *(f"r{i}" for i in range(2 * BATCH - 1)))
     (worker,) = relay.workers.values()

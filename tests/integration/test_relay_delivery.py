@@ -744,7 +744,7 @@ def test_a_stamp_waits_for_the_end_of_rows_claimed_unstamped(
     topic = topic_factory()
     # No heartbeat in the stamping round: it waits for the lease, which the end holds locked
     # (a wait that cannot deadlock, and not the one looked for; once seen in a full run).
-    r = relay_factory(heartbeat_interval="PT60S")
+    r = relay_factory(heartbeat_interval="PT60S", lease_duration="PT180S")
     assert r.run_once(pipelined=True).delivered == 0  # its first round stamps: nothing
     ids = []
     with psycopg.connect(pg_dsn) as conn:
@@ -792,7 +792,7 @@ def test_a_stamp_gives_way_to_another_relays_end_that_locks_its_rows_in_another_
     one of them after deadlock_timeout (the end: it waited longer); the stamp gives up first
     and is made again, so the end goes through and the stamp after it."""
     topic = topic_factory()
-    r = relay_factory(heartbeat_interval="PT60S")
+    r = relay_factory(heartbeat_interval="PT60S", lease_duration="PT180S")
     assert r.run_once().delivered == 0  # set up, its first stamp done
     ids = []
     with psycopg.connect(pg_dsn) as conn:
@@ -866,7 +866,7 @@ def test_a_stamp_kept_from_a_row_for_long_fails_its_round_and_the_next_one_goes_
     import relay.service
 
     topic = topic_factory()
-    r = relay_factory(heartbeat_interval="PT60S")
+    r = relay_factory(heartbeat_interval="PT60S", lease_duration="PT180S")
     assert r.run_once().delivered == 0
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         row_id = outbox.publish(conn, topic, "held", key="h")
@@ -888,7 +888,7 @@ def test_an_end_that_postgres_ends_to_break_a_deadlock_is_made_again(
     relay's end holds X and wants Y: Postgres ends the end, which waited longer. It is made
     again at once, instead of the shard recovering from its op markers."""
     topic = topic_factory()
-    r = relay_factory(heartbeat_interval="PT60S")
+    r = relay_factory(heartbeat_interval="PT60S", lease_duration="PT180S")
     assert r.run_once(pipelined=True).delivered == 0
     ids = []
     with psycopg.connect(pg_dsn) as conn:

@@ -109,7 +109,7 @@ def test_the_next_batch_is_claimed_while_the_last_one_ends_and_nothing_goes_twic
 ) -> None:
     topic = topic_factory()
     # heartbeats (of the lease rows the test holds) only in the first round
-    relay: Relay = relay_factory(heartbeat_interval="PT60S")
+    relay: Relay = relay_factory(heartbeat_interval="PT60S", lease_duration="PT180S")
     relay.run_once()  # shard 0 taken
     publish(pg_dsn, topic, "a1", "a2")
     with psycopg.connect(pg_dsn) as conn:  # a rolled back record: its op marker goes too
@@ -144,7 +144,7 @@ def test_an_end_that_fails_aborts_the_next_batch_and_the_heir_ends_the_rows_from
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(heartbeat_interval="PT60S")
+    relay: Relay = relay_factory(heartbeat_interval="PT60S", lease_duration="PT180S")
     relay.run_once()
     publish(pg_dsn, topic, "first")
     with ends_held(relay) as gate:
@@ -216,7 +216,7 @@ def test_an_ender_whose_connection_breaks_costs_its_shard_a_recovery_not_the_rou
     found: str,
 ) -> None:
     topic = topic_factory()
-    relay: Relay = relay_factory(heartbeat_interval="PT60S")
+    relay: Relay = relay_factory(heartbeat_interval="PT60S", lease_duration="PT180S")
     relay.run_once()
     publish(pg_dsn, topic, "first")
     main = relay.conn

@@ -153,6 +153,26 @@ def test_jdbc_target_from_a_dsn() -> None:
     assert "s3cret" not in url
 
 
+def test_jdbc_target_takes_what_the_dsn_leaves_out_from_libpqs_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """psycopg's side of the job read PGHOST and the rest; the JDBC URL fell back to
+    localhost:5432: the two sides could reach different databases."""
+    for variable in ("PGHOST", "PGPORT", "PGUSER", "PGPASSWORD", "PGDATABASE", "PGSERVICE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("PGHOST", "db.internal")
+    monkeypatch.setenv("PGPORT", "6432")
+    monkeypatch.setenv("PGUSER", "recon")
+    monkeypatch.setenv("PGPASSWORD", "from-env")
+    url, props = jdbc_target("dbname=shop")
+    assert url == "jdbc:postgresql://db.internal:6432/shop"
+    assert (props["user"], props["password"]) == ("recon", "from-env")
+    url, _ = jdbc_target("host=given port=5432 dbname=shop")  # the DSN wins
+    assert url == "jdbc:postgresql://given:5432/shop"
+    with pytest.raises(spark.ReconcileConfigError, match="service file"):
+        jdbc_target("service=reporting")
+
+
 def test_jdbc_target_refuses_a_unix_socket() -> None:
     with pytest.raises(spark.ReconcileConfigError, match="Unix socket"):
         jdbc_target("host=/var/run/postgresql dbname=x")
