@@ -268,17 +268,21 @@ WHERE id IN (
 );
 
 -- name: relay_trim_audit_log
--- audit_log entries past the relay's audit_retention, from the oldest id, a slice at a time.
--- Ids grow with time (up to a transaction's length), so a slice that holds a young entry is the
--- last: the rest are younger. By id, not by `at`: no index on `at` (the table is small, and
--- takes a row only per command run by hand or transaction discarded).
+-- audit_log entries past the relay's audit_retention, from the oldest id, a slice at a time, up
+-- to the first young one: ids grow with time (up to a transaction's length), so the rest are
+-- younger. By id, not by `at`: no index on `at` (the table takes a row only per command run by
+-- hand or transaction discarded). The first young entry is looked for among the slice's rows
+-- only, and the look stops there: a table of young entries costs one row read a trim (this runs
+-- every heartbeat interval). A range of ids, deleted through the primary key.
 DELETE FROM {schema}.audit_log
-WHERE id IN (
-    SELECT id FROM (
-        SELECT id, at FROM {schema}.audit_log ORDER BY id LIMIT %(limit)s
-    ) AS oldest
-    WHERE at < now() - %(retention)s::interval
-);
+WHERE id < coalesce(
+    (SELECT oldest.id
+     FROM (SELECT id, at FROM {schema}.audit_log ORDER BY id LIMIT %(limit)s) AS oldest
+     WHERE oldest.at >= now() - %(retention)s::interval
+     ORDER BY oldest.id
+     LIMIT 1),
+    (SELECT max(oldest.id) + 1
+     FROM (SELECT id FROM {schema}.audit_log ORDER BY id LIMIT %(limit)s) AS oldest));
 
 -- name: relay_set_marker_offset
 UPDATE {schema}.shard_lease

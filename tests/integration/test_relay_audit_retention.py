@@ -56,6 +56,11 @@ def test_the_trim_goes_in_slices_and_stops_at_the_first_young_entry(
     assert relay.trim_audit_log(limit=2, budget_s=60) == 3
     assert relay.trim_audit_log(limit=2, budget_s=60) == 0
     assert entries(pg_dsn) == ["aged 0 seconds"] * 2
+    # An old entry behind a young one (a transaction that wrote it long) waits for it to age:
+    # the trim reads no further than the first young entry.
+    add_entries(pg_dsn, "2 days")
+    assert relay.trim_audit_log(limit=10, budget_s=60) == 0
+    assert entries(pg_dsn) == ["aged 0 seconds"] * 2 + ["aged 2 days"]
 
 
 def test_a_retention_of_zero_keeps_every_entry(pg_dsn: str, relay_factory: Any) -> None:
