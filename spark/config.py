@@ -172,9 +172,15 @@ class ReconcileSettings(BaseModel):
     topics: tuple[str, ...] = Field(default=(), description="Delivered topics, by name.")
     topic_pattern: str | None = Field(default=None, description="Delivered topics, a Java regex.")
     marker_topic: str = "outbox.op-markers"
+    dead_letter_topic: str = Field(
+        default="outbox.dead-letter",
+        min_length=1,
+        description="The relay's dead-letter topic: a pattern may match it, and its records "
+        "are not deliveries.",
+    )
     ignored_topics: tuple[str, ...] = Field(
-        default=("outbox.dead-letter",),
-        description="Topics a pattern may match whose records are not deliveries.",
+        default=(),
+        description="Further topics a pattern may match whose records are not deliveries.",
     )
     deadline: timedelta = Field(
         default=timedelta(seconds=60),

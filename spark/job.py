@@ -399,7 +399,7 @@ class ReconcileJob:
         return transform.observations(
             kafka,
             marker_topic=self.settings.marker_topic,
-            ignored_topics=self.settings.ignored_topics,
+            ignored_topics=(self.settings.dead_letter_topic, *self.settings.ignored_topics),
             topics=self.settings.topics,
             topic_pattern=self.settings.topic_pattern,
         )
@@ -1082,10 +1082,15 @@ def build_parser() -> argparse.ArgumentParser:
     topics.add_argument("--topic-pattern", help="delivered topics, a Java regex")
     k.add_argument("--marker-topic", default="outbox.op-markers", help="the op-marker topic")
     k.add_argument(
+        "--dead-letter-topic",
+        default="outbox.dead-letter",
+        help="the relay's dead-letter topic, never judged as deliveries",
+    )
+    k.add_argument(
         "--ignore-topic",
         action="append",
-        default=None,
-        help="a topic whose records are not deliveries (repeatable; default: outbox.dead-letter)",
+        default=[],
+        help="a further topic whose records are not deliveries (repeatable)",
     )
     k.add_argument(
         "--kafka-option",
@@ -1144,6 +1149,8 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
         else (),
         "topic_pattern": args.topic_pattern,
         "marker_topic": args.marker_topic,
+        "dead_letter_topic": args.dead_letter_topic,
+        "ignored_topics": tuple(args.ignore_topic),
         "deadline": _as_delta(args.deadline),
         "horizon": _as_delta(args.horizon),
         "ledger_retention": args.ledger_retention,
@@ -1158,8 +1165,6 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
         "jars": tuple(j for j in args.jars.split(",") if j),
         "shuffle_partitions": args.shuffle_partitions,
     }
-    if args.ignore_topic is not None:
-        values["ignored_topics"] = tuple(args.ignore_topic)
     try:
         return ReconcileSettings(**values)
     except ValidationError as exc:

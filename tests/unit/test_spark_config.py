@@ -304,6 +304,7 @@ def test_command_line_to_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         ("dlq",),
         ("a.jar", "b.jar"),
     )
+    assert settings.dead_letter_topic == "outbox.dead-letter"  # --ignore-topic adds to it
     assert settings.kafka_options == {"security.protocol": "SSL"}
     args = build_parser().parse_args(
         ["--bootstrap", "k", "--topics", "a,b", "--from", "2026-01-01T00:00:00Z",
@@ -465,3 +466,27 @@ def test_reconcile_command_says_the_jobs_errors_instead_of_a_traceback(
     assert capsys.readouterr().err == (
         "outboxctl reconcile: Spark's Kafka connector is not on the classpath\n"
     )
+
+
+def test_the_dead_letter_topic_and_ignored_topics_are_all_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--ignore-topic` used to replace the dead-letter default, so naming one more topic made
+    every dead-letter copy an orphan."""
+    from spark import transform
+    from spark.job import ReconcileJob, build_parser, settings_from_args
+
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://u@db/app")
+    args = build_parser().parse_args(
+        ["--bootstrap", "k", "--topic-pattern", "orders.*", "--ignore-topic", "audit",
+         "--ignore-topic", "replay", "--dead-letter-topic", "orders.dlq", "--checkpoint", "cp"]
+    )  # fmt: skip
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(transform, "observations", lambda kafka, **kw: seen.update(kw))
+    ReconcileJob(settings_from_args(args), spark=None)._observations(None)  # type: ignore[arg-type]
+    assert seen["ignored_topics"] == ("orders.dlq", "audit", "replay")
+    bare = settings_from_args(
+        build_parser().parse_args(["--bootstrap", "k", "--topics", "a", "--checkpoint", "cp"])
+    )
+    ReconcileJob(bare, spark=None)._observations(None)  # type: ignore[arg-type]
+    assert seen["ignored_topics"] == ("outbox.dead-letter",)
