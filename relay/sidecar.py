@@ -24,6 +24,7 @@ from relay.service import Relay
 logger = logging.getLogger(__name__)
 
 _GAUGE_INTERVAL_S = 10.0
+_WATCH_INTERVAL_S = 1.0  # how soon a part that ended by itself ends the process
 
 
 class Component(Protocol):
@@ -74,18 +75,19 @@ def run(settings: SidecarSettings, only: str | None = None) -> int:
         logger.info("%s started", name)
 
     relay = components.get("relay")
+    if isinstance(relay, Relay):
+        # On a thread of its own: a refresh waits for a new connection and three queries (up to
+        # the connect timeout in an outage), and in the main loop a SIGTERM waited for it.
+        threading.Thread(
+            target=_refresh_gauges, args=(relay, stop), name="outbox-gauges", daemon=True
+        ).start()
     status = 0
-    while not stop.wait(_GAUGE_INTERVAL_S):
+    while not stop.wait(_WATCH_INTERVAL_S):
         dead = [name for name, c in components.items() if c.ended_by_itself()]
         if dead:  # e.g. a relay that stopped on a setting that cannot work: exit, be restarted
             logger.critical("%s no longer running: the sidecar exits", ", ".join(dead))
             status = 1
             break
-        if isinstance(relay, Relay):
-            try:
-                relay.refresh_gauges()
-            except Exception as exc:  # gauges are best effort; the relay reports its own errors
-                logger.warning("could not refresh gauges: %s", exc)
 
     # All at once, within one grace period: one after the other, each with the whole grace,
     # ran past the pod's terminationGracePeriodSeconds.
@@ -103,3 +105,11 @@ def run(settings: SidecarSettings, only: str | None = None) -> int:
         probes.stop()
     logger.info("sidecar stopped")
     return status
+
+
+def _refresh_gauges(relay: Relay, stop: threading.Event) -> None:
+    while not stop.wait(_GAUGE_INTERVAL_S):
+        try:
+            relay.refresh_gauges()
+        except Exception as exc:  # gauges are best effort; the relay reports its own errors
+            logger.warning("could not refresh gauges: %s", exc)

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
+import pytest
 
 import outbox
+from relay import sidecar
+from relay.config import HttpSettings, SidecarSettings
+from relay.service import Relay
 from tests.fixtures.relay import RelayProcess
 from tests.integration.test_relay_crashes import FAST, undelivered, wait_for
 
@@ -74,3 +82,38 @@ def test_a_relay_stopped_by_a_setting_that_cannot_work_ends_the_process(
     assert proc.proc.wait(60) == 1
     assert "made for 2 shards" in proc.output()
     assert "no longer running" in proc.output()
+
+
+def test_a_sigterm_during_a_slow_gauge_refresh_stops_the_sidecar_at_once(
+    relay_settings: Callable[..., SidecarSettings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main loop used to refresh the gauges itself: a SIGTERM that came during a refresh
+    (a new connection, up to the connect timeout in a database outage) waited for it."""
+    refreshing, release = threading.Event(), threading.Event()
+
+    def slow_refresh(_relay: Relay) -> None:
+        refreshing.set()
+        release.wait(45)
+
+    monkeypatch.setattr(Relay, "refresh_gauges", slow_refresh)
+    monkeypatch.setattr(sidecar, "_GAUGE_INTERVAL_S", 0.05)
+    monkeypatch.setattr(sidecar.logs, "configure", lambda *_: None)  # keep pytest's logging
+    settings = relay_settings(**FAST).model_copy(update={"http": HttpSettings(enabled=False)})
+    terminated_at: list[float] = []
+
+    def terminate_during_a_refresh() -> None:
+        if refreshing.wait(60):
+            terminated_at.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threading.Thread(target=terminate_during_a_refresh, daemon=True).start()
+    try:
+        status = sidecar.run(settings, only="relay")
+        stopped_after = time.monotonic() - terminated_at[0]
+    finally:
+        release.set()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert status == 0
+    assert stopped_after < 30, f"stopped {stopped_after:.1f} s after SIGTERM"  # was 45: the refresh
