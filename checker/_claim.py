@@ -91,19 +91,22 @@ def lock_due(
     limit: int,
     default_immunity: timedelta,
     max_age: timedelta,
-) -> list[DueTransaction]:
+) -> tuple[list[DueTransaction], bool]:
     """Due transactions, oldest due first, locked until the caller's transaction ends: after
-    their check immunity, or their maximum prepared age if that comes first.
+    their check immunity, or their maximum prepared age if that comes first; and whether the
+    scan came full (more may be due, however few transactions it found: it reads `limit`
+    records, and a transaction may have many).
 
     Check ``held_elsewhere`` and ``mixed`` before claiming one."""
     rows = conn.execute(
         queries.query("checker_lock_due", schema),
         {"now": now, "limit": limit, "default_immunity": default_immunity, "max_age": max_age},
     ).fetchall()
-    return [
+    due = [
         DueTransaction(r[0], r[1], int(r[2]), r[3], int(r[4]), int(r[5]), int(r[6]), r[7])
         for r in rows
     ]
+    return due, bool(rows) and bool(rows[0][8])
 
 
 def claim(

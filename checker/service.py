@@ -275,7 +275,7 @@ class Checker:
         claims: list[Claim] = []
         probing: set[str] = set()
         with conn.transaction():
-            due = _claim.lock_due(
+            due, scan_full = _claim.lock_due(
                 conn,
                 self.schema,
                 now=now,
@@ -283,7 +283,7 @@ class Checker:
                 default_immunity=s.check_immunity,
                 max_age=s.max_prepared_age,
             )
-            result.full = len(due) >= s.batch_size
+            more_due = len(due) >= s.batch_size or scan_full
             for tx in due:
                 if tx.held_elsewhere:
                     continue
@@ -337,6 +337,9 @@ class Checker:
                         send_by=now + s.lease_margin,
                     )
                 )
+            # Go again at once only if this round moved something: transactions other
+            # processes hold stay due, and would make the checker spin on them.
+            result.full = more_due and result.due > 0
             if discards:
                 done = _claim.discard(conn, self.schema, discards, actor=self._actor)
                 for group, tx_id in done:

@@ -102,40 +102,46 @@ ORDER BY state;
 -- The caller uses a transaction only if `locked` = `prepared` (no record held elsewhere); if
 -- `prepared` < `records`, some of its records are not prepared (e.g. published and prepared with
 -- one tx id): it is not checked, only moved out of the way of the others.
-WITH candidate AS (
-    SELECT c.producer_group, c.tx_id, min(c.due_at) AS due_at
-    FROM (
-        (SELECT producer_group, tx_id, next_check_at AS due_at
-         FROM {schema}.outbox_record
-         WHERE state = 'prepared' AND next_check_at <= %(now)s
-         ORDER BY next_check_at, id
-         LIMIT %(limit)s)
-        UNION ALL
-        (SELECT producer_group, tx_id,
-                created_at + least(%(default_immunity)s, %(max_age)s) AS due_at
-         FROM {schema}.outbox_record
-         WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NULL
-           AND created_at <= %(now)s - least(%(default_immunity)s, %(max_age)s)
-         ORDER BY created_at, id
-         LIMIT %(limit)s)
-        UNION ALL
-        (SELECT producer_group, tx_id, {schema}.immune_until(created_at, check_immunity) AS due_at
-         FROM {schema}.outbox_record
-         WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
-           AND {schema}.immune_until(created_at, check_immunity) <= %(now)s
-         ORDER BY {schema}.immune_until(created_at, check_immunity), id
-         LIMIT %(limit)s)
-        UNION ALL
-        (SELECT producer_group, tx_id, created_at + %(max_age)s AS due_at
-         FROM {schema}.outbox_record
-         WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
-           AND created_at <= %(now)s - %(max_age)s
-         ORDER BY created_at, id
-         LIMIT %(limit)s)
-    ) AS c
-    GROUP BY c.producer_group, c.tx_id
-    ORDER BY min(c.due_at)
+-- The scans read `limit` records each, not transactions: `scan_full` says one of them came full,
+-- so that more may be due even when fewer than `limit` transactions came back (transactions of
+-- many records); the caller then goes again at once instead of waiting a poll interval.
+WITH scanned AS (
+    (SELECT 1 AS scan, producer_group, tx_id, next_check_at AS due_at
+     FROM {schema}.outbox_record
+     WHERE state = 'prepared' AND next_check_at <= %(now)s
+     ORDER BY next_check_at, id
+     LIMIT %(limit)s)
+    UNION ALL
+    (SELECT 2, producer_group, tx_id,
+            created_at + least(%(default_immunity)s, %(max_age)s) AS due_at
+     FROM {schema}.outbox_record
+     WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NULL
+       AND created_at <= %(now)s - least(%(default_immunity)s, %(max_age)s)
+     ORDER BY created_at, id
+     LIMIT %(limit)s)
+    UNION ALL
+    (SELECT 3, producer_group, tx_id, {schema}.immune_until(created_at, check_immunity) AS due_at
+     FROM {schema}.outbox_record
+     WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
+       AND {schema}.immune_until(created_at, check_immunity) <= %(now)s
+     ORDER BY {schema}.immune_until(created_at, check_immunity), id
+     LIMIT %(limit)s)
+    UNION ALL
+    (SELECT 4, producer_group, tx_id, created_at + %(max_age)s AS due_at
+     FROM {schema}.outbox_record
+     WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
+       AND created_at <= %(now)s - %(max_age)s
+     ORDER BY created_at, id
+     LIMIT %(limit)s)
+), candidate AS (
+    SELECT producer_group, tx_id, min(due_at) AS due_at
+    FROM scanned
+    GROUP BY producer_group, tx_id
+    ORDER BY min(due_at)
     LIMIT %(limit)s
+), scan_full AS (
+    SELECT coalesce(max(n) >= %(limit)s, false) AS came_full
+    FROM (SELECT count(*) AS n FROM scanned GROUP BY scan) AS per_scan
 ), locked AS (
     SELECT r.producer_group, r.tx_id, r.id, r.created_at, r.check_immunity, r.check_count,
            r.next_check_at, r.rearmed_at
@@ -146,7 +152,8 @@ WITH candidate AS (
 )
 SELECT l.producer_group, l.tx_id, max(l.check_count) AS check_count,
        min(l.created_at) AS first_created_at, count(*) AS locked, n.prepared, n.records,
-       coalesce(max(l.rearmed_at), min(l.created_at)) AS age_from
+       coalesce(max(l.rearmed_at), min(l.created_at)) AS age_from,
+       (SELECT came_full FROM scan_full) AS scan_full
 FROM locked AS l
 CROSS JOIN LATERAL (
     SELECT count(*) FILTER (WHERE a.state = 'prepared') AS prepared, count(*) AS records

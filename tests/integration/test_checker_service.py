@@ -410,6 +410,43 @@ def test_the_due_scan_reads_no_record_still_inside_its_own_immunity(pg_dsn: str)
     assert own["Actual Rows"] == 1
 
 
+def test_transactions_of_many_records_do_not_end_a_run_of_rounds_early(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """The due scan reads `batch_size` records, not transactions: with transactions of several
+    records a round found fewer than `batch_size` transactions, called itself not full, and the
+    checker waited a whole poll interval while more were due."""
+    endpoint.resolver.default = COMMIT
+    txs = [prepare(pg_dsn, records=4)[0] for _ in range(3)]
+    clock = Clock(utc_now() + 10 * S)
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}, batch_size=6), clock)
+    rounds = [checker.run_once()]
+    while rounds[-1].full:
+        assert len(rounds) < 6, rounds
+        rounds.append(checker.run_once())
+    assert sum(r.committed for r in rounds) == 3, rounds
+    assert [one(pg_dsn, tx)["state"] for tx in txs] == ["committed"] * 3
+
+
+def test_a_full_scan_of_rows_held_elsewhere_does_not_spin(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """Only a round that moved something goes again at once: what another process holds
+    stays due, and going again at once would spin on it."""
+    tx_id, _ = prepare(pg_dsn, records=3)
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}, batch_size=2), Clock(utc_now() + 10 * S)
+    )
+    with psycopg.connect(pg_dsn) as holder, holder.transaction():
+        holder.execute(  # one record of three: the scan comes full, and finds it held
+            "SELECT 1 FROM outbox.outbox_record WHERE tx_id = %s ORDER BY id LIMIT 1 FOR UPDATE",
+            (tx_id,),
+        )
+        result = checker.run_once()
+    assert (result.due, result.full) == (0, False)
+    assert endpoint.resolver.asked == []
+
+
 def test_a_transaction_mixing_default_and_own_immunity_is_due_at_the_earlier(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
