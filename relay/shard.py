@@ -100,6 +100,7 @@ _REASON_KINDS = (
     ("partition ", "partition_out_of_range"),
     ("refused by the Kafka client", "refused_by_client"),
     ("refused by the broker", "refused_by_broker"),
+    ("its stored headers", "malformed_headers"),
 )
 
 
@@ -115,6 +116,11 @@ class LeaseLost(Exception):
 class EndFailed(Exception):
     """The ender's database work for a batch failed: this shard's trouble, not the round's (the
     relay's own connection is fine). The shard recovers the batch's rows from its markers."""
+
+
+class MalformedHeaders(ValueError):
+    """A row's stored headers are not [[name, base64 value or null], ...]: it cannot be sent
+    as it is, ever (parked), and its dead-letter copy goes without them."""
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass is built 3x slower, per record
@@ -142,9 +148,15 @@ class Row:
         )  # fmt: skip
 
     def kafka_headers(self) -> list[tuple[str, str | bytes | None]]:
-        given = [
-            (n or "", None if v is None else base64.b64decode(v)) for n, v in self.headers or ()
-        ]
+        """Raises MalformedHeaders for stored headers another writer (or a hand) made wrong."""
+        try:
+            given = [
+                (n or "", None if v is None else base64.b64decode(v)) for n, v in self.headers or ()
+            ]
+        except (TypeError, ValueError) as exc:  # not pairs, or not base64
+            raise MalformedHeaders(f"stored headers {self.headers!r:.200}: {exc}") from None
+        if given and any(type(n) is not str for n, _ in given):
+            raise MalformedHeaders(f"stored headers {self.headers!r:.200}: a name is not a string")
         return [
             *given,
             (OUTBOX_ID_HEADER, str(self.id).encode()),
@@ -693,6 +705,8 @@ class ShardWorker:
                 )
                 if alone:
                     self.producer.send_queued()  # and this record in a batch alone
+            except MalformedHeaders as exc:
+                poison[row.id] = f"its {exc}"
             except KafkaException as exc:
                 if _transaction_failed(exc):
                     doomed = True
@@ -962,7 +976,12 @@ class ShardWorker:
         form, refused = self._copy_refused.get(row.id, (_FULL, None))
         while form <= _BARE:
             try:
-                sent = self.producer.send(*self._dead_letter_copy(row, form, refused), tag=row)
+                copy = self._dead_letter_copy(row, form, refused)
+            except MalformedHeaders:  # what parked it, most likely: the copy goes without them
+                row = dataclasses.replace(row, headers=None)
+                continue
+            try:
+                sent = self.producer.send(*copy, tag=row)
             except KafkaException as exc:
                 if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
                     raise

@@ -272,6 +272,42 @@ def test_poison_records_are_parked_and_the_rest_goes_on(
     assert (third.delivered, third.ended, third.parked) == (0, 0, 0)
 
 
+def test_a_record_with_malformed_stored_headers_is_parked_not_blocking_its_shard(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Headers another writer stored wrong (not base64, not pairs) raised out of every round:
+    nothing of the shard went out again, and nothing was parked."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn:
+        for value in ("before", "not base64", "not a pair", "name not text", "after"):
+            with conn.transaction():
+                outbox.publish(conn, topic, value, key=value, headers=[("h", "v")])
+        for value, stored in (
+            ("not base64", '[["h", "not base64!"]]'),
+            ("not a pair", '[["h", "dg==", "x"]]'),
+            ("name not text", '[[7, "dg=="]]'),
+        ):
+            conn.execute(
+                "UPDATE outbox.outbox_record SET headers = %s WHERE value = %s",
+                (stored, value.encode()),
+            )
+        conn.commit()
+    relay = relay_factory()
+    name = "outbox_relay_records_parked_total"
+    before = REGISTRY.get_sample_value(name, {"reason": "malformed_headers"}) or 0.0
+    first = relay.run_once()
+    assert (first.delivered, first.parked) == (2, 3)
+    assert REGISTRY.get_sample_value(name, {"reason": "malformed_headers"}) == before + 3
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"before", b"after"]
+    parked = [r for r in rows(pg_dsn) if r[1] == "parked"]
+    assert len(parked) == 3
+    assert all(r[2].startswith("its stored headers") for r in parked), parked
+    assert relay.run_once().ended == 3  # the copies go without the headers, with key and value
+    dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
+    assert sorted(m.value() for m in dead) == [b"name not text", b"not a pair", b"not base64"]
+    assert all(m.key() == m.value() and "h" not in dict(m.headers() or []) for m in dead)
+
+
 def test_a_parked_record_redriven_once_its_cause_is_fixed_goes_out_once(
     pg_dsn: str,
     kafka_bootstrap: str,
