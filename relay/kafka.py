@@ -39,6 +39,18 @@ PERMANENT_RECORD_ERRORS = frozenset(
         KafkaError._INVALID_ARG,
     }
 )
+# Errors that say a topic takes nothing from us (missing, not ours to write, a bad name), as
+# opposed to a record it will not take: a dead-letter copy refused so is not made smaller.
+TOPIC_REFUSED_ERRORS = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.TOPIC_EXCEPTION,
+        KafkaError._UNKNOWN_PARTITION,
+        KafkaError._UNKNOWN_TOPIC,
+    }
+)
+DEAD_LETTER_TOPIC_CONFIG = {"cleanup.policy": "delete"}
 _ANY_PARTITION = -1  # librdkafka's RD_KAFKA_PARTITION_UA: the partitioner chooses
 _FENCED_ERRORS = frozenset(
     {KafkaError._FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError.PRODUCER_FENCED}

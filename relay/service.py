@@ -28,7 +28,14 @@ from outbox.migrations import schema_problem
 from relay import metrics
 from relay.background import BackgroundConnection
 from relay.config import SidecarSettings
-from relay.kafka import Fenced, OutcomeUnknown, ProducerFailed, ProducerMisconfigured, Topics
+from relay.kafka import (
+    DEAD_LETTER_TOPIC_CONFIG,
+    Fenced,
+    OutcomeUnknown,
+    ProducerFailed,
+    ProducerMisconfigured,
+    Topics,
+)
 from relay.leases import LeaseManager
 from relay.pipelined import pipelined_transaction
 from relay.shard import (
@@ -166,7 +173,7 @@ class Relay:
             rs.op_marker_partitions,
             {"cleanup.policy": "delete", "retention.ms": retention_ms},
         )
-        self.topics.ensure(rs.dead_letter_topic, 1, {"cleanup.policy": "delete"})
+        self.topics.ensure(rs.dead_letter_topic, 1, DEAD_LETTER_TOPIC_CONFIG)
         self._check_schema()
         self._check_marker_message_size()
         self._check_shard_count()

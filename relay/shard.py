@@ -44,7 +44,14 @@ from outbox import sql as queries
 from relay import _failpoints, metrics, pgarray
 from relay.background import BackgroundConnection
 from relay.config import RelaySettings
-from relay.kafka import PERMANENT_RECORD_ERRORS, Sent, ShardProducer, Topics
+from relay.kafka import (
+    DEAD_LETTER_TOPIC_CONFIG,
+    PERMANENT_RECORD_ERRORS,
+    TOPIC_REFUSED_ERRORS,
+    Sent,
+    ShardProducer,
+    Topics,
+)
 from relay.leases import Lease
 from relay.markers import (
     MAX_MARKER_REASON_CHARS,
@@ -116,6 +123,11 @@ class LeaseLost(Exception):
 class EndFailed(Exception):
     """The ender's database work for a batch failed: this shard's trouble, not the round's (the
     relay's own connection is fine). The shard recovers the batch's rows from its markers."""
+
+
+class DeadLetterUnwritable(Exception):
+    """The dead-letter topic takes nothing from us (missing, no ACL): the batch is aborted and
+    goes again, its rows kept."""
 
 
 class MalformedHeaders(ValueError):
@@ -724,6 +736,9 @@ class ShardWorker:
                     copy = self._send_dead_letter(row)
                     if alone:
                         self.producer.send_queued()
+                except DeadLetterUnwritable:
+                    self.producer.abort()
+                    raise
                 except KafkaException as exc:
                     if not _transaction_failed(exc):
                         raise
@@ -791,6 +806,7 @@ class ShardWorker:
         refused = any(
             r.error is not None and r.error.code() in PERMANENT_RECORD_ERRORS for r in failed
         )
+        unwritable: KafkaError | None = None
         for report in failed:
             error, row = report.error, report.tag
             if error is not None and error.code() in _PURGED and refused:
@@ -799,7 +815,9 @@ class ShardWorker:
                 self.producer.abort()
                 raise KafkaException(error)
             reason = f"refused by the broker: {error.str()}"
-            if row.state != "committed":  # its dead-letter copy
+            if row.state != "committed" and error.code() in TOPIC_REFUSED_ERRORS:
+                unwritable = error  # the topic's fault, not the copy's: no smaller form
+            elif row.state != "committed":  # its dead-letter copy
                 form, why = self._copy_form.get(row.id, (_FULL, None))
                 if error.code() in _SIZE_ERRORS and row.id not in self._alone:
                     self._alone.add(row.id)  # maybe a batch-mate's fault: alone, as it was
@@ -812,6 +830,9 @@ class ShardWorker:
                 self._alone.add(row.id)
             else:  # too large alone, or the topic refuses them all (authorisation, policy)
                 poison[row.id] = reason
+        if unwritable is not None:
+            self.producer.abort()
+            raise self._dead_letter_refused(unwritable)
         if doomed:
             # A record failed in flight: the transaction is lost. Abort, park, go again, with
             # a new producer: after a broker's refusal librdkafka bumps the producer epoch and
@@ -983,6 +1004,8 @@ class ShardWorker:
             try:
                 sent = self.producer.send(*copy, tag=row)
             except KafkaException as exc:
+                if exc.args[0].code() in TOPIC_REFUSED_ERRORS:
+                    raise self._dead_letter_refused(exc.args[0]) from exc
                 if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
                     raise
                 form, refused = form + 1, f"refused by the Kafka client: {exc.args[0].str()}"
@@ -998,6 +1021,21 @@ class ShardWorker:
         )
         metrics.ERRORS.labels("dead_letter_refused").inc()
         return None
+
+    def _dead_letter_refused(self, err: KafkaError) -> DeadLetterUnwritable:
+        """The dead-letter topic refused a copy for what it is, not for the copy's size. Made
+        smaller down to no copy at all, as before, a discarded record's payload was then lost
+        with its row. A missing topic is made again, as at start."""
+        topic = self.settings.dead_letter_topic
+        if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+            try:
+                self.topics.ensure(topic, 1, DEAD_LETTER_TOPIC_CONFIG)
+            except KafkaException as exc:
+                logger.warning("shard %s: could not create %s: %s", self.shard, topic, exc)
+        return DeadLetterUnwritable(
+            f"the dead-letter topic {topic} takes no copies ({err.str()}): the batch goes "
+            "again, its parked and discarded rows kept until it does"
+        )
 
     def _dead_letter_copy(
         self, row: Row, form: int, refused: str | None

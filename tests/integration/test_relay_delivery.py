@@ -21,6 +21,7 @@ from relay.config import SidecarSettings
 from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
 from relay.pipelined import pipelined_transaction
 from relay.service import Relay, RelayConfigError
+from relay.shard import DeadLetterUnwritable
 from tests.fixtures.kafka import consume_all
 from tests.fixtures.postgres import GrantedRoles
 
@@ -1806,6 +1807,49 @@ def test_discarded_transactions_reach_the_dead_letter_topic_with_a_marker(
         m.id for m in markers(kafka_bootstrap, relay) if m.op.value == "discarded"
     ) == list(written.ids)
     assert rows(pg_dsn) == []
+
+
+def test_a_dead_letter_topic_deleted_under_the_relay_is_made_again_and_no_copy_is_lost(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    kafka_admin: AdminClient,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+) -> None:
+    """A copy the dead-letter topic refused for what the topic is (missing, no ACL) was made
+    smaller and smaller, then not sent at all: the discarded row ended without it, and its
+    payload was gone from Postgres and Kafka alike."""
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()  # set up: the dead-letter topic is made
+    dead_letter = relay.settings.relay.dead_letter_topic
+    kafka_admin.delete_topics([dead_letter])[dead_letter].result(30)
+    wait_for(lambda: dead_letter not in kafka_admin.list_topics(timeout=10).topics)
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            written = outbox.prepare(conn, topic, "payment-42")
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'discarded', reason = 'max checks (15)' "
+            "WHERE tx_id = %s",
+            (written.tx_id,),
+        )
+        conn.commit()
+    with pytest.raises(DeadLetterUnwritable, match="dead-letter topic"):
+        relay.run_once()
+    assert [r[1] for r in rows(pg_dsn)] == ["discarded"]  # kept: never ended without its copy
+
+    def copied() -> bool:
+        relay.workers[0].retry_at = 0.0  # the shard's backoff: the test goes again at once
+        try:
+            return bool(relay.run_once().ended == 1)
+        except DeadLetterUnwritable:  # made again, not yet known to the producer
+            return False
+
+    wait_for(copied, 60)
+    (copy,) = consume_all(kafka_bootstrap, dead_letter, "read_committed")
+    assert copy.value() == b"payment-42"
+    assert dict(copy.headers() or [])["outbox-reason"] == b"max checks (15)"
+    assert [m.op.value for m in markers(kafka_bootstrap, relay)] == ["discarded"]
 
 
 @pytest.mark.parametrize("retention", ["PT0S", "PT1H"])
