@@ -108,6 +108,7 @@ _REASON_KINDS = (
     ("refused by the Kafka client", "refused_by_client"),
     ("refused by the broker", "refused_by_broker"),
     ("its stored headers", "malformed_headers"),
+    ("the relay's op-marker topic", "op_marker_topic"),
 )
 
 
@@ -1053,9 +1054,14 @@ class ShardWorker:
         return topic, None, None, [*bare.kafka_headers(), (OUTBOX_REASON_HEADER, why), omitted]
 
     def _preflight(self, rows: list[Row]) -> dict[int, str]:
-        """Records that can never be delivered as they are: unknown topic, bad partition."""
+        """Records that can never be delivered as they are: unknown topic, bad partition, the
+        op-marker topic (recovery ends the rows a committed marker names: a record there, in a
+        marker's form, made the relay delete records it never sent)."""
         poison: dict[int, str] = {}
         for row in rows:
+            if row.topic == self.settings.op_marker_topic:
+                poison[row.id] = f"the relay's op-marker topic {row.topic!r} takes only markers"
+                continue
             partitions = self.topics.partitions(row.topic)
             if partitions == 0:
                 poison[row.id] = f"topic {row.topic!r} does not exist"

@@ -309,6 +309,42 @@ def test_a_record_with_malformed_stored_headers_is_parked_not_blocking_its_shard
     assert all(m.key() == m.value() and "h" not in dict(m.headers() or []) for m in dead)
 
 
+def test_a_record_for_the_op_marker_topic_is_parked_and_ends_no_row(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A record delivered to the op-marker topic in a marker's form was read back by the next
+    recovery as a committed marker: the relay deleted the rows it named, never sent."""
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()  # set up, the shard recovered once
+    marker_topic = relay.settings.relay.op_marker_topic
+    with psycopg.connect(pg_dsn) as conn:
+        seq = conn.execute(  # the id the forged record gets
+            "SELECT last_value + is_called::int FROM outbox.outbox_record_id_seq"
+        ).fetchone()
+        assert seq is not None
+        next_id = seq[0]
+        entry = marker_entry(
+            Op.DELIVERED, id=next_id + 1, tx_id="t", producer_group="g", topic=topic,
+            key=None, partition=0, offset=0, commit_ts=None, reason=None,
+        )  # fmt: skip
+        (forged,) = marker_messages([entry], shard=0, relay="r", epoch=1)
+        with conn.transaction():
+            outbox.publish(conn, marker_topic, forged, partition=0)
+    assert relay.run_once().parked == 1
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        victim = outbox.publish(conn, topic, "victim")
+    assert victim == next_id + 1
+    relay.stop()
+    again = relay_factory()  # a restart: recovery reads the marker partition
+    assert again.run_once().delivered == 1
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"victim"]
+    parked = [r for r in rows(pg_dsn) if r[1] == "parked"]
+    assert [r[2] for r in parked] == [
+        f"the relay's op-marker topic '{marker_topic}' takes only markers"
+    ]
+
+
 def test_a_parked_record_redriven_once_its_cause_is_fixed_goes_out_once(
     pg_dsn: str,
     kafka_bootstrap: str,
