@@ -118,6 +118,10 @@ _TUNABLE_DEFAULTS: dict[str, Any] = {
     "queue.buffering.max.messages": 1_000_000,
     # Unknown topics are caught before producing; do not wait long on metadata.
     "topic.metadata.propagation.max.ms": 5_000,
+    # The Java client's partitioner: a key lands where a Java producer (Kafka Connect, Debezium)
+    # puts it, and an empty key is hashed like any other. librdkafka's default scattered empty
+    # keys at random, and the relay, which orders them as one key, lost their order.
+    "partitioner": "murmur2_random",
 }
 
 

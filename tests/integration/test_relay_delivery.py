@@ -22,7 +22,7 @@ from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_mes
 from relay.pipelined import pipelined_transaction
 from relay.service import Relay, RelayConfigError
 from relay.shard import DeadLetterUnwritable
-from tests.fixtures.kafka import consume_all
+from tests.fixtures.kafka import consume_all, java_murmur2
 from tests.fixtures.postgres import GrantedRoles
 
 
@@ -216,6 +216,27 @@ def test_half_records_go_out_in_the_order_they_were_committed(
         b"published in between",
         b"prepared first, committed last",
     ]
+
+
+def test_keys_land_where_the_java_client_puts_them_empty_ones_in_order(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """librdkafka's default partitioner scattered records with an empty key at random, while
+    the relay orders them as one key; and it put other keys elsewhere than Java producers."""
+    topic = topic_factory(partitions=6)
+    keys = [b""] * 12 + [f"customer-{i}".encode() for i in range(12)]
+    with psycopg.connect(pg_dsn) as conn:
+        for n, key in enumerate(keys):
+            with conn.transaction():
+                outbox.publish(conn, topic, str(n), key=key)
+    assert relay_factory().run_once().delivered == len(keys)
+    landed = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert len(landed) == len(keys)
+    for msg in landed:
+        key = msg.key() or b""
+        assert msg.partition() == (java_murmur2(key) & 0x7FFFFFFF) % 6, key
+    empty = [int(m.value()) for m in landed if not m.key()]
+    assert empty == list(range(12))  # one partition, in commit order
 
 
 def test_poison_records_are_parked_and_the_rest_goes_on(
