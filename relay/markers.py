@@ -11,7 +11,12 @@ Kafka message per record doubled the relay's produce work and the broker's (benc
 Wire format (version 2, written), on the op-marker topic:
   partition  shard % op_marker_partitions (recovery reads only the partitions of its shards)
   key        the shard, decimal ASCII
-  value      JSON: {"v": 2, "shard": int, "relay": str, "epoch": int, "markers": [entry, ...]}
+  value      JSON: {"v": 2, "shard": int, "relay": str, "epoch": int, "outbox": str,
+                    "markers": [entry, ...]}
+             `outbox` names the outbox whose rows the markers end: "<database>/<schema>"
+             (absent in markers of relays before it was added). Recovery ignores markers of
+             another outbox: two outboxes sharing a marker topic by mistake ended each other's
+             rows by id, never sent.
              entry: {"op": "delivered" | "rolled_back" | "discarded" | "parked", "id": int,
                      "tx_id": str, "producer_group": str, "topic": str, "key": base64|null,
                      "partition": int|null, "offset": int|null, "commit_ts": RFC 3339|null,
@@ -92,6 +97,7 @@ class OpMarker(BaseModel):
     xid: int | None = None
     relay: str
     epoch: int
+    outbox: str | None = None  # None: written before markers named their outbox
 
     def encode(self) -> tuple[bytes, bytes]:
         """(key, value) of this marker alone in version 1 (for tests of what older relays wrote)."""
@@ -116,6 +122,7 @@ def decode_markers(value: bytes, shard: int | None = None) -> list[OpMarker]:
             return [marker] if shard is None or marker.shard == shard else []
         if version == MARKER_VERSION:
             envelope = {k: message[k] for k in ("shard", "relay", "epoch")}
+            envelope["outbox"] = message.get("outbox")
             theirs = envelope["shard"]
             if shard is not None and isinstance(theirs, int) and theirs != shard:
                 return []  # another shard's, not worth validating
@@ -200,9 +207,13 @@ def marker_entry(
 class MarkerBatcher:
     """Collects entries into version 2 messages of at most `max_bytes` of entries each."""
 
-    def __init__(self, *, shard: int, relay: str, epoch: int, max_bytes: int) -> None:
+    def __init__(
+        self, *, shard: int, relay: str, epoch: int, max_bytes: int, outbox: str | None = None
+    ) -> None:
         envelope: dict[str, Any] = {"v": MARKER_VERSION, "shard": shard, "relay": relay}
         envelope["epoch"] = epoch
+        if outbox is not None:
+            envelope["outbox"] = outbox
         self._head = _dumps(envelope)[:-1] + ',"markers":['
         self.key = str(shard).encode("ascii")
         self.max_bytes = max_bytes
@@ -230,13 +241,26 @@ class MarkerBatcher:
 
 
 def marker_messages(
-    entries: Iterable[str], *, shard: int, relay: str, epoch: int, max_bytes: int = 256 * 1024
+    entries: Iterable[str],
+    *,
+    shard: int,
+    relay: str,
+    epoch: int,
+    max_bytes: int = 256 * 1024,
+    outbox: str | None = None,
 ) -> list[bytes]:
     """Entries as whole version 2 messages (for writers other than the relay's hot path)."""
-    batcher = MarkerBatcher(shard=shard, relay=relay, epoch=epoch, max_bytes=max_bytes)
+    batcher = MarkerBatcher(
+        shard=shard, relay=relay, epoch=epoch, max_bytes=max_bytes, outbox=outbox
+    )
     messages = [m for m in map(batcher.add, entries) if m is not None]
     last = batcher.take()
     return messages if last is None else [*messages, last]
+
+
+def outbox_name(database: str, schema: str) -> str:
+    """The `outbox` of a marker message: which outbox's rows its markers end."""
+    return f"{database}/{schema}"
 
 
 def marker_partition(shard: int, partitions: int) -> int:

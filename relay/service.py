@@ -37,6 +37,7 @@ from relay.kafka import (
     Topics,
 )
 from relay.leases import LeaseManager
+from relay.markers import outbox_name
 from relay.pipelined import pipelined_transaction
 from relay.shard import (
     EndFailed,
@@ -128,6 +129,7 @@ class Relay:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._set_up = False
+        self.outbox: str | None = None  # "<database>/<schema>", named in its op markers
         self._last_heartbeat = 0.0
         self._last_trim = 0.0
         self._audit_trim_refused = False  # the role may not delete from audit_log: said once
@@ -177,6 +179,8 @@ class Relay:
         self._check_schema()
         self._check_marker_message_size()
         self._check_shard_count()
+        (database,) = self.conn.execute("SELECT current_database()").fetchone() or ("",)
+        self.outbox = outbox_name(database, self.schema)
         row = self.conn.execute("SHOW track_commit_timestamp").fetchone()
         self.conn.rollback()
         require_commit_timestamps(row[0] if row else None)
@@ -247,6 +251,7 @@ class Relay:
                 self.topics,
                 self.ender,
                 self.claimer,
+                self.outbox,
             )
         if changes.gained:  # their rows may be left unstamped by another relay
             self._stamp_all_again()

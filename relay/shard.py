@@ -266,8 +266,10 @@ class ShardWorker:
         topics: Topics,
         ender: BackgroundConnection | None = None,
         claimer: BackgroundConnection | None = None,
+        outbox: str | None = None,
     ) -> None:
         self.lease = lease
+        self.outbox = outbox  # the `outbox` of its marker messages (relay/markers.py)
         self.shard = lease.shard
         self.settings = settings
         self.schema = schema
@@ -411,7 +413,20 @@ class ShardWorker:
                     )
                     metrics.ERRORS.labels("marker_format").inc()
                     continue
-                markers.extend(found)
+                ours = [m for m in found if m.outbox in (None, self.outbox or m.outbox)]
+                if len(ours) < len(found):
+                    # Another outbox's, on a marker topic shared by mistake: its ids are not
+                    # ours, and ending our rows by them dropped records never sent.
+                    logger.error(
+                        "shard %s: op markers of another outbox at %s:%s of %s: give each "
+                        "outbox its own op-marker topic; they end none of this one's rows",
+                        self.shard,
+                        tp.partition,
+                        msg.offset(),
+                        tp.topic,
+                    )
+                    metrics.ERRORS.labels("foreign_markers").inc()
+                markers.extend(ours)
             return markers, high
         finally:
             consumer.close()
@@ -758,6 +773,7 @@ class ShardWorker:
             relay=self.relay_id,
             epoch=self.lease.epoch,
             max_bytes=self.settings.op_marker_message_bytes,
+            outbox=self.outbox,
         )
 
         def send_markers(message: bytes | None) -> None:

@@ -1269,6 +1269,44 @@ def test_a_schema_with_capitals_is_migrated_once_and_wakes_its_relay(
         relay.stop(timeout=10)
 
 
+def test_two_outboxes_sharing_an_op_marker_topic_end_only_their_own_rows(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_settings: Callable[..., SidecarSettings],
+) -> None:
+    """Markers named no outbox: on a marker topic two outboxes shared by mistake, one's
+    recovery ended the other's rows of the same ids, which were then never sent."""
+    assert outbox.migrate(pg_dsn, schema="other_outbox").applied
+    mine_topic, theirs_topic = topic_factory(), topic_factory()
+    mine = relay_settings(transactional_id_prefix=f"{mine_topic}-a")
+    theirs = relay_settings(
+        schema_name="other_outbox",
+        transactional_id_prefix=f"{mine_topic}-b",
+        op_marker_topic=mine.relay.op_marker_topic,
+    )
+    first = Relay(mine)
+    first.run_once()  # recovered once: its offset in the marker partition is stored
+    first.stop(timeout=10)  # down, with rows to send
+    other = Relay(theirs)
+    try:
+        for schema, topic in (("outbox", mine_topic), ("other_outbox", theirs_topic)):
+            with psycopg.connect(pg_dsn) as conn:
+                for i in range(3):
+                    with conn.transaction():
+                        outbox.Outbox(schema_name=schema).publish(conn, topic, f"{schema}-{i}")
+        assert other.run_once().delivered == 3  # ids 1..3 of its own, markers on the topic
+    finally:
+        other.stop(timeout=10)
+    restarted = Relay(mine)
+    try:
+        assert restarted.run_once().delivered == 3  # none ended by the other's markers
+    finally:
+        restarted.stop(timeout=10)
+    got = [m.value() for m in consume_all(kafka_bootstrap, mine_topic, "read_committed")]
+    assert got == [b"outbox-0", b"outbox-1", b"outbox-2"]
+
+
 def test_a_relay_refuses_a_schema_not_migrated_yet(pg_dsn: str, relay_factory: Any) -> None:
     with psycopg.connect(pg_dsn) as conn:  # as if the newest migration had not run
         conn.execute(
