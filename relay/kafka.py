@@ -327,16 +327,15 @@ class Topics:
         self._known[name] = (now, count)
         return count
 
-    def max_message_bytes(self, name: str) -> int | None:
-        """The topic's max.message.bytes; None when the broker does not tell (no permission)."""
+    def config(self, name: str) -> dict[str, str] | None:
+        """The topic's configuration; None when the broker does not tell (no permission)."""
         resource = ConfigResource(ResourceType.TOPIC, name)
         try:
             configs = self._admin.describe_configs([resource])[resource].result(10)
         except KafkaException as exc:
             logger.warning("could not read the configuration of topic %s: %s", name, exc)
             return None
-        entry = configs.get("max.message.bytes")
-        return None if entry is None or entry.value is None else int(entry.value)
+        return {key: entry.value for key, entry in configs.items() if entry.value is not None}
 
     def reachable(self) -> bool:
         try:

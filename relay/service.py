@@ -177,7 +177,7 @@ class Relay:
         )
         self.topics.ensure(rs.dead_letter_topic, 1, DEAD_LETTER_TOPIC_CONFIG)
         self._check_schema()
-        self._check_marker_message_size()
+        self._check_marker_topic()
         self._check_shard_count()
         (database,) = self.conn.execute("SELECT current_database()").fetchone() or ("",)
         self.outbox = outbox_name(database, self.schema)
@@ -209,14 +209,33 @@ class Relay:
                 "and start the relays with the new count"
             )
 
-    def _check_marker_message_size(self) -> None:
-        """A marker message the broker or the client refuses would abort every batch: refuse to
-        start instead, saying which limit op_marker_message_bytes is above."""
+    def _check_marker_topic(self) -> None:
+        """Refuse to start on an op-marker topic that cannot keep what recovery reads back:
+        a compacted one keeps only a shard's last message (its key), and a batch's earlier
+        marker messages would be gone, its rows sent again; one of fewer partitions than
+        op_marker_partitions has no partition for some shards. And a marker message the broker
+        or the client refuses would abort every batch: say which limit op_marker_message_bytes
+        is above."""
         rs = self.settings.relay
+        topic = rs.op_marker_topic
+        partitions = self.topics.partitions(topic, refresh=True)
+        needed = min(rs.shards, rs.op_marker_partitions)  # shard % op_marker_partitions
+        if partitions < needed:
+            raise RelayConfigError(
+                f"the op-marker topic {topic} has {partitions} partitions, and {rs.shards} "
+                f"shards with relay.op_marker_partitions {rs.op_marker_partitions} write to "
+                f"{needed}: add partitions to it"
+            )
+        config = self.topics.config(topic) or {}
+        if "compact" in config.get("cleanup.policy", ""):
+            raise RelayConfigError(
+                f"the op-marker topic {topic} is compacted (cleanup.policy="
+                f"{config['cleanup.policy']}): it would keep only each shard's last marker "
+                "message, and recovery would send records again; set cleanup.policy=delete"
+            )
+        max_bytes = config.get("max.message.bytes")
         limits = {
-            f"max.message.bytes of topic {rs.op_marker_topic}": self.topics.max_message_bytes(
-                rs.op_marker_topic
-            ),
+            f"max.message.bytes of topic {topic}": None if max_bytes is None else int(max_bytes),
             "the producer's message.max.bytes": int(
                 self.kafka_conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES)
             ),

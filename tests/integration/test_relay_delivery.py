@@ -684,6 +684,21 @@ def test_marker_messages_larger_than_the_marker_topic_takes_are_refused_at_start
     assert fitting.run_once().delivered == 1
 
 
+def test_a_marker_topic_that_cannot_keep_the_markers_is_refused_at_start(
+    topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A compacted topic keeps a shard's last marker message only (the shard is its key): the
+    earlier messages of a batch in doubt would be gone, and recovery would send it again. A
+    topic without a partition for some shard failed in every round of that shard."""
+    compacted = topic_factory(partitions=2, config={"cleanup.policy": "compact"})
+    with pytest.raises(RelayConfigError, match=rf"op-marker topic {compacted} is compacted"):
+        relay_factory(op_marker_topic=compacted).run_once()
+    narrow = topic_factory(partitions=1)
+    with pytest.raises(RelayConfigError, match=rf"{narrow} has 1 partitions, and 2 shards"):
+        relay_factory(op_marker_topic=narrow, shards=2, op_marker_partitions=2).run_once()
+    assert relay_factory(op_marker_topic=narrow, shards=1).run_once().shards == 1  # enough
+
+
 def test_a_relay_waiting_a_long_poll_interval_is_alive(relay_factory: Any) -> None:
     """Liveness allowed 120 s without a finished round, whatever the poll interval: with one
     above that, /healthz failed while the relay only waited for work."""
