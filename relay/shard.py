@@ -1074,11 +1074,18 @@ class ShardWorker:
         op-marker topic (recovery ends the rows a committed marker names: a record there, in a
         marker's form, made the relay delete records it never sent)."""
         poison: dict[int, str] = {}
+        refreshed: set[str] = set()
         for row in rows:
             if row.topic == self.settings.op_marker_topic:
                 poison[row.id] = f"the relay's op-marker topic {row.topic!r} takes only markers"
                 continue
             partitions = self.topics.partitions(row.topic)
+            too_few = partitions == 0 or (row.partition or 0) >= partitions
+            if too_few and row.topic not in refreshed:
+                # A cached count may be older than the topic or its partitions: asked again
+                # (once a round a topic) before a record is parked for it.
+                refreshed.add(row.topic)
+                partitions = self.topics.partitions(row.topic, refresh=True)
             if partitions == 0:
                 poison[row.id] = f"topic {row.topic!r} does not exist"
             elif row.partition is not None and row.partition >= partitions:

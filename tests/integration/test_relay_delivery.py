@@ -366,6 +366,30 @@ def test_a_record_for_the_op_marker_topic_is_parked_and_ends_no_row(
     ]
 
 
+def test_a_partition_added_since_the_cached_count_takes_its_records_at_once(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    kafka_admin: AdminClient,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+) -> None:
+    """Partition counts are cached for 30 s, and a count older than the topic's new partition
+    (or than the topic itself) parked its records: asked again before parking now."""
+    topic = topic_factory(partitions=1)
+    relay = relay_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "too early", partition=1)
+    assert relay.run_once().parked == 1  # the count, 1, is cached now
+    kafka_admin.create_partitions([NewPartitions(topic, 2)])[topic].result(30)
+    wait_for(lambda: len(kafka_admin.list_topics(topic, timeout=10).topics[topic].partitions) == 2)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "in time", partition=1)
+    rounds = [relay.run_once() for _ in range(2)]  # the second ships the parked one's copy
+    assert (rounds[0].delivered, rounds[0].parked) == (1, 0)
+    landed = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert [(m.value(), m.partition()) for m in landed] == [(b"in time", 1)]
+
+
 def test_a_parked_record_redriven_once_its_cause_is_fixed_goes_out_once(
     pg_dsn: str,
     kafka_bootstrap: str,
