@@ -37,7 +37,7 @@ from relay.kafka import (
     Topics,
 )
 from relay.leases import LeaseManager
-from relay.markers import outbox_name
+from relay.markers import marker_partition, outbox_name
 from relay.pipelined import pipelined_transaction
 from relay.shard import (
     EndFailed,
@@ -179,6 +179,7 @@ class Relay:
         self._check_schema()
         self._check_marker_topic()
         self._check_shard_count()
+        self._check_marker_partitions()
         (database,) = self.conn.execute("SELECT current_database()").fetchone() or ("",)
         self.outbox = outbox_name(database, self.schema)
         row = self.conn.execute("SHOW track_commit_timestamp").fetchone()
@@ -207,6 +208,28 @@ class Relay:
                 "(each ends what it shipped; after a crash, start one with the old count "
                 f"first, so that it recovers), then empty the table {self.schema}.shard_lease, "
                 "and start the relays with the new count"
+            )
+
+    def _check_marker_partitions(self) -> None:
+        """A shard's markers are read back from the partition they were recorded in: with
+        another op_marker_partitions, its worker could not be made, and its lease was held
+        and renewed by a relay that never delivered its rows, probes green."""
+        rs = self.settings.relay
+        rows = self.conn.execute(queries.query("relay_marker_partitions", self.schema)).fetchall()
+        self.conn.rollback()
+        moved = [
+            (shard, recorded)
+            for shard, recorded in rows
+            if shard < rs.shards and recorded != marker_partition(shard, rs.op_marker_partitions)
+        ]
+        if moved:
+            shard, recorded = moved[0]
+            raise RelayConfigError(
+                f"shard {shard} recorded its op markers in partition {recorded}, and "
+                f"relay.op_marker_partitions {rs.op_marker_partitions} would read them from "
+                f"{marker_partition(shard, rs.op_marker_partitions)}: run the relays with the "
+                "op_marker_partitions they had. To change it, stop every relay (each ends what "
+                f"it shipped), then empty the table {self.schema}.shard_lease"
             )
 
     def _check_marker_topic(self) -> None:

@@ -312,6 +312,12 @@ DELETE FROM {schema}.relay_member WHERE relay_id = %(relay_id)s;
 -- How many shards the outbox's relays have run with (the lease rows they created): 0 at first.
 SELECT coalesce(max(shard) + 1, 0) FROM {schema}.shard_lease;
 
+-- name: relay_marker_partitions
+-- The op-marker partition each shard's markers were recorded in (shards that shipped).
+SELECT shard, marker_partition FROM {schema}.shard_lease
+WHERE marker_partition IS NOT NULL
+ORDER BY shard;
+
 -- name: relay_ensure_shards
 INSERT INTO {schema}.shard_lease (shard)
 SELECT generate_series(0, %(shards)s - 1)

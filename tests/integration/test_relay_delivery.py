@@ -723,6 +723,22 @@ def test_a_marker_topic_that_cannot_keep_the_markers_is_refused_at_start(
     assert relay_factory(op_marker_topic=narrow, shards=1).run_once().shards == 1  # enough
 
 
+def test_a_relay_with_another_op_marker_partitions_is_refused_at_start(
+    topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A shard's markers are read back from the partition they were recorded in. With another
+    op_marker_partitions its worker could not be made: the lease stayed held and renewed by
+    a relay that never delivered that shard, its probes green."""
+    markers_topic = topic_factory(partitions=4)
+    first = relay_factory(op_marker_topic=markers_topic, shards=4, op_marker_partitions=2)
+    assert first.run_once().shards == 4  # each shard recovered once: its partition recorded
+    first.stop()
+    with pytest.raises(RelayConfigError, match="shard 2 recorded its op markers in partition 0"):
+        relay_factory(op_marker_topic=markers_topic, shards=4, op_marker_partitions=4).run_once()
+    again = relay_factory(op_marker_topic=markers_topic, shards=4, op_marker_partitions=2)
+    assert again.run_once().shards == 4
+
+
 def test_a_relay_waiting_a_long_poll_interval_is_alive(relay_factory: Any) -> None:
     """Liveness allowed 120 s without a finished round, whatever the poll interval: with one
     above that, /healthz failed while the relay only waited for work."""
