@@ -560,7 +560,7 @@ class Relay:
                 # every few minutes through an outage, and crash-loop backoff delayed it after).
                 self.last_round_at = time.monotonic()
                 self._on_failure(exc)
-                self._stop.wait(_backoff(failures))
+                self._pause(_backoff(failures))
                 continue
             if result.held_back and not result.full:
                 # Held back for another relay's shard: it sends within a round or two, and no
@@ -621,6 +621,7 @@ class Relay:
                     woke = any(
                         True for _ in listening.notifies(timeout=min(left, 0.25), stop_after=1)
                     )
+                    self._heartbeat_between_rounds()
                 if woke:  # drain what else arrived: one round serves them all
                     for _ in listening.notifies(timeout=0):
                         pass
@@ -628,12 +629,39 @@ class Relay:
                 if self._listen is not None:
                     self._listen.close()
                 self._listen = None
-                self._stop.wait(timeout)
+                self._pause(timeout)
                 return
         else:
-            self._stop.wait(timeout)
+            self._pause(timeout)
         if rs.linger.total_seconds() > 0:
             self._stop.wait(rs.linger.total_seconds())
+
+    def _pause(self, seconds: float) -> None:
+        """Wait until stop(), heartbeating when one is due: a poll interval or a failure's
+        backoff longer than the lease let the leases lapse, and the shards flapped between
+        relays, each move a fencing and a recovery."""
+        deadline = time.monotonic() + seconds
+        interval = self.settings.relay.heartbeat_interval.total_seconds()
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if interval > 0:
+                left = min(left, max(0.05, self._last_heartbeat + interval - time.monotonic()))
+            self._stop.wait(left)
+            self._heartbeat_between_rounds()
+
+    def _heartbeat_between_rounds(self) -> None:
+        """A heartbeat when one is due (not with heartbeat_interval 0: every round then); its
+        failure is the next round's to meet."""
+        if self.settings.relay.heartbeat_interval and self._heartbeat_due() and self._set_up:
+            try:
+                self.heartbeat()
+            except Exception as exc:  # the round after meets it again, and reports it
+                logger.warning("heartbeat between rounds failed: %s", exc)
+                if isinstance(exc, psycopg.Error):
+                    self._drop_connection()
+                self._last_heartbeat = time.monotonic()  # tried: again an interval later
 
     def _listening(self) -> psycopg.Connection[Any]:
         """The LISTEN connection, made on first use: notifications queue from then."""

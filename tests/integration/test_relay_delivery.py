@@ -739,6 +739,34 @@ def test_a_relay_with_another_op_marker_partitions_is_refused_at_start(
     assert again.run_once().shards == 4
 
 
+@pytest.mark.parametrize("listen_notify", [True, False])
+def test_a_relay_waiting_longer_than_its_lease_keeps_its_shards(
+    pg_dsn: str, relay_factory: Any, listen_notify: bool
+) -> None:
+    """Heartbeats came only with rounds: a poll interval (or a failure's backoff) longer than
+    the lease let it lapse while the relay waited, and the shards went from relay to relay."""
+    relay = relay_factory(
+        lease_duration="PT3S",
+        heartbeat_interval="PT1S",
+        poll_interval="PT8S",
+        listen_notify=listen_notify,
+    )
+    relay.start()
+    wait_for(lambda: relay.workers)
+    seen = []
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for _ in range(14):  # 7 s: past two leases with no round between them
+            time.sleep(0.5)
+            seen.append(
+                conn.execute(
+                    "SELECT owner IS NOT NULL AND lease_until > now(), epoch"
+                    " FROM outbox.shard_lease"
+                ).fetchone()
+            )
+    assert {held for held, _ in seen} == {True}, seen
+    assert len({epoch for _, epoch in seen}) == 1, seen  # never taken again
+
+
 def test_a_relay_waiting_a_long_poll_interval_is_alive(relay_factory: Any) -> None:
     """Liveness allowed 120 s without a finished round, whatever the poll interval: with one
     above that, /healthz failed while the relay only waited for work."""
