@@ -130,6 +130,7 @@ class Relay:
         self._stopped = False
         self._set_up = False
         self.outbox: str | None = None  # "<database>/<schema>", named in its op markers
+        self._counted: Exception | None = None  # a shard's failure raised as the round's
         self._last_heartbeat = 0.0
         self._last_trim = 0.0
         self._audit_trim_refused = False  # the role may not delete from audit_log: said once
@@ -423,6 +424,7 @@ class Relay:
                 failed.append(exc)
         self.last_round_at = time.monotonic()
         if failed and len(failed) == tried:
+            self._counted = failed[0]  # counted above, by shard: not again as the round's
             raise failed[0]  # nothing went: the loop backs off
         return result
 
@@ -584,7 +586,9 @@ class Relay:
             self._drop_connection()
         for worker in self.workers.values():
             worker.needs_recovery = True  # whatever was in flight is settled from the markers
-        self._count_failure(exc, "relay round")
+        if exc is not self._counted:
+            self._count_failure(exc, "relay round")
+        self._counted = None
 
     @staticmethod
     def _count_failure(exc: Exception, what: str) -> None:

@@ -767,6 +767,25 @@ def test_a_relay_waiting_longer_than_its_lease_keeps_its_shards(
     assert len({epoch for _, epoch in seen}) == 1, seen  # never taken again
 
 
+def test_a_round_that_fails_in_its_only_shard_counts_one_error(relay_factory: Any) -> None:
+    """A shard's failure was counted as the shard's, and again as the round's when it was the
+    only shard tried: a relay with one shard (the usual sidecar) reported twice its errors."""
+    relay = relay_factory()
+    relay.run_once()
+    (worker,) = relay.workers.values()
+
+    def fail(*_: Any, **__: Any) -> None:
+        raise RuntimeError("boom")
+
+    worker.deliver_once = fail  # type: ignore[method-assign]
+    name, labels = "outbox_relay_errors_total", {"kind": "RuntimeError"}
+    before = REGISTRY.get_sample_value(name, labels) or 0.0
+    with pytest.raises(RuntimeError, match="boom") as failed:
+        relay.run_once()
+    relay._on_failure(failed.value)  # what the loop does with it
+    assert REGISTRY.get_sample_value(name, labels) == before + 1
+
+
 def test_a_relay_waiting_a_long_poll_interval_is_alive(relay_factory: Any) -> None:
     """Liveness allowed 120 s without a finished round, whatever the poll interval: with one
     above that, /healthz failed while the relay only waited for work."""
