@@ -189,7 +189,12 @@ class RelaySettings(BaseModel):
         description="Keep audit_log entries (commands run by hand, discards) this long "
         "(0: for ever).",
     )
-    kafka_transaction_timeout: timedelta = Field(default=timedelta(seconds=60), gt=timedelta(0))
+    kafka_transaction_timeout: timedelta = Field(
+        default=timedelta(seconds=60),
+        gt=timedelta(0),
+        description="Kafka's transaction.timeout.ms (kafka.extra may set it apart), and how "
+        "long the relay waits on Kafka for a batch's reports, commit or abort.",
+    )
     shutdown_grace: timedelta = Field(default=timedelta(seconds=25), ge=timedelta(0))
 
     @model_validator(mode="after")

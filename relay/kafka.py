@@ -142,6 +142,9 @@ class ShardProducer:
         # The tunables are defaults that kafka.extra may change (they were overwritten unsaid).
         self._conf = {
             **_TUNABLE_DEFAULTS,
+            # The broker aborts a transaction left open this long (a relay paused or cut off
+            # mid-batch): the same bound the relay's own waits on Kafka keep.
+            "transaction.timeout.ms": int(timeout.total_seconds() * 1000),
             **conf,
             "transactional.id": transactional_id,
             **_REQUIRED_VALUES,

@@ -77,3 +77,15 @@ def test_extra_may_tune_the_producer_but_not_loosen_exactly_once(
     defaults = ShardProducer({"acks": "-1"}, "test-0", timedelta(seconds=1))._conf
     assert defaults["linger.ms"] == 2
     assert "acks=-1" not in caplog.text  # the same as all
+
+
+def test_the_kafka_transaction_timeout_is_the_brokers_too() -> None:
+    """relay.kafka_transaction_timeout bounded only the relay's own waits: the broker kept
+    librdkafka's 60 s for a transaction a paused relay left open."""
+    conf = ShardProducer({}, "test-0", timedelta(seconds=5))._conf
+    assert conf["transaction.timeout.ms"] == 5000
+    extra = {"transaction.timeout.ms": 90_000}  # kafka.extra may set it apart
+    assert ShardProducer(extra, "test-0", timedelta(seconds=5))._conf == {
+        **conf,
+        "transaction.timeout.ms": 90_000,
+    }
