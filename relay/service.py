@@ -303,10 +303,9 @@ class Relay:
 
     def trim_archive(self, limit: int = 10_000, budget_s: float | None = None) -> int:
         """Delete archived rows past delivered_retention, `limit` rows per transaction (short
-        locks), until none are left or `budget_s` (default: half a heartbeat) is spent."""
+        locks), until none are left or `budget_s` (default: half a heartbeat) is spent. With
+        no archive (0) too: the rows an archive kept before it was turned off go then."""
         retention = self.settings.relay.delivered_retention
-        if not retention:
-            return 0
         return self._trim("relay_trim_archive", retention, limit, budget_s)
 
     def trim_audit_log(self, limit: int = 10_000, budget_s: float | None = None) -> int:

@@ -1980,6 +1980,26 @@ def test_the_running_relay_wakes_on_commit_or_polls(
     relay.stop(10)  # a second stop is harmless
 
 
+def test_an_archive_turned_off_is_trimmed_too(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """With delivered_retention 0 the trim did not run at all: the rows an archive kept
+    before it was turned off stayed for ever."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn:
+        for value in ("a", "b"):
+            with conn.transaction():
+                outbox.publish(conn, topic, value)
+        with conn.transaction():
+            parked = outbox.publish(conn, "no.such.topic", "parked")
+    archiving = relay_factory(delivered_retention="PT1H")
+    assert (archiving.run_once().delivered, archiving.run_once().ended) == (2, 1)
+    archiving.stop()
+    assert len(rows(pg_dsn)) == 3
+    assert relay_factory(delivered_retention="PT0S").trim_archive() == 2
+    assert [r[0] for r in rows(pg_dsn)] == [parked]  # parked rows stay, as always
+
+
 def test_discarded_transactions_reach_the_dead_letter_topic_with_a_marker(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
