@@ -36,6 +36,8 @@ from pydantic_settings import (
 
 from checker.config import CheckerSettings
 from outbox._core import OutboxConfig
+from outbox._errors import InvalidTopicError
+from outbox._records import check_topic
 
 DEFAULT_SECRETS_DIR = Path("/run/secrets/outbox")
 
@@ -149,7 +151,7 @@ class RelaySettings(BaseModel):
     )
     op_marker_topic: str = "outbox.op-markers"
     op_marker_partitions: int = Field(default=4, ge=1)
-    op_marker_retention: timedelta = timedelta(days=7)
+    op_marker_retention: timedelta = Field(default=timedelta(days=7), gt=timedelta(0))
     op_marker_message_bytes: int = Field(
         default=256 * 1024,
         ge=1024,
@@ -196,6 +198,15 @@ class RelaySettings(BaseModel):
         "long the relay waits on Kafka for a batch's reports, commit or abort.",
     )
     shutdown_grace: timedelta = Field(default=timedelta(seconds=25), ge=timedelta(0))
+
+    @field_validator("op_marker_topic", "dead_letter_topic")
+    @classmethod
+    def _a_kafka_topic_name(cls, topic: str) -> str:
+        # Else the broker refused to make it, and the relay retried that for ever.
+        try:
+            return check_topic(topic)
+        except InvalidTopicError as exc:
+            raise ValueError(str(exc)) from None
 
     @model_validator(mode="after")
     def _heartbeats_fit_the_lease(self) -> Self:

@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from psycopg import sql
 
 from outbox import sql as queries
@@ -67,6 +67,19 @@ HELD_BACK_POLL_S = 0.05
 # reason are capped, relay/markers.py), the envelope, and Kafka's record overhead.
 MARKER_MESSAGE_MARGIN = 32 * 1024
 
+
+# Refusals to create a topic that asking again will not change.
+_TOPIC_CREATE_REFUSED = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.INVALID_CONFIG,
+        KafkaError.TOPIC_EXCEPTION,
+        KafkaError.POLICY_VIOLATION,
+        KafkaError.INVALID_REPLICATION_FACTOR,
+        KafkaError.INVALID_PARTITIONS,
+    }
+)
 
 # How long a round may take before the liveness probe calls the relay stuck.
 ROUND_ALLOWANCE_S = 120.0
@@ -171,12 +184,22 @@ class Relay:
         """Create the op-marker and dead-letter topics when missing; check Postgres settings."""
         rs = self.settings.relay
         retention_ms = str(int(rs.op_marker_retention.total_seconds() * 1000))
-        self.topics.ensure(
-            rs.op_marker_topic,
-            rs.op_marker_partitions,
-            {"cleanup.policy": "delete", "retention.ms": retention_ms},
-        )
-        self.topics.ensure(rs.dead_letter_topic, 1, DEAD_LETTER_TOPIC_CONFIG)
+        marker_config = {"cleanup.policy": "delete", "retention.ms": retention_ms}
+        for topic, partitions, config in (
+            (rs.op_marker_topic, rs.op_marker_partitions, marker_config),
+            (rs.dead_letter_topic, 1, DEAD_LETTER_TOPIC_CONFIG),
+        ):
+            try:
+                self.topics.ensure(topic, partitions, config)
+            except KafkaException as exc:
+                # The broker will not make it as asked, however often asked: stop, saying so,
+                # instead of a relay that retries for ever behind green probes.
+                if exc.args[0].code() not in _TOPIC_CREATE_REFUSED:
+                    raise
+                raise RelayConfigError(
+                    f"topic {topic} is missing and the broker refuses to create it "
+                    f"({exc.args[0].str()}): create it, or let the relay's principal create it"
+                ) from exc
         self._check_schema()
         self._check_marker_topic()
         self._check_shard_count()

@@ -786,6 +786,17 @@ def test_a_round_that_fails_in_its_only_shard_counts_one_error(relay_factory: An
     assert REGISTRY.get_sample_value(name, labels) == before + 1
 
 
+def test_a_topic_the_broker_will_not_create_stops_the_relay(
+    topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A refusal that asking again cannot change (here: a name that collides with another's
+    once '.' and '_' are taken alike) was retried for ever behind green probes."""
+    taken = topic_factory()
+    colliding = taken.replace(".", "_")
+    with pytest.raises(RelayConfigError, match=f"topic {colliding} is missing and the broker"):
+        relay_factory(dead_letter_topic=colliding).run_once()
+
+
 def test_a_relay_waiting_a_long_poll_interval_is_alive(relay_factory: Any) -> None:
     """Liveness allowed 120 s without a finished round, whatever the poll interval: with one
     above that, /healthz failed while the relay only waited for work."""

@@ -124,6 +124,10 @@ def test_a_setting_refused_does_not_print_its_value(
         ({"shutdown_grace": "-PT5S"}, "shutdown_grace"),  # a SIGTERM skipped the graceful stop
         ({"delivered_retention": "-PT1S"}, "delivered_retention"),
         ({"lease_duration": "PT0S"}, "lease_duration"),
+        # the broker refused to make these, and the relay retried that for ever
+        ({"op_marker_retention": "-P1D"}, "op_marker_retention"),
+        ({"op_marker_topic": "bad topic name"}, r"op_marker_topic\n.*is invalid"),
+        ({"dead_letter_topic": ".."}, r"dead_letter_topic\n.*not allowed"),
     ],
 )
 def test_relay_durations_that_cannot_work_are_refused_by_name(
