@@ -696,6 +696,10 @@ class Checker:
 
     # --- probes ------------------------------------------------------------------------------
 
+    def running(self) -> bool:
+        """Its thread still runs (after stop(): it did not stop within the grace)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def ended_by_itself(self) -> bool:
         """Its thread ended without being asked to (a setting that cannot work): the process
         should exit. A thread that is slow or stuck is for the liveness probe to judge."""

@@ -2,7 +2,8 @@
 
 SIGTERM or SIGINT stop it: the relay finishes (or aborts) its Kafka transaction in flight and
 hands its shards back, the checker stops claiming, and the process exits within the grace period
-(Kubernetes' terminationGracePeriodSeconds should be a little longer than relay.shutdown_grace).
+(Kubernetes' terminationGracePeriodSeconds should be a little longer than relay.shutdown_grace);
+a part still running after it makes the exit status 1.
 A part whose thread ended by itself (a relay stopped by a setting that cannot work) makes the
 process exit with status 1, so that it is restarted with the error in its log; a slow or stuck
 one is left to the liveness probe.
@@ -32,6 +33,7 @@ class Component(Protocol):
     def stop(self, timeout: float | None = None) -> None: ...
     def alive(self) -> bool: ...
     def ended_by_itself(self) -> bool: ...
+    def running(self) -> bool: ...
     def ready(self) -> dict[str, Any]: ...
 
 
@@ -103,6 +105,13 @@ def run(settings: SidecarSettings, only: str | None = None) -> int:
         stopper.join(max(0.0, deadline - time.monotonic()) + 1.0)
     if probes is not None:
         probes.stop()
+    stuck = [name for name, c in components.items() if c.running()]
+    if stuck:
+        # Not a clean stop: a Kafka transaction may be open (the broker aborts it after
+        # relay.kafka_transaction_timeout) and leases held until they expire. Said by the exit
+        # status too, not only in a log line.
+        logger.error("%s did not stop within the grace period", ", ".join(stuck))
+        return 1
     logger.info("sidecar stopped")
     return status
 

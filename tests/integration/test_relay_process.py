@@ -19,7 +19,7 @@ import pytest
 import outbox
 from relay import sidecar
 from relay.config import HttpSettings, SidecarSettings
-from relay.service import Relay
+from relay.service import Relay, RelayRound
 from tests.fixtures.relay import RelayProcess
 from tests.integration.test_relay_crashes import FAST, undelivered, wait_for
 
@@ -117,3 +117,36 @@ def test_a_sigterm_during_a_slow_gauge_refresh_stops_the_sidecar_at_once(
             signal.signal(sig, handler)
     assert status == 0
     assert stopped_after < 30, f"stopped {stopped_after:.1f} s after SIGTERM"  # was 45: the refresh
+
+
+def test_a_round_that_outlasts_the_grace_makes_the_exit_status_1(
+    relay_settings: Callable[..., SidecarSettings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay still in its round after shutdown_grace left a Kafka transaction open and its
+    leases held, and the process still exited 0, as after a clean stop."""
+    in_round, release = threading.Event(), threading.Event()
+
+    def stuck_round(_relay: Relay, **_: Any) -> RelayRound:
+        in_round.set()
+        release.wait(30)
+        return RelayRound()
+
+    monkeypatch.setattr(Relay, "run_once", stuck_round)
+    monkeypatch.setattr(sidecar.logs, "configure", lambda *_: None)  # keep pytest's logging
+    settings = relay_settings(**FAST, shutdown_grace="PT1S").model_copy(
+        update={"http": HttpSettings(enabled=False)}
+    )
+
+    def terminate_in_the_round() -> None:
+        if in_round.wait(60):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threading.Thread(target=terminate_in_the_round, daemon=True).start()
+    try:
+        status = sidecar.run(settings, only="relay")
+    finally:
+        release.set()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert status == 1
