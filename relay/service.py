@@ -42,6 +42,7 @@ from relay.pipelined import pipelined_transaction
 from relay.shard import (
     EndFailed,
     LeaseLost,
+    MarkersNotFound,
     ShardRound,
     ShardWorker,
     Unstamped,
@@ -434,7 +435,7 @@ class Relay:
                 self._drop_worker(shard)
             except psycopg.Error:
                 raise  # the connection all shards share: the round fails
-            except ProducerMisconfigured as exc:  # every shard's producer would be refused
+            except (ProducerMisconfigured, MarkersNotFound) as exc:  # so for every shard
                 raise RelayConfigError(str(exc)) from exc
             except Exception as exc:
                 # One shard's trouble (a topic without a leader, a marker partition stuck)

@@ -126,6 +126,11 @@ class EndFailed(Exception):
     relay's own connection is fine). The shard recovers the batch's rows from its markers."""
 
 
+class MarkersNotFound(Exception):
+    """The op-marker topic ends below the offset a shard recorded: another topic (renamed in
+    the settings, or deleted and made again) than the one its markers went to."""
+
+
 class DeadLetterUnwritable(Exception):
     """The dead-letter topic takes nothing from us (missing, no ACL): the batch is aborted and
     goes again, its rows kept."""
@@ -369,6 +374,16 @@ class ShardWorker:
         tp = TopicPartition(self.settings.op_marker_topic, self.marker_partition)
         try:
             _low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            if start is not None and start > high:
+                # Read from here, it would find none of the markers of a batch in doubt, and
+                # send that batch again.
+                raise MarkersNotFound(
+                    f"shard {self.shard} recorded its op markers up to offset {start} of "
+                    f"{tp.topic}:{tp.partition}, which ends at {high}: this is not the topic they "
+                    "went to (relay.op_marker_topic changed, or the topic was made anew). Run the "
+                    "relays with the topic they wrote to; to go on with this one, accepting that "
+                    "a batch in doubt may go again, stop every relay and empty shard_lease"
+                )
             if start is None or start >= high:
                 return [], high
             consumer.assign([TopicPartition(tp.topic, tp.partition, start)])

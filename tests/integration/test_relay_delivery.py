@@ -797,6 +797,24 @@ def test_a_topic_the_broker_will_not_create_stops_the_relay(
         relay_factory(dead_letter_topic=colliding).run_once()
 
 
+def test_a_relay_on_another_op_marker_topic_than_its_shards_wrote_to_stops(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Recovery read a renamed (or remade) marker topic from the offset recorded in the old
+    one: it found none of the markers of a batch in doubt, and sent that batch again."""
+    before, renamed = topic_factory(partitions=2), topic_factory(partitions=2)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic_factory(), "v")
+    first = relay_factory(op_marker_topic=before)
+    assert first.run_once().delivered == 1  # an offset recorded past its markers
+    first.stop()
+    wrong = relay_factory(op_marker_topic=renamed)
+    with pytest.raises(RelayConfigError, match=rf"of {renamed}:0, which ends at 0"):
+        wrong.run_once()
+    wrong.stop()  # the sidecar's way: it stops, and hands its shard back
+    assert relay_factory(op_marker_topic=before).run_once().shards == 1
+
+
 def test_a_relay_waiting_a_long_poll_interval_is_alive(relay_factory: Any) -> None:
     """Liveness allowed 120 s without a finished round, whatever the poll interval: with one
     above that, /healthz failed while the relay only waited for work."""
