@@ -385,6 +385,8 @@ class Relay:
             self._last_trim = time.monotonic()  # between shards too, and would starve it
             self.trim_archive()
             self.trim_audit_log()
+            with self.conn.transaction():
+                self.conn.execute(queries.query("relay_forget_members", self.schema))
         result = RelayRound(shards=len(self.workers))
         if not self.workers:  # alive all the same: a spare relay waits for a shard to free
             self.last_round_at = time.monotonic()

@@ -308,6 +308,10 @@ SELECT count(*) FROM {schema}.relay_member WHERE expires_at > now();
 -- name: relay_member_leave
 DELETE FROM {schema}.relay_member WHERE relay_id = %(relay_id)s;
 
+-- name: relay_forget_members
+-- Relays gone for a day (killed: they never left): a row per pod restart, else for ever.
+DELETE FROM {schema}.relay_member WHERE expires_at < now() - interval '1 day';
+
 -- name: relay_shard_count
 -- How many shards the outbox's relays have run with (the lease rows they created): 0 at first.
 SELECT coalesce(max(shard) + 1, 0) FROM {schema}.shard_lease;

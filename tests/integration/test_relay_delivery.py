@@ -2009,6 +2009,21 @@ def test_the_running_relay_wakes_on_commit_or_polls(
     relay.stop(10)  # a second stop is harmless
 
 
+def test_relays_gone_for_a_day_are_forgotten(pg_dsn: str, relay_factory: Any) -> None:
+    """A killed relay never leaves: its member row stayed for ever, one per pod restart."""
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox.relay_member (relay_id, heartbeat_at, expires_at) VALUES"
+            " ('gone', now() - interval '2 days', now() - interval '2 days'),"
+            " ('recent', now() - interval '1 hour', now() - interval '1 hour')"
+        )
+    relay = relay_factory()
+    relay.run_once()
+    with psycopg.connect(pg_dsn) as conn:
+        members = conn.execute("SELECT relay_id FROM outbox.relay_member ORDER BY 1").fetchall()
+    assert members == sorted([("recent",), (relay.relay_id,)])
+
+
 def test_an_archive_turned_off_is_trimmed_too(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
