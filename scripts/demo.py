@@ -245,7 +245,9 @@ def main() -> int:
     log = ROOT / ".local" / "demo-sidecar.log"
     print(f"sidecar log: {log}   (Ctrl-C to stop)")
     # A closed terminal or a `kill` stops it all like Ctrl-C: the sidecar is never left behind.
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    # SIGINT too: started in the background (`make run &`), it comes ignored, and Python then
+    # leaves it so.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.default_int_handler)
     with log.open("ab") as out:
         sidecar = subprocess.Popen(
