@@ -1,7 +1,9 @@
 """Manual decisions on one transaction, by an operator, audited: re-arm, resolve and redrive.
 
 - ``rearm`` (RocketMQ's resumeCheckHalfMessage): a discarded transaction whose records have not
-  been handed out yet (the relay has not written their op markers: ``ended_at IS NULL``) goes back
+  been handed out yet (the relay has not written their op markers: ``ended_at IS NULL``, and
+  none of the ids its discard recorded is gone: the relay ships and deletes a transaction's
+  records a batch and a shard at a time, and the rest alone would split it) goes back
   to prepared, with its check count reset, due at once; its maximum prepared age counts from the
   re-arm (RocketMQ puts the half message again, with a new store time).
 - ``resolve``: commit or roll back a prepared transaction, or a discarded one not handed out yet,
@@ -130,6 +132,21 @@ def _unshipped_discarded(rows: Sequence[_Row]) -> bool:
     return all(r.state == State.DISCARDED and not r.shipped for r in rows)
 
 
+def _shipped_away(conn: Conn, schema: str, group: str, tx_id: str, rows: Sequence[_Row]) -> str:
+    """Records of a discarded transaction already shipped and deleted (no archive kept), as a
+    description; "" when none. The relay ships a discarded transaction a batch and a shard at
+    a time: re-arming or resolving the rest split it, half on the dead-letter topic and half
+    delivered. Known from the ids its discard recorded in audit_log (trimmed after
+    relay.audit_retention: older discards are taken as they are)."""
+    row = conn.execute(
+        queries.query("checker_discarded_ids", schema), {"producer_group": group, "tx_id": tx_id}
+    ).fetchone()
+    gone = set(row[0] or ()) - {r.id for r in rows} if row else set()
+    if not gone:
+        return ""
+    return f"discarded and already shipped to the dead-letter topic ({len(gone)} more)"
+
+
 def _audit(
     conn: Conn, schema: str, *, actor: str, action: str, group: str, tx_id: str, detail: Any
 ) -> int:
@@ -177,8 +194,9 @@ def rearm(
     due = now or datetime.now(UTC)
     with database_errors(), conn.transaction():
         rows = _lock(conn, schema, group, tx_id)
-        if not _unshipped_discarded(rows):
-            current = _describe(rows)
+        shipped = _shipped_away(conn, schema, group, tx_id, rows)
+        if not _unshipped_discarded(rows) or shipped:
+            current = (*_describe(rows), shipped) if shipped else _describe(rows)
             raise IllegalTransitionError(
                 f"cannot re-arm tx id {tx_id!r} of producer group {group!r}: its records are "
                 f"{', '.join(current)}; only a discarded transaction not yet shipped to the "
@@ -260,9 +278,12 @@ def resolve(
             return ManualResult(
                 group, tx_id, "resolve", to_state.value, to_state.value, (), False, None
             )
+        shipped = ""
         if State.PREPARED.value in states:  # the others (if any) are ended already
             from_state = State.PREPARED.value
-        elif _unshipped_discarded(rows):
+        elif _unshipped_discarded(rows) and not (
+            shipped := _shipped_away(conn, schema, group, tx_id, rows)
+        ):
             from_state = State.DISCARDED.value
             # Back to prepared first, so the end is the library's own compare-and-set.
             conn.execute(
@@ -275,7 +296,7 @@ def resolve(
                 },
             )
         else:
-            current = _describe(rows)
+            current = (*_describe(rows), shipped) if shipped else _describe(rows)
             verb = "commit" if status is TransactionStatus.COMMIT else "roll back"
             raise IllegalTransitionError(
                 f"cannot {verb} tx id {tx_id!r} of producer group {group!r} by hand: its records "

@@ -7,7 +7,8 @@
     outboxctl redrive (--producer-group G --tx-id T [--id N ...] | --topic X)
                       --actor NAME --reason TEXT
 
-`rearm` puts a discarded transaction that the relay has not shipped yet back to prepared, with
+`rearm` puts a discarded transaction that the relay has not shipped yet (none of its records:
+it ships them a batch and a shard at a time) back to prepared, with
 its check count set to N (default 0: a full `max_checks` again), due at once, its maximum
 prepared age counted from the re-arm. `resolve` commits or rolls back by hand a prepared
 transaction (or a discarded one not shipped yet). `redrive` puts parked records (refused by

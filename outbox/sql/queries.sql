@@ -258,6 +258,15 @@ SELECT count(*) AS total,
 FROM {schema}.outbox_record
 WHERE state = 'prepared';
 
+-- name: checker_discarded_ids
+-- The record ids the last discard of a transaction recorded (its audit row): rows shipped since
+-- are gone when no archive is kept.
+SELECT detail -> 'record_ids'
+FROM {schema}.audit_log
+WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s AND action = 'discard'
+ORDER BY id DESC
+LIMIT 1;
+
 -- name: checker_lock_transaction
 -- Every record of one transaction, locked for a manual action (rearm, resolve). NOWAIT: a row
 -- locked by someone else (the relay shipping it, a checker claiming it) fails at once.

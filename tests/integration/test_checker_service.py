@@ -1177,6 +1177,27 @@ def test_rearm_refuses_what_is_not_discarded_or_already_shipped(
     assert [a["action"] for a in audit(pg_dsn, shipped)] == ["discard"]
 
 
+def test_a_discarded_transaction_partly_shipped_is_not_rearmed_or_resolved(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker], relay_factory: Any
+) -> None:
+    """The relay ships a discarded transaction a batch (and a shard) at a time, and deletes
+    what it shipped when no archive is kept: rearm and resolve saw only the rest, and split
+    the transaction, half on the dead-letter topic and half delivered."""
+    tx_id, _ = _discarded(pg_dsn, make_checker, endpoint.url)
+    relay = relay_factory(batch_size=1)
+    assert relay.run_once().ended == 1  # one of its two records shipped, and deleted
+    assert len(rows(pg_dsn, tx_id)) == 1
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with pytest.raises(IllegalTransitionError, match=r"already shipped.*\(1 more\)"):
+            rearm(conn, GROUP, tx_id, actor="alice")
+        with pytest.raises(IllegalTransitionError, match="already shipped"):
+            resolve(conn, GROUP, tx_id, COMMIT, actor="alice", reason="late answer")
+    assert one(pg_dsn, tx_id)["state"] == "discarded"
+    assert [a["action"] for a in audit(pg_dsn, tx_id)] == ["discard"]
+    assert relay.run_once().ended == 1  # the rest follows it to the dead-letter topic
+    assert rows(pg_dsn, tx_id) == []
+
+
 def test_rearm_and_resolve_refuse_records_another_process_holds(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
