@@ -41,7 +41,7 @@ from checker._errors import TransactionBusyError
 from outbox import sql as queries
 from outbox._core import OutboxConfig, State, wakeup_channel
 from outbox._errors import IllegalTransitionError, UnknownTransactionError
-from outbox._records import check_producer_group, check_topic, check_tx_id
+from outbox._records import check_producer_group, check_stored_tx_id, check_topic
 from outbox._session import database_errors
 from outbox._sync import Outbox
 from outbox.checkback import TransactionStatus
@@ -186,7 +186,7 @@ def rearm(
     Raises UnknownTransactionError, IllegalTransitionError (not discarded, or already shipped:
     re-publish instead), TransactionBusyError; in each case nothing changed.
     """
-    group, tx_id = check_producer_group(producer_group), check_tx_id(tx_id)
+    group, tx_id = check_producer_group(producer_group), check_stored_tx_id(tx_id)
     actor = _require_text("actor", actor)
     if check_count < 0:
         raise ValueError("check_count must not be negative")
@@ -262,7 +262,7 @@ def resolve(
     UnknownTransactionError, IllegalTransitionError (e.g. commit after a rollback),
     TransactionBusyError; in each case nothing changed.
     """
-    group, tx_id = check_producer_group(producer_group), check_tx_id(tx_id)
+    group, tx_id = check_producer_group(producer_group), check_stored_tx_id(tx_id)
     status = TransactionStatus(decision)
     if status is TransactionStatus.UNKNOWN:
         raise ValueError("a manual decision is COMMIT or ROLLBACK")
@@ -353,7 +353,7 @@ def redrive(
     that is not one of the transaction's parked records), TransactionBusyError; in each case
     nothing changed.
     """
-    group, tx_id = check_producer_group(producer_group), check_tx_id(tx_id)
+    group, tx_id = check_producer_group(producer_group), check_stored_tx_id(tx_id)
     actor = _require_text("actor", actor)
     reason = _require_text("reason", reason)
     wanted = sorted({int(i) for i in record_ids})

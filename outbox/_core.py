@@ -32,6 +32,7 @@ from outbox._records import (
     Record,
     Serializer,
     check_producer_group,
+    check_stored_tx_id,
     check_tx_id,
     default_serializer,
     encode_record,
@@ -260,7 +261,7 @@ def end(cfg: OutboxConfig, tx_id: str, to_state: State, producer_group: str | No
     group = (
         check_producer_group(producer_group) if producer_group is not None else cfg.producer_group
     )
-    check_tx_id(tx_id)
+    check_stored_tx_id(tx_id)
     params = {"producer_group": group, "tx_id": tx_id}
     schema = cfg.schema_name
     rows = yield (

@@ -97,6 +97,15 @@ def check_tx_id(tx_id: object) -> str:
     return tx_id
 
 
+def check_stored_tx_id(tx_id: object) -> str:
+    """A tx id to look up and end (commit, rollback, resolve, rearm): what the table takes, 1
+    to 128 characters. Another writer may have stored one that check_tx_id refuses for new
+    records; the checker's COMMIT for it was never applied, and it could not be resolved."""
+    if not isinstance(tx_id, str) or not 1 <= len(tx_id) <= 128:
+        raise InvalidTxIdError(f"tx id {tx_id!r} is invalid: use 1 to 128 characters")
+    return tx_id
+
+
 def check_immunity_interval(immunity: object) -> timedelta | None:
     if immunity is None:
         return None

@@ -302,6 +302,38 @@ def test_commit_answer_commits_every_record_and_wakes_the_relay(
     assert after == before + 1
 
 
+def test_a_tx_id_another_writer_stored_is_ended_as_the_table_takes_it(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """The table takes any tx id of 1 to 128 characters; the library's check for new ones is
+    stricter (no spaces). Ending such a transaction was refused: the checker's COMMIT was never
+    applied (discarded at max checks after all), and no operator could resolve it."""
+    endpoint.resolver.default = COMMIT
+    with psycopg.connect(pg_dsn) as conn:
+        for tx_id in ("order 42", "order 43"):
+            conn.execute(
+                "INSERT INTO outbox.outbox_record (producer_group, tx_id, topic, value, key_hash,"
+                " state, created_at) VALUES (%s, %s, 'orders.paid', 'v', 0, 'prepared',"
+                " now() - interval '1 minute')",
+                (GROUP, tx_id),
+            )
+        conn.commit()
+        with pytest.raises(outbox.InvalidTxIdError):  # new records still get the strict check
+            outbox.prepare(conn, "orders.paid", "v", tx_id="order 44")
+        conn.rollback()
+        resolve(conn, GROUP, "order 43", ROLLBACK, actor="alice", reason="checked by hand")
+    assert (
+        make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), Clock())
+        .run_once()
+        .committed
+        == 1
+    )
+    assert (one(pg_dsn, "order 42")["state"], one(pg_dsn, "order 43")["state"]) == (
+        "committed",
+        "rolled_back",
+    )
+
+
 def test_rollback_answer_rolls_back(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
