@@ -260,8 +260,8 @@ class Relay:
     def _check_marker_topic(self) -> None:
         """Refuse to start on an op-marker topic that cannot keep what recovery reads back:
         a compacted one keeps only a shard's last message (its key), and a batch's earlier
-        marker messages would be gone, its rows sent again; one of fewer partitions than
-        op_marker_partitions has no partition for some shards. And a marker message the broker
+        marker messages would be gone, its rows sent again; one of too few partitions has none
+        for some shards' markers (shard % op_marker_partitions). And a marker message the broker
         or the client refuses would abort every batch: say which limit op_marker_message_bytes
         is above."""
         rs = self.settings.relay
