@@ -60,6 +60,19 @@ def counting(relay: Relay, method: str) -> list[None]:
     return calls
 
 
+def discarded(dsn: str, topic: str, *values: str) -> Any:
+    """A prepared transaction of these values, discarded as the checker leaves it."""
+    with psycopg.connect(dsn) as conn:
+        with conn.transaction():
+            written = outbox.prepare_many(conn, [Record(topic, v) for v in values])
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'discarded', reason = 'max checks (15)' "
+            "WHERE tx_id = %s",
+            (written.tx_id,),
+        )
+    return written
+
+
 def wait_for(condition: Callable[[], object], timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -2049,15 +2062,7 @@ def test_discarded_transactions_reach_the_dead_letter_topic_with_a_marker(
 ) -> None:
     """The checker's discard (state discarded, reason) is shipped by the relay."""
     topic = topic_factory()
-    with psycopg.connect(pg_dsn) as conn:
-        with conn.transaction():
-            written = outbox.prepare_many(conn, [Record(topic, "a"), Record(topic, "b")])
-        conn.execute(
-            "UPDATE outbox.outbox_record SET state = 'discarded', reason = 'max checks (15)' "
-            "WHERE tx_id = %s",
-            (written.tx_id,),
-        )
-        conn.commit()
+    written = discarded(pg_dsn, topic, "a", "b")
     relay = relay_factory()
     assert relay.run_once().ended == 2
     dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
@@ -2086,15 +2091,7 @@ def test_a_dead_letter_topic_deleted_under_the_relay_is_made_again_and_no_copy_i
     dead_letter = relay.settings.relay.dead_letter_topic
     kafka_admin.delete_topics([dead_letter])[dead_letter].result(30)
     wait_for(lambda: dead_letter not in kafka_admin.list_topics(timeout=10).topics)
-    with psycopg.connect(pg_dsn) as conn:
-        with conn.transaction():
-            written = outbox.prepare(conn, topic, "payment-42")
-        conn.execute(
-            "UPDATE outbox.outbox_record SET state = 'discarded', reason = 'max checks (15)' "
-            "WHERE tx_id = %s",
-            (written.tx_id,),
-        )
-        conn.commit()
+    discarded(pg_dsn, topic, "payment-42")
     with pytest.raises(DeadLetterUnwritable, match="dead-letter topic"):
         relay.run_once()
     assert [r[1] for r in rows(pg_dsn)] == ["discarded"]  # kept: never ended without its copy
@@ -2130,15 +2127,7 @@ def test_a_discarded_record_resolved_by_hand_while_the_relay_ships_it_is_not_los
     relay = relay_factory(delivered_retention=retention)
     relay.run_once()  # set up, shard 0 taken: nothing to ship yet
     (worker,) = relay.workers.values()
-    with psycopg.connect(pg_dsn) as conn:
-        with conn.transaction():
-            written = outbox.prepare(conn, topic, "late but wanted")
-        conn.execute(
-            "UPDATE outbox.outbox_record SET state = 'discarded', reason = 'max checks (15)' "
-            "WHERE tx_id = %s",
-            (written.tx_id,),
-        )
-        conn.commit()
+    written = discarded(pg_dsn, topic, "late but wanted")
     commit = worker.producer.commit
 
     def resolved_meanwhile() -> None:
