@@ -4,9 +4,12 @@
 -- name: insert_record
 -- The one-record hot path of publish()/prepare(): a plain INSERT, cheaper than the unnest below.
 -- A caller that gives no tx id gets one per database transaction (see insert_records).
+-- A prepared record is created when prepare() runs, not when its transaction began: its check
+-- immunity and maximum prepared age count from there (RocketMQ's half message's store time),
+-- and a long transaction before it used them up.
 INSERT INTO {schema}.outbox_record
     (producer_group, tx_id, topic, key, value, headers, partition, key_hash, state, check_immunity,
-     committed_xid)
+     committed_xid, created_at)
 VALUES (
     %(producer_group)s,
     coalesce(%(tx_id)s, 'xid:' || pg_current_xact_id()::text),
@@ -14,7 +17,8 @@ VALUES (
     hashtextextended(
         coalesce(encode(%(key)s, 'hex'), %(tx_id)s, 'xid:' || pg_current_xact_id()::text), 0),
     %(state)s, %(check_immunity)s,
-    CASE WHEN %(state)s = 'committed' THEN pg_current_xact_id() END)
+    CASE WHEN %(state)s = 'committed' THEN pg_current_xact_id() END,
+    CASE WHEN %(state)s = 'prepared' THEN clock_timestamp() ELSE now() END)
 RETURNING id, tx_id, CASE WHEN %(notify)s THEN pg_notify(%(channel)s, '') END;
 
 -- name: insert_records
@@ -26,12 +30,13 @@ WITH tx AS (
 ), inserted AS (
     INSERT INTO {schema}.outbox_record
         (producer_group, tx_id, topic, key, value, headers, partition, key_hash, state,
-         check_immunity, committed_xid)
+         check_immunity, committed_xid, created_at)
     SELECT %(producer_group)s, tx.tx_id, r.topic, r.key, r.value, r.headers, r.partition,
            -- keyless records hash by tx id, so they stay with the rest of their transaction
            hashtextextended(coalesce(encode(r.key, 'hex'), tx.tx_id), 0),
            %(state)s, %(check_immunity)s,
-           CASE WHEN %(state)s = 'committed' THEN pg_current_xact_id() END
+           CASE WHEN %(state)s = 'committed' THEN pg_current_xact_id() END,
+           CASE WHEN %(state)s = 'prepared' THEN clock_timestamp() ELSE now() END  -- as above
     -- The arrays go in binary (b placeholders): as text, psycopg escapes every element in Python,
     -- a regex over each value's hex, which took half the statement's time for ten 1 KiB records.
     FROM tx, unnest(%(topics)b::text[], %(keys)b::bytea[], %(values)b::bytea[],

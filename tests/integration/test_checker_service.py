@@ -418,6 +418,26 @@ def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _plan_nodes(child)
 
 
+def test_check_immunity_counts_from_prepare_not_from_the_writers_transaction_start(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """created_at was the writer's transaction start (now()): work done before prepare() used
+    up the immunity, and the record was checked the moment it committed."""
+    endpoint.resolver.default = COMMIT
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        conn.execute("SELECT pg_sleep(1.5)")  # the business work before prepare()
+        tx_id = outbox.prepare(
+            conn, "orders.paid", "v", producer_group=GROUP, check_immunity=1
+        ).tx_id
+    clock = Clock(utc_now())  # just after the commit
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+    assert checker.run_once().checked == 0  # 1 s from prepare() is not over
+    assert endpoint.resolver.asked == []
+    clock.now += 2 * S
+    assert checker.run_once().committed == 1
+    assert one(pg_dsn, tx_id)["state"] == "committed"
+
+
 def test_the_due_scan_reads_no_record_still_inside_its_own_immunity(pg_dsn: str) -> None:
     """Records with an immunity of their own are found by when it ends: the scan reads the due
     one, not the many still immune (read by age, every round read all of them)."""
