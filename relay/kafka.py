@@ -213,6 +213,9 @@ class ShardProducer:
                 break
             except BufferError:  # local queue full: let deliveries drain
                 self.producer.poll(0.05)
+            except KafkaException as exc:  # a fencing told apart, as for the other calls
+                _raise_if_fenced_or_fatal(exc.args[0], exc)
+                raise
         self._sent.append(sent)
         return sent
 

@@ -24,6 +24,9 @@ class _Failing:
     def commit_transaction(self, timeout: float) -> None:
         raise KafkaException(self.error)
 
+    def produce(self, *args: Any, **kwargs: Any) -> None:
+        raise KafkaException(self.error)
+
 
 def producer_failing_with(error: KafkaError) -> ShardProducer:
     producer = ShardProducer({}, "test-0", timedelta(seconds=1))
@@ -39,18 +42,32 @@ FENCED = [
 FATAL = KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, fatal=True)
 
 
+CALLS = {  # a fencing reported by produce() was a plain KafkaException: counted as "kafka"
+    "begin": lambda p: p.begin(),
+    "commit": lambda p: p.commit(),
+    "send": lambda p: p.send("t", b"v", None, []),
+}
+
+
 @pytest.mark.parametrize("error", FENCED, ids=lambda e: e.name())
-@pytest.mark.parametrize("call", ["begin", "commit"])
+@pytest.mark.parametrize("call", list(CALLS))
 def test_a_fencing_is_told_apart(error: KafkaError, call: str) -> None:
     with pytest.raises(Fenced):
-        getattr(producer_failing_with(error), call)()
+        CALLS[call](producer_failing_with(error))
 
 
-@pytest.mark.parametrize("call", ["begin", "commit"])
+@pytest.mark.parametrize("call", list(CALLS))
 def test_a_fatal_error_that_is_not_a_fencing_is_the_producer_s_own(call: str) -> None:
     with pytest.raises(ProducerFailed, match="OUT_OF_ORDER_SEQUENCE_NUMBER") as failed:
-        getattr(producer_failing_with(FATAL), call)()
+        CALLS[call](producer_failing_with(FATAL))
     assert not isinstance(failed.value, Fenced)
+
+
+def test_a_record_refused_by_the_client_stays_a_kafka_error() -> None:
+    """What _ship parks (too large) or takes for a failed transaction (_STATE) is unchanged."""
+    for code in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError._STATE):
+        with pytest.raises(KafkaException):
+            CALLS["send"](producer_failing_with(KafkaError(code)))
 
 
 def test_a_retriable_commit_error_past_the_timeout_leaves_the_outcome_unknown() -> None:
