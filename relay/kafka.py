@@ -14,11 +14,19 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import (
+    IsolationLevel,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AdminClient,
     ConfigResource,
     NewTopic,
+    OffsetSpec,
     ResourceType,
 )
 
@@ -332,6 +340,18 @@ class Topics:
         count = 0 if topic is None else len(topic.partitions)
         self._known[name] = (now, count)
         return count
+
+    def log_end(self, name: str, partition: int) -> int:
+        """The partition's log end offset, open transactions included. A read_committed
+        consumer's high watermark is the last stable offset instead: it stops at the first
+        transaction still open, whatever was committed after it."""
+        tp = TopicPartition(name, partition)
+        found = self._admin.list_offsets(
+            {tp: OffsetSpec.latest()},  # type: ignore[no-untyped-call]
+            isolation_level=IsolationLevel.READ_UNCOMMITTED,
+            request_timeout=10,
+        )
+        return int(found[tp].result().offset)
 
     def config(self, name: str) -> dict[str, str] | None:
         """The topic's configuration; None when the broker does not tell (no permission)."""

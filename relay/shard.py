@@ -373,7 +373,10 @@ class ShardWorker:
         )
         tp = TopicPartition(self.settings.op_marker_topic, self.marker_partition)
         try:
-            _low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            # Not the consumer's watermark: read_committed, that stops at the first open
+            # transaction (another shard's, another relay's), and this batch's markers after
+            # it were never read: the batch went again.
+            high = self.topics.log_end(tp.topic, tp.partition)
             if start is not None and start > high:
                 # Read from here, it would find none of the markers of a batch in doubt, and
                 # send that batch again.

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka import Message
+from confluent_kafka import Message, Producer
 
 import outbox
 from relay import _failpoints
@@ -111,6 +111,50 @@ def test_kill_9_at_each_point_loses_and_duplicates_nothing(
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
     counts = delivered_markers(kafka_bootstrap, survivor.settings.relay.op_marker_topic)
     assert sorted(counts.values()) == [1] * len(expected)  # one committed marker per record
+
+
+def test_a_transaction_open_on_the_marker_partition_hides_no_committed_marker(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """Recovery read the markers up to the read_committed consumer's high watermark, the last
+    stable offset: a transaction left open before the crashed batch's markers (another shard's
+    or relay's on the same partition) hid them, and the batch went again."""
+    topic = topic_factory()
+    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
+
+    def lease() -> tuple[Any, ...]:
+        with psycopg.connect(pg_dsn) as conn:
+            row = conn.execute("SELECT owner, marker_partition FROM outbox.shard_lease").fetchone()
+        return row or (None, None)
+
+    wait_for(lambda: lease()[1] is not None, 60, "the first relay's first recovery", doomed)
+    first_owner = lease()[0]
+    other = Producer({"bootstrap.servers": kafka_bootstrap, "transactional.id": f"{topic}-open"})
+    other.init_transactions(30)
+    other.begin_transaction()
+    other.produce(doomed.settings.relay.op_marker_topic, b"another producer's", partition=0)
+    other.flush(30)  # open on the marker partition, before the batch's markers
+    expected = publish(pg_dsn, topic, transactions=3, per_tx=2)
+    assert doomed.proc.wait(60) == -9, doomed.output()  # its batch committed in Kafka
+    survivor = relay_process(**FAST)
+
+    def taken_over() -> bool:  # the survivor holds the shard: it recovers now
+        return lease()[0] not in (None, first_owner)
+
+    wait_for(taken_over, 60, "the survivor to take the shard", survivor)
+    # Reading only to the last stable offset, its recovery ends at once, having read no
+    # marker; reading to the log's end, it waits for the open transaction. So: aborted once
+    # it recovered, or after a while.
+    waited_until = time.monotonic() + 8
+    while "recovered" not in survivor.output() and time.monotonic() < waited_until:
+        time.sleep(0.1)
+    other.abort_transaction(30)
+    wait_for(lambda: undelivered(pg_dsn) == 0, 60, "the survivor to end the batch", survivor)
+    assert survivor.terminate() == 0, survivor.output()
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
 
 
 def test_a_paused_owner_is_fenced_after_losing_its_lease(
