@@ -193,7 +193,7 @@ class RelaySettings(BaseModel):
     )
     kafka_transaction_timeout: timedelta = Field(
         default=timedelta(seconds=60),
-        gt=timedelta(0),
+        ge=timedelta(seconds=1),  # librdkafka's least transaction.timeout.ms
         description="Kafka's transaction.timeout.ms (kafka.extra may set it apart), and how "
         "long the relay waits on Kafka for a batch's reports, commit or abort.",
     )

@@ -69,8 +69,8 @@ _FENCED_ERRORS = frozenset(
 # what to change.
 _MISCONFIGURED = {
     KafkaError.INVALID_TRANSACTION_TIMEOUT: (
-        "transaction.timeout.ms (kafka.extra) must not exceed the broker's "
-        "transaction.max.timeout.ms"
+        "relay.kafka_transaction_timeout (or transaction.timeout.ms in kafka.extra) must not "
+        "exceed the broker's transaction.max.timeout.ms"
     ),
     KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: (
         "the relay's principal needs WRITE and DESCRIBE on its transactional ids "
@@ -164,7 +164,13 @@ class ShardProducer:
     def init(self) -> None:
         """(Re)create the producer and init transactions: fences any older instance of us."""
         self.close()
-        self._producer = Producer(self._conf)
+        try:
+            self._producer = Producer(self._conf)
+        except KafkaException as exc:  # settings librdkafka refuses, e.g. a message.timeout.ms
+            # in kafka.extra above transaction.timeout.ms: never good, for any shard
+            raise ProducerMisconfigured(
+                f"the Kafka client refuses the producer's settings: {exc.args[0].str()}"
+            ) from exc
         try:
             self._producer.init_transactions(self.timeout_s)
         except KafkaException as exc:

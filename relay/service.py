@@ -77,7 +77,6 @@ _TOPIC_CREATE_REFUSED = frozenset(
         KafkaError.INVALID_CONFIG,
         KafkaError.TOPIC_EXCEPTION,
         KafkaError.POLICY_VIOLATION,
-        KafkaError.INVALID_REPLICATION_FACTOR,
         KafkaError.INVALID_PARTITIONS,
     }
 )

@@ -128,6 +128,7 @@ def test_a_setting_refused_does_not_print_its_value(
         ({"op_marker_retention": "-P1D"}, "op_marker_retention"),
         ({"op_marker_topic": "bad topic name"}, r"op_marker_topic\n.*is invalid"),
         ({"dead_letter_topic": ".."}, r"dead_letter_topic\n.*not allowed"),
+        ({"kafka_transaction_timeout": "PT0.5S"}, "kafka_transaction_timeout"),  # librdkafka: 1 s
     ],
 )
 def test_relay_durations_that_cannot_work_are_refused_by_name(

@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from relay.kafka import Fenced, OutcomeUnknown, ProducerFailed, ShardProducer
+from relay.kafka import (
+    Fenced,
+    OutcomeUnknown,
+    ProducerFailed,
+    ProducerMisconfigured,
+    ShardProducer,
+)
 
 
 class _Failing:
@@ -106,3 +112,12 @@ def test_the_kafka_transaction_timeout_is_the_brokers_too() -> None:
         **conf,
         "transaction.timeout.ms": 90_000,
     }
+
+
+def test_producer_settings_the_client_refuses_stop_the_relay() -> None:
+    """A message.timeout.ms in kafka.extra above transaction.timeout.ms: the client refuses to
+    make the producer, for every shard, round after round; a misconfiguration (the relay stops
+    with it, exit 1), not a shard's passing trouble."""
+    producer = ShardProducer({"message.timeout.ms": 45_000}, "test-0", timedelta(seconds=30))
+    with pytest.raises(ProducerMisconfigured, match=r"message\.timeout\.ms"):
+        producer.init()
