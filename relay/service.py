@@ -674,15 +674,20 @@ class Relay:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            if interval > 0:
+            if interval > 0 and self._set_up:  # no leases before setup: nothing to renew
                 left = min(left, max(0.05, self._last_heartbeat + interval - time.monotonic()))
             self._stop.wait(left)
             self._heartbeat_between_rounds()
 
     def _heartbeat_between_rounds(self) -> None:
-        """A heartbeat when one is due (not with heartbeat_interval 0: every round then); its
-        failure is the next round's to meet."""
-        if self.settings.relay.heartbeat_interval and self._heartbeat_due() and self._set_up:
+        """A heartbeat when one is due (not with heartbeat_interval 0: every round then). A
+        failed one is logged and tried again an interval later, here or by a round."""
+        if (
+            self.settings.relay.heartbeat_interval
+            and self._set_up
+            and not self._stop.is_set()
+            and self._heartbeat_due()
+        ):
             try:
                 self.heartbeat()
             except Exception as exc:  # the round after meets it again, and reports it
