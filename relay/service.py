@@ -40,6 +40,7 @@ from relay.leases import LeaseManager
 from relay.markers import marker_partition, outbox_name
 from relay.pipelined import pipelined_transaction
 from relay.shard import (
+    DeadLetterUnwritable,
     EndFailed,
     LeaseLost,
     MarkersNotFound,
@@ -622,6 +623,8 @@ class Relay:
             kind = "kafka"
         elif isinstance(exc, Fenced):
             kind = "fenced"
+        elif isinstance(exc, DeadLetterUnwritable):
+            kind = "dead_letter_unwritable"
         else:
             kind = type(exc).__name__
         metrics.ERRORS.labels(kind).inc()
@@ -630,7 +633,7 @@ class Relay:
             what,
             kind,
             exc,
-            exc_info=kind not in ("database", "kafka", "fenced"),
+            exc_info=kind not in ("database", "kafka", "fenced", "dead_letter_unwritable"),
         )
 
     def _wait_for_work(self, timeout: float | None = None) -> None:

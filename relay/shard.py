@@ -82,6 +82,7 @@ END_DEADLOCK_ATTEMPTS = 3  # an end chosen by Postgres to break a deadlock is ma
 # The fewest rows of its own a claim reads after a round that held transactions back (see
 # ShardWorker._next_claim_limit)
 MIN_CLAIM_LIMIT = 100
+DEAD_LETTER_RETRY_S = 30.0  # a dead-letter topic that refused everything is tried again then
 # The forms of a dead-letter copy, each smaller than the one before: what a refusal falls to.
 _FULL, _NO_VALUE, _BARE = 0, 1, 2
 
@@ -315,6 +316,9 @@ class ShardWorker:
         # records refused in a batch too large for their topic: each goes again in a batch of
         # its own, and only one refused alone is parked
         self._alone: set[int] = set()
+        # Until then the dead-letter topic is taken to refuse everything (DeadLetterUnwritable):
+        # the rows that need a copy there wait, and the rest of the shard goes on.
+        self._dead_letter_blocked_until = 0.0
         self.ender = ender  # None: each batch's rows are ended before deliver_once returns
         self.claimer = claimer  # None: no claim is made ahead (see deliver_once)
         self._ending: _Ending | None = None  # the last batch, while the ender ends its rows
@@ -737,6 +741,9 @@ class ShardWorker:
     ) -> ShardRound:
         """`claim_next`: starts the next claim, called once a full batch is produced."""
         committed, ended = batch.committed, batch.ended
+        if self._dead_letter_blocked_until > time.monotonic():
+            # Not ended, they are read again next round; other keys' records go meanwhile.
+            ended = [r for r in ended if r.state not in ("discarded", "parked")]
         # Held back, but some went: those sent may be what the held-back ones wait for (when
         # this relay owns the other shard too, its round right after sends them).
         result = ShardRound(
@@ -1079,6 +1086,7 @@ class ShardWorker:
         smaller down to no copy at all, as before, a discarded record's payload was then lost
         with its row. A missing topic is made again, as at start."""
         topic = self.settings.dead_letter_topic
+        self._dead_letter_blocked_until = time.monotonic() + DEAD_LETTER_RETRY_S
         if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
             try:
                 self.topics.ensure(topic, 1, DEAD_LETTER_TOPIC_CONFIG)
@@ -1086,7 +1094,7 @@ class ShardWorker:
                 logger.warning("shard %s: could not create %s: %s", self.shard, topic, exc)
         return DeadLetterUnwritable(
             f"the dead-letter topic {topic} takes no copies ({err.str()}): the batch goes "
-            "again, its parked and discarded rows kept until it does"
+            f"again without the rows that need one, tried again in {DEAD_LETTER_RETRY_S:.0f} s"
         )
 
     def _dead_letter_copy(

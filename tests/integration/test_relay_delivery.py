@@ -2099,9 +2099,17 @@ def test_a_dead_letter_topic_deleted_under_the_relay_is_made_again_and_no_copy_i
     with pytest.raises(DeadLetterUnwritable, match="dead-letter topic"):
         relay.run_once()
     assert [r[1] for r in rows(pg_dsn)] == ["discarded"]  # kept: never ended without its copy
+    # Meanwhile the shard's other records go: only the rows that need a copy wait.
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "other key", key="other")
+    (worker,) = relay.workers.values()
+    worker.retry_at = 0.0  # the shard's backoff: the test goes again at once
+    assert relay.run_once().delivered == 1
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"other key"]
+    assert [r[1] for r in rows(pg_dsn) if r[1] != "delivered"] == ["discarded"]
 
     def copied() -> bool:
-        relay.workers[0].retry_at = 0.0  # the shard's backoff: the test goes again at once
+        worker.retry_at = worker._dead_letter_blocked_until = 0.0  # tried again at once
         try:
             return bool(relay.run_once().ended == 1)
         except DeadLetterUnwritable:  # made again, not yet known to the producer
@@ -2111,7 +2119,7 @@ def test_a_dead_letter_topic_deleted_under_the_relay_is_made_again_and_no_copy_i
     (copy,) = consume_all(kafka_bootstrap, dead_letter, "read_committed")
     assert copy.value() == b"payment-42"
     assert dict(copy.headers() or [])["outbox-reason"] == b"max checks (15)"
-    assert [m.op.value for m in markers(kafka_bootstrap, relay)] == ["discarded"]
+    assert [m.op.value for m in markers(kafka_bootstrap, relay)] == ["delivered", "discarded"]
 
 
 @pytest.mark.parametrize("retention", ["PT0S", "PT1H"])
