@@ -308,18 +308,25 @@ class Relay:
             # Not _drop_worker(): it forgets the lease, and release() then had nothing to hand
             # back; the shard waited for its lease to run out before another relay took it.
             self.leases.release(self.conn, shard)
-        for lease in changes.gained:
-            self.workers[lease.shard] = ShardWorker(
-                lease,
-                self.settings.relay,
-                self.schema,
-                self.relay_id,
-                self.kafka_conf,
-                self.topics,
-                self.ender,
-                self.claimer,
-                self.outbox,
-            )
+        for i, lease in enumerate(changes.gained):
+            try:
+                self.workers[lease.shard] = ShardWorker(
+                    lease,
+                    self.settings.relay,
+                    self.schema,
+                    self.relay_id,
+                    self.kafka_conf,
+                    self.topics,
+                    self.ender,
+                    self.claimer,
+                    self.outbox,
+                )
+            except Exception:
+                # Held without a worker, a shard was renewed for ever and never delivered,
+                # probes green: this one and those not built yet go back, for a relay that can.
+                for unbuilt in changes.gained[i:]:
+                    self.leases.release(self.conn, unbuilt.shard)
+                raise
         if changes.gained:  # their rows may be left unstamped by another relay
             self._stamp_all_again()
         metrics.SHARDS_OWNED.set(len(self.workers))

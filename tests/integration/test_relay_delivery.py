@@ -832,6 +832,25 @@ def test_a_relay_on_another_op_marker_topic_than_its_shards_wrote_to_stops(
     assert relay_factory(op_marker_topic=before).run_once().shards == 1
 
 
+def test_a_shard_whose_worker_cannot_be_built_is_handed_back(
+    pg_dsn: str, relay_factory: Any
+) -> None:
+    """Its lease was taken before its worker failed to be built: held and renewed for ever by
+    a relay that never delivered it, probes green, and no other relay could take it."""
+    first = relay_factory()
+    first.run_once()  # shard 0 recovered once: its marker partition recorded
+    first.stop()
+    relay = relay_factory()
+    relay.setup()
+    with psycopg.connect(pg_dsn) as conn:  # as another relay's other op_marker_partitions would
+        conn.execute("UPDATE outbox.shard_lease SET marker_partition = 1")
+    with pytest.raises(RuntimeError, match="op_marker_partitions must not change"):
+        relay.heartbeat()
+    assert relay.workers == {}
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT owner FROM outbox.shard_lease").fetchall() == [(None,)]
+
+
 def test_a_relay_waiting_a_long_poll_interval_is_alive(relay_factory: Any) -> None:
     """Liveness allowed 120 s without a finished round, whatever the poll interval: with one
     above that, /healthz failed while the relay only waited for work."""
