@@ -791,7 +791,8 @@ class Relay:
         )
 
     def ready(self) -> dict[str, Any]:
-        """What /readyz reports; `ready` needs the database and the broker."""
+        """What /readyz reports; `ready` needs the database, the broker, and the relay's
+        setup (its topics made and its settings checked) done: until then it delivers nothing."""
         try:
             with self._connect() as probe:
                 probe.execute("SELECT 1")
@@ -800,9 +801,10 @@ class Relay:
             database = False
         broker = self.topics.reachable()
         return {
-            "ready": database and broker,
+            "ready": database and broker and self._set_up,
             "database": database,
             "broker": broker,
+            "set_up": self._set_up,
             "shards": sorted(self.workers),
             "relay_id": self.relay_id,
         }

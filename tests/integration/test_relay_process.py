@@ -70,6 +70,18 @@ def test_probes_metrics_and_graceful_shutdown(
         assert conn.execute("SELECT count(*) FROM outbox.relay_member").fetchone() == (0,)
 
 
+def test_a_relay_is_not_ready_before_its_setup_is_done(relay_factory: Callable[..., Any]) -> None:
+    """Database and broker reachable was all /readyz asked: a relay whose setup (its topics,
+    the schema and settings checks) had not run, or kept failing, probed ready."""
+    relay = relay_factory()
+    before = relay.ready()
+    assert (before["database"], before["broker"]) == (True, True)
+    assert (before["ready"], before["set_up"]) == (False, False)
+    relay.run_once()
+    after = relay.ready()
+    assert (after["ready"], after["set_up"]) == (True, True)
+
+
 def test_a_relay_stopped_by_a_setting_that_cannot_work_ends_the_process(
     pg_dsn: str,
     relay_factory: Callable[..., Any],
