@@ -22,6 +22,7 @@ from psycopg.rows import tuple_row
 from outbox import sql as queries
 from outbox._core import OutboxConfig
 from outbox._errors import OutboxDatabaseError, OutboxUsageError, SchemaError
+from outbox._session import in_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +48,22 @@ def migrate(
 
     Takes a DSN, or a connection with no transaction open (the migration commits). Raises
     InvalidConfigError for a bad schema name, OutboxUsageError for a connection inside a
-    transaction, SchemaError for a schema migrated by another build or a newer library, and
-    OutboxDatabaseError when the database fails (psycopg's error is the __cause__).
+    transaction or in pipeline mode, SchemaError for a schema migrated by another build or a
+    newer library, and OutboxDatabaseError when the database fails (psycopg's error is the
+    __cause__).
     """
     schema = OutboxConfig(schema_name=schema).schema_name  # validates the identifier
     try:
         if isinstance(conninfo_or_conn, str):
             with psycopg.connect(conninfo_or_conn) as conn:
                 return _migrate(conn, schema)
+        if in_pipeline(conninfo_or_conn):
+            # Its files hold several statements each, which the extended protocol (the only
+            # one a pipeline speaks) refuses: a fresh schema failed, an up-to-date one did not.
+            raise OutboxUsageError(
+                "migrate() cannot run on a connection in pipeline mode: run it before "
+                "conn.pipeline(), or pass a DSN"
+            )
         if conninfo_or_conn.info.transaction_status != TransactionStatus.IDLE:
             # Its transaction() would be a savepoint: reported applied, then gone with a rollback.
             raise OutboxUsageError(

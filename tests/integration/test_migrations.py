@@ -91,6 +91,20 @@ def test_migrate_on_a_connection_of_any_row_or_cursor_factory(
         assert schema_problem(conn) is None
 
 
+@pytest.mark.parametrize("autocommit", [True, False])
+def test_migrate_refuses_a_connection_in_pipeline_mode_by_name(
+    empty_db: str, autocommit: bool
+) -> None:
+    """Pipeline mode refuses a statement of several commands: migrating a fresh schema there
+    failed with Postgres's "cannot insert multiple commands into a prepared statement"."""
+    with psycopg.connect(empty_db, autocommit=autocommit) as conn:
+        with conn.pipeline(), pytest.raises(outbox.OutboxUsageError, match="pipeline mode"):
+            outbox.migrate(conn)
+        conn.rollback()
+        assert current_version(conn) is None  # nothing written
+        assert outbox.migrate(conn).version == latest_version()  # out of the pipeline: works
+
+
 def test_concurrent_migrate_from_many_pods(empty_db: str) -> None:
     results: list[object] = []
     barrier = threading.Barrier(4)
