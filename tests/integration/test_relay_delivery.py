@@ -637,6 +637,22 @@ def test_a_record_that_names_its_partition_lands_there(
     assert landed["any"] in (0, 1, 2)  # the partitioner's choice
 
 
+def test_the_largest_record_the_library_takes_by_default_is_delivered_not_parked(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """The library took up to 1 MiB while the relay's client refuses a message over its
+    message.max.bytes (1,000,000 by default) with the headers the relay adds: such a record
+    was accepted, then parked. Here with the longest tx id and producer group there are."""
+    topic = topic_factory()
+    value = b"v" * (outbox.DEFAULT_MAX_RECORD_BYTES - 1)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, value, key="k", tx_id="t" * 128, producer_group="g" * 128)
+    assert relay_factory().run_once().delivered == 1
+    [got] = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert got.value() == value
+    assert rows(pg_dsn) == []  # ended, not parked
+
+
 def test_delivered_rows_are_archived_with_their_position(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
