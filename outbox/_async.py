@@ -171,7 +171,7 @@ class AsyncOutbox:
     ) -> LocalTransactionResult:
         """As `Outbox.send_in_transaction`; `local_transaction` may be sync (run in a worker
         thread, so that it does not stall the event loop) or async."""
-        require_idle(conn)
+        require_idle(conn, psycopg.AsyncConnection)
         async with conn.transaction():
             written = await self.prepare_many(
                 conn,

@@ -66,7 +66,18 @@ def settled_first(exc: TransactionStateError, written: Written, status: Transact
     return State(states[0])
 
 
-def require_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+def require_idle(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], expected: type
+) -> None:
+    """`conn` is a connection of the `expected` kind (it commits on its own, so a cursor would
+    not do), with no transaction open."""
+    if not isinstance(conn, expected):
+        other = "AsyncOutbox" if expected is psycopg.Connection else "Outbox"
+        raise OutboxUsageError(
+            f"send_in_transaction needs a psycopg {expected.__name__}, got "
+            f"{type(conn).__name__}"
+            + (f": use {other} for it" if "Connection" in type(conn).__name__ else "")
+        )
     if conn.info.transaction_status != PgTxStatus.IDLE:
         raise OutboxUsageError(
             "send_in_transaction needs a connection with no transaction open: the prepared "

@@ -203,7 +203,7 @@ class Outbox:
         Records left prepared are settled by the checker, which asks the producer group's
         endpoint after `check_immunity`. `conn` must have no transaction open.
         """
-        require_idle(conn)
+        require_idle(conn, psycopg.Connection)
         with conn.transaction():
             written = self.prepare_many(
                 conn,

@@ -316,6 +316,36 @@ def test_send_in_transaction_needs_a_connection_without_an_open_transaction(pg_d
             outbox.send_in_transaction(conn, [Record("t", "a")], lambda w: "COMMIT")
 
 
+def test_send_in_transaction_refuses_what_is_not_its_kind_of_connection_by_name(
+    pg_dsn: str,
+) -> None:
+    """A cursor, None or the other kind of connection failed with a bare AttributeError or
+    TypeError, though every error of the library derives from OutboxError."""
+    called: list[Written] = []
+
+    def never(written: Written) -> str:
+        called.append(written)
+        return "COMMIT"
+
+    with psycopg.connect(pg_dsn) as conn:
+        for wrong in (None, conn.cursor()):
+            with pytest.raises(outbox.OutboxUsageError, match="needs a psycopg Connection"):
+                outbox.send_in_transaction(wrong, [Record("t", "a")], never)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as aconn:
+            with pytest.raises(outbox.OutboxUsageError, match="use AsyncOutbox"):
+                outbox.send_in_transaction(aconn, [Record("t", "a")], never)  # type: ignore[arg-type]
+        with (
+            psycopg.connect(pg_dsn) as conn,
+            pytest.raises(outbox.OutboxUsageError, match="needs a psycopg AsyncConnection"),
+        ):
+            await outbox.AsyncOutbox().send_in_transaction(conn, [Record("t", "a")], never)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert called == []
+
+
 def test_send_in_transaction_keeps_records_prepared_when_the_end_cannot_be_written(
     pg_dsn: str,
 ) -> None:
