@@ -35,6 +35,7 @@ import psycopg
 
 from checker._manual import ManualResult, rearm, redrive, redrive_topic, resolve
 from outbox.checkback import TransactionStatus
+from relay.cli_database import command_dsn
 
 logger = logging.getLogger(__name__)
 
@@ -121,13 +122,6 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _dsn(args: argparse.Namespace) -> str:
-    dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
-    if not dsn:
-        raise SystemExit("outboxctl: no database: pass --dsn or set OUTBOX_DATABASE_URL")
-    return str(dsn)
-
-
 def _print(args: argparse.Namespace, result: ManualResult) -> None:
     if args.json:
         print(json.dumps(result.as_dict()))
@@ -155,7 +149,7 @@ def _connected(
 ) -> _Done | None:
     """`action` on a connection of its own; None once bad input was refused (said on stderr)."""
     try:
-        with psycopg.connect(_dsn(args), autocommit=True) as conn:
+        with psycopg.connect(command_dsn(args), autocommit=True) as conn:
             return action(conn)
     except ValueError as exc:  # bad input: nothing was sent
         print(f"outboxctl {args.command}: {exc}", file=sys.stderr)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import version
@@ -21,51 +20,17 @@ from pydantic import ValidationError
 from checker import cli as checker_cli
 from outbox import OutboxError, SchemaError, migrate
 from outbox import sql as outbox_sql
-from outbox._describe import describe
 from outbox.migrations import check_applied, current_version, latest_version
 from relay import sidecar
-from relay.config import (
-    DatabaseSettings,
-    SidecarSettings,
-    load_database_settings,
-    load_settings,
-)
+from relay.cli_database import command_dsn, database_settings
+from relay.config import SidecarSettings, load_settings
 from relay.records import list_records
 from relay.status import outbox_status
 from spark.findings import read_findings
 
 
-def _why(exc: Exception) -> str:
-    return describe(exc, "settings") if isinstance(exc, ValidationError) else str(exc)
-
-
-def _database_settings() -> tuple[DatabaseSettings | None, str]:
-    """The database part of the sidecar's settings, the rest unread (load_database_settings):
-    what the commands that only read or migrate the outbox need."""
-    try:
-        return load_database_settings().database, ""
-    except Exception as exc:  # not configured here, or configured wrong: say so if needed
-        return None, _why(exc)
-
-
-def _dsn(args: argparse.Namespace) -> str:
-    """--dsn, else OUTBOX_DATABASE_URL, else the sidecar's own database setting (so that
-    `kubectl exec ... -- outboxctl status` works in the sidecar's container as it is)."""
-    dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
-    if dsn:
-        return str(dsn)
-    database, why = _database_settings()
-    if database is None:
-        raise SystemExit(
-            "outboxctl: no database: pass --dsn, set OUTBOX_DATABASE_URL, or give the sidecar's "
-            "setting (OUTBOX_DATABASE__DSN, or the file outbox_database__dsn in "
-            f"OUTBOX_SECRETS_DIR); the sidecar's settings: {why}"
-        )
-    return database.dsn.get_secret_value()
-
-
 def _cmd_migrate(args: argparse.Namespace) -> int:
-    report = migrate(_dsn(args), schema=args.schema)
+    report = migrate(command_dsn(args), schema=args.schema)
     if args.json:
         print(
             json.dumps(
@@ -81,7 +46,7 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 def _cmd_schema_version(args: argparse.Namespace) -> int:
     problem = None
-    with psycopg.connect(_dsn(args)) as conn:
+    with psycopg.connect(command_dsn(args)) as conn:
         at = current_version(conn, args.schema)
         try:
             check_applied(conn, args.schema)
@@ -125,7 +90,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    with psycopg.connect(_dsn(args)) as conn:
+    with psycopg.connect(command_dsn(args)) as conn:
         status = outbox_status(conn, args.schema)
     if args.json:
         print(json.dumps(status, default=str))
@@ -143,7 +108,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_records(args: argparse.Namespace) -> int:
     try:
-        with psycopg.connect(_dsn(args)) as conn:
+        with psycopg.connect(command_dsn(args)) as conn:
             found = list_records(
                 conn,
                 args.schema,
@@ -192,7 +157,9 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
 def _cmd_findings(args: argparse.Namespace) -> int:
     try:
-        found = read_findings(_dsn(args), args.schema, kinds=args.kind or None, limit=args.limit)
+        found = read_findings(
+            command_dsn(args), args.schema, kinds=args.kind or None, limit=args.limit
+        )
     except ValueError as exc:  # bad input (a kind, the limit): nothing was asked
         print(f"outboxctl findings: {exc}", file=sys.stderr)
         return 2
@@ -293,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "schema" in args:
         args.schema_given = args.schema is not None  # `checker --config` reads its own settings
     if "schema" in args and args.schema is None:
-        database, _ = _database_settings()
+        database, _ = database_settings()
         args.schema = database.schema_name if database is not None else "outbox"
     try:
         return int(args.func(args))

@@ -314,6 +314,9 @@ def test_outboxctl_finds_the_database_where_the_sidecar_does(
     (tmp_path / "outbox_database__dsn").write_text(pg_dsn)
     assert main(["status", "--json"]) == 0
     assert "states" in json.loads(capsys.readouterr().out)
+    # the repair commands too (they said "no database" where status worked)
+    assert main(["rearm", "--producer-group", "g", "--tx-id", "no-such-tx", "--actor", "a"]) == 1
+    assert "no-such-tx" in capsys.readouterr().err  # asked the database, which has none
     # and its schema: the sidecar's, not a default it does not use
     monkeypatch.setenv("OUTBOX_DATABASE__SCHEMA_NAME", "elsewhere")
     assert main(["schema-version", "--json"]) == 1  # that schema is not migrated
