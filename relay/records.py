@@ -33,13 +33,17 @@ class RecordRow:
     reason: str | None
 
     def key_text(self) -> str:
-        """The key as text when it is UTF-8, else base64 (marked so)."""
+        """The key as text when it is printable UTF-8, else base64 (marked so): a newline or a
+        terminal escape in a key printed as it is could fake rows of the listing."""
         if self.key is None:
             return "-"
         try:
-            return self.key.decode("utf-8")
+            text = self.key.decode("utf-8")
         except UnicodeDecodeError:
-            return "base64:" + base64.b64encode(self.key).decode("ascii")
+            text = None
+        if text is not None and text.isprintable() and not text.startswith("base64:"):
+            return text
+        return "base64:" + base64.b64encode(self.key).decode("ascii")
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
