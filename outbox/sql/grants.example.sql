@@ -4,8 +4,8 @@
 -- {writer}: the application. It inserts records and ends its own half records; it can neither read
 --   record contents nor delete. (It can set `state`, so it is trusted with its own records.)
 -- {relay}: the sidecar (relay and checker). It reads, changes state, deletes, and keeps leases.
--- {reconciler}: the Spark reconciliation. It reads the ledger, writes its findings and deletes them
---   past its --findings-retention.
+-- {reconciler}: the Spark reconciliation. It reads the ledger (no record contents), writes its
+--   findings and deletes them past its --findings-retention.
 
 GRANT USAGE ON SCHEMA {schema} TO {writer}, {relay};
 
@@ -21,6 +21,10 @@ GRANT SELECT, INSERT, DELETE ON {schema}.audit_log TO {relay};
 GRANT SELECT ON {schema}.schema_migration TO {writer}, {relay};
 
 GRANT USAGE ON SCHEMA {schema} TO {reconciler};
-GRANT SELECT ON {schema}.outbox_record, {schema}.schema_migration TO {reconciler};
+-- The ledger's columns only (spark/queries.sql): not the values and headers the job never reads.
+GRANT SELECT (id, producer_group, tx_id, topic, key, state, commit_ts, committed_xid,
+              state_changed_at, ended_at, kafka_partition, kafka_offset)
+    ON {schema}.outbox_record TO {reconciler};
+GRANT SELECT ON {schema}.schema_migration TO {reconciler};
 GRANT SELECT, INSERT, DELETE ON {schema}.reconciliation_finding TO {reconciler};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.reconciliation_window TO {reconciler};

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -16,6 +17,7 @@ import outbox
 from outbox import sql as outbox_sql
 from outbox.migrations import check_applied, current_version, latest_version, schema_problem
 from relay.cli import main as cli_main
+from spark import _sql as spark_sql
 from tests.fixtures.services import Services
 
 CATALOG = {
@@ -186,6 +188,20 @@ def test_least_privilege_grants(pg_dsn: str, caplog: pytest.LogCaptureFixture) -
                 sidecar.execute("INSERT INTO outbox.outbox_record (producer_group) VALUES ('x')")
         with psycopg.connect(pg_dsn, user=reconciler) as spark_job:
             spark_job.execute("SELECT count(*) FROM outbox.outbox_record")
+            # every ledger query of the job, and no record contents (it never reads them)
+            now = datetime.now(UTC)
+            spark_job.execute(spark_sql.query("ledger_window", "outbox", ended_from=now,
+                                              ended_until=now))  # fmt: skip
+            spark_job.execute(spark_sql.query("ledger_by_ids", "outbox"), {"ids": [1]})
+            spark_job.execute(spark_sql.query("ledger_oldest_ended", "outbox"))
+            spark_job.execute(
+                spark_sql.query("ledger_oldest_due", "outbox"),
+                {"lo": now, "hi": now, "include_stuck": True},
+            )
+            for contents in ("value", "headers"):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    spark_job.execute(f"SELECT {contents} FROM outbox.outbox_record")
+                spark_job.rollback()
             spark_job.execute("SELECT count(*) FROM outbox.reconciliation_finding")
             spark_job.execute("DELETE FROM outbox.reconciliation_finding")  # its retention
             spark_job.execute("DELETE FROM outbox.reconciliation_window")
