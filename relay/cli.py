@@ -71,7 +71,11 @@ def _cmd_grants(args: argparse.Namespace) -> int:
     grants = outbox_sql.grants_sql(
         args.schema, args.writer_role, args.relay_role, args.reconciler_role
     )
-    print(grants.as_string(None))
+    text = grants.as_string(None)
+    if args.json:
+        print(json.dumps({"schema": args.schema, "sql": text}))
+    else:
+        print(text)
     return 0
 
 
