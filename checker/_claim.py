@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -60,6 +60,8 @@ class Claim:
     lease_until: datetime
     #: A request not started by then is not sent (it could outlive the lease): given back.
     send_by: datetime
+    #: Its maximum prepared age: it is due again by then at the latest, to be discarded.
+    discard_at: datetime
     records: tuple[CheckRecord, ...] = field(default=())
 
     def request(self) -> CheckRequest:
@@ -135,18 +137,7 @@ def claim(
     for c in claims:
         found = records.get((c.producer_group, c.tx_id))
         if found:  # under our locks it always is; skip rather than ask about nothing
-            claimed.append(
-                Claim(
-                    c.producer_group,
-                    c.tx_id,
-                    c.check_count,
-                    c.first_created_at,
-                    c.claimed_at,
-                    c.lease_until,
-                    c.send_by,
-                    tuple(found),
-                )
-            )
+            claimed.append(replace(c, records=tuple(found)))
     return claimed
 
 

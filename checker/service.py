@@ -335,6 +335,7 @@ class Checker:
                         claimed_at=now,
                         lease_until=now + lease,
                         send_by=now + s.lease_margin,
+                        discard_at=tx.age_from + s.max_prepared_age,
                     )
                 )
             # Go again at once only if this round moved something: transactions other
@@ -360,8 +361,10 @@ class Checker:
     def _actor(self) -> str:
         return f"checker:{self.checker_id}"
 
-    @staticmethod
-    def _later(tx: DueTransaction, at: datetime) -> Reschedule:
+    def _later(self, tx: DueTransaction, at: datetime) -> Reschedule:
+        """Due again at `at`, or at its maximum prepared age if that comes first: a later due
+        time put off its discard (by up to max_backoff for a group without an endpoint)."""
+        at = min(at, tx.age_from + self.settings.max_prepared_age)
         return Reschedule(tx.producer_group, tx.tx_id, tx.check_count, tx.check_count, at)
 
     def _spread(self, delay: timedelta) -> timedelta:
@@ -445,7 +448,9 @@ class Checker:
                 _metrics.NOT_SENT.labels(group, outcome.value).inc()
                 retry_at = self._endpoints[group].breaker.retry_at or now
                 count = claim.check_count
-                later.append(Reschedule(group, tx_id, count, count - 1, retry_at))
+                later.append(
+                    Reschedule(group, tx_id, count, count - 1, min(retry_at, claim.discard_at))
+                )
                 result.not_sent += 1
                 continue
             _metrics.CHECKS.labels(group, outcome.value).inc()
@@ -464,7 +469,8 @@ class Checker:
                     rng=self._rng,
                 )
             count = claim.check_count
-            later.append(Reschedule(group, tx_id, count, count, now + wait))
+            next_at = min(now + wait, claim.discard_at)
+            later.append(Reschedule(group, tx_id, count, count, next_at))
             notes.append(
                 (
                     logger.info if outcome is Outcome.UNKNOWN else logger.warning,

@@ -766,6 +766,30 @@ def test_max_prepared_age_discards_even_without_an_endpoint(
         assert [a["action"] for a in audit(pg_dsn, tx_id)] == ["discard"]
 
 
+def test_a_next_check_is_never_set_past_the_max_prepared_age(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """It was now + max_backoff for a group without an endpoint, and now + the backoff after
+    an UNKNOWN: the discard at max prepared age came that much late (minutes, not seconds)."""
+    unconfigured, created = prepare(pg_dsn, "nobody")
+    unknown, unknown_created = prepare(pg_dsn)
+    clock = Clock(created + 10 * S)
+    s = settings({GROUP: endpoint_settings(endpoint.url)}, max_prepared_age="PT45S")
+    checker = make_checker(s, clock)
+    result = checker.run_once()
+    assert (result.unknown, result.not_sent) == (1, 1)
+    assert one(pg_dsn, unconfigured)["next_check_at"] == created + 45 * S  # not now + 10 min
+    assert one(pg_dsn, unknown)["next_check_at"] == clock.now + 30 * S  # check_interval: earlier
+    clock.now += 30 * S
+    assert checker.run_once().unknown == 1
+    next_at = one(pg_dsn, unknown)["next_check_at"]
+    assert next_at == unknown_created + 45 * S  # not now + the backoff (60 s)
+    clock.now = next_at
+    assert checker.run_once().discarded == 2
+    for tx_id in (unconfigured, unknown):
+        assert one(pg_dsn, tx_id)["reason"] == "max prepared age (45s) reached"
+
+
 def test_no_check_immunity_outlasts_the_max_prepared_age(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
