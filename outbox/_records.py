@@ -42,6 +42,10 @@ Serializer = Callable[[Any], bytes | None]
 
 # Kafka's own rules (kafka.common.internals.Topic): legal characters, at most 249 of them.
 _TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+# kafka.common.internals.Topic's internal topics, and KRaft's metadata log.
+_KAFKA_INTERNAL_TOPICS = frozenset(
+    {"__consumer_offsets", "__transaction_state", "__cluster_metadata"}
+)
 _PRODUCER_GROUP = re.compile(r"[a-zA-Z0-9._-]{1,128}")
 _TX_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 # The relay adds these to every record it delivers; a caller must not forge them.
@@ -75,6 +79,8 @@ def check_topic(topic: object) -> str:
         raise InvalidTopicError(f"topic must be a str, got {type(topic).__name__}")
     if topic in (".", ".."):
         raise InvalidTopicError(f"topic {topic!r} is not allowed by Kafka")
+    if topic in _KAFKA_INTERNAL_TOPICS:  # the broker refuses a client's writes there: parked
+        raise InvalidTopicError(f"topic {topic!r} is Kafka's own, not for records")
     if not _TOPIC.fullmatch(topic):
         raise InvalidTopicError(
             f"topic {topic[:60]!r} is invalid: Kafka allows 1 to 249 characters of "

@@ -39,6 +39,15 @@ def test_kafka_illegal_topics(topic: object) -> None:
         check_topic(topic)
 
 
+@pytest.mark.parametrize("topic", ["__consumer_offsets", "__transaction_state"])
+def test_kafkas_own_topics_are_refused_at_the_call(topic: str) -> None:
+    """The broker refuses a client's writes there (InvalidTopicException): taken, the record
+    was parked by the relay instead."""
+    with pytest.raises(outbox.InvalidTopicError, match="Kafka's own"):
+        check_topic(topic)
+    assert check_topic("__orders") == "__orders"  # other names with underscores are topics
+
+
 def test_default_serializer() -> None:
     assert default_serializer(None) is None
     assert default_serializer(b"\x00") == b"\x00"
