@@ -272,8 +272,9 @@ class ReconcileSettings(BaseModel):
             }
         )
         if self.topic_pattern:
-            # the op markers come through the same source; \Q..\E quotes the name as it is
-            options["subscribePattern"] = f"(?:{self.topic_pattern})|\\Q{self.marker_topic}\\E"
+            # the op markers come through the same source; \Q..\E quotes the name as it is.
+            # Anchored: Spark's source took a topic the pattern matched only part of.
+            options["subscribePattern"] = f"^(?:{self.topic_pattern})$|^\\Q{self.marker_topic}\\E$"
         else:
             options["subscribe"] = ",".join([*self.topics, self.marker_topic])
         return options

@@ -67,9 +67,11 @@ from types import FrameType
 from typing import Any
 
 import psycopg
+from py4j.protocol import Py4JJavaError
 from pydantic import ValidationError
 from pyspark import SparkConf, SparkContext
 from pyspark.errors import AnalysisException, StreamingQueryException
+from pyspark.errors.exceptions.captured import CapturedException
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
@@ -337,20 +339,54 @@ class ReconcileJob:
         read = read.withColumn("batch", F.lit(None).cast("long"))
         obs = read.where(F.col("ts") >= F.lit(window.store_low))
         late = read.where(F.col("ts") < F.lit(window.store_low))
-        with self._lock:
+        read_what = self.settings.topic_pattern or ", ".join(self.settings.topics)
+        with self._lock, _query_failure(f"the audit of {read_what}"):
             return self._judge(obs, window, "audit", late=late)
 
-    def _audit_read(self, since: datetime) -> DataFrame:
-        return (
+    def _source_options(self) -> dict[str, str]:
+        """Spark's Kafka source options, the topic pattern checked first."""
+        if self.settings.topic_pattern is not None:
+            _check_pattern(self.spark, self.settings.topic_pattern)
+        return self.settings.kafka_source_options()
+
+    def _audit_read(self, since: datetime, until: datetime | None = None) -> DataFrame:
+        read = (
             self.spark.read.format("kafka")
-            .options(**self.settings.kafka_source_options())
+            .options(**self._source_options())
             .option("startingTimestamp", _millis(since))
             .option("startingOffsetsByTimestampStrategy", "latest")
+        )
+        if until is None:
             # not endingTimestamp: Kafka finds times by its index, in which a transaction's
             # commit marker carries the broker's time; up to the end, then filtered, is exact
-            .option("endingOffsets", "latest")
-            .load()
+            return read.option("endingOffsets", "latest").load()
+        return read.option("endingTimestamp", _millis(until)).load()
+
+    def _beyond_the_store(
+        self, late: DataFrame, oldest_due: datetime, as_of: datetime
+    ) -> DataFrame:
+        """`late` with what Kafka holds from before the store's reach that rows due now need:
+        a relay that ended its rows more than --horizon after its Kafka commit (down that
+        long in between) left their copies older than anything the store keeps, and those
+        rows were reported missing. Read back from Kafka as an audit does (a deadline of
+        margin for the clocks of relay and database), only while such rows are due."""
+        kept_from = as_of - self.settings.horizon  # older observations are not stored
+        since = oldest_due - self.settings.deadline
+        if since >= kept_from:
+            return late
+        logger.info(
+            "rows due now committed at %s, before what the store keeps (%s): reading their "
+            "copies back from Kafka",
+            oldest_due.isoformat(),
+            kept_from.isoformat(),
         )
+        with _connector_needed():
+            # an upper bound with a deadline of margin (Kafka's time index is not exact), then
+            # only what the store does not hold
+            kafka = self._audit_read(since, until=kept_from + self.settings.deadline)
+        back = self._observations(kafka).where(F.col("ts") < F.lit(kept_from))
+        back = back.withColumn("batch", F.lit(None).cast("long"))
+        return late.unionByName(back, allowMissingColumns=True)
 
     # --- the streaming query ----------------------------------------------------------------
 
@@ -370,7 +406,7 @@ class ReconcileJob:
         with _connector_needed():
             stream = (
                 self.spark.readStream.format("kafka")
-                .options(**self.settings.kafka_source_options())
+                .options(**self._source_options())
                 .option("startingTimestamp", start_ms)
                 .option("startingOffsetsByTimestampStrategy", "latest")
                 .load()
@@ -561,6 +597,7 @@ class ReconcileJob:
             started = time.perf_counter()
             if self._idle(window):
                 return self._judged_idle(window, detected_in, time.perf_counter() - started)
+        oldest_due = self._oldest_due(window)
         if window.windows_from is None:  # the whole horizon
             store = self._read_store()
         else:
@@ -568,9 +605,8 @@ class ReconcileJob:
             # appended before it was written; a trigger interval of margin for the clocks of
             # file system and job), or since the oldest commit of a row due now, if older: a
             # row a relay ended late (down between its Kafka commit and the end of its rows)
-            # has its copy in a batch written back then. A copy older than the horizon is
-            # gone from the store, and such a row is reported missing.
-            since = min(window.store_low, self._oldest_due(window) or window.store_low)
+            # has its copy in a batch written back then.
+            since = min(window.store_low, oldest_due or window.store_low)
             store = self._read_store(written_since=since - settings.trigger)
         last_read = max(self._store_batches(), default=None)  # the lock keeps writes out
         if self._unread_from is not None and window.windows_from is not None:
@@ -585,6 +621,8 @@ class ReconcileJob:
         # the copies of rows ended late, which answer ledger rows due now.
         obs = store.where(F.col("ts") >= F.lit(window.store_low))
         late = store.where(F.col("ts") < F.lit(window.store_low))
+        if oldest_due is not None:
+            late = self._beyond_the_store(late, oldest_due, as_of)
         counted = None  # the copies the carried summary windows lack: new ones, late ones
         if window.latency_carried:
             counted = F.col("ts") >= F.lit(window.lo)
@@ -973,6 +1011,39 @@ def _connector_needed() -> Iterator[None]:
             "Spark's Kafka connector is not on the classpath: pass --jars (or set "
             "OUTBOX_SPARK_JARS) with the jars `scripts/services.py spark-jars` lists"
         ) from exc
+
+
+def _check_pattern(spark: SparkSession, pattern: str) -> None:
+    """Compiled as Kafka's source compiles it (Java's regex, which Python's re is not): a bad
+    one failed deep in the query, with the job's own wrapping of it in the message."""
+    try:
+        spark.sparkContext._jvm.java.util.regex.Pattern.compile(pattern)  # type: ignore[union-attr]
+    except _JVM_ERRORS as exc:
+        raise ReconcileConfigError(
+            f"--topic-pattern '{pattern}' is not a regular expression: {_java_message(exc)}"
+        ) from None
+
+
+# PySpark turns the JVM's exceptions it knows into its own (CapturedException), the others come
+# as py4j's, with the JVM's stack in the message.
+_JVM_ERRORS = (Py4JJavaError, CapturedException)
+
+
+def _java_message(exc: Py4JJavaError | CapturedException) -> str:
+    """The Java exception's own line, not its stack (hundreds of lines)."""
+    if isinstance(exc, Py4JJavaError):
+        return str(exc.java_exception.toString()).splitlines()[0]
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+@contextmanager
+def _query_failure(what: str) -> Iterator[None]:
+    """A batch query's failure (a topic that does not exist, an unreachable broker) said in a
+    line, as a streaming query's is: it came out as a Py4JJavaError with the JVM's stack."""
+    try:
+        yield
+    except _JVM_ERRORS as exc:
+        raise ReconcileQueryError(f"{what} failed: {_java_message(exc)}") from exc
 
 
 class _Stopping(Exception):

@@ -269,8 +269,9 @@ def observations(
         F.when(is_marker, marker["commit_ts"].try_cast("timestamp")).alias("commit_ts"),
         F.when(is_marker, marker["xid"]).alias("commit_xid"),
     )
-    # a marker without an op or a topic is not a relay's (the sink would refuse its finding)
-    complete = (F.col("source") == RECORD) | (
+    # a marker without an op or a topic is not a relay's (the sink would refuse its finding);
+    # copies of topics not read here too: a source may read more than the pattern's whole match
+    complete = ((F.col("source") == RECORD) & watched(F.col("topic"), topics, topic_pattern)) | (
         F.col("op").isNotNull()
         & F.col("target_topic").isNotNull()
         & watched(F.col("target_topic"), topics, topic_pattern)

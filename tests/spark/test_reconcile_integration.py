@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -683,6 +684,65 @@ def test_a_row_a_relay_ends_long_after_its_kafka_commit_is_not_missing(
     # waiting for the relay (an audit does not judge rows stuck before its window)
     assert report.ledger_rows == 2
     assert report.found_total == 0  # the late-ended row's copy was found
+
+
+def test_a_row_ended_longer_than_the_horizon_after_its_kafka_commit_is_not_missing(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    tmp_path: Path,
+) -> None:
+    """A relay down for longer than --horizon between its Kafka commit and the end of its
+    rows: their copies are older than anything the store keeps, and were reported missing
+    (an audit of the same input found them). They are read back from Kafka."""
+    from spark.job import ReconcileJob
+
+    orders, markers = topic_factory(), topic_factory()
+    settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
+    (shipped,) = publish(pg_dsn, [outbox.Record(orders, "shipped", key="k")])
+    sent = datetime.now(UTC) - settings.horizon - timedelta(minutes=5)
+    stand_in = RelayStandIn(pg_dsn, transactional_producer, markers)
+    (position,) = stand_in.deliver([shipped], at=sent, ledger=False).values()
+    ended = datetime.now(UTC) - 3 * settings.deadline  # more than a deadline ago: due now
+    with psycopg.connect(pg_dsn) as conn:  # the relay is back: it ends the row from its marker
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'delivered', ended_at = %s,"
+            " commit_ts = %s, kafka_partition = %s, kafka_offset = %s WHERE id = %s",
+            (ended, sent - timedelta(seconds=1), *position, shipped.id),
+        )
+    report = ReconcileJob(settings, spark).run_once()
+    assert report.ledger_rows == 1
+    assert report.found_total == 0, read_findings(pg_dsn)
+
+
+def test_bad_topic_input_is_said_in_a_line(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    """A pattern Java cannot compile failed deep in the query, naming the job's own wrapping of
+    it; an audit of a topic that does not exist ended in a Py4JJavaError and its JVM stack."""
+    from spark._errors import ReconcileConfigError, ReconcileQueryError
+    from spark.job import ReconcileJob
+
+    markers = topic_factory()
+    settings = running_settings(pg_dsn, kafka_bootstrap, "x", markers, tmp_path)
+    bad = settings.model_copy(update={"topics": (), "topic_pattern": "orders\\.("})
+    said = re.escape("--topic-pattern 'orders\\.(' is not a regular expression: Unclosed group")
+    with pytest.raises(ReconcileConfigError, match=said):
+        ReconcileJob(bad, spark).run_once()
+    now = datetime.now(UTC)
+    missing = f"{markers}.none"
+    audit = settings.model_copy(
+        update={"topics": (missing,), "audit_from": now - timedelta(minutes=1), "audit_to": now}
+    )
+    with pytest.raises(ReconcileQueryError, match=f"the audit of {missing} failed: ") as raised:
+        ReconcileJob(audit, spark).audit()
+    assert len(str(raised.value).splitlines()) == 1
 
 
 def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(

@@ -187,7 +187,7 @@ def test_settings_render_the_kafka_source() -> None:
     assert options["kafka.security.protocol"] == "SASL_SSL"
     by_pattern = ReconcileSettings(**{**BASE, "topics": (), "topic_pattern": r"orders\..*"})
     assert by_pattern.kafka_source_options()["subscribePattern"] == (
-        r"(?:orders\..*)|\Qoutbox.op-markers\E"
+        r"^(?:orders\..*)$|^\Qoutbox.op-markers\E$"  # anchored: whole names only
     )
     assert "secret" not in repr(by_name)
 
