@@ -256,7 +256,9 @@ def test_poison_records_are_parked_and_the_rest_goes_on(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     topic = topic_factory(partitions=2)
-    too_large = b"x" * 1_040_000  # under the outbox's 1 MiB, over the producer's message.max.bytes
+    too_large = b"x" * 1_040_000  # over the producer's message.max.bytes
+    # an application that raised its limit, and not the relay's message.max.bytes with it
+    raised = outbox.Outbox(max_record_bytes=1_048_576)
     records = [
         Record(topic, "before", key="a"),
         Record("no.such.topic", "lost topic", key="b"),
@@ -267,7 +269,7 @@ def test_poison_records_are_parked_and_the_rest_goes_on(
     with psycopg.connect(pg_dsn) as conn:
         for record in records:  # one transaction each
             with conn.transaction():
-                outbox.publish_many(conn, [record])
+                raised.publish_many(conn, [record])
     relay = relay_factory()
     kinds = ("unknown_topic", "partition_out_of_range", "refused_by_client")
 
