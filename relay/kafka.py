@@ -351,11 +351,16 @@ class Topics:
         """The partition's log end offset, open transactions included. A read_committed
         consumer's high watermark is the last stable offset instead: it stops at the first
         transaction still open, whatever was committed after it."""
+        return self._offset(name, partition, OffsetSpec.latest())  # type: ignore[no-untyped-call]
+
+    def log_start(self, name: str, partition: int) -> int:
+        """The partition's first offset still kept (retention and delete-records move it)."""
+        return self._offset(name, partition, OffsetSpec.earliest())  # type: ignore[no-untyped-call]
+
+    def _offset(self, name: str, partition: int, spec: OffsetSpec) -> int:
         tp = TopicPartition(name, partition)
         found = self._admin.list_offsets(
-            {tp: OffsetSpec.latest()},  # type: ignore[no-untyped-call]
-            isolation_level=IsolationLevel.READ_UNCOMMITTED,
-            request_timeout=10,
+            {tp: spec}, isolation_level=IsolationLevel.READ_UNCOMMITTED, request_timeout=10
         )
         return int(found[tp].result().offset)
 

@@ -83,6 +83,10 @@ END_DEADLOCK_ATTEMPTS = 3  # an end chosen by Postgres to break a deadlock is ma
 # ShardWorker._next_claim_limit)
 MIN_CLAIM_LIMIT = 100
 DEAD_LETTER_RETRY_S = 30.0  # a dead-letter topic that refused everything is tried again then
+# An idle shard moves its recorded marker offset to the partition's end this often: else the
+# markers from it on, other shards' included, could pass op_marker_retention, and a recovery
+# would have to refuse for want of them (see _read_markers).
+MARKER_OFFSET_REFRESH_S = 3600.0
 # The forms of a dead-letter copy, each smaller than the one before: what a refusal falls to.
 _FULL, _NO_VALUE, _BARE = 0, 1, 2
 
@@ -329,6 +333,7 @@ class ShardWorker:
         # and a round that stamps claims from the first row; so does a shard after recovery.
         self._claimed_past: tuple[datetime, str] | None = None
         self._claim_limit = settings.batch_size  # rows of its own the next claim reads
+        self._marker_offset_moved_at = time.monotonic()
         if lease.marker_partition not in (None, self.marker_partition):
             raise RuntimeError(
                 f"shard {self.shard} recorded its op markers in partition "
@@ -389,7 +394,8 @@ class ShardWorker:
                 "group.id": f"outbox-relay-recovery-{uuid.uuid4().hex}",
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",
-                "auto.offset.reset": "earliest",
+                # never a silent jump past markers gone (see the log start check below)
+                "auto.offset.reset": "error",
             }
         )
         tp = TopicPartition(self.settings.op_marker_topic, self.marker_partition)
@@ -408,6 +414,21 @@ class ShardWorker:
                     "relays with the topic they wrote to; to go on with this one, accepting that "
                     "a batch in doubt may go again, stop every relay and empty shard_lease"
                 )
+            if start is not None and start < high:
+                low = self.topics.log_start(tp.topic, tp.partition)
+                if start < low:
+                    # The markers of a batch in doubt may be among those gone: read from the
+                    # log start, that batch went again; read from `start`, the consumer was
+                    # stuck for good behind green probes.
+                    raise MarkersNotFound(
+                        f"shard {self.shard} recorded its op markers from offset {start} of "
+                        f"{tp.topic}:{tp.partition}, which now starts at {low}: markers were "
+                        "deleted (relay.op_marker_retention passed while no relay ran, or "
+                        "delete-records), and a batch sent before the stop could go again. "
+                        "Keep op_marker_retention above the longest outage. To go on, accepting "
+                        "that such a batch may go again (none is in doubt if every relay "
+                        "stopped cleanly), stop every relay and empty shard_lease"
+                    )
             if start is None or start >= high:
                 return [], high
             consumer.assign([TopicPartition(tp.topic, tp.partition, start)])
@@ -664,6 +685,27 @@ class ShardWorker:
             claim_next = functools.partial(self._start_claim_ahead, hold_back, unstamped, batch)
         return self._ship(conn, batch, claim_next)
 
+    def _keep_marker_offset_recent(self, conn: psycopg.Connection[Any]) -> None:
+        """With no batch of this shard between its Kafka commit and its end, none of its
+        markers is needed from before the partition's end: record that end. Only forward, so a
+        topic made anew is still told apart by recovery."""
+        if (
+            self._ending is not None
+            or self.needs_recovery
+            or time.monotonic() - self._marker_offset_moved_at < MARKER_OFFSET_REFRESH_S
+        ):
+            return
+        self._marker_offset_moved_at = time.monotonic()  # tried again in as long if it fails
+        try:
+            end = self.topics.log_end(self.settings.op_marker_topic, self.marker_partition)
+            with conn.transaction():
+                conn.execute(
+                    self._q("relay_advance_marker_offset"),
+                    {**self._lease_params(), "partition": self.marker_partition, "offset": end},
+                )
+        except (KafkaException, psycopg.Error) as exc:
+            logger.warning("shard %s: its marker offset was not moved on: %s", self.shard, exc)
+
     def _next_claim_limit(self, batch: _Batch) -> int:
         """How many rows of this shard the next claim reads. All of a batch when nothing was
         held back; after a round that held transactions back, twice what it sent. A load whose
@@ -754,6 +796,7 @@ class ShardWorker:
             unstamped_seen=batch.unstamped_seen,
         )
         if not committed and not ended:
+            self._keep_marker_offset_recent(conn)
             return result
 
         poison = self._preflight(committed)

@@ -289,6 +289,14 @@ UPDATE {schema}.shard_lease
 SET marker_partition = %(partition)s, marker_offset = %(offset)s
 WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s;
 
+-- name: relay_advance_marker_offset
+-- An idle shard's marker offset, moved on to the partition's end (never back: a topic made anew
+-- ends below it, which recovery must still see).
+UPDATE {schema}.shard_lease
+SET marker_offset = %(offset)s
+WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s
+  AND marker_partition = %(partition)s AND marker_offset < %(offset)s;
+
 -- name: relay_park
 -- Poison records: the broker will never take them. Parked with the reason; the next round
 -- sends their dead-letter copy and op marker.

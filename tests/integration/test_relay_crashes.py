@@ -14,11 +14,14 @@ from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka import Message, Producer
+from confluent_kafka import Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
 
 import outbox
 from relay import _failpoints
+from relay import shard as shard_module
 from relay.markers import decode_markers
+from relay.service import RelayConfigError
 from tests.fixtures.kafka import consume_all
 from tests.fixtures.relay import RelayProcess
 
@@ -155,6 +158,71 @@ def test_a_transaction_open_on_the_marker_partition_hides_no_committed_marker(
     wait_for(lambda: undelivered(pg_dsn) == 0, 60, "the survivor to end the batch", survivor)
     assert survivor.terminate() == 0, survivor.output()
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+
+
+def delete_markers_up_to_the_end(bootstrap: str, topic: str, partition: int = 0) -> int:
+    """What retention or `kafka-delete-records` does to the marker partition."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    tp = TopicPartition(topic, partition)
+    end = admin.list_offsets({tp: OffsetSpec.latest()})[tp].result(30).offset
+    admin.delete_records([TopicPartition(topic, partition, end)])[tp].result(30)
+    return int(end)
+
+
+def test_markers_deleted_while_a_batch_is_in_doubt_stop_the_relay_not_send_it_again(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+    relay_factory: Callable[..., Any],
+) -> None:
+    """A relay down longer than op_marker_retention after its Kafka commit: its consumer reset
+    to the log start without a word, past the batch's markers, and the batch went again (or,
+    with nothing after them, the shard waited for ever behind green probes)."""
+    topic = topic_factory()
+    expected = publish(pg_dsn, topic, transactions=2, per_tx=3)
+    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
+    assert doomed.proc.wait(60) == -9, doomed.output()
+    assert undelivered(pg_dsn) == len(expected)  # in doubt: sent, not ended
+    markers = doomed.settings.relay.op_marker_topic
+    end = delete_markers_up_to_the_end(kafka_bootstrap, markers)
+    survivor = relay_factory(doomed.settings)
+
+    def until_it_holds_the_shard() -> None:  # the dead relay's lease expires first
+        until = time.monotonic() + 30
+        while not survivor.run_once().shards:
+            assert time.monotonic() < until, "the survivor never took the shard"
+            time.sleep(0.2)
+
+    with pytest.raises(RelayConfigError, match=rf"{markers}:0, which now starts at {end}"):
+        until_it_holds_the_shard()
+    assert undelivered(pg_dsn) == len(expected)  # kept, not sent again
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+
+
+def test_an_idle_shard_moves_its_marker_offset_on_so_that_retention_stops_no_restart(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    relay_factory: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Others' messages on the marker partition (another shard's markers) pass retention while
+    this shard is idle: its recorded offset must not stay behind them."""
+    monkeypatch.setattr(shard_module, "MARKER_OFFSET_REFRESH_S", 0.0)
+    relay = relay_factory(**FAST)
+    relay.run_once()  # recovered: its offset is the partition's end
+    markers = relay.settings.relay.op_marker_topic
+    other = Producer({"bootstrap.servers": kafka_bootstrap})
+    for _ in range(3):
+        other.produce(markers, b"not this shard's", partition=0)
+    assert other.flush(30) == 0
+    relay.run_once()  # idle
+    with psycopg.connect(pg_dsn) as conn:
+        recorded = conn.execute("SELECT marker_offset FROM outbox.shard_lease").fetchone()
+    relay.stop()
+    end = delete_markers_up_to_the_end(kafka_bootstrap, markers)
+    assert recorded == (end,)
+    assert relay_factory(relay.settings).run_once().shards == 1  # recovers, not refused
 
 
 def test_a_paused_owner_is_fenced_after_losing_its_lease(
