@@ -47,6 +47,8 @@ PERMANENT_RECORD_ERRORS = frozenset(
         KafkaError._INVALID_ARG,
     }
 )
+# What produce() says from the client's own metadata, which may be older than the topic.
+_STALE_METADATA_ERRORS = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC})
 # Errors that say a topic takes nothing from us (missing, not ours to write, a bad name), as
 # opposed to a record it will not take: a dead-letter copy refused so is not made smaller.
 TOPIC_REFUSED_ERRORS = frozenset(
@@ -214,6 +216,7 @@ class ShardProducer:
                 sent.partition, sent.offset = msg.partition(), msg.offset()
             reported.append(sent)
 
+        refreshed = False
         while True:
             try:
                 self.producer.produce(
@@ -229,7 +232,12 @@ class ShardProducer:
                 self.producer.poll(0.05)
             except KafkaException as exc:  # a fencing told apart, as for the other calls
                 _raise_if_fenced_or_fatal(exc.args[0], exc)
-                raise
+                if exc.args[0].code() not in _STALE_METADATA_ERRORS or refreshed:
+                    raise
+                # The client's metadata may be older than the topic or its partitions (it
+                # refreshes every 5 minutes): asked again once, then the refusal stands.
+                refreshed = True
+                self.producer.list_topics(topic, timeout=min(self.timeout_s, 10.0))
         self._sent.append(sent)
         return sent
 

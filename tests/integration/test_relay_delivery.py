@@ -409,6 +409,34 @@ def test_a_partition_added_since_the_cached_count_takes_its_records_at_once(
     assert [(m.value(), m.partition()) for m in landed] == [(b"in time", 1)]
 
 
+def test_a_partition_added_to_a_topic_the_producer_wrote_to_takes_its_records(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    kafka_admin: AdminClient,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+) -> None:
+    """The producer's own metadata still had the old count (refreshed every 5 minutes): it
+    refused the record with "Local: Unknown partition", and the record was parked again, its
+    redrive included, though the relay's fresh count knew the partition."""
+    topic = topic_factory(partitions=1)
+    relay = relay_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "first")  # the producer knows the topic: 1 partition
+    assert relay.run_once().delivered == 1
+    kafka_admin.create_partitions([NewPartitions(topic, 3)])[topic].result(30)
+    wait_for(lambda: len(kafka_admin.list_topics(topic, timeout=10).topics[topic].partitions) == 3)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "new partition", partition=2)
+    first = relay.run_once()
+    assert (first.delivered, first.parked) == (1, 0), rows(pg_dsn)
+    landed = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert sorted((m.value(), m.partition()) for m in landed) == [
+        (b"first", 0),
+        (b"new partition", 2),
+    ]
+
+
 def test_a_parked_record_redriven_once_its_cause_is_fixed_goes_out_once(
     pg_dsn: str,
     kafka_bootstrap: str,
