@@ -447,6 +447,13 @@ class Relay:
             except (ProducerMisconfigured, MarkersNotFound) as exc:  # so for every shard
                 raise RelayConfigError(str(exc)) from exc
             except Exception as exc:
+                if self._marker_topic_gone(exc):
+                    raise RelayConfigError(
+                        f"the op-marker topic {self.settings.relay.op_marker_topic} was deleted "
+                        "while the relay ran, and the markers of any batch in doubt with it. "
+                        "Stop every relay; to go on, accepting that such a batch may go again, "
+                        "empty shard_lease and start them (the topic is made again)"
+                    ) from exc
                 # One shard's trouble (a topic without a leader, a marker partition stuck)
                 # must not stop the others: it backs off alone, and recovers before it goes on.
                 worker.failures += 1
@@ -459,6 +466,17 @@ class Relay:
             self._counted = failed[0]  # counted above, by shard: not again as the round's
             raise failed[0]  # nothing went: the loop backs off
         return result
+
+    def _marker_topic_gone(self, exc: Exception) -> bool:
+        """A Kafka failure of a shard whose cause is the op-marker topic deleted: every round
+        failed on its markers (no delivery report in time) behind green probes, and nothing
+        made the topic again (only setup does)."""
+        if not isinstance(exc, KafkaException | OutcomeUnknown | ProducerFailed):
+            return False
+        try:
+            return self.topics.partitions(self.settings.relay.op_marker_topic, refresh=True) == 0
+        except KafkaException:  # the broker unreachable, say: not known to be gone
+            return False
 
     def _stamp(self, params: dict[str, Any]) -> datetime | None:
         """Stamp the commit time of the owned shards' rows below the xid horizon; return the

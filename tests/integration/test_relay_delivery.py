@@ -878,6 +878,34 @@ def test_a_relay_on_another_op_marker_topic_than_its_shards_wrote_to_stops(
     assert relay_factory(op_marker_topic=before).run_once().shards == 1
 
 
+def test_a_marker_topic_deleted_while_the_relay_runs_stops_it(
+    pg_dsn: str,
+    kafka_admin: AdminClient,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+) -> None:
+    """Every round failed on its markers (no delivery report in time) while the probes stayed
+    green, and nothing made the topic again: delivery stopped with no end, and said nothing."""
+    topic = topic_factory()
+    relay = relay_factory(kafka_transaction_timeout="PT5S")
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "before")
+    assert relay.run_once().delivered == 1
+    markers_topic = relay.settings.relay.op_marker_topic
+    kafka_admin.delete_topics([markers_topic])[markers_topic].result(30)
+    wait_for(lambda: markers_topic not in kafka_admin.list_topics(timeout=10).topics)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "after")
+
+    def rounds() -> None:  # the first may fail alone, before the topic is looked at
+        for _ in range(5):
+            relay.run_once()
+
+    with pytest.raises(RelayConfigError, match=f"op-marker topic {markers_topic} was deleted"):
+        rounds()
+    assert [r[1] for r in rows(pg_dsn)] == ["committed"]  # kept for the relays to come
+
+
 def test_a_shard_whose_worker_cannot_be_built_is_handed_back(
     pg_dsn: str, relay_factory: Any
 ) -> None:
