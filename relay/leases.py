@@ -29,6 +29,14 @@ class Lease:
     marker_offset: int
 
 
+class ShardCountMismatch(Exception):
+    """The outbox's lease rows were made for another shard count than this relay's."""
+
+    def __init__(self, running: int, configured: int) -> None:
+        super().__init__(f"leases made for {running} shards, this relay has {configured}")
+        self.running, self.configured = running, configured
+
+
 @dataclass
 class LeaseChanges:
     gained: list[Lease] = field(default_factory=list)
@@ -55,6 +63,10 @@ class LeaseManager:
                 self._q("relay_member_heartbeat"),
                 {"relay_id": self.relay_id, "ttl": self.duration},
             )
+            conn.execute(self._q("relay_lock_shard_set"), {"schema": self.schema})
+            row = conn.execute(self._q("relay_shard_count")).fetchone()
+            if row and row[0] and row[0] != self.shards:
+                raise ShardCountMismatch(row[0], self.shards)
             conn.execute(self._q("relay_ensure_shards"), {"shards": self.shards})
             if self.owned:
                 renewed = {

@@ -36,7 +36,7 @@ from relay.kafka import (
     ProducerMisconfigured,
     Topics,
 )
-from relay.leases import LeaseManager
+from relay.leases import LeaseManager, ShardCountMismatch
 from relay.markers import marker_partition, outbox_name
 from relay.pipelined import pipelined_transaction
 from relay.shard import (
@@ -203,7 +203,6 @@ class Relay:
                 ) from exc
         self._check_schema()
         self._check_marker_topic()
-        self._check_shard_count()
         self._check_marker_partitions()
         (database,) = self.conn.execute("SELECT current_database()").fetchone() or ("",)
         self.outbox = outbox_name(database, self.schema)
@@ -216,24 +215,6 @@ class Relay:
         problem = schema_problem(self.conn, self.schema)
         if problem:
             raise RelayConfigError(problem)
-
-    def _check_shard_count(self) -> None:
-        """Relays with different shard counts map keys to shards differently: their leases do
-        not exclude each other, and both would send the same rows. A shard's markers are read
-        back only by that shard, too: rows in doubt would go again under a new count."""
-        row = self.conn.execute(queries.query("relay_shard_count", self.schema)).fetchone()
-        self.conn.rollback()
-        running = row[0] if row else 0
-        configured = self.settings.relay.shards
-        if running and running != configured:
-            raise RelayConfigError(
-                f"the outbox's shard leases were made for {running} shards, this relay is "
-                f"configured with {configured} (OUTBOX_RELAY__SHARDS): relays with different "
-                "counts would send the same records. To change the count, stop every relay "
-                "(each ends what it shipped; after a crash, start one with the old count "
-                f"first, so that it recovers), then empty the table {self.schema}.shard_lease, "
-                "and start the relays with the new count"
-            )
 
     def _check_marker_partitions(self) -> None:
         """A shard's markers are read back from the partition they were recorded in: with
@@ -298,7 +279,20 @@ class Relay:
                 )
 
     def heartbeat(self) -> None:
-        changes = self.leases.heartbeat(self.conn)
+        try:
+            changes = self.leases.heartbeat(self.conn)
+        except ShardCountMismatch as exc:
+            # Relays with different shard counts map keys to shards differently: their leases
+            # do not exclude each other, and both would send the same rows. A shard's markers
+            # are read back only by that shard, too: rows in doubt would go again.
+            raise RelayConfigError(
+                f"the outbox's shard leases were made for {exc.running} shards, this relay is "
+                f"configured with {exc.configured} (OUTBOX_RELAY__SHARDS): relays with "
+                "different counts would send the same records. To change the count, stop every "
+                "relay (each ends what it shipped; after a crash, start one with the old count "
+                f"first, so that it recovers), then empty the table {self.schema}.shard_lease, "
+                "and start the relays with the new count"
+            ) from None
         for shard in changes.lost:
             self._drop_worker(shard)
         for shard in changes.to_release:
@@ -442,8 +436,8 @@ class Relay:
                 logger.warning("shard %s fenced: %s", shard, exc)
                 metrics.ERRORS.labels("lease_lost").inc()
                 self._drop_worker(shard)
-            except psycopg.Error:
-                raise  # the connection all shards share: the round fails
+            except (psycopg.Error, RelayConfigError):
+                raise  # the connection all shards share, or a heartbeat's refusal: not one shard's
             except (ProducerMisconfigured, MarkersNotFound) as exc:  # so for every shard
                 raise RelayConfigError(str(exc)) from exc
             except Exception as exc:

@@ -330,6 +330,12 @@ SELECT shard, marker_partition FROM {schema}.shard_lease
 WHERE marker_partition IS NOT NULL
 ORDER BY shard;
 
+-- name: relay_lock_shard_set
+-- Taken by a heartbeat before it reads the shard count and makes the lease rows: two relays
+-- with different counts starting together on an empty table both found no rows, both made
+-- theirs, and both ran (their leases do not exclude each other: the same records twice).
+SELECT pg_advisory_xact_lock(74111, hashtext(%(schema)s));
+
 -- name: relay_ensure_shards
 INSERT INTO {schema}.shard_lease (shard)
 SELECT generate_series(0, %(shards)s - 1)

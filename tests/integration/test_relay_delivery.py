@@ -878,6 +878,37 @@ def test_a_relay_on_another_op_marker_topic_than_its_shards_wrote_to_stops(
     assert relay_factory(op_marker_topic=before).run_once().shards == 1
 
 
+def test_relays_of_two_shard_counts_starting_together_do_not_both_run(
+    pg_dsn: str, relay_factory: Any
+) -> None:
+    """Each read the shard count before any lease row existed, both found none, both made
+    their rows and ran, their leases not excluding each other: the same records twice. Here
+    one relay's first heartbeat (2 shards) is caught between its rows and its commit."""
+    from outbox import sql as queries
+
+    with psycopg.connect(pg_dsn) as first_relay:
+        first_relay.execute(queries.query("relay_lock_shard_set", "outbox"), {"schema": "outbox"})
+        first_relay.execute(queries.query("relay_ensure_shards", "outbox"), {"shards": 2})
+        other = relay_factory(shards=4)
+        outcome: list[BaseException | None] = []
+
+        def start() -> None:
+            try:
+                other.run_once()
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        starting = threading.Thread(target=start)
+        starting.start()
+        starting.join(1.0)  # it waits for the first relay's heartbeat to end
+        first_relay.commit()
+    starting.join(30)
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], RelayConfigError), outcome
+    assert "made for 2 shards, this relay is configured with 4" in str(outcome[0])
+
+
 def test_a_marker_topic_deleted_while_the_relay_runs_stops_it(
     pg_dsn: str,
     kafka_admin: AdminClient,
