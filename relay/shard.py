@@ -355,13 +355,15 @@ class ShardWorker:
         """Fence older producers of this shard, then end the rows whose markers are committed."""
         self.settle_quietly()  # its rows end either way: there, or from its markers here
         with conn.transaction():  # first: a relay that lost the lease must not fence its heir
-            self._lock_lease(conn)
+            # As recorded now, not when the lease was taken: batch ends and idle shards have
+            # moved it on since, and the markers before it may be gone (retention).
+            recorded_partition, recorded_offset = self._lock_lease(conn)
         self.producer.init()
         # A lease that never recovered never shipped: no marker is this shard's yet (a new
         # lease row, or one made anew for a new shard count), and its offset 0 would mean
         # reading the partition's whole history, other shards' traffic included.
-        first = self.lease.marker_partition is None
-        start_offset = None if first else self.lease.marker_offset
+        first = recorded_partition is None
+        start_offset = None if first else recorded_offset
         markers, end_offset = self._read_markers(start_offset, keep_alive)
         with conn.transaction():
             self._lock_lease(conn)
@@ -1205,12 +1207,15 @@ class ShardWorker:
 
     # --- database side ----------------------------------------------------------------------
 
-    def _lock_lease(self, conn: psycopg.Connection[Any]) -> None:
-        self._check_lease(conn.execute(self._q("relay_lock_lease"), self._lease_params()))
+    def _lock_lease(self, conn: psycopg.Connection[Any]) -> tuple[int | None, int]:
+        """The lease row locked, if still ours: where its markers are recorded up to."""
+        return self._check_lease(conn.execute(self._q("relay_lock_lease"), self._lease_params()))
 
-    def _check_lease(self, locked: psycopg.Cursor[Any]) -> None:
-        if locked.fetchone() is None:
+    def _check_lease(self, locked: psycopg.Cursor[Any]) -> tuple[int | None, int]:
+        row = locked.fetchone()
+        if row is None:
             raise LeaseLost(f"shard {self.shard} (epoch {self.lease.epoch}) is no longer ours")
+        return row[0], row[1]
 
     def _end_rows(
         self, conn: psycopg.Connection[Any], markers: Sequence[Ended | OpMarker]

@@ -224,8 +224,9 @@ LIMIT %(limit)s;
 
 -- name: relay_lock_lease
 -- Inside the transaction that removes delivered rows: still ours? FOR UPDATE makes a takeover
--- wait until this transaction ends, and the epoch tells if one happened before it.
-SELECT 1 FROM {schema}.shard_lease
+-- wait until this transaction ends, and the epoch tells if one happened before it. With where
+-- the shard's markers were recorded up to (recovery reads from there).
+SELECT marker_partition, marker_offset FROM {schema}.shard_lease
 WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s
 FOR UPDATE;
 
