@@ -355,20 +355,20 @@ class Topics:
         self._known[name] = (now, count)
         return count
 
-    def log_end(self, name: str, partition: int) -> int:
+    def log_end(self, name: str, partition: int, *, timeout_s: float = 10.0) -> int:
         """The partition's log end offset, open transactions included. A read_committed
         consumer's high watermark is the last stable offset instead: it stops at the first
         transaction still open, whatever was committed after it."""
-        return self._offset(name, partition, OffsetSpec.latest())  # type: ignore[no-untyped-call]
+        return self._offset(name, partition, OffsetSpec.latest(), timeout_s)  # type: ignore[no-untyped-call]
 
     def log_start(self, name: str, partition: int) -> int:
         """The partition's first offset still kept (retention and delete-records move it)."""
         return self._offset(name, partition, OffsetSpec.earliest())  # type: ignore[no-untyped-call]
 
-    def _offset(self, name: str, partition: int, spec: OffsetSpec) -> int:
+    def _offset(self, name: str, partition: int, spec: OffsetSpec, timeout_s: float = 10.0) -> int:
         tp = TopicPartition(name, partition)
         found = self._admin.list_offsets(
-            {tp: spec}, isolation_level=IsolationLevel.READ_UNCOMMITTED, request_timeout=10
+            {tp: spec}, isolation_level=IsolationLevel.READ_UNCOMMITTED, request_timeout=timeout_s
         )
         return int(found[tp].result().offset)
 

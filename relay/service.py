@@ -298,7 +298,7 @@ class Relay:
         for shard in changes.to_release:
             worker = self.workers.pop(shard, None)
             if worker is not None:
-                worker.close()
+                worker.close_and_hand_over(self.conn)
             # Not _drop_worker(): it forgets the lease, and release() then had nothing to hand
             # back; the shard waited for its lease to run out before another relay took it.
             self.leases.release(self.conn, shard)
@@ -763,9 +763,11 @@ class Relay:
         if self._stopped:
             return
         self._stopped = True
+        conn = self._conn  # not self.conn: no new connection in a database outage
+        usable = conn if conn is not None and not (conn.closed or conn.broken) else None
         for shard in list(self.workers):
             worker = self.workers.pop(shard)
-            worker.close()
+            worker.close_and_hand_over(usable)
         if self.claimer is not None:  # claims only read: nothing waits for them any more
             self.claimer.close(timeout=0)
         self.ender.close(timeout=self.settings.relay.shutdown_grace.total_seconds())

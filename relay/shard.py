@@ -687,19 +687,26 @@ class ShardWorker:
             claim_next = functools.partial(self._start_claim_ahead, hold_back, unstamped, batch)
         return self._ship(conn, batch, claim_next)
 
-    def _keep_marker_offset_recent(self, conn: psycopg.Connection[Any]) -> None:
+    def _keep_marker_offset_recent(
+        self, conn: psycopg.Connection[Any], *, now: bool = False, timeout_s: float = 10.0
+    ) -> None:
         """With no batch of this shard between its Kafka commit and its end, none of its
-        markers is needed from before the partition's end: record that end. Only forward, so a
-        topic made anew is still told apart by recovery."""
+        markers is needed from before the partition's end: record that end (every hour, or
+        `now`). Only forward, so a topic made anew is still told apart by recovery."""
         if (
             self._ending is not None
             or self.needs_recovery
-            or time.monotonic() - self._marker_offset_moved_at < MARKER_OFFSET_REFRESH_S
+            or (
+                not now
+                and time.monotonic() - self._marker_offset_moved_at < MARKER_OFFSET_REFRESH_S
+            )
         ):
             return
         self._marker_offset_moved_at = time.monotonic()  # tried again in as long if it fails
         try:
-            end = self.topics.log_end(self.settings.op_marker_topic, self.marker_partition)
+            end = self.topics.log_end(
+                self.settings.op_marker_topic, self.marker_partition, timeout_s=timeout_s
+            )
             with conn.transaction():
                 conn.execute(
                     self._q("relay_advance_marker_offset"),
@@ -1284,3 +1291,12 @@ class ShardWorker:
     def close(self) -> None:
         self.settle_quietly()
         self.producer.close()
+
+    def close_and_hand_over(self, conn: psycopg.Connection[Any] | None) -> None:
+        """close(), and with its last batch ended, its marker offset moved on to the partition's
+        end: a batch end records the offset of its own commit marker, one below the end, and a
+        relay stopped cleanly for longer than op_marker_retention was refused at its restart.
+        Without a connection (the database gone), close() alone."""
+        self.close()
+        if conn is not None:
+            self._keep_marker_offset_recent(conn, now=True, timeout_s=3.0)

@@ -200,6 +200,28 @@ def test_markers_deleted_while_a_batch_is_in_doubt_stop_the_relay_not_send_it_ag
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
 
 
+def test_a_relay_stopped_cleanly_for_longer_than_the_marker_retention_starts_again(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Callable[..., Any],
+) -> None:
+    """A batch's end records the offset of its own commit marker, one below the partition's
+    end: once retention had emptied the partition, the restart was refused, though every batch
+    had ended."""
+    topic = topic_factory()
+    expected = publish(pg_dsn, topic, transactions=2, per_tx=2)
+    relay = relay_factory(**FAST)
+    delivered, until = 0, time.monotonic() + 30
+    while delivered < len(expected):
+        assert time.monotonic() < until, f"{delivered} of {len(expected)} delivered"
+        delivered += relay.run_once().delivered
+    relay.stop()  # cleanly: nothing in doubt
+    delete_markers_up_to_the_end(kafka_bootstrap, relay.settings.relay.op_marker_topic)
+    assert relay_factory(relay.settings).run_once().shards == 1  # recovers, not refused
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+
+
 def test_an_idle_shard_moves_its_marker_offset_on_so_that_retention_stops_no_restart(
     pg_dsn: str,
     kafka_bootstrap: str,
