@@ -56,18 +56,22 @@ class LeaseManager:
         return queries.query(name, self.schema)
 
     def heartbeat(self, conn: psycopg.Connection[Any]) -> LeaseChanges:
-        """Renew our leases, learn which we lost, take our fair share. One short transaction."""
+        """Renew our leases, learn which we lost, take our fair share. Two short transactions."""
         changes = LeaseChanges()
+        # A transaction of its own: the lock is held for a moment only, not while the renewal
+        # below waits for a lease row (one relay's batch end holds its row), which made every
+        # other relay's heartbeat wait behind it.
         with conn.transaction():
-            conn.execute(
-                self._q("relay_member_heartbeat"),
-                {"relay_id": self.relay_id, "ttl": self.duration},
-            )
             conn.execute(self._q("relay_lock_shard_set"), {"schema": self.schema})
             row = conn.execute(self._q("relay_shard_count")).fetchone()
             if row and row[0] and row[0] != self.shards:
                 raise ShardCountMismatch(row[0], self.shards)
             conn.execute(self._q("relay_ensure_shards"), {"shards": self.shards})
+        with conn.transaction():
+            conn.execute(
+                self._q("relay_member_heartbeat"),
+                {"relay_id": self.relay_id, "ttl": self.duration},
+            )
             if self.owned:
                 renewed = {
                     row[0]
