@@ -254,7 +254,8 @@ def encode_record(
     size = len(key or b"") + len(value or b"") + _headers_size(record.headers)
     if size > max_record_bytes:
         raise RecordTooLargeError(
-            f"{where}record for topic {topic!r} is {size} bytes (key + value + headers), "
+            f"{where}record for topic {topic!r} is {size} bytes (key + value + headers as "
+            "Kafka frames them), "
             f"over the limit of {max_record_bytes} bytes"
         )
     return EncodedRecord(topic, key, value, headers, partition)
@@ -275,15 +276,28 @@ def _serialize(what: str, obj: Any, serializer: Serializer) -> bytes | None:
 
 
 def _headers_size(headers: Headers | None) -> int:
+    """As Kafka frames them (what the client's message.max.bytes counts): each name and value
+    with its length as a zigzag varint (a null value's is -1). Names and values alone let many
+    small headers pass the limit, and the client then refused the record."""
     if not headers:
         return 0
     pairs = headers.items() if isinstance(headers, Mapping) else headers
     total = 0
     for name, value in pairs:
-        total += len(name.encode())
-        if value is not None:
-            total += len(value.encode() if isinstance(value, str) else value)
+        encoded = name.encode()
+        total += _varint_size(len(encoded)) + len(encoded)
+        if value is None:
+            total += _varint_size(-1)
+        else:
+            data = value.encode() if isinstance(value, str) else value
+            total += _varint_size(len(data)) + len(data)
     return total
+
+
+def _varint_size(n: int) -> int:
+    """Bytes of n as a zigzag varint (Kafka's record format)."""
+    zigzag = (n << 1) ^ (n >> 63)
+    return max(1, (zigzag.bit_length() + 6) // 7)
 
 
 def require_records(records: Iterable[Record]) -> list[Record]:

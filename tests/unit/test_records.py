@@ -68,11 +68,21 @@ def test_a_batch_error_names_the_record() -> None:
         )
 
 
-def test_size_counts_key_value_and_headers() -> None:
-    record = Record("t", b"v" * 4, key=b"k" * 3, headers={"hh": b"12"})  # 4 + 3 + 2 + 2
-    encode(record, limit=11)
-    with pytest.raises(outbox.RecordTooLargeError, match="11 bytes"):
-        encode(record, limit=10)
+def test_size_counts_key_value_and_headers_as_kafka_frames_them() -> None:
+    # 4 + 3 + the header: its name and value with a length byte each (2 + 1 + 2 + 1)
+    record = Record("t", b"v" * 4, key=b"k" * 3, headers={"hh": b"12"})
+    encode(record, limit=13)
+    with pytest.raises(outbox.RecordTooLargeError, match="13 bytes"):
+        encode(record, limit=12)
+    # Names and values alone: 1,000 headers "h" of b"" were 1,000 bytes, not the 3,000 the
+    # client counts, and a record under the limit was refused by the relay's client
+    many = Record("t", b"", headers=[("h", b"")] * 1000)
+    with pytest.raises(outbox.RecordTooLargeError, match="3000 bytes"):
+        encode(many, limit=2999)
+    long_value = Record("t", b"", headers={"n": b"x" * 64, "z": None})  # 64 takes 2 bytes
+    encode(long_value, limit=71)
+    with pytest.raises(outbox.RecordTooLargeError, match="71 bytes"):
+        encode(long_value, limit=70)  # 1 + 1 + 2 + 64, then 1 + 1 + 1 for the null
 
 
 def test_serializer_must_return_bytes() -> None:
