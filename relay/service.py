@@ -146,6 +146,9 @@ class Relay:
         self.outbox: str | None = None  # "<database>/<schema>", named in its op markers
         self._counted: Exception | None = None  # a shard's failure raised as the round's
         self._last_heartbeat = 0.0
+        # A heartbeat between rounds found a setting that cannot work: the waits end, and the
+        # next round's heartbeat stops the relay (it was logged, and the relay ran on).
+        self._refused: RelayConfigError | None = None
         self._last_trim = 0.0
         self._audit_trim_refused = False  # the role may not delete from audit_log: said once
         self._holder_seen: tuple[tuple[int, str], float] | None = None  # (pid, xid), first seen
@@ -664,7 +667,7 @@ class Relay:
                 # In short slices, so that stop() is never kept waiting for a long poll interval.
                 deadline = time.monotonic() + timeout
                 woke = False
-                while not woke and not self._stop.is_set():
+                while not woke and not self._stop.is_set() and self._refused is None:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
@@ -692,7 +695,7 @@ class Relay:
         relays, each move a fencing and a recovery."""
         deadline = time.monotonic() + seconds
         interval = self.settings.relay.heartbeat_interval.total_seconds()
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self._refused is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -708,10 +711,13 @@ class Relay:
             self.settings.relay.heartbeat_interval
             and self._set_up
             and not self._stop.is_set()
+            and self._refused is None
             and self._heartbeat_due()
         ):
             try:
                 self.heartbeat()
+            except RelayConfigError as exc:  # still due: the next round's heartbeat stops it
+                self._refused = exc
             except Exception as exc:  # the round after meets it again, and reports it
                 logger.warning("heartbeat between rounds failed: %s", exc)
                 if isinstance(exc, psycopg.Error):

@@ -909,6 +909,21 @@ def test_relays_of_two_shard_counts_starting_together_do_not_both_run(
     assert "made for 2 shards, this relay is configured with 4" in str(outcome[0])
 
 
+def test_a_shard_count_refused_by_a_heartbeat_between_rounds_stops_the_relay(
+    pg_dsn: str, relay_factory: Any
+) -> None:
+    """Found between rounds (a poll interval longer than the heartbeat interval), the refusal
+    was logged as a failed heartbeat and the relay ran on, its leases no longer renewed."""
+    relay = relay_factory(poll_interval="PT30S", heartbeat_interval="PT0.5S", lease_duration="PT3S")
+    relay.run_once()  # set up, its shard taken: it waits for work now, heartbeating
+    relay.start()
+    with psycopg.connect(pg_dsn) as conn:  # another relay's lease rows, for more shards
+        conn.execute("INSERT INTO outbox.shard_lease (shard) VALUES (1), (2)")
+    began = time.monotonic()
+    wait_for(relay.ended_by_itself, 40)
+    assert time.monotonic() - began < 5, "it ran on until a round's own heartbeat"
+
+
 def test_a_marker_topic_deleted_while_the_relay_runs_stops_it(
     pg_dsn: str,
     kafka_admin: AdminClient,
