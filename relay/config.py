@@ -151,7 +151,13 @@ class RelaySettings(BaseModel):
     )
     op_marker_topic: str = "outbox.op-markers"
     op_marker_partitions: int = Field(default=4, ge=1)
-    op_marker_retention: timedelta = Field(default=timedelta(days=7), gt=timedelta(0))
+    op_marker_retention: timedelta = Field(
+        default=timedelta(days=7),
+        # the markers are what a recovery reads: shorter, an ordinary outage outlived them, and
+        # an idle shard's recorded offset (moved on every hour) fell behind them while it ran
+        ge=timedelta(days=1),
+        description="retention.ms of the op-marker topic the relay creates; at least a day.",
+    )
     op_marker_message_bytes: int = Field(
         default=256 * 1024,
         ge=1024,

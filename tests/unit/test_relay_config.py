@@ -126,6 +126,7 @@ def test_a_setting_refused_does_not_print_its_value(
         ({"lease_duration": "PT0S"}, "lease_duration"),
         # the broker refused to make these, and the relay retried that for ever
         ({"op_marker_retention": "-P1D"}, "op_marker_retention"),
+        ({"op_marker_retention": "PT30M"}, r"op_marker_retention\n.*1 day"),  # recovery reads them
         ({"op_marker_topic": "bad topic name"}, r"op_marker_topic\n.*is invalid"),
         ({"dead_letter_topic": ".."}, r"dead_letter_topic\n.*not allowed"),
         ({"kafka_transaction_timeout": "PT0.5S"}, "kafka_transaction_timeout"),  # librdkafka: 1 s
