@@ -68,6 +68,7 @@ HELD_BACK_POLL_S = 0.05
 # What a marker message may hold beyond op_marker_message_bytes: one more entry (its key and
 # reason are capped, relay/markers.py), the envelope, and Kafka's record overhead.
 MARKER_MESSAGE_MARGIN = 32 * 1024
+MIN_MARKER_RETENTION_MS = 24 * 3600 * 1000  # as relay.op_marker_retention's least
 
 
 # Refusals to create a topic that asking again will not change.
@@ -259,6 +260,14 @@ class Relay:
                 f"{needed}: add partitions to it"
             )
         config = self.topics.config(topic) or {}
+        retention_ms = int(config.get("retention.ms", "-1"))
+        if 0 <= retention_ms < MIN_MARKER_RETENTION_MS:
+            raise RelayConfigError(
+                f"the op-marker topic {topic} keeps its messages {retention_ms} ms (retention.ms):"
+                " a recovery reads a shard's markers back after an outage, and an idle shard "
+                "moves its recorded offset on only every hour; set retention.ms to at least a "
+                "day, above the longest outage"
+            )
         if "compact" in config.get("cleanup.policy", ""):
             raise RelayConfigError(
                 f"the op-marker topic {topic} is compacted (cleanup.policy="

@@ -784,6 +784,10 @@ def test_a_marker_topic_that_cannot_keep_the_markers_is_refused_at_start(
     with pytest.raises(RelayConfigError, match=rf"{narrow} has 1 partitions, and 2 shards"):
         relay_factory(op_marker_topic=narrow, shards=2, op_marker_partitions=2).run_once()
     assert relay_factory(op_marker_topic=narrow, shards=1).run_once().shards == 1  # enough
+    # kept an hour: the markers of a batch in doubt outlived by an ordinary outage
+    brief = topic_factory(partitions=4, config={"retention.ms": "3600000"})
+    with pytest.raises(RelayConfigError, match=rf"{brief} keeps its messages 3600000 ms"):
+        relay_factory(op_marker_topic=brief).run_once()
 
 
 def test_a_relay_with_another_op_marker_partitions_is_refused_at_start(
