@@ -456,9 +456,10 @@ class Relay:
                 if self._marker_topic_gone(exc):
                     raise RelayConfigError(
                         f"the op-marker topic {self.settings.relay.op_marker_topic} was deleted "
-                        "while the relay ran, and the markers of any batch in doubt with it. "
-                        "Stop every relay; to go on, accepting that such a batch may go again, "
-                        "empty shard_lease and start them (the topic is made again)"
+                        "while the relay ran (or its principal may no longer see it: its ACLs), "
+                        "and the markers of any batch in doubt with it. Stop every relay; if it "
+                        "was deleted, to go on, accepting that such a batch may go again, empty "
+                        "shard_lease and start them (the topic is made again)"
                     ) from exc
                 # One shard's trouble (a topic without a leader, a marker partition stuck)
                 # must not stop the others: it backs off alone, and recovers before it goes on.
