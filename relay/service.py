@@ -69,6 +69,7 @@ HELD_BACK_POLL_S = 0.05
 # reason are capped, relay/markers.py), the envelope, and Kafka's record overhead.
 MARKER_MESSAGE_MARGIN = 32 * 1024
 MIN_MARKER_RETENTION_MS = 24 * 3600 * 1000  # as relay.op_marker_retention's least
+HAND_OVER_S = 3.0  # what a stop spends, at most, recording the shards' marker offsets
 
 
 # Refusals to create a topic that asking again will not change.
@@ -389,6 +390,7 @@ class Relay:
     def run_once(self, *, pipelined: bool = False) -> RelayRound:
         """One round over the owned shards, all of it done when it returns. `pipelined` (the
         loop): the rows it delivered are left to the ender while the next round claims."""
+        self._refused = None  # this round's heartbeat (still due) meets it again, if it holds
         if not self._set_up:
             self.setup()
         if self._heartbeat_due():
@@ -781,9 +783,14 @@ class Relay:
         self._stopped = True
         conn = self._conn  # not self.conn: no new connection in a database outage
         usable = conn if conn is not None and not (conn.closed or conn.broken) else None
+        # One allowance for all the shards' hand-overs, and none after one failed: with the
+        # broker unreachable, each waited its own timeout, and the stop overran its grace.
+        hand_over_until = time.monotonic() + HAND_OVER_S
         for shard in list(self.workers):
             worker = self.workers.pop(shard)
-            worker.close_and_hand_over(usable)
+            left = hand_over_until - time.monotonic()
+            if not worker.close_and_hand_over(usable if left > 0.1 else None, left):
+                usable = None
         if self.claimer is not None:  # claims only read: nothing waits for them any more
             self.claimer.close(timeout=0)
         self.ender.close(timeout=self.settings.relay.shutdown_grace.total_seconds())

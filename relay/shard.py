@@ -689,10 +689,11 @@ class ShardWorker:
 
     def _keep_marker_offset_recent(
         self, conn: psycopg.Connection[Any], *, now: bool = False, timeout_s: float = 10.0
-    ) -> None:
+    ) -> bool:
         """With no batch of this shard between its Kafka commit and its end, none of its
         markers is needed from before the partition's end: record that end (every hour, or
-        `now`). Only forward, so a topic made anew is still told apart by recovery."""
+        `now`). Only forward, so a topic made anew is still told apart by recovery. False when
+        Kafka or Postgres failed it."""
         if (
             self._ending is not None
             or self.needs_recovery
@@ -701,7 +702,7 @@ class ShardWorker:
                 and time.monotonic() - self._marker_offset_moved_at < MARKER_OFFSET_REFRESH_S
             )
         ):
-            return
+            return True
         self._marker_offset_moved_at = time.monotonic()  # tried again in as long if it fails
         try:
             end = self.topics.log_end(
@@ -714,6 +715,8 @@ class ShardWorker:
                 )
         except (KafkaException, psycopg.Error) as exc:
             logger.warning("shard %s: its marker offset was not moved on: %s", self.shard, exc)
+            return False
+        return True
 
     def _next_claim_limit(self, batch: _Batch) -> int:
         """How many rows of this shard the next claim reads. All of a batch when nothing was
@@ -1292,11 +1295,14 @@ class ShardWorker:
         self.settle_quietly()
         self.producer.close()
 
-    def close_and_hand_over(self, conn: psycopg.Connection[Any] | None) -> None:
+    def close_and_hand_over(
+        self, conn: psycopg.Connection[Any] | None, timeout_s: float = 3.0
+    ) -> bool:
         """close(), and with its last batch ended, its marker offset moved on to the partition's
         end: a batch end records the offset of its own commit marker, one below the end, and a
         relay stopped cleanly for longer than op_marker_retention was refused at its restart.
-        Without a connection (the database gone), close() alone."""
+        Without a connection (the database gone), close() alone. False when the move failed."""
         self.close()
-        if conn is not None:
-            self._keep_marker_offset_recent(conn, now=True, timeout_s=3.0)
+        if conn is None:
+            return False
+        return self._keep_marker_offset_recent(conn, now=True, timeout_s=timeout_s)

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka import Message, Producer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 import outbox
@@ -220,6 +220,27 @@ def test_a_relay_stopped_cleanly_for_longer_than_the_marker_retention_starts_aga
     delete_markers_up_to_the_end(kafka_bootstrap, relay.settings.relay.op_marker_topic)
     assert relay_factory(relay.settings).run_once().shards == 1  # recovers, not refused
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+
+
+def test_a_stop_with_the_broker_unreachable_spends_one_allowance_on_the_hand_over(
+    relay_factory: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each shard's hand-over waited its own 3 s for the log end: a relay of 12 shards took
+    36 s to stop, past its shutdown grace, and exited 1 with its leases held."""
+    relay = relay_factory(shards=6, **FAST)
+    assert relay.run_once().shards == 6
+    asked: list[float] = []
+
+    def unreachable(name: str, partition: int, *, timeout_s: float = 10.0) -> int:
+        asked.append(timeout_s)
+        time.sleep(timeout_s)  # as a request to a broker that does not answer
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+
+    monkeypatch.setattr(relay.topics, "log_end", unreachable)
+    began = time.monotonic()
+    relay.stop()
+    assert time.monotonic() - began < 6, asked  # was 6 x 3 s
+    assert len(asked) == 1  # none tried after the first failed
 
 
 def test_an_idle_shard_moves_its_marker_offset_on_so_that_retention_stops_no_restart(
