@@ -269,6 +269,13 @@ class Relay:
                 "moves its recorded offset on only every hour; set retention.ms to at least a "
                 "day, above the longest outage"
             )
+        retention_bytes = int(config.get("retention.bytes", "-1"))
+        if retention_bytes >= 0:
+            raise RelayConfigError(
+                f"the op-marker topic {topic} keeps {retention_bytes} bytes a partition "
+                "(retention.bytes): retention by size deletes markers however recent, those a "
+                "recovery needs included; set retention.bytes=-1 (retention.ms bounds it)"
+            )
         if "compact" in config.get("cleanup.policy", ""):
             raise RelayConfigError(
                 f"the op-marker topic {topic} is compacted (cleanup.policy="

@@ -425,7 +425,7 @@ class ShardWorker:
                     raise MarkersNotFound(
                         f"shard {self.shard} recorded its op markers from offset {start} of "
                         f"{tp.topic}:{tp.partition}, which now starts at {low}: markers were "
-                        "deleted (relay.op_marker_retention passed while no relay ran, or "
+                        "deleted (the topic's retention.ms passed while no relay ran, or "
                         "delete-records), and a batch sent before the stop could go again. "
                         "Keep op_marker_retention above the longest outage. To go on, accepting "
                         "that such a batch may go again (none is in doubt if every relay "

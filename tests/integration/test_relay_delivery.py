@@ -788,6 +788,9 @@ def test_a_marker_topic_that_cannot_keep_the_markers_is_refused_at_start(
     brief = topic_factory(partitions=4, config={"retention.ms": "3600000"})
     with pytest.raises(RelayConfigError, match=rf"{brief} keeps its messages 3600000 ms"):
         relay_factory(op_marker_topic=brief).run_once()
+    by_size = topic_factory(partitions=4, config={"retention.bytes": "1048576"})
+    with pytest.raises(RelayConfigError, match=rf"{by_size} keeps 1048576 bytes a partition"):
+        relay_factory(op_marker_topic=by_size).run_once()
 
 
 def test_a_relay_with_another_op_marker_partitions_is_refused_at_start(
