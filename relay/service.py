@@ -190,7 +190,12 @@ class Relay:
         """Create the op-marker and dead-letter topics when missing; check Postgres settings."""
         rs = self.settings.relay
         retention_ms = str(int(rs.op_marker_retention.total_seconds() * 1000))
-        marker_config = {"cleanup.policy": "delete", "retention.ms": retention_ms}
+        # by time only: a broker-wide log.retention.bytes would delete markers however recent
+        marker_config = {
+            "cleanup.policy": "delete",
+            "retention.ms": retention_ms,
+            "retention.bytes": "-1",
+        }
         for topic, partitions, config in (
             (rs.op_marker_topic, rs.op_marker_partitions, marker_config),
             (rs.dead_letter_topic, 1, DEAD_LETTER_TOPIC_CONFIG),

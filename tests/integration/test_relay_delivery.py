@@ -10,7 +10,13 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka import Message, Producer
-from confluent_kafka.admin import AdminClient, NewPartitions
+from confluent_kafka.admin import (
+    AdminClient,
+    ConfigResource,
+    ConfigSource,
+    NewPartitions,
+    ResourceType,
+)
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
@@ -791,6 +797,21 @@ def test_a_marker_topic_that_cannot_keep_the_markers_is_refused_at_start(
     by_size = topic_factory(partitions=4, config={"retention.bytes": "1048576"})
     with pytest.raises(RelayConfigError, match=rf"{by_size} keeps 1048576 bytes a partition"):
         relay_factory(op_marker_topic=by_size).run_once()
+
+
+def test_the_marker_topic_the_relay_makes_keeps_markers_by_time_only(
+    kafka_admin: AdminClient, relay_factory: Any
+) -> None:
+    """Made with the broker's defaults, a broker-wide log.retention.bytes would have applied,
+    and the relay would then refuse its own topic."""
+    relay = relay_factory(op_marker_retention="P2D")
+    relay.run_once()
+    topic = relay.settings.relay.op_marker_topic
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    entries = kafka_admin.describe_configs([resource])[resource].result(30)
+    assert entries["retention.ms"].value == str(2 * 24 * 3600 * 1000)
+    assert entries["retention.bytes"].value == "-1"
+    assert entries["retention.bytes"].source == ConfigSource.DYNAMIC_TOPIC_CONFIG.value
 
 
 def test_a_relay_with_another_op_marker_partitions_is_refused_at_start(
