@@ -148,8 +148,8 @@ class Relay:
         self.outbox: str | None = None  # "<database>/<schema>", named in its op markers
         self._counted: Exception | None = None  # a shard's failure raised as the round's
         self._last_heartbeat = 0.0
-        # A heartbeat between rounds found a setting that cannot work: the waits end, and the
-        # next round's heartbeat stops the relay (it was logged, and the relay ran on).
+        # A setting that cannot work, found by a heartbeat between rounds: the waits end, and
+        # the next round's heartbeat (still due) stops the relay. Only logged, it ran on.
         self._refused: RelayConfigError | None = None
         self._last_trim = 0.0
         self._audit_trim_refused = False  # the role may not delete from audit_log: said once
