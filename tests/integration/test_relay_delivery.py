@@ -315,6 +315,31 @@ def test_poison_records_are_parked_and_the_rest_goes_on(
     assert (third.delivered, third.ended, third.parked) == (0, 0, 0)
 
 
+def test_a_transaction_parked_for_one_reason_is_parked_in_one_statement_and_log_line(
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One statement and one warning a record: parking 80,000 records of a missing topic took
+    30 s and wrote 80,000 log lines."""
+    missing = f"{topic_factory()}.missing"
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        ids = outbox.publish_many(conn, [Record(missing, f"v{i}") for i in range(30)]).ids
+    relay = relay_factory()
+    kind = {"reason": "unknown_topic"}
+    before = REGISTRY.get_sample_value("outbox_relay_records_parked_total", kind) or 0.0
+    with caplog.at_level("WARNING", logger="relay.shard"):
+        assert relay.run_once().parked == 30
+    lines = [r.getMessage() for r in caplog.records if "parked" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"parked 30 record(s) {', '.join(map(str, ids[:20]))} and 10 more")
+    assert f"topic {missing!r} does not exist" in lines[0]
+    after = REGISTRY.get_sample_value("outbox_relay_records_parked_total", kind)
+    assert after == before + 30
+    assert [r[1] for r in rows(pg_dsn)] == ["parked"] * 30
+
+
 def test_a_record_with_malformed_stored_headers_is_parked_not_blocking_its_shard(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
