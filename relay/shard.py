@@ -1287,8 +1287,8 @@ class ShardWorker:
         with conn.transaction():
             if not lease_locked:  # a relay that lost its lease must not park the heir's rows
                 self._lock_lease(conn)
-            # By reason: a transaction's records for a missing topic share one, and one
-            # statement and log line each made parking 80,000 of them take 30 s and 80,000 lines.
+            # By reason: a transaction's records for a missing topic share one. One statement
+            # and one log line each: 80,000 such records took 30 s to park, in 80,000 lines.
             by_reason: dict[str, list[int]] = {}
             for row_id, reason in poison.items():
                 by_reason.setdefault(reason, []).append(row_id)
