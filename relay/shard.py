@@ -296,6 +296,8 @@ class ShardWorker:
         claimer: BackgroundConnection | None = None,
         outbox: str | None = None,
     ) -> None:
+        # Its epoch only: where its markers are recorded up to is read from the lease row
+        # (_lock_lease), which batch ends and idle moves keep current.
         self.lease = lease
         self.outbox = outbox  # the `outbox` of its marker messages (relay/markers.py)
         self.shard = lease.shard
@@ -374,7 +376,6 @@ class ShardWorker:
                 self._q("relay_set_marker_offset"),
                 {**self._lease_params(), "partition": self.marker_partition, "offset": end_offset},
             )
-        self.lease = Lease(self.shard, self.lease.epoch, self.marker_partition, end_offset)
         self.needs_recovery = False
         self._claimed_past = None  # the rows of a batch that failed go again
         metrics.RECOVERIES.inc()
@@ -1061,7 +1062,6 @@ class ShardWorker:
 
     def _after_end(self, ending: _Ending) -> None:
         """What this worker keeps about rows, once they ended (in its own thread)."""
-        self.lease = Lease(self.shard, self.lease.epoch, self.marker_partition, ending.next_offset)
         if self._alone:
             self._alone.difference_update(m.id for m in ending.markers)
             self._alone.difference_update(ending.poison)

@@ -416,6 +416,14 @@ def test_a_record_for_the_op_marker_topic_is_parked_and_ends_no_row(
     ]
 
 
+def grow(admin: AdminClient, topic: str, partitions: int) -> None:
+    """Add partitions, and wait until the broker's metadata shows them."""
+    admin.create_partitions([NewPartitions(topic, partitions)])[topic].result(30)
+    wait_for(
+        lambda: len(admin.list_topics(topic, timeout=10).topics[topic].partitions) == partitions
+    )
+
+
 def test_a_partition_added_since_the_cached_count_takes_its_records_at_once(
     pg_dsn: str,
     kafka_bootstrap: str,
@@ -430,8 +438,7 @@ def test_a_partition_added_since_the_cached_count_takes_its_records_at_once(
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic, "too early", partition=1)
     assert relay.run_once().parked == 1  # the count, 1, is cached now
-    kafka_admin.create_partitions([NewPartitions(topic, 2)])[topic].result(30)
-    wait_for(lambda: len(kafka_admin.list_topics(topic, timeout=10).topics[topic].partitions) == 2)
+    grow(kafka_admin, topic, 2)
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic, "in time", partition=1)
     rounds = [relay.run_once() for _ in range(2)]  # the second ships the parked one's copy
@@ -455,8 +462,7 @@ def test_a_partition_added_to_a_topic_the_producer_wrote_to_takes_its_records(
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic, "first")  # the producer knows the topic: 1 partition
     assert relay.run_once().delivered == 1
-    kafka_admin.create_partitions([NewPartitions(topic, 3)])[topic].result(30)
-    wait_for(lambda: len(kafka_admin.list_topics(topic, timeout=10).topics[topic].partitions) == 3)
+    grow(kafka_admin, topic, 3)
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic, "new partition", partition=2)
     first = relay.run_once()
