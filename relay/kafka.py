@@ -98,6 +98,15 @@ class OutcomeUnknown(Exception):
     """commit_transaction failed in a way that leaves its outcome unknown: recover from markers."""
 
 
+class TransactionTimedOut(OutcomeUnknown):
+    """A batch's Kafka transaction was not done within relay.kafka_transaction_timeout, after
+    which the broker aborts it: a batch that large fails every round the same way."""
+
+    def __init__(self, message: str, symptom: str | None = None) -> None:
+        super().__init__(message)
+        self.symptom = symptom or message  # what was seen, without the timeout's name
+
+
 class ProducerMisconfigured(ValueError):
     """Kafka refuses this transactional producer for a reason no retry mends."""
 
@@ -162,10 +171,12 @@ class ShardProducer:
         self._producer: Producer | None = None
         self._sent: list[Sent] = []
         self._reported: deque[Sent] = deque()
+        self._began = float("inf")  # when the transaction open now began
 
     def init(self) -> None:
         """(Re)create the producer and init transactions: fences any older instance of us."""
         self.close()
+        self._began = float("inf")
         try:
             self._producer = Producer(self._conf)
         except KafkaException as exc:  # settings librdkafka refuses, e.g. a message.timeout.ms
@@ -196,6 +207,20 @@ class ShardProducer:
         self._sent = []
         self._reported.clear()
         self._call(self.producer.begin_transaction)
+        self._began = time.monotonic()
+
+    def open_for(self) -> float:
+        """Seconds since the transaction open now began (-inf with none open)."""
+        return time.monotonic() - self._began
+
+    def _past_timeout(self, doing: str) -> None:
+        # The broker aborts the transaction once it is open this long: what is still produced
+        # or awaited after that is lost work (and the relay's waits are bounded by it too).
+        if self.open_for() > self.timeout_s:
+            symptom = f"{doing} {self.open_for():.1f}s after the Kafka transaction began"
+            raise TransactionTimedOut(
+                f"{symptom}, past relay.kafka_transaction_timeout ({self.timeout_s:g}s)", symptom
+            )
 
     def send(
         self,
@@ -206,7 +231,9 @@ class ShardProducer:
         partition: int | None = None,
         tag: Any = None,
     ) -> Sent:
-        """Produce one record; raises KafkaException at once for what librdkafka refuses locally."""
+        """Produce one record; raises KafkaException at once for what librdkafka refuses locally,
+        and TransactionTimedOut once the transaction is open longer than its timeout."""
+        self._past_timeout("still producing")
         sent = Sent(tag)
         reported = self._reported
 
@@ -230,6 +257,7 @@ class ShardProducer:
                 break
             except BufferError:  # local queue full: let deliveries drain
                 self.producer.poll(0.05)
+                self._past_timeout("still producing")
             except KafkaException as exc:  # a fencing told apart, as for the other calls
                 _raise_if_fenced_or_fatal(exc.args[0], exc)
                 if exc.args[0].code() not in _STALE_METADATA_ERRORS or refreshed:
@@ -252,7 +280,6 @@ class ShardProducer:
         Records the caller sends while iterating are waited for too: a caller can send what
         depends on a report (an op marker needs its record's offset) without a second flush.
         """
-        deadline = time.monotonic() + self.timeout_s
         done = 0
         while done < len(self._sent):
             while self._reported:
@@ -260,10 +287,7 @@ class ShardProducer:
                 yield self._reported.popleft()
             if done >= len(self._sent):
                 break
-            if time.monotonic() > deadline:
-                raise OutcomeUnknown(
-                    f"{len(self._sent) - done} records had no delivery report in {self.timeout_s}s"
-                )
+            self._past_timeout(f"{len(self._sent) - done} records had no delivery report")
             # flush, not poll: a flush sends what is queued at once instead of after linger.ms
             self.producer.flush(0.1)
 
@@ -273,6 +297,7 @@ class ShardProducer:
         while True:
             try:
                 self.producer.commit_transaction(max(1.0, deadline - time.monotonic()))
+                self._began = float("inf")
                 return
             except KafkaException as exc:
                 err: KafkaError = exc.args[0]
@@ -288,6 +313,7 @@ class ShardProducer:
             self._call(self.producer.abort_transaction, self.timeout_s)
         except KafkaException as exc:
             raise OutcomeUnknown(f"abort failed: {exc}") from exc
+        self._began = float("inf")
 
     def close(self) -> None:
         if self._producer is not None:

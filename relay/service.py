@@ -35,6 +35,7 @@ from relay.kafka import (
     ProducerFailed,
     ProducerMisconfigured,
     Topics,
+    TransactionTimedOut,
 )
 from relay.leases import LeaseManager, ShardCountMismatch
 from relay.markers import marker_partition, outbox_name
@@ -665,6 +666,8 @@ class Relay:
     def _count_failure(exc: Exception, what: str) -> None:
         if isinstance(exc, psycopg.Error | EndFailed):  # EndFailed: the ender's connection
             kind = "database"
+        elif isinstance(exc, TransactionTimedOut):
+            kind = "transaction_timeout"
         elif isinstance(exc, KafkaException | OutcomeUnknown | ProducerFailed):
             kind = "kafka"
         elif isinstance(exc, Fenced):
@@ -679,7 +682,8 @@ class Relay:
             what,
             kind,
             exc,
-            exc_info=kind not in ("database", "kafka", "fenced", "dead_letter_unwritable"),
+            exc_info=kind
+            not in ("database", "kafka", "fenced", "dead_letter_unwritable", "transaction_timeout"),
         )
 
     def _wait_for_work(self, timeout: float | None = None) -> None:

@@ -48,9 +48,13 @@ from relay.kafka import (
     DEAD_LETTER_TOPIC_CONFIG,
     PERMANENT_RECORD_ERRORS,
     TOPIC_REFUSED_ERRORS,
+    Fenced,
+    OutcomeUnknown,
+    ProducerFailed,
     Sent,
     ShardProducer,
     Topics,
+    TransactionTimedOut,
 )
 from relay.leases import Lease
 from relay.markers import (
@@ -687,7 +691,42 @@ class ShardWorker:
         claim_next = None
         if claim_ahead and self.claimer is not None:
             claim_next = functools.partial(self._start_claim_ahead, hold_back, unstamped, batch)
-        return self._ship(conn, batch, claim_next)
+        try:
+            return self._ship(conn, batch, claim_next)
+        except (KafkaException, OutcomeUnknown, Fenced, ProducerFailed) as exc:
+            # Whatever Kafka said (a delivery report missing, a message timed out, a fencing
+            # by the coordinator's abort), the cause is the transaction's length.
+            if not batch.transactions or self.producer.open_for() <= self.producer.timeout_s:
+                raise
+            raise self._timed_out(batch, exc) from exc
+
+    def _timed_out(self, batch: _Batch, exc: Exception) -> TransactionTimedOut:
+        """Names the outbox transaction that made the batch too long to send, and has the next
+        claim take the first transaction alone (a limit of one row picks one transaction)."""
+        self._claim_limit = 1
+        largest = max(batch.transactions, key=len)
+        size = sum(len(r.key or b"") + len(r.value or b"") for r in largest)
+        what = (
+            f"outbox transaction {largest[0].tx_id!r} of producer group "
+            f"{largest[0].producer_group!r} ({len(largest):,} records, {size:,} bytes of keys "
+            "and values)"
+        )
+        timeout = f"relay.kafka_transaction_timeout ({self.producer.timeout_s:g}s)"
+        seen = exc.symptom if isinstance(exc, TransactionTimedOut) else str(exc)
+        if len(batch.transactions) > 1:
+            records = sum(len(tx) for tx in batch.transactions)
+            return TransactionTimedOut(
+                f"a batch of {records:,} records of {len(batch.transactions)} outbox "
+                f"transactions was not sent within {timeout} ({seen}). The largest was {what}; "
+                "the next round sends the first one alone"
+            )
+        return TransactionTimedOut(
+            f"{what} was not sent within {timeout}, in a batch of its own ({seen}). All the "
+            "records of an outbox transaction go in one Kafka transaction: it "
+            "goes again every round, and this shard's later records wait behind it. Raise "
+            "relay.kafka_transaction_timeout (up to the broker's transaction.max.timeout.ms, "
+            "15 minutes by default), or send such records in smaller transactions"
+        )
 
     def _keep_marker_offset_recent(
         self, conn: psycopg.Connection[Any], *, now: bool = False, timeout_s: float = 10.0

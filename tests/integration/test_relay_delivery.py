@@ -24,6 +24,7 @@ import outbox
 from checker import redrive
 from outbox import Record
 from relay.config import SidecarSettings
+from relay.kafka import TransactionTimedOut
 from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
 from relay.pipelined import pipelined_transaction
 from relay.service import Relay, RelayConfigError
@@ -1009,6 +1010,53 @@ def test_a_marker_topic_deleted_while_the_relay_runs_stops_it(
     with pytest.raises(RelayConfigError, match=f"op-marker topic {markers_topic} was deleted"):
         rounds()
     assert [r[1] for r in rows(pg_dsn)] == ["committed"]  # kept for the relays to come
+
+
+def test_a_transaction_too_large_to_send_in_time_is_named_and_sent_apart(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """An outbox transaction that could not be sent within kafka_transaction_timeout failed
+    every round with "N records had no delivery report", which named neither it nor the
+    timeout; and the transactions claimed with it waited behind it for ever."""
+    topic = topic_factory()
+    big = 200_000  # far more than any machine produces and confirms in 1 s from Python
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            outbox.publish(conn, topic, "before", key="a")
+        with conn.transaction():
+            written = outbox.publish_many(conn, [Record(topic, b"x", key=b"b")] * big)
+        with conn.transaction():
+            outbox.publish(conn, topic, "after", key="c")
+    relay = relay_factory(kafka_transaction_timeout="PT1S")
+    counted = {"kind": "transaction_timeout"}
+    counted_before = REGISTRY.get_sample_value("outbox_relay_errors_total", counted) or 0
+
+    def round_failing() -> str:
+        with pytest.raises(TransactionTimedOut) as failed:
+            relay.run_once()
+        for w in relay.workers.values():
+            w.retry_at = 0.0  # no backoff: the test drives the rounds
+        return str(failed.value)
+
+    said = round_failing()
+    assert f"a batch of {big + 1:,} records of 2 outbox transactions" in said, said
+    assert f"outbox transaction {written.tx_id!r}" in said, said
+    assert f"{big:,} records" in said, said
+    assert "relay.kafka_transaction_timeout (1s)" in said, said
+    assert relay.run_once().delivered == 1  # the first transaction, alone
+    said = round_failing()
+    assert f"outbox transaction {written.tx_id!r}" in said, said
+    assert "in a batch of its own" in said, said
+    assert REGISTRY.get_sample_value("outbox_relay_errors_total", counted) == counted_before + 2
+    relay.stop(timeout=10)
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"before"]
+
+    relay = relay_factory(kafka_transaction_timeout="PT60S")  # what the message says to do
+    wait_for(lambda: relay.run_once() and not rows(pg_dsn), 120)
+    copies = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert len(copies) == big + 2
+    assert values(copies[:1]) == [b"before"]
+    assert values(copies[-1:]) == [b"after"]
 
 
 def test_a_shard_whose_worker_cannot_be_built_is_handed_back(
