@@ -91,6 +91,7 @@ from spark.config import (
     trigger_end,
 )
 from spark.latency import OpenWindows, close, merge_rows
+from spark.vanished import VanishedPartitions
 
 logger = logging.getLogger(__name__)
 
@@ -251,6 +252,7 @@ class ReconcileJob:
         self._query_started: datetime | None = None  # continuous: the query's start
         self.last_report: RunReport | None = None
         self._pruned_at: float | None = None  # time.monotonic() of the last retention pass
+        self._vanished = VanishedPartitions()
 
     # --- running ----------------------------------------------------------------------------
 
@@ -264,6 +266,9 @@ class ReconcileJob:
         try:
             query = self._start_query(available_now=True)
             self._await(query)
+            self._vanished.see_all(
+                (s.startOffset, s.endOffset) for p in query.recentProgress for s in p.sources
+            )
         finally:
             self._run_as_of = None
         with self._lock:
@@ -297,6 +302,12 @@ class ReconcileJob:
         ticker, self._ticker = self._ticker, None
         if ticker is not None and ticker is not threading.current_thread():
             ticker.join(timeout=60)
+
+    @property
+    def running(self) -> bool:
+        """The continuous query runs, and the idle judgement has not failed."""
+        query = self._query
+        return query is not None and query.isActive and self._failure is None
 
     def request_stop(self) -> None:
         """Ask run_forever() to stop (safe from a signal handler: no call into Spark)."""
@@ -409,6 +420,8 @@ class ReconcileJob:
                 .options(**self._source_options())
                 .option("startingTimestamp", start_ms)
                 .option("startingOffsetsByTimestampStrategy", "latest")
+                # a watched topic deleted must not stop the job for good (spark/vanished.py)
+                .option("failOnDataLoss", "false")
                 .load()
             )
         writer = (
@@ -503,6 +516,10 @@ class ReconcileJob:
     def _tick(self) -> None:
         """Judge between micro-batches (no traffic): after each trigger that found nothing new,
         at most about once per trigger interval."""
+        query = self._query
+        progress = query.lastProgress if query is not None else None
+        if progress is not None:
+            self._vanished.see_all((s.startOffset, s.endOffset) for s in progress.sources)
         gap = self.settings.trigger / 2
         if self._clock() - self._last_judged < gap:
             return

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 from confluent_kafka import KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
 
 import outbox
 from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, marker_entry, marker_messages
@@ -405,6 +406,15 @@ def wait_for_first_judgement(job: ReconcileJob) -> None:
         time.sleep(0.2)
 
 
+def judged_past(job: ReconcileJob, t: datetime) -> None:
+    """Until the running job has judged everything up to `t`; fails at once if it stopped."""
+    until = time.monotonic() + 90
+    while job.last_report is None or job.last_report.window.store_low <= t:
+        assert job.running, "the reconciliation query stopped"
+        assert time.monotonic() < until, f"the job did not judge past {t}"
+        time.sleep(0.2)
+
+
 def running_settings(
     dsn: str, bootstrap: str, topic: str, markers: str, tmp_path: Path, **more: Any
 ) -> ReconcileSettings:
@@ -638,13 +648,6 @@ def test_a_row_a_relay_ends_long_after_its_kafka_commit_is_not_missing(
     orders, markers = topic_factory(), topic_factory()
     settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
     job = ReconcileJob(settings, spark)
-
-    def judged_past(t: datetime) -> None:
-        until = time.monotonic() + 90
-        while job.last_report.window.store_low <= t:  # type: ignore[union-attr]
-            assert time.monotonic() < until, f"the job did not judge past {t}"
-            time.sleep(0.2)
-
     job.start()
     try:
         wait_for_first_judgement(job)
@@ -654,7 +657,7 @@ def test_a_row_a_relay_ends_long_after_its_kafka_commit_is_not_missing(
         sent = datetime.now(UTC)
         stand_in = RelayStandIn(pg_dsn, transactional_producer, markers)
         (position,) = stand_in.deliver([shipped], at=sent, ledger=False).values()
-        judged_past(sent + timedelta(seconds=1))
+        judged_past(job, sent + timedelta(seconds=1))
         stuck = job.last_report
         # the relay recovers: it ends the row from its marker
         with psycopg.connect(pg_dsn) as conn:
@@ -664,7 +667,7 @@ def test_a_row_a_relay_ends_long_after_its_kafka_commit_is_not_missing(
                 " kafka_partition = %s, kafka_offset = %s WHERE id = %s RETURNING ended_at",
                 (*position, shipped.id),
             ).fetchone()  # type: ignore[misc]
-        judged_past(ended + timedelta(seconds=1))
+        judged_past(job, ended + timedelta(seconds=1))
         recovered = job.last_report
     finally:
         job.stop()
@@ -715,6 +718,61 @@ def test_a_row_ended_longer_than_the_horizon_after_its_kafka_commit_is_not_missi
     report = ReconcileJob(settings, spark).run_once()
     assert report.ledger_rows == 1
     assert report.found_total == 0, read_findings(pg_dsn)
+
+
+def test_a_watched_topic_deleted_stops_neither_the_job_nor_its_restart(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    kafka_admin: AdminClient,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With Spark's default failOnDataLoss, deleting one topic of the pattern failed the query,
+    and every restart from its checkpoint failed the same way: no topic was reconciled any
+    more until the checkpoint was thrown away."""
+    from spark.job import ReconcileJob
+
+    kept, markers = topic_factory(), topic_factory()
+    dropped = f"{kept}.dropped"  # not the factory's: the test deletes it
+    kafka_admin.create_topics([NewTopic(dropped, 1, 1)])[dropped].result(TIMEOUT_S)
+    pattern = f"{re.escape(kept)}(?:{re.escape('.dropped')})?"
+    settings = running_settings(pg_dsn, kafka_bootstrap, kept, markers, tmp_path).model_copy(
+        update={"topics": (), "topic_pattern": pattern}
+    )
+    stand_in = RelayStandIn(pg_dsn, transactional_producer, markers)
+    job = ReconcileJob(settings, spark)
+    job.start()
+    try:
+        wait_for_first_judgement(job)
+        before = publish(pg_dsn, [outbox.Record(kept, "k1"), outbox.Record(dropped, "d1")])
+        sent = datetime.now(UTC)
+        stand_in.deliver(before, at=sent)
+        judged_past(job, sent + timedelta(seconds=1))  # both copies read and judged
+        kafka_admin.delete_topics([dropped])[dropped].result(TIMEOUT_S)
+        (after, lost) = publish(pg_dsn, [outbox.Record(kept, "k2"), outbox.Record(kept, "lost")])
+        sent = datetime.now(UTC)
+        stand_in.deliver([after], at=sent)
+        judged_past(job, sent + timedelta(seconds=1))
+    finally:
+        job.stop()
+    gone = [r.getMessage() for r in caplog.records if "left the Kafka source" in r.getMessage()]
+    assert len(gone) == 1, gone
+    assert f"{dropped}[0]" in gone[0]
+    assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", lost.id)]
+
+    job = ReconcileJob(settings, spark)  # from the checkpoint, whose offsets name the topic
+    job.start()
+    try:
+        (again,) = publish(pg_dsn, [outbox.Record(kept, "k3")])
+        sent = datetime.now(UTC)
+        stand_in.deliver([again], at=sent)
+        judged_past(job, sent + timedelta(seconds=1))
+    finally:
+        job.stop()
+    assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", lost.id)]
 
 
 def test_bad_topic_input_is_said_in_a_line(
