@@ -94,7 +94,7 @@ class _Row:
     check_count: int
 
 
-def _lock(conn: Conn, schema: str, group: str, tx_id: str) -> list[_Row]:
+def _lock(conn: Conn, schema: str, group: str, tx_id: str, action: str) -> list[_Row]:
     try:
         rows = conn.execute(
             queries.query("checker_lock_transaction", schema),
@@ -109,12 +109,32 @@ def _lock(conn: Conn, schema: str, group: str, tx_id: str) -> list[_Row]:
             tx_id=tx_id,
         ) from None
     if not rows:
+        _refuse_if_shipped_away(conn, schema, group, tx_id, action)
         raise UnknownTransactionError(
             f"no records of tx id {tx_id!r} in producer group {group!r}",
             producer_group=group,
             tx_id=tx_id,
         )
     return [_Row(int(r[0]), str(r[1]), bool(r[2]), int(r[3])) for r in rows]
+
+
+def _refuse_if_shipped_away(conn: Conn, schema: str, group: str, tx_id: str, action: str) -> None:
+    """A transaction discarded, then shipped and deleted whole (no archive kept: the default)
+    was said to have no records at all, as if the tx id were mistyped."""
+    row = conn.execute(
+        queries.query("checker_discarded_ids", schema), {"producer_group": group, "tx_id": tx_id}
+    ).fetchone()
+    if not row or not row[0]:
+        return
+    shipped = "discarded (already shipped to the dead-letter topic)"
+    raise IllegalTransitionError(
+        f"tx id {tx_id!r} in producer group {group!r} was discarded, and its {len(row[0])} "
+        "records were shipped to the dead-letter topic and removed from the outbox (its discard "
+        f"is in audit_log): nothing is left to {action}. To send them anyway, publish them again",
+        producer_group=group,
+        tx_id=tx_id,
+        current_states=(shipped,),
+    )
 
 
 def _describe(rows: Sequence[_Row]) -> tuple[str, ...]:
@@ -193,7 +213,7 @@ def rearm(
     schema = OutboxConfig(schema_name=schema).schema_name
     due = now or datetime.now(UTC)
     with database_errors(), conn.transaction():
-        rows = _lock(conn, schema, group, tx_id)
+        rows = _lock(conn, schema, group, tx_id, "rearm")
         shipped = _shipped_away(conn, schema, group, tx_id, rows)
         if not _unshipped_discarded(rows) or shipped:
             current = (*_describe(rows), shipped) if shipped else _describe(rows)
@@ -272,7 +292,7 @@ def resolve(
     to_state = State.COMMITTED if status is TransactionStatus.COMMIT else State.ROLLED_BACK
     outbox = Outbox(OutboxConfig(schema_name=schema, producer_group=group))
     with database_errors(), conn.transaction():
-        rows = _lock(conn, schema, group, tx_id)
+        rows = _lock(conn, schema, group, tx_id, "resolve")
         states = {r.state for r in rows}
         if states <= _ALREADY[status]:
             return ManualResult(
@@ -359,7 +379,7 @@ def redrive(
     wanted = sorted({int(i) for i in record_ids})
     schema = OutboxConfig(schema_name=schema).schema_name
     with database_errors(), conn.transaction():
-        rows = _lock(conn, schema, group, tx_id)
+        rows = _lock(conn, schema, group, tx_id, "redrive")
         parked = {r.id for r in rows if r.state == State.PARKED}
         strangers = [i for i in wanted if i not in parked]
         if not parked or strangers:

@@ -1272,6 +1272,14 @@ def test_a_discarded_transaction_partly_shipped_is_not_rearmed_or_resolved(
     assert [a["action"] for a in audit(pg_dsn, tx_id)] == ["discard"]
     assert relay.run_once().ended == 1  # the rest follows it to the dead-letter topic
     assert rows(pg_dsn, tx_id) == []
+    # all of it shipped and deleted: said so, not "no records", as of a mistyped tx id
+    gone = r"was discarded, and its 2 records were shipped to the dead-letter topic"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with pytest.raises(IllegalTransitionError, match=gone + ".*nothing is left to rearm"):
+            rearm(conn, GROUP, tx_id, actor="alice")
+        with pytest.raises(IllegalTransitionError, match=gone + ".*nothing is left to resolve"):
+            resolve(conn, GROUP, tx_id, COMMIT, actor="alice", reason="late answer")
+    assert [a["action"] for a in audit(pg_dsn, tx_id)] == ["discard"]
 
 
 def test_rearm_and_resolve_refuse_records_another_process_holds(
