@@ -32,6 +32,8 @@ from pydantic import (
     model_validator,
 )
 
+from outbox.checkback import Signer
+
 
 class EndpointSettings(BaseModel):
     """One producer group's check endpoint."""
@@ -72,6 +74,18 @@ class EndpointSettings(BaseModel):
                 "signed with `secrets`), and `outboxctl config` would print them; remove them"
             )
         return url
+
+    @field_validator("secrets")
+    @classmethod
+    def _usable_secrets(cls, secrets: list[SecretStr]) -> list[SecretStr]:
+        # Else refused only when the checker was built: a traceback naming no setting, and
+        # the whole sidecar (relay included) down, while `outboxctl config` said all was well.
+        for i, secret in enumerate(secrets):
+            try:
+                Signer(secret)  # decodes the key as the checker will
+            except ValueError as exc:  # its message never holds the secret
+                raise ValueError(f"secret {i + 1} of {len(secrets)}: {exc}") from None
+        return secrets
 
     @model_validator(mode="after")
     def _timeouts(self) -> Self:
@@ -143,4 +157,15 @@ class CheckerSettings(BaseModel):
         for name in ("check_immunity", "metrics_interval"):
             if getattr(self, name) < timedelta(0):
                 raise ValueError(f"{name} must not be negative")
+        if self.max_prepared_age <= self.check_immunity:
+            raise ValueError(
+                f"max_prepared_age ({self.max_prepared_age}) must be longer than check_immunity "
+                f"({self.check_immunity}): every prepared transaction would be discarded "
+                "unasked, its producer never checked"
+            )
+        if self.check_interval > self.max_backoff:
+            raise ValueError(
+                f"check_interval ({self.check_interval}) must not exceed max_backoff "
+                f"({self.max_backoff}), which caps every wait between checks"
+            )
         return self

@@ -79,6 +79,42 @@ def test_checker_rejects(bad: dict[str, object]) -> None:
         CheckerSettings.model_validate(bad)
 
 
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        # every prepared transaction was discarded before its first check
+        ({"check_immunity": "PT6S", "max_prepared_age": "PT2S"}, "must be longer than"),
+        ({"check_immunity": "PT6S", "max_prepared_age": "PT6S"}, "must be longer than"),
+        # the interval was ignored: every wait was max_backoff
+        ({"check_interval": "PT20M", "max_backoff": "PT10M"}, "must not exceed max_backoff"),
+    ],
+)
+def test_checker_times_that_contradict_each_other_are_refused(
+    bad: dict[str, object], said: str
+) -> None:
+    with pytest.raises(ValidationError, match=said):
+        CheckerSettings.model_validate(bad)
+
+
+@pytest.mark.parametrize(
+    ("secret", "said"),
+    [
+        ("nope", "secret 2 of 2: secret text must have the form"),
+        ("whsec_a2V5", "secret 2 of 2: secret key is 3 bytes"),
+        ("whsec_!!!", "secret 2 of 2: secret after 'whsec_' is not valid base64"),
+    ],
+)
+def test_an_unusable_secret_is_refused_with_the_settings(secret: str, said: str) -> None:
+    """It passed `outboxctl config` and stopped the sidecar when the checker was built, with a
+    traceback that named no setting."""
+    with pytest.raises(ValidationError, match=said) as caught:
+        SidecarSettings.model_validate(
+            {"checker": {"endpoints": {"orders": endpoint(secrets=[SECRET, secret])}}}
+        )
+    assert "checker.endpoints.orders.secrets" in str(caught.value).replace("\n", ".")
+    assert secret not in str(caught.value).replace(said, "")
+
+
 def test_endpoints_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://x@h/db")
     monkeypatch.setenv(
