@@ -701,8 +701,18 @@ class ShardWorker:
             raise self._timed_out(batch, exc) from exc
 
     def _timed_out(self, batch: _Batch, exc: Exception) -> TransactionTimedOut:
-        """Names the outbox transaction that made the batch too long to send, and has the next
-        claim take the first transaction alone (a limit of one row picks one transaction)."""
+        """Says what the batch held. A batch larger than batch_size holds a transaction that
+        large (a claim stops at batch_size, but takes a transaction whole): the next claim
+        then takes the first transaction alone (a limit of one row picks one transaction)."""
+        timeout = f"relay.kafka_transaction_timeout ({self.producer.timeout_s:g}s)"
+        seen = exc.symptom if isinstance(exc, TransactionTimedOut) else str(exc)
+        records = sum(len(tx) for tx in batch.transactions)
+        if records <= self.settings.batch_size:  # as any batch: Kafka is slow, not the batch
+            return TransactionTimedOut(
+                f"a batch of {records:,} records was not sent within {timeout} ({seen}): Kafka "
+                f"was slow or unreachable, or batch_size ({self.settings.batch_size}) is too "
+                "large for the timeout"
+            )
         self._claim_limit = 1
         largest = max(batch.transactions, key=len)
         size = sum(len(r.key or b"") + len(r.value or b"") for r in largest)
@@ -711,10 +721,7 @@ class ShardWorker:
             f"{largest[0].producer_group!r} ({len(largest):,} records, {size:,} bytes of keys "
             "and values)"
         )
-        timeout = f"relay.kafka_transaction_timeout ({self.producer.timeout_s:g}s)"
-        seen = exc.symptom if isinstance(exc, TransactionTimedOut) else str(exc)
         if len(batch.transactions) > 1:
-            records = sum(len(tx) for tx in batch.transactions)
             return TransactionTimedOut(
                 f"a batch of {records:,} records of {len(batch.transactions)} outbox "
                 f"transactions was not sent within {timeout} ({seen}). The largest was {what}; "
@@ -722,8 +729,8 @@ class ShardWorker:
             )
         return TransactionTimedOut(
             f"{what} was not sent within {timeout}, in a batch of its own ({seen}). All the "
-            "records of an outbox transaction go in one Kafka transaction: it "
-            "goes again every round, and this shard's later records wait behind it. Raise "
+            "records of an outbox transaction go in one Kafka transaction: it goes again every "
+            "round, and this shard's later records wait behind it. Raise "
             "relay.kafka_transaction_timeout (up to the broker's transaction.max.timeout.ms, "
             "15 minutes by default), or send such records in smaller transactions"
         )
