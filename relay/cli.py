@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from importlib.metadata import version
@@ -21,7 +22,7 @@ from checker import cli as checker_cli
 from outbox import OutboxError, SchemaError, migrate
 from outbox import sql as outbox_sql
 from outbox.migrations import check_applied, current_version, latest_version
-from relay import sidecar
+from relay import logs, sidecar
 from relay.cli_database import command_dsn, database_settings
 from relay.config import SidecarSettings, load_settings
 from relay.records import list_records
@@ -252,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SERVING = frozenset({"run", "relay", "checker"})  # the long-running commands
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["reconcile"]:  # the job parses its own arguments, --help included
@@ -261,6 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # The sidecar's processes log as their settings say, even the failure to read them.
+    serving = args.command in _SERVING
+    if serving:
+        logs.configure_from_environment()
     if "schema" in args:
         args.schema_given = args.schema is not None  # `checker --config` reads its own settings
     if "schema" in args and args.schema is None:
@@ -269,7 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (OutboxError, psycopg.Error, ValidationError, FileNotFoundError) as exc:
-        print(f"outboxctl {args.command}: {exc}", file=sys.stderr)
+        if serving:
+            logging.getLogger("outbox").critical("outboxctl %s: %s", args.command, exc)
+        else:
+            print(f"outboxctl {args.command}: {exc}", file=sys.stderr)
         return 1
 
 

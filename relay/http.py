@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -68,13 +69,24 @@ class ProbeServer:
         self._server.server_close()
 
 
+class _LoggingHTTPServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """socketserver printed a raw traceback to stderr, past the sidecar's JSON logs: for
+        any probe whose client gave up first (a kubelet past its probe timeout), too."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):  # the client went away: nothing to answer
+            logger.debug("probe client %s went away: %s", client_address, exc)
+            return
+        logger.error("probe request from %s failed", client_address, exc_info=True)
+
+
 def _server_for(host: str) -> type[ThreadingHTTPServer]:
     """ThreadingHTTPServer listens on IPv4 only: an IPv6 host ("::" in an IPv6-only cluster)
     failed to start, and the kubelet's probes could not reach "0.0.0.0" there."""
     if ":" not in host:
-        return ThreadingHTTPServer
+        return _LoggingHTTPServer
 
-    class ThreadingHTTPServerV6(ThreadingHTTPServer):
+    class ThreadingHTTPServerV6(_LoggingHTTPServer):
         address_family = socket.AF_INET6
 
     return ThreadingHTTPServerV6

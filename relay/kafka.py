@@ -31,6 +31,10 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 logger = logging.getLogger(__name__)
+# librdkafka's own lines (connection failures, fatal errors), through logging: written to stderr
+# by the C library they broke the sidecar's one-JSON-object-per-line logs. A client passes them
+# on when it is polled (Topics polls its admin client at each call).
+CLIENT_LOGGER = logging.getLogger("relay.librdkafka")
 
 # Errors after which retrying the same record can never succeed: the record is parked.
 PERMANENT_RECORD_ERRORS = frozenset(
@@ -164,6 +168,7 @@ class ShardProducer:
             # The broker aborts a transaction left open this long (a relay paused or cut off
             # mid-batch): the same bound the relay's own waits on Kafka keep.
             "transaction.timeout.ms": int(timeout.total_seconds() * 1000),
+            "logger": CLIENT_LOGGER,
             **conf,
             "transactional.id": transactional_id,
             **_REQUIRED_VALUES,
@@ -342,7 +347,8 @@ class Topics:
     """Creates the relay's own topics and answers "does this topic exist?" from cached metadata."""
 
     def __init__(self, conf: dict[str, Any], ttl: timedelta = timedelta(seconds=30)) -> None:
-        self._admin = AdminClient(conf)
+        admin_conf: dict[str, Any] = {**conf, "logger": CLIENT_LOGGER}
+        self._admin = AdminClient(admin_conf)
         self._ttl = ttl.total_seconds()
         self._known: dict[str, tuple[float, int]] = {}  # topic -> (checked at, partitions)
 
@@ -368,6 +374,7 @@ class Topics:
         leader, just after the topic was created or during an election): that passes, and a 0
         would have parked the topic's records for good.
         """
+        self._admin.poll(0)  # its log lines (see CLIENT_LOGGER)
         now = time.monotonic()
         cached = self._known.get(name)
         if cached and not refresh and now - cached[0] < self._ttl:
@@ -392,6 +399,7 @@ class Topics:
         return self._offset(name, partition, OffsetSpec.earliest())  # type: ignore[no-untyped-call]
 
     def _offset(self, name: str, partition: int, spec: OffsetSpec, timeout_s: float = 10.0) -> int:
+        self._admin.poll(0)
         tp = TopicPartition(name, partition)
         found = self._admin.list_offsets(
             {tp: spec}, isolation_level=IsolationLevel.READ_UNCOMMITTED, request_timeout=timeout_s
@@ -400,6 +408,7 @@ class Topics:
 
     def config(self, name: str) -> dict[str, str] | None:
         """The topic's configuration; None when the broker does not tell (no permission)."""
+        self._admin.poll(0)
         resource = ConfigResource(ResourceType.TOPIC, name)
         try:
             configs = self._admin.describe_configs([resource])[resource].result(10)
@@ -409,6 +418,7 @@ class Topics:
         return {key: entry.value for key, entry in configs.items() if entry.value is not None}
 
     def reachable(self) -> bool:
+        self._admin.poll(0)  # the readiness probe's: the lines of an outage come out as it goes
         try:
             return bool(self._admin.list_topics(timeout=3).brokers)
         except KafkaException:

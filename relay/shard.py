@@ -45,6 +45,7 @@ from relay import _failpoints, metrics, pgarray
 from relay.background import BackgroundConnection
 from relay.config import RelaySettings
 from relay.kafka import (
+    CLIENT_LOGGER,
     DEAD_LETTER_TOPIC_CONFIG,
     PERMANENT_RECORD_ERRORS,
     TOPIC_REFUSED_ERRORS,
@@ -398,6 +399,7 @@ class ShardWorker:
         """This shard's committed markers from `start` to the end of the log, and that end."""
         consumer = Consumer(
             {
+                "logger": CLIENT_LOGGER,
                 **self.kafka_conf,
                 "group.id": f"outbox-relay-recovery-{uuid.uuid4().hex}",
                 "enable.auto.commit": False,

@@ -6,6 +6,9 @@ import json
 import os
 import signal
 import socket
+import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -162,3 +165,73 @@ def test_a_round_that_outlasts_the_grace_makes_the_exit_status_1(
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert status == 1
+
+
+def _json_lines(text: str) -> list[dict[str, Any]]:
+    """Every line of a sidecar's output, as the JSON object it must be."""
+    entries = []
+    for line in text.splitlines():
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            pytest.fail(f"a line that is not JSON: {line[:300]!r}\n{text[-3000:]}")
+    return entries
+
+
+def _sidecar_env(relay_settings: Callable[..., SidecarSettings], **more: str) -> dict[str, str]:
+    settings = relay_settings(**FAST)
+    return {
+        **os.environ,
+        "OUTBOX_DATABASE__DSN": settings.database.dsn.get_secret_value(),
+        "OUTBOX_RELAY": settings.relay.model_dump_json(),
+        "OUTBOX_CHECKER__ENABLED": "false",
+        "OUTBOX_LOG_FORMAT": "json",
+        **more,
+    }
+
+
+def test_the_sidecar_logs_only_json_through_an_outage_and_a_probe_given_up(
+    relay_settings: Callable[..., SidecarSettings], tmp_path: Any
+) -> None:
+    """librdkafka wrote its own lines to stderr (about 14 a second with the broker down), and
+    a probe whose client gave up before the answer printed a raw traceback: a log pipeline
+    that parses one JSON object per line lost or rejected them."""
+    port = free_port()
+    env = _sidecar_env(
+        relay_settings,
+        OUTBOX_KAFKA__BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}",  # nobody listens there
+        OUTBOX_HTTP__HOST="127.0.0.1",
+        OUTBOX_HTTP__PORT=str(port),
+    )
+    log = tmp_path / "sidecar.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "relay.cli", "relay"], env=env, stdout=out, stderr=out
+        )
+    try:
+        wait_for(lambda: get(port, "/healthz")[0] == 200, 60, "the probes")
+        for _ in range(3):  # a client that gives up: it closes before the answer
+            with socket.create_connection(("127.0.0.1", port)) as client:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        wait_for(lambda: "relay.librdkafka" in log.read_text(), 30, "librdkafka's own lines")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    entries = _json_lines(log.read_text())
+    kafka_lines = [e for e in entries if e["logger"] == "relay.librdkafka"]
+    assert any("Connect to" in e["message"] for e in kafka_lines), kafka_lines[:3]
+
+
+def test_settings_a_sidecar_cannot_read_are_said_in_json(
+    relay_settings: Callable[..., SidecarSettings],
+) -> None:
+    env = _sidecar_env(relay_settings, OUTBOX_RELAY__SHARDS="many")
+    env.pop("OUTBOX_RELAY")
+    done = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "relay"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    (entry,) = _json_lines(done.stderr)
+    assert entry["level"] == "CRITICAL"
+    assert "relay.shards" in entry["message"]
