@@ -373,14 +373,28 @@ class ShardWorker:
         first = recorded_partition is None
         start_offset = None if first else recorded_offset
         markers, end_offset = self._read_markers(start_offset, keep_alive)
+        by_kind: dict[tuple[Op, str], list[OpMarker]] = {}
+        for marker in markers:
+            by_kind.setdefault((marker.op, marker.topic), []).append(marker)
+        ended_by_kind: Counter[tuple[Op, str]] = Counter()
         with conn.transaction():
             self._lock_lease(conn)
-            # rows ended before the crash or changed by hand since do not count
-            ended = sum(max(c.rowcount, 0) for c in self._end_rows(conn, markers))
+            # Rows ended before the crash or changed by hand since do not count; by kind, so
+            # that the records these ends deliver are counted as a batch end counts its own
+            # (uncounted, a recovery's showed nowhere in the delivered and ended totals).
+            for kind, of_kind in by_kind.items():
+                cursors = self._end_rows(conn, of_kind)
+                ended_by_kind[kind] += sum(max(c.rowcount, 0) for c in cursors)
             conn.execute(
                 self._q("relay_set_marker_offset"),
                 {**self._lease_params(), "partition": self.marker_partition, "offset": end_offset},
             )
+        for (op, topic), count in ended_by_kind.items():
+            if count and op is Op.DELIVERED:
+                metrics.DELIVERED.labels(topic).inc(count)
+            if count:
+                metrics.ENDED.labels(op.value).inc(count)
+        ended = ended_by_kind.total()
         self.needs_recovery = False
         self._claimed_past = None  # the rows of a batch that failed go again
         metrics.RECOVERIES.inc()

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
+from prometheus_client import REGISTRY
 
 import outbox
 from relay import _failpoints
@@ -114,6 +115,32 @@ def test_kill_9_at_each_point_loses_and_duplicates_nothing(
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
     counts = delivered_markers(kafka_bootstrap, survivor.settings.relay.op_marker_topic)
     assert sorted(counts.values()) == [1] * len(expected)  # one committed marker per record
+
+
+def test_records_a_recovery_ends_are_counted_delivered_and_ended(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+    relay_factory: Callable[..., Any],
+) -> None:
+    """Only a batch's own end counted its records: those a recovery ended from their markers
+    (after a crash, or a lost connection in the end) were missing from both totals."""
+    topic = topic_factory()
+    expected = publish(pg_dsn, topic, transactions=2, per_tx=3)
+    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
+    assert doomed.proc.wait(60) == -9, doomed.output()
+    assert undelivered(pg_dsn) == len(expected)  # in Kafka, not ended
+
+    def total(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    ended_before = total("outbox_relay_records_ended_total", op="delivered")
+    survivor = relay_factory(**FAST)  # in this process: its metrics are read here
+    wait_for(lambda: survivor.run_once() and undelivered(pg_dsn) == 0, 60, "the recovery")
+    assert total("outbox_relay_records_delivered_total", topic=topic) == len(expected)
+    assert total("outbox_relay_records_ended_total", op="delivered") - ended_before == len(expected)
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
 
 
 def test_a_transaction_open_on_the_marker_partition_hides_no_committed_marker(
