@@ -12,9 +12,12 @@
 -- that spans shards locks some of the same rows in its batch's order. Waiting for each other,
 -- Postgres would end one after deadlock_timeout (a second, and maybe the end, which then
 -- recovers from the op markers); a stamp that gives up sooner is made again (Relay._stamp).
+-- statement_timeout 0: a slice of a backlog takes ~1.5 s by design; cancelled by a role's or a
+-- database's statement_timeout, it failed every round and the backlog never drained.
 SELECT set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true),
        set_config('max_parallel_workers_per_gather', '0', true),
        set_config('lock_timeout', %(lock_timeout)s, true),
+       set_config('statement_timeout', '0', true),
        pg_snapshot_xmin(pg_current_snapshot())::text;
 
 -- name: relay_stamp_commit_ts
@@ -92,7 +95,9 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
 -- pinned so, the prepared claim's generic plan is the custom one's shape, and planning each
 -- claim anew took ~2 ms of its ~10 (a batch of 1000). Generic plans for the claim alone: the
 -- statements after it in the transaction go back to custom ones (relay_claim_planned).
+-- statement_timeout 0: see relay_stamp_plan (a claim takes a transaction whole, however large).
 SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true),
+       set_config('statement_timeout', '0', true),
        set_config('enable_seqscan', 'off', true),
        set_config('max_parallel_workers_per_gather', '0', true),
        set_config('plan_cache_mode', 'force_generic_plan', true);

@@ -1077,6 +1077,32 @@ def test_a_transaction_too_large_to_send_in_time_is_named_and_sent_apart(
     assert values(copies[-1:]) == [b"after"]
 
 
+def test_a_statement_timeout_of_the_database_does_not_stop_a_backlog_draining(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A role's or database's statement_timeout cancelled the stamp of a backlog (a slice
+    takes over a second by design) in every round: nothing drained, probes green."""
+    topic = topic_factory()
+    backlog = 60_000
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            records = [Record(topic, b"x", key=str(i % 50)) for i in range(backlog)]
+            outbox.publish_many(conn, records)
+        database = conn.info.dbname
+        conn.execute(f"ALTER DATABASE \"{database}\" SET statement_timeout = '300ms'")
+    relay = relay_factory()
+    try:
+        delivered = 0
+        deadline = time.monotonic() + 120
+        while delivered < backlog:
+            assert time.monotonic() < deadline, f"{delivered} of {backlog} delivered"
+            delivered += relay.run_once().delivered
+    finally:
+        with psycopg.connect(pg_dsn) as conn:
+            conn.execute(f'ALTER DATABASE "{database}" RESET statement_timeout')
+    assert rows(pg_dsn) == []
+
+
 def test_a_shard_whose_worker_cannot_be_built_is_handed_back(
     pg_dsn: str, relay_factory: Any
 ) -> None:
