@@ -161,6 +161,7 @@ class Relay:
         self._stamp_resets = 0
         self._backlog_unstamped = False  # the last claim left a backlog unstamped: stamp it
         self.last_round_at = time.monotonic()
+        self._listen_lost_at = -math.inf  # when the LISTEN connection last failed
 
     # --- connections ------------------------------------------------------------------------
 
@@ -690,6 +691,7 @@ class Relay:
         rs = self.settings.relay
         timeout = min(rs.poll_interval.total_seconds(), timeout or float("inf"))
         if rs.listen_notify:
+            listening = None
             try:
                 listening = self._listening()
                 # In short slices, so that stop() is never kept waiting for a long poll interval.
@@ -710,7 +712,13 @@ class Relay:
                 if self._listen is not None:
                     self._listen.close()
                 self._listen = None
-                self._pause(timeout)
+                # Cut while listening, its notifications may be lost: a round now, and the
+                # next wait listens anew (the whole poll interval passed deaf to commits). Not
+                # twice within an interval, nor when no connection could be made: no spinning.
+                now = time.monotonic()
+                if listening is None or now - self._listen_lost_at < timeout:
+                    self._pause(timeout)
+                self._listen_lost_at = now
                 return
         else:
             self._pause(timeout)

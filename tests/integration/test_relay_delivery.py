@@ -1103,6 +1103,29 @@ def test_a_statement_timeout_of_the_database_does_not_stop_a_backlog_draining(
     assert rows(pg_dsn) == []
 
 
+def test_a_cut_listen_connection_does_not_leave_the_relay_deaf_for_a_poll_interval(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Its notifications lost with it, the relay waited out the whole poll interval before it
+    looked for work or listened again."""
+    topic = topic_factory()
+    relay = relay_factory(poll_interval="PT60S", heartbeat_interval="PT1S", lease_duration="PT5S")
+    relay.start()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with conn.transaction():
+            outbox.publish(conn, topic, "before")
+        wait_for(lambda: not rows(pg_dsn), 30)  # woken by it: the relay listens, and waits
+        listen_pid = relay._listen.info.backend_pid
+        conn.execute("SELECT pg_terminate_backend(%s)", (listen_pid,))
+        gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+        wait_for(lambda: conn.execute(gone, (listen_pid,)).fetchone() == (0,))
+        with conn.transaction():  # its notification reaches no listener
+            outbox.publish(conn, topic, "after the cut")
+    wait_for(lambda: not rows(pg_dsn), 20)
+    copies = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert values(copies) == [b"before", b"after the cut"]
+
+
 def test_a_shard_whose_worker_cannot_be_built_is_handed_back(
     pg_dsn: str, relay_factory: Any
 ) -> None:
