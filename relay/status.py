@@ -17,10 +17,13 @@ def outbox_status(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
             ).format(s)
         ).fetchall()
     )
+    # The commit time of a row not stamped yet is looked up, where Postgres keeps them (the
+    # relay needs it to): its state_changed_at is when its transaction began.
     oldest = conn.execute(
         sql.SQL(
-            "SELECT min(coalesce(commit_ts, state_changed_at)) FROM {}.outbox_record "
-            "WHERE state = 'committed'"
+            "SELECT min(coalesce(commit_ts, CASE WHEN current_setting('track_commit_timestamp')"
+            "::bool THEN pg_xact_commit_timestamp(committed_xid::xid) END, state_changed_at)) "
+            "FROM {}.outbox_record WHERE state = 'committed'"
         ).format(s)
     ).fetchone()
     relays = [

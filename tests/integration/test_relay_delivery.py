@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -29,6 +30,7 @@ from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_mes
 from relay.pipelined import pipelined_transaction
 from relay.service import Relay, RelayConfigError, RelayRound
 from relay.shard import DeadLetterUnwritable
+from relay.status import outbox_status
 from tests.fixtures.kafka import consume_all, java_murmur2
 from tests.fixtures.postgres import GrantedRoles
 
@@ -1802,11 +1804,15 @@ def test_the_backlog_gauges_count_committed_rows_and_age_the_oldest_stamped_or_n
             assert age is not None
             return age
 
-        # the oldest unstamped: its state_changed_at
+        # the oldest unstamped: its commit time, looked up; not state_changed_at, the start of
+        # its transaction, which began an hour before it committed (just now)
         age = oldest_age_with(
-            "commit_ts = NULL, state_changed_at = now() - interval '1 hour'", "commit_ts = now()"
+            "commit_ts = NULL, state_changed_at = now() - interval '1 hour'",
+            "commit_ts = now() - interval '10 minutes'",
         )
-        assert 3600 <= age < 3700
+        assert 600 <= age < 700
+        oldest = outbox_status(conn, "outbox")["oldest_undelivered"]  # `outboxctl status`'s
+        assert datetime.now(UTC) - oldest < timedelta(minutes=11)
         # the oldest stamped: its commit time
         age = oldest_age_with(
             "commit_ts = now() - interval '2 hours'", "commit_ts = NULL, state_changed_at = now()"
