@@ -261,7 +261,7 @@ class ShardProducer:
                 )
                 break
             except BufferError:  # local queue full: let deliveries drain
-                self.producer.poll(0.05)
+                self._call(self.producer.poll, 0.05)
                 self._past_timeout("still producing")
             except KafkaException as exc:  # a fencing told apart, as for the other calls
                 _raise_if_fenced_or_fatal(exc.args[0], exc)
@@ -276,7 +276,7 @@ class ShardProducer:
 
     def send_queued(self) -> None:
         """Send what is queued now and wait for it: what is produced next goes in new batches."""
-        if self.producer.flush(self.timeout_s) > 0:
+        if self._call(self.producer.flush, self.timeout_s) > 0:
             raise OutcomeUnknown(f"queued records not sent in {self.timeout_s}s")
 
     def reports(self) -> Iterator[Sent]:
@@ -294,7 +294,7 @@ class ShardProducer:
                 break
             self._past_timeout(f"{len(self._sent) - done} records had no delivery report")
             # flush, not poll: a flush sends what is queued at once instead of after linger.ms
-            self.producer.flush(0.1)
+            self._call(self.producer.flush, 0.1)
 
     def commit(self) -> None:
         """Commit; retriable errors are retried within the timeout, then the outcome is unknown."""
@@ -328,9 +328,11 @@ class ShardProducer:
                 logger.info("producer %s dropped: %s", self.transactional_id, exc)
             self._producer = None
 
-    def _call(self, fn: Any, *args: Any) -> None:
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """A call of the producer; a fencing or a fatal error (which flush and poll raise too:
+        a fencing in the wait for reports was counted as kind kafka) told apart."""
         try:
-            fn(*args)
+            return fn(*args)
         except KafkaException as exc:
             _raise_if_fenced_or_fatal(exc.args[0], exc)
             raise

@@ -25,7 +25,7 @@ import outbox
 from checker import redrive
 from outbox import Record
 from relay.config import SidecarSettings
-from relay.kafka import TransactionTimedOut
+from relay.kafka import Fenced, ShardProducer, TransactionTimedOut
 from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
 from relay.pipelined import pipelined_transaction
 from relay.service import Relay, RelayConfigError, RelayRound
@@ -1126,6 +1126,42 @@ def test_a_cut_listen_connection_does_not_leave_the_relay_deaf_for_a_poll_interv
     wait_for(lambda: not rows(pg_dsn), 20)
     copies = consume_all(kafka_bootstrap, topic, "read_committed")
     assert values(copies) == [b"before", b"after the cut"]
+
+
+def test_a_producer_fenced_while_it_waits_for_reports_is_told_fenced_and_recovers(
+    kafka_bootstrap: str,
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """librdkafka raises a fencing from flush() too: that one was counted as a Kafka error
+    (kind kafka), not a fencing."""
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()
+    begin = ShardProducer.begin
+
+    def begin_then_fenced(producer: ShardProducer) -> None:
+        begin(producer)
+        heir = Producer(
+            {"bootstrap.servers": kafka_bootstrap, "transactional.id": producer.transactional_id}
+        )
+        heir.init_transactions(30)  # a newer instance of the same transactional.id
+
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "once")
+    counted = {"kind": "fenced"}
+    fenced_before = REGISTRY.get_sample_value("outbox_relay_errors_total", counted) or 0
+    monkeypatch.setattr(ShardProducer, "begin", begin_then_fenced)
+    with pytest.raises(Fenced):
+        relay.run_once()
+    assert REGISTRY.get_sample_value("outbox_relay_errors_total", counted) == fenced_before + 1
+    monkeypatch.setattr(ShardProducer, "begin", begin)
+    for w in relay.workers.values():
+        w.retry_at = 0.0
+    assert relay.run_once().delivered == 1  # the lease is still its own: a new producer goes on
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"once"]
 
 
 def test_a_shard_whose_worker_cannot_be_built_is_handed_back(
