@@ -265,10 +265,11 @@ WHERE state = 'prepared';
 
 -- name: checker_discarded_ids
 -- The record ids the last discard of a transaction recorded (its audit row): rows shipped since
--- are gone when no archive is kept.
-SELECT detail -> 'record_ids'
+-- are gone when no archive is kept. NULL when the transaction's latest audit row is not that
+-- discard: resolved or re-armed after it, its records went where that decided.
+SELECT CASE WHEN action = 'discard' THEN detail -> 'record_ids' END
 FROM {schema}.audit_log
-WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s AND action = 'discard'
+WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
 ORDER BY id DESC
 LIMIT 1;
 

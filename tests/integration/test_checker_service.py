@@ -1282,6 +1282,23 @@ def test_a_discarded_transaction_partly_shipped_is_not_rearmed_or_resolved(
     assert [a["action"] for a in audit(pg_dsn, tx_id)] == ["discard"]
 
 
+def test_a_transaction_resolved_after_its_discard_is_not_said_shipped_to_the_dead_letter_topic(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """Resolved by hand after the discard, then delivered: a later command said its records
+    were on the dead-letter topic and advised publishing them again, a duplicate."""
+    tx_id, _ = _discarded(pg_dsn, make_checker, endpoint.url)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        resolve(conn, GROUP, tx_id, COMMIT, actor="alice", reason="late answer")
+        # delivered: the relay deletes the rows (no archive kept)
+        conn.execute("DELETE FROM outbox.outbox_record WHERE tx_id = %s", (tx_id,))
+        with pytest.raises(UnknownTransactionError):
+            rearm(conn, GROUP, tx_id, actor="alice")
+        with pytest.raises(UnknownTransactionError):
+            resolve(conn, GROUP, tx_id, COMMIT, actor="alice", reason="again")
+    assert [a["action"] for a in audit(pg_dsn, tx_id)] == ["discard", "resolve"]
+
+
 def test_rearm_and_resolve_refuse_records_another_process_holds(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
