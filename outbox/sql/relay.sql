@@ -379,17 +379,19 @@ WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s;
 -- unstamped row of the oldest transaction id, whichever is older. Not min() over the rows:
 -- that read the whole backlog from the heap (a million rows: 0.4-0.8 s with two parallel
 -- workers, 1.3 GB of buffers) every 10 s, beside the relay draining it.
--- An unstamped row's commit time is looked up: its state_changed_at is when its transaction
--- began (now()), and a long transaction made the age, and the lag alert, that much older.
+-- Unstamped rows (few: a round stamps a backlog) have their commit times looked up, the first
+-- 1000 by transaction id: not state_changed_at, when a transaction began (a long one made the
+-- age, and the lag alert, that much older), and not only the lowest id's (a transaction with a
+-- lower id that commits later hid the ones committed before it).
 SELECT (SELECT count(*) FROM {schema}.outbox_record WHERE state = 'committed'),
        least(
            (SELECT commit_ts FROM {schema}.outbox_record
             WHERE state = 'committed' AND commit_ts IS NOT NULL
             ORDER BY commit_ts, committed_xid, id LIMIT 1),
-           (SELECT coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
-            FROM {schema}.outbox_record
-            WHERE state = 'committed' AND commit_ts IS NULL
-            ORDER BY committed_xid LIMIT 1));
+           (SELECT min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at))
+            FROM (SELECT committed_xid, state_changed_at FROM {schema}.outbox_record
+                  WHERE state = 'committed' AND commit_ts IS NULL
+                  ORDER BY committed_xid LIMIT 1000) AS first_unstamped));
 
 -- name: relay_horizon_holder
 -- The oldest transaction still running (it holds back the xid horizon), other than ours. Its

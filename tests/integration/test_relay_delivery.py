@@ -1861,6 +1861,26 @@ def test_the_backlog_gauges_count_committed_rows_and_age_the_oldest_stamped_or_n
         assert REGISTRY.get_sample_value("outbox_relay_oldest_undelivered_seconds") == 0
 
 
+def test_the_oldest_age_is_the_earliest_commit_whatever_the_transaction_ids(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Only the unstamped row of the lowest transaction id was looked at: one that committed
+    after others hid them, and the age, and the lag alert, said less than the truth."""
+    topic = topic_factory()
+    relay = relay_factory()
+    with psycopg.connect(pg_dsn) as first, psycopg.connect(pg_dsn) as second:
+        outbox.publish(first, topic, "lower xid, committed last")  # its xid taken now
+        with second.transaction():
+            outbox.publish(second, topic, "higher xid, committed first")
+        committed_first = time.monotonic()
+        wait_for(lambda: time.monotonic() - committed_first > 0.5)
+        first.commit()
+    relay.refresh_gauges()
+    age = REGISTRY.get_sample_value("outbox_relay_oldest_undelivered_seconds")
+    assert age is not None
+    assert age >= 0.5
+
+
 def test_the_horizon_gauges_work_for_a_role_that_cannot_see_when_the_holder_began(
     pg_dsn: str,
     granted_roles: GrantedRoles,  # first: its roles outlive the relay, which is stopped before
