@@ -75,18 +75,6 @@ class EndpointSettings(BaseModel):
             )
         return url
 
-    @field_validator("secrets")
-    @classmethod
-    def _usable_secrets(cls, secrets: list[SecretStr]) -> list[SecretStr]:
-        # Else refused only when the checker was built: a traceback naming no setting, and
-        # the whole sidecar (relay included) down, while `outboxctl config` said all was well.
-        for i, secret in enumerate(secrets):
-            try:
-                Signer(secret)  # decodes the key as the checker will
-            except ValueError as exc:  # its message never holds the secret
-                raise ValueError(f"secret {i + 1} of {len(secrets)}: {exc}") from None
-        return secrets
-
     @model_validator(mode="after")
     def _timeouts(self) -> Self:
         if self.connect_timeout <= timedelta(0) or self.timeout <= timedelta(0):
@@ -157,6 +145,23 @@ class CheckerSettings(BaseModel):
         for name in ("check_immunity", "metrics_interval"):
             if getattr(self, name) < timedelta(0):
                 raise ValueError(f"{name} must not be negative")
+        if self.enabled:  # a relay alone runs whatever a checker it does not run would refuse
+            self._usable()
+        return self
+
+    def _usable(self) -> None:
+        """What only contradicts itself once the checker runs: refused when it is built, with a
+        traceback that named no setting and took the whole sidecar down (relay included),
+        while `outboxctl config` said all was well; or never said, only acted on."""
+        for group, endpoint in self.endpoints.items():
+            for i, secret in enumerate(endpoint.secrets):
+                try:
+                    Signer(secret)  # decodes the key as the checker will
+                except ValueError as exc:  # its message never holds the secret
+                    raise ValueError(
+                        f"endpoints.{group}.secrets: secret {i + 1} of "
+                        f"{len(endpoint.secrets)}: {exc}"
+                    ) from None
         if self.max_prepared_age <= self.check_immunity:
             raise ValueError(
                 f"max_prepared_age ({self.max_prepared_age}) must be longer than check_immunity "
@@ -168,4 +173,3 @@ class CheckerSettings(BaseModel):
                 f"check_interval ({self.check_interval}) must not exceed max_backoff "
                 f"({self.max_backoff}), which caps every wait between checks"
             )
-        return self
