@@ -115,7 +115,7 @@ def test_an_unusable_secret_is_refused_with_the_settings(secret: str, said: str)
         )
     assert "endpoints.orders.secrets: " + said in str(caught.value)
     disabled = {"enabled": False, "endpoints": {"orders": endpoint(secrets=[SECRET, secret])}}
-    assert not SidecarSettings.model_validate({"checker": disabled}).checker.enabled
+    assert not CheckerSettings.model_validate(disabled).enabled
     assert secret not in str(caught.value).replace(said, "")
 
 
