@@ -46,7 +46,9 @@ def build_components(settings: SidecarSettings, only: str | None = None) -> dict
 
         components["checker"] = Checker.from_sidecar_settings(settings)
     if not components:
-        raise SystemExit("outboxctl: nothing to run (relay and checker are both disabled)")
+        # logged, not a SystemExit's message: a raw line in the sidecar's JSON logs
+        logger.critical("nothing to run: the relay and the checker are both disabled")
+        raise SystemExit(1)
     return components
 
 
