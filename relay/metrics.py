@@ -33,7 +33,8 @@ HORIZON_HELD = Gauge(
     "How long the oldest running transaction has held back the xid horizon.",
 )
 HORIZON_HOLDER_PID = Gauge(
-    "outbox_relay_horizon_holder_pid", "Backend pid of that transaction; 0 when none."
+    "outbox_relay_horizon_holder_pid",
+    "Backend pid of that transaction; 0 when none, or when it is a prepared transaction.",
 )
 SHARDS_OWNED = Gauge("outbox_relay_shards_owned", "Shards this relay holds a lease on.")
 STAMP_LOCK_WAITS = Counter(

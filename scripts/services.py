@@ -54,6 +54,7 @@ PG_SETTINGS = {
     "track_commit_timestamp": "on",
     "wal_level": "logical",
     "max_connections": "300",
+    "max_prepared_transactions": "10",  # two-phase commit, as some applications use it
     "max_replication_slots": "10",
     "max_wal_senders": "10",
     "shared_buffers": "256MB",

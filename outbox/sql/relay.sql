@@ -397,8 +397,17 @@ SELECT (SELECT count(*) FROM {schema}.outbox_record WHERE state = 'committed'),
 -- The oldest transaction still running (it holds back the xid horizon), other than ours. Its
 -- age is NULL for another role's session unless ours has pg_read_all_stats (backend_xid is
 -- shown to all): the relay then counts from when it first saw that transaction.
-SELECT pid, backend_xid::text, extract(epoch FROM now() - xact_start)::float8
-FROM pg_stat_activity
-WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
-ORDER BY age(backend_xid) DESC
+-- A prepared transaction (PREPARE TRANSACTION, two-phase commit) holds it too, with no session
+-- left: pid 0, its age from when it was prepared (the gauges said nothing held the horizon
+-- while delivery waited for it).
+SELECT pid, xid, age_s FROM (
+    SELECT pid, backend_xid::text AS xid, extract(epoch FROM now() - xact_start)::float8 AS age_s,
+           age(backend_xid) AS xid_age
+    FROM pg_stat_activity
+    WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
+    UNION ALL
+    SELECT 0, transaction::text, extract(epoch FROM now() - prepared)::float8, age(transaction)
+    FROM pg_prepared_xacts
+) AS running
+ORDER BY xid_age DESC
 LIMIT 1;

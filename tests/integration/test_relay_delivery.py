@@ -1881,6 +1881,38 @@ def test_the_oldest_age_is_the_earliest_commit_whatever_the_transaction_ids(
     assert age >= 0.5
 
 
+def test_a_prepared_transaction_holding_the_horizon_shows_in_the_gauges(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A transaction prepared for two-phase commit has no session any more: the gauges said
+    nothing held the horizon while delivery waited for it."""
+    topic = topic_factory()
+    relay = relay_factory()
+    gid = f"held-{topic}"[:200]
+    app = psycopg.connect(pg_dsn)
+    app.tpc_begin(gid)
+    app.execute("SELECT pg_current_xact_id()")
+    app.tpc_prepare()
+    app.close()  # prepared: it outlives its session
+    try:
+        with psycopg.connect(pg_dsn) as conn, conn.transaction():
+            outbox.publish(conn, topic, "behind it")
+        assert relay.run_once().delivered == 0  # held back by the prepared transaction
+
+        def held() -> float:
+            relay.refresh_gauges()
+            return REGISTRY.get_sample_value("outbox_relay_horizon_held_seconds") or 0.0
+
+        wait_for(lambda: held() > 0.2)
+        assert REGISTRY.get_sample_value("outbox_relay_horizon_holder_pid") == 0
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f"ROLLBACK PREPARED '{gid}'")
+    assert relay.run_once().delivered == 1
+    relay.refresh_gauges()
+    assert REGISTRY.get_sample_value("outbox_relay_horizon_held_seconds") == 0
+
+
 def test_the_horizon_gauges_work_for_a_role_that_cannot_see_when_the_holder_began(
     pg_dsn: str,
     granted_roles: GrantedRoles,  # first: its roles outlive the relay, which is stopped before
