@@ -9,6 +9,7 @@ import sys
 import threading
 from datetime import UTC, datetime
 from types import TracebackType
+from typing import Any
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -30,11 +31,24 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to sys.stderr as it is at each line, not as it was when configured: a caller that
+    swaps it (pytest's capture) closed the one kept, and a line logged at exit then failed."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def configure(level: str, fmt: str) -> None:
     """The sidecar's logging. Whatever else would reach stderr on its own goes through it too:
     warnings, and exceptions no code caught (in any thread), so that JSON logs stay one object
     per line."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(
         JsonFormatter()
         if fmt == "json"
