@@ -7,6 +7,7 @@ when `produce()` returns (quix-streams' internal producer keeps the same rule).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -30,11 +31,21 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ResourceType,
 )
 
+from relay.logs import RepeatFilter
+
 logger = logging.getLogger(__name__)
 # librdkafka's own lines (connection failures, fatal errors), through logging: written to stderr
 # by the C library they broke the sidecar's one-JSON-object-per-line logs. A client passes them
 # on when it is polled (Topics polls its admin client at each call).
 CLIENT_LOGGER = logging.getLogger("relay.librdkafka")
+CLIENT_REPEATS_S = 60.0  # a failed connection's line, alike from every client, once a minute
+CLIENT_LOGGER.addFilter(
+    RepeatFilter(
+        CLIENT_REPEATS_S,
+        # alike: from any client instance of ours, whatever the milliseconds it says
+        lambda text: re.sub(r"#(producer|consumer)-\d+|\d+ms\b", "#", text),
+    )
+)
 
 # Errors after which retrying the same record can never succeed: the record is parked.
 PERMANENT_RECORD_ERRORS = frozenset(

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import threading
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_REPEATS_KEPT = 1000  # kinds of line a RepeatFilter remembers at most
 
 
 class JsonFormatter(logging.Formatter):
@@ -85,3 +89,39 @@ def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
         args.thread.name if args.thread is not None else "?",
         exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
     )
+
+
+class RepeatFilter(logging.Filter):
+    """Lets a line through once per `window_s` among those alike (the same once `alike` has
+    rewritten them), and says with the next one let through how many were held back.
+
+    For librdkafka's lines: with the broker down, every client logs every failed connection
+    attempt, ~14 lines a second from one relay (each recovery makes a new producer, which
+    tries again from its shortest backoff)."""
+
+    def __init__(
+        self,
+        window_s: float,
+        alike: Callable[[str], str] = lambda text: text,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self._alike = alike
+        self._clock = clock
+        self._seen: dict[str, tuple[float, int]] = {}  # alike -> (let through at, held since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        key = self._alike(text)
+        now = self._clock()
+        passed_at, held = self._seen.get(key, (-math.inf, 0))
+        if now - passed_at < self.window_s:
+            self._seen[key] = (passed_at, held + 1)
+            return False
+        if len(self._seen) >= _REPEATS_KEPT:  # lines alike only in a window: forget the rest
+            self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.window_s}
+        self._seen[key] = (now, 0)
+        if held:
+            record.msg, record.args = f"{text} ({held} more like it in {self.window_s:g}s)", ()
+        return True

@@ -55,3 +55,38 @@ def test_an_exception_no_thread_caught_is_a_json_line(
     assert entry["level"] == "CRITICAL"
     assert entry["message"] == "uncaught exception in thread worker"
     assert "RuntimeError: lost in a thread" in entry["exception"]
+
+
+def test_librdkafkas_lines_alike_pass_once_a_minute_then_say_how_many_were_held(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the broker down every client logged every failed connection: ~14 lines a second."""
+    from relay import kafka
+
+    now = [1000.0]
+    (repeats,) = [f for f in kafka.CLIENT_LOGGER.filters if isinstance(f, logs.RepeatFilter)]
+    monkeypatch.setattr(repeats, "_clock", lambda: now[0])
+    monkeypatch.setattr(repeats, "_seen", {})
+
+    def refused(client: int, after_ms: int) -> None:
+        kafka.CLIENT_LOGGER.error(
+            "FAIL [outbox-sidecar#producer-%s] [thrd:b1:9092/bootstrap]: b1:9092/bootstrap: "
+            "Connect to ipv4#10.0.0.1:9092 failed: Connection refused (after %sms in state "
+            "CONNECT)",
+            client,
+            after_ms,
+        )
+
+    with caplog.at_level(logging.ERROR, logger="relay.librdkafka"):
+        for client in range(1, 6):  # five clients, one second apart
+            refused(client, client)
+            now[0] += 1
+        kafka.CLIENT_LOGGER.error("FATAL [outbox-sidecar#producer-9]: fenced")  # another kind
+        now[0] += kafka.CLIENT_REPEATS_S
+        refused(7, 0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines
+    assert "producer-1]" in lines[0]
+    assert lines[1].endswith("fenced")
+    assert "producer-7]" in lines[2]
+    assert lines[2].endswith("(4 more like it in 60s)")
