@@ -693,7 +693,12 @@ class Relay:
         if rs.listen_notify:
             listening = None
             try:
+                anew = self._listen is None or self._listen.closed
                 listening = self._listening()
+                if anew and self._listen_lost_at > -math.inf:
+                    # Listening again after a cut: what committed before LISTEN took effect
+                    # announced itself to nobody. A round now finds it.
+                    return
                 # In short slices, so that stop() is never kept waiting for a long poll interval.
                 deadline = time.monotonic() + timeout
                 woke = False
@@ -713,8 +718,9 @@ class Relay:
                     self._listen.close()
                 self._listen = None
                 # Cut while listening, its notifications may be lost: a round now, and the
-                # next wait listens anew (the whole poll interval passed deaf to commits). Not
-                # twice within an interval, nor when no connection could be made: no spinning.
+                # next wait listens anew, then a round again (the whole poll interval passed
+                # deaf to commits). Not twice within an interval, nor when no connection could
+                # be made: no spinning.
                 now = time.monotonic()
                 if listening is None or now - self._listen_lost_at < timeout:
                     self._pause(timeout)
@@ -781,6 +787,7 @@ class Relay:
         except psycopg.Error:
             self._listen.close()
             self._listen = None
+            self._listen_lost_at = time.monotonic()  # the next wait listens anew, then a round
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="outbox-relay", daemon=True)
