@@ -223,16 +223,22 @@ def test_the_sidecar_logs_only_json_through_an_outage_and_a_probe_given_up(
     assert any("Connect to" in e["message"] for e in kafka_lines), kafka_lines[:3]
 
 
+def _the_line_of_a_failed_start(env: dict[str, str], command: str) -> dict[str, Any]:
+    """`outboxctl <command>` that cannot start: exit 1, and one JSON line saying why."""
+    done = subprocess.run(
+        [sys.executable, "-m", "relay.cli", command], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    (entry,) = _json_lines(done.stderr)
+    return entry
+
+
 def test_a_sidecar_with_nothing_to_run_says_so_in_json(
     relay_settings: Callable[..., SidecarSettings],
 ) -> None:
     env = _sidecar_env(relay_settings, OUTBOX_RELAY__ENABLED="false")
     env.pop("OUTBOX_RELAY")
-    done = subprocess.run(
-        [sys.executable, "-m", "relay.cli", "run"], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 1
-    (entry,) = _json_lines(done.stderr)
+    entry = _the_line_of_a_failed_start(env, "run")
     assert entry["message"] == "nothing to run: the relay and the checker are both disabled"
 
 
@@ -241,10 +247,6 @@ def test_settings_a_sidecar_cannot_read_are_said_in_json(
 ) -> None:
     env = _sidecar_env(relay_settings, OUTBOX_RELAY__SHARDS="many")
     env.pop("OUTBOX_RELAY")
-    done = subprocess.run(
-        [sys.executable, "-m", "relay.cli", "relay"], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 1
-    (entry,) = _json_lines(done.stderr)
+    entry = _the_line_of_a_failed_start(env, "relay")
     assert entry["level"] == "CRITICAL"
     assert "relay.shards" in entry["message"]
