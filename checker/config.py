@@ -15,6 +15,9 @@ How the times fit together, for one prepared transaction:
   ``max_backoff``, shortened by up to ``backoff_jitter`` (a fraction) so retries spread out;
 - after ``max_checks`` checks without a decision, or once older than ``max_prepared_age``, the
   transaction is discarded (the relay ships it to the dead-letter topic).
+
+So an enabled checker refuses a ``max_prepared_age`` not longer than ``check_immunity`` (nothing
+would ever be asked) and a ``check_interval`` above ``max_backoff`` (it would never count).
 """
 
 from __future__ import annotations
