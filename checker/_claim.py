@@ -35,6 +35,14 @@ class DueTransaction:
     prepared: int  # prepared records of the transaction
     records: int  # all its records
     age_from: datetime  # its maximum prepared age counts from here: created, or re-armed
+    #: Its last check was claimed (and counted), and the lease ran out with no outcome recorded:
+    #: a checker killed or cut from the database mid-check. That check is given back.
+    check_lost: bool = False
+
+    @property
+    def checks_made(self) -> int:
+        """Checks counted against ``max_checks``: a lost check is not one."""
+        return max(self.check_count - 1, 0) if self.check_lost else self.check_count
 
     @property
     def held_elsewhere(self) -> bool:
@@ -76,13 +84,16 @@ class Claim:
 
 @dataclass(frozen=True, slots=True)
 class Reschedule:
-    """Set the next check of a transaction if its check count is still ``expected_count``."""
+    """Set the next check of a transaction if its check count is still ``expected_count`` and,
+    for the outcome of a claimed check, its lease is still that claim's (a check given back after
+    a lost lease is claimed again with the same count)."""
 
     producer_group: str
     tx_id: str
     expected_count: int
     new_count: int
     next_check_at: datetime
+    expected_lease: datetime | None = None  # None: under the claim transaction's own locks
 
 
 def lock_due(
@@ -105,7 +116,9 @@ def lock_due(
         {"now": now, "limit": limit, "default_immunity": default_immunity, "max_age": max_age},
     ).fetchall()
     due = [
-        DueTransaction(r[0], r[1], int(r[2]), r[3], int(r[4]), int(r[5]), int(r[6]), r[7])
+        DueTransaction(
+            r[0], r[1], int(r[2]), r[3], int(r[4]), int(r[5]), int(r[6]), r[7], bool(r[9])
+        )
         for r in rows
     ]
     return due, bool(rows) and bool(rows[0][8])
@@ -153,6 +166,7 @@ def reschedule(conn: Conn, schema: str, items: Sequence[Reschedule]) -> int:
             "expected_counts": [i.expected_count for i in items],
             "new_counts": [i.new_count for i in items],
             "next_check_at": [i.next_check_at for i in items],
+            "expected_leases": [i.expected_lease for i in items],
         },
     ).fetchall()
     return len(rows)

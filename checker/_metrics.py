@@ -22,6 +22,12 @@ NOT_SENT = Counter(
     "rescheduled without counting a check.",
     ["producer_group", "why"],
 )
+LOST = Counter(
+    "outbox_checker_checks_lost",
+    "Checks whose lease ran out with no outcome recorded (a checker killed, or cut from the "
+    "database, mid-check): given back, not counted, and asked again.",
+    ["producer_group"],
+)
 DISCARDS = Counter(
     "outbox_checker_discards",
     "Transactions discarded (handed to the relay for the dead-letter topic), by limit reached.",

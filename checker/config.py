@@ -14,7 +14,9 @@ How the times fit together, for one prepared transaction:
 - after UNKNOWN or a failed check: ``check_interval * backoff_multiplier ** (checks - 1)``, at most
   ``max_backoff``, shortened by up to ``backoff_jitter`` (a fraction) so retries spread out;
 - after ``max_checks`` checks without a decision, or once older than ``max_prepared_age``, the
-  transaction is discarded (the relay ships it to the dead-letter topic).
+  transaction is discarded (the relay ships it to the dead-letter topic). A check counts once its
+  outcome (an answer, a timeout, an error) is recorded; one lost with its checker (killed or cut
+  from the database mid-check) is asked again when its lease ends, not counted.
 
 So an enabled checker refuses a ``max_prepared_age`` not longer than ``check_immunity`` (nothing
 would ever be asked) and a ``check_interval`` above ``max_backoff`` (it would never count).

@@ -10,7 +10,9 @@ One round (``run_once``, which tests call directly):
      producer group; its endpoint's circuit is open);
    - or claim it: count the check and lease it (``next_check_at`` = end of the lease), so that
      a checker dying mid-check leaves it due again when the lease ends, and other checkers do not
-     ask about it meanwhile;
+     ask about it meanwhile. A check whose lease ran out with no outcome recorded was lost (the
+     checker killed, or cut from the database): it is given back, not counted, so that a lost
+     last check does not discard a transaction its endpoint would have committed;
 2. ask each claimed transaction's endpoint, outside any database transaction, on that endpoint's
    own worker threads (bounded concurrency, circuit breaker, timeouts): a dead endpoint only
    holds its own workers;
@@ -289,7 +291,16 @@ class Checker:
                     continue
                 result.due += 1
                 key = (tx.producer_group, tx.tx_id)
-                if tx.check_count >= s.max_checks:
+                if tx.check_lost:
+                    logger.warning(
+                        "tx %s of producer group %s: check %d was lost (its lease ran out with no "
+                        "outcome recorded: a checker killed or cut from the database); not counted",
+                        tx.tx_id,
+                        tx.producer_group,
+                        tx.check_count,
+                    )
+                    _metrics.LOST.labels(self._label(tx.producer_group)).inc()
+                if tx.checks_made >= s.max_checks:
                     limits[key] = ("max_checks", f"max checks ({s.max_checks}) reached")
                 elif now - tx.age_from >= s.max_prepared_age:
                     age = _duration(s.max_prepared_age)
@@ -330,7 +341,7 @@ class Checker:
                     Claim(
                         tx.producer_group,
                         tx.tx_id,
-                        tx.check_count + 1,
+                        tx.checks_made + 1,
                         tx.first_created_at,
                         claimed_at=now,
                         lease_until=now + lease,
@@ -365,7 +376,7 @@ class Checker:
         """Due again at `at`, or at its maximum prepared age if that comes first: a later due
         time put off its discard (by up to max_backoff for a group without an endpoint)."""
         at = min(at, tx.age_from + self.settings.max_prepared_age)
-        return Reschedule(tx.producer_group, tx.tx_id, tx.check_count, tx.check_count, at)
+        return Reschedule(tx.producer_group, tx.tx_id, tx.check_count, tx.checks_made, at)
 
     def _spread(self, delay: timedelta) -> timedelta:
         with self._rng_lock:
@@ -449,7 +460,14 @@ class Checker:
                 retry_at = self._endpoints[group].breaker.retry_at or now
                 count = claim.check_count
                 later.append(
-                    Reschedule(group, tx_id, count, count - 1, min(retry_at, claim.discard_at))
+                    Reschedule(
+                        group,
+                        tx_id,
+                        count,
+                        count - 1,
+                        min(retry_at, claim.discard_at),
+                        expected_lease=claim.lease_until,
+                    )
                 )
                 result.not_sent += 1
                 continue
@@ -470,7 +488,9 @@ class Checker:
                 )
             count = claim.check_count
             next_at = min(now + wait, claim.discard_at)
-            later.append(Reschedule(group, tx_id, count, count, next_at))
+            later.append(
+                Reschedule(group, tx_id, count, count, next_at, expected_lease=claim.lease_until)
+            )
             notes.append(
                 (
                     logger.info if outcome is Outcome.UNKNOWN else logger.warning,

@@ -149,7 +149,7 @@ WITH scanned AS (
     FROM (SELECT count(*) AS n FROM scanned GROUP BY scan) AS per_scan
 ), locked AS (
     SELECT r.producer_group, r.tx_id, r.id, r.created_at, r.check_immunity, r.check_count,
-           r.next_check_at, r.rearmed_at
+           r.next_check_at, r.rearmed_at, r.check_lease_until
     FROM {schema}.outbox_record AS r
     JOIN candidate AS c ON r.producer_group = c.producer_group AND r.tx_id = c.tx_id
     WHERE r.state = 'prepared'
@@ -158,7 +158,8 @@ WITH scanned AS (
 SELECT l.producer_group, l.tx_id, max(l.check_count) AS check_count,
        min(l.created_at) AS first_created_at, count(*) AS locked, n.prepared, n.records,
        coalesce(max(l.rearmed_at), min(l.created_at)) AS age_from,
-       (SELECT came_full FROM scan_full) AS scan_full
+       (SELECT came_full FROM scan_full) AS scan_full,
+       coalesce(bool_or(l.check_lease_until <= %(now)s), false) AS check_lost
 FROM locked AS l
 CROSS JOIN LATERAL (
     SELECT count(*) FILTER (WHERE a.state = 'prepared') AS prepared, count(*) AS records
@@ -167,6 +168,7 @@ CROSS JOIN LATERAL (
 ) AS n
 GROUP BY l.producer_group, l.tx_id, n.prepared, n.records
 -- `age_from`: the maximum prepared age counts from the last re-arm, else from the first record.
+-- `check_lost`: a check was claimed (and counted) and its lease ran out with no outcome recorded.
 -- A record without its own immunity has the default, here as in the candidate scan: with
 -- min() ignoring it, a transaction mixing the two was a candidate every round, never due. No
 -- immunity outlasts the maximum prepared age: the checker discards such a record then.
@@ -184,12 +186,14 @@ ORDER BY coalesce(max(l.next_check_at),
          l.producer_group, l.tx_id;
 
 -- name: checker_claim
--- Counts a check and leases it (next_check_at = lease end) before the request is sent, in the
--- claim transaction that holds the locks from checker_lock_due. Returns a summary of at most
--- `max_records` records per transaction, for the check request (never the values).
+-- Counts a check and leases it (next_check_at = check_lease_until = lease end) before the request
+-- is sent, in the claim transaction that holds the locks from checker_lock_due; the lease is
+-- cleared when the check's outcome is recorded. Returns a summary of at most `max_records`
+-- records per transaction, for the check request (never the values).
 WITH claimed AS (
     UPDATE {schema}.outbox_record AS r
-    SET check_count = c.check_count, next_check_at = c.lease_until, last_checked_at = %(now)s
+    SET check_count = c.check_count, next_check_at = c.lease_until, last_checked_at = %(now)s,
+        check_lease_until = c.lease_until
     FROM unnest(%(producer_groups)s::text[], %(tx_ids)s::text[], %(check_counts)s::integer[],
                 %(lease_until)s::timestamptz[])
          AS c(producer_group, tx_id, check_count, lease_until)
@@ -206,17 +210,21 @@ WHERE n <= %(max_records)s
 ORDER BY producer_group, tx_id, id;
 
 -- name: checker_reschedule
--- Compare-and-set on the check count a claim gave: sets the next check (after UNKNOWN or a failed
--- check: the backoff; for a check never sent: the count given back). A transaction claimed again
--- meanwhile (its lease ran out), or ended, is left alone.
+-- Compare-and-set on the check count and the lease a claim gave: sets the next check (after
+-- UNKNOWN or a failed check: the backoff; for a check never sent: the count given back) and
+-- records the outcome (no lease in flight). A transaction claimed again meanwhile (its lease ran
+-- out), or ended, is left alone. `expected_lease` NULL: no claim of the caller's, which holds
+-- the rows' locks.
 WITH rescheduled AS (
     UPDATE {schema}.outbox_record AS r
-    SET check_count = c.new_count, next_check_at = c.next_check_at
+    SET check_count = c.new_count, next_check_at = c.next_check_at, check_lease_until = NULL
     FROM unnest(%(producer_groups)s::text[], %(tx_ids)s::text[], %(expected_counts)s::integer[],
-                %(new_counts)s::integer[], %(next_check_at)s::timestamptz[])
-         AS c(producer_group, tx_id, expected_count, new_count, next_check_at)
+                %(new_counts)s::integer[], %(next_check_at)s::timestamptz[],
+                %(expected_leases)s::timestamptz[])
+         AS c(producer_group, tx_id, expected_count, new_count, next_check_at, expected_lease)
     WHERE r.producer_group = c.producer_group AND r.tx_id = c.tx_id AND r.state = 'prepared'
       AND r.check_count = c.expected_count
+      AND (c.expected_lease IS NULL OR r.check_lease_until = c.expected_lease)
     RETURNING r.producer_group, r.tx_id
 )
 SELECT DISTINCT producer_group, tx_id FROM rescheduled;
@@ -226,7 +234,8 @@ SELECT DISTINCT producer_group, tx_id FROM rescheduled;
 -- ships them (op marker and dead-letter copy) and sets ended_at. One audit row per transaction.
 WITH discarded AS (
     UPDATE {schema}.outbox_record AS r
-    SET state = 'discarded', reason = d.reason, state_changed_at = now(), next_check_at = NULL
+    SET state = 'discarded', reason = d.reason, state_changed_at = now(), next_check_at = NULL,
+        check_lease_until = NULL
     FROM unnest(%(producer_groups)s::text[], %(tx_ids)s::text[], %(reasons)s::text[])
          AS d(producer_group, tx_id, reason)
     WHERE r.producer_group = d.producer_group AND r.tx_id = d.tx_id AND r.state = 'prepared'
@@ -288,7 +297,8 @@ FOR UPDATE NOWAIT;
 -- again, with a new store time). Only under the locks of checker_lock_transaction.
 UPDATE {schema}.outbox_record
 SET state = 'prepared', reason = NULL, check_count = %(check_count)s,
-    next_check_at = %(now)s, rearmed_at = %(now)s, state_changed_at = now()
+    next_check_at = %(now)s, rearmed_at = %(now)s, state_changed_at = now(),
+    check_lease_until = NULL
 WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
   AND state = 'discarded' AND ended_at IS NULL
 RETURNING id;

@@ -37,6 +37,8 @@ CREATE TABLE {schema}.outbox_record (
     -- the last re-arm (outboxctl rearm): the maximum prepared age counts from here, not from
     -- created_at, else a transaction discarded at that age was discarded again at once
     rearmed_at      timestamptz,
+    -- the lease of a check in flight; still set past its end: a check lost, given back
+    check_lease_until timestamptz,
     -- why the record was parked or discarded
     reason          text,
     CONSTRAINT outbox_record_state_valid

@@ -189,8 +189,9 @@ def prepare(
 def rows(dsn: str, tx_id: str) -> list[dict[str, Any]]:
     with psycopg.connect(dsn) as conn:
         cur = conn.execute(
-            "SELECT id, state, check_count, next_check_at, last_checked_at, reason, ended_at,"
-            " committed_xid::text AS committed_xid, topic, key, value, headers, created_at"
+            "SELECT id, state, check_count, next_check_at, last_checked_at, check_lease_until,"
+            " reason, ended_at, committed_xid::text AS committed_xid, topic, key, value, headers,"
+            " created_at"
             " FROM outbox.outbox_record WHERE tx_id = %s ORDER BY id",
             (tx_id,),
         )
@@ -1049,8 +1050,57 @@ def test_checker_killed_mid_check_leaves_the_transaction_due_after_the_lease(
     assert endpoint.resolver.asked == []
     clock.now = claimed_at + LEASE
     assert survivor.run_once().committed == 1
-    assert [r.check_count for r in endpoint.resolver.asked] == [2]
+    assert [r.check_count for r in endpoint.resolver.asked] == [1]  # the lost check: not counted
     assert one(pg_dsn, tx_id)["state"] == "committed"
+
+
+def test_a_lost_last_check_is_asked_again_not_discarded(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A checker killed during the last check it may make: the check was never answered, so the
+    transaction is asked about again when the lease ends, not discarded for max checks."""
+    endpoint.resolver.default = COMMIT
+    tx_id, created = prepare(pg_dsn, records=2)
+    clock = Clock(created + 7 * S)
+    s = settings({GROUP: endpoint_settings(endpoint.url)}, max_checks=1)
+
+    class Crashing:
+        def check(self, request: CheckRequest) -> Any:
+            raise SimulatedCrash
+
+        def close(self) -> None:
+            pass
+
+    lost_before = metric("outbox_checker_checks_lost_total", producer_group=GROUP) or 0
+    with pytest.raises(SimulatedCrash):
+        make_checker(s, clock, http=lambda _g, _e: Crashing()).run_once()
+    assert one(pg_dsn, tx_id)["check_count"] == 1  # counted when claimed, as RocketMQ does
+    clock.now += LEASE
+    caplog.set_level("WARNING", logger="checker.service")
+    result = make_checker(s, clock).run_once()
+    assert (result.discarded, result.committed) == (0, 1)
+    assert [r.check_count for r in endpoint.resolver.asked] == [1]
+    assert {r["state"] for r in rows(pg_dsn, tx_id)} == {"committed"}
+    assert f"tx {tx_id} of producer group {GROUP}: check 1 was lost" in caplog.text
+    assert metric("outbox_checker_checks_lost_total", producer_group=GROUP) == lost_before + 1
+
+
+def test_a_check_whose_outcome_was_recorded_counts_after_its_lease(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """Only a lease that ran out with no outcome gives a check back: an UNKNOWN recorded in time
+    counts, however long after it the next check comes."""
+    tx_id, created = prepare(pg_dsn)
+    clock = Clock(created + 7 * S)
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}, max_checks=1), clock)
+    assert checker.run_once().unknown == 1
+    clock.now += 3 * LEASE
+    result = checker.run_once()
+    assert (result.discarded, result.checked) == (1, 0)
+    assert endpoint.resolver.count(tx_id) == 1
 
 
 def test_late_answer_after_the_lease_does_not_undo_a_newer_claim(
@@ -1060,7 +1110,7 @@ def test_late_answer_after_the_lease_does_not_undo_a_newer_claim(
     entered, release = threading.Event(), threading.Event()
 
     def slow_first(request: CheckRequest) -> TransactionStatus:
-        if request.check_count == 1:
+        if not entered.is_set():
             entered.set()
             release.wait(60)
         return UNKNOWN
@@ -1078,14 +1128,16 @@ def test_late_answer_after_the_lease_does_not_undo_a_newer_claim(
             assert entered.wait(30)
             lease = 60 * S + 10 * S  # this endpoint's timeout + lease margin
             clock.now = claimed_at + lease
-            assert b.run_once().unknown == 1  # check 2, by B
+            assert b.run_once().unknown == 1  # asked again, by B
         finally:
             release.set()
         a_round.join(60)
     assert late[0].unknown == 1  # A got its answer, too late to matter
     row = one(pg_dsn, tx_id)
-    assert row["check_count"] == 2
-    assert row["next_check_at"] == claimed_at + lease + 60 * S  # B's backoff after check 2
+    # A's check, unrecorded when its lease ran out, was given back: B's is check 1 again
+    assert row["check_count"] == 1
+    assert row["next_check_at"] == claimed_at + lease + 30 * S  # B's backoff after check 1
+    assert row["check_lease_until"] is None
 
 
 def test_dead_endpoint_does_not_starve_a_healthy_one_in_the_same_round(

@@ -1,0 +1,9 @@
+-- 0006: a check the checker lost is not counted. Never edit a released migration: add one.
+-- `{schema}` is replaced by the configured schema name (quoted as an identifier).
+-- Adding a nullable column with no default changes only the catalog: quick, whatever the size.
+
+-- The end of the lease of a check in flight: set when a check is claimed (and counted), cleared
+-- when its outcome is recorded. Still set once the lease has run out, it marks a check whose
+-- outcome was never recorded (a checker killed, or cut from the database, mid-check): the check
+-- is given back and asked again, so that a lost last check does not discard the transaction.
+ALTER TABLE {schema}.outbox_record ADD COLUMN check_lease_until timestamptz;
