@@ -169,6 +169,19 @@ class _Watchdog:
 _watchdog = _Watchdog()
 
 
+class _FinalResponse(http.client.HTTPResponse):
+    """The final response, after any informational (1xx) ones: http.client skips only
+    ``100 Continue``, so a ``103 Early Hints`` was taken for the answer, and the real answer
+    was left on the kept-alive connection for the next check to read."""
+
+    def _read_status(self) -> tuple[str, int, str]:
+        while True:
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if not 100 <= status < 200 or status == 101:  # 101: a protocol switch, not interim
+                return version, status, reason
+            http.client.parse_headers(self.fp)  # the interim response's headers: dropped
+
+
 class _Failed(Exception):
     def __init__(self, outcome: Outcome, detail: str, latency_s: float | None = None) -> None:
         super().__init__(detail)
@@ -235,11 +248,15 @@ class HttpCheckClient:
     # --- connections, one kept alive per worker thread ---------------------------------------
 
     def _new_connection(self) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection
         if self._ssl is not None:
-            return http.client.HTTPSConnection(
+            conn = http.client.HTTPSConnection(
                 self._host, self._port, timeout=self._connect_s, context=self._ssl
             )
-        return http.client.HTTPConnection(self._host, self._port, timeout=self._connect_s)
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=self._connect_s)
+        conn.response_class = _FinalResponse
+        return conn
 
     def _take(self) -> tuple[http.client.HTTPConnection, bool]:
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)

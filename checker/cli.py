@@ -65,7 +65,8 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
         type=_non_negative,
         default=0,
         metavar="N",
-        help="check count to start again from (default 0: max_checks more checks)",
+        help="check count to start again from (default 0: max_checks more checks; at or above "
+        "the checker's max_checks it is discarded again unasked)",
     )
     p.add_argument("--actor", help="who does this, for the audit log (default: $USER)")
     p.add_argument("--reason", default=None, help="why, for the audit log")
@@ -130,9 +131,15 @@ def _print(args: argparse.Namespace, result: ManualResult) -> None:
     if not result.changed:
         print(f"{where} is already {result.to_state}: nothing to do")
     elif result.action == "rearm":
+        counted = result.check_count
         print(
             f"{where}: {len(result.record_ids)} record(s) back to prepared, check count "
-            f"{result.check_count}, due now (audit #{result.audit_id})"
+            f"{counted}, due now (audit #{result.audit_id})"
+            + (
+                f"; a checker whose max_checks is {counted} or less discards it again unasked"
+                if counted
+                else ""
+            )
         )
     else:
         print(

@@ -84,6 +84,20 @@ def test_rearm_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> No
     assert "prepared" in err
 
 
+def test_rearm_with_checks_says_which_max_checks_discard_it_again(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for checks, warned in (("3", True), ("0", False)):
+        tx_id = prepare(pg_dsn)
+        discard(pg_dsn, tx_id)
+        argv = ["rearm", "--dsn", pg_dsn, "--producer-group", GROUP, "--tx-id", tx_id]
+        assert main([*argv, "--checks", checks, "--actor", "carol"]) == 0
+        out = capsys.readouterr().out
+        assert f"check count {checks}, due now" in out
+        warning = "a checker whose max_checks is 3 or less discards it again unasked"
+        assert (warning in out) is warned
+
+
 def parked(
     dsn: str, topic: str = "billing.charged", second_topic: str | None = None
 ) -> tuple[str, str, int, int]:

@@ -112,7 +112,10 @@ class RawServer:
     """A tiny HTTP server of the test's own: `reply(headers, body)` decides the whole answer."""
 
     def __init__(
-        self, reply: Callable[[dict[str, str], bytes], Reply], tls: ssl.SSLContext | None = None
+        self,
+        reply: Callable[[dict[str, str], bytes], Reply],
+        tls: ssl.SSLContext | None = None,
+        interim: bytes = b"",
     ) -> None:
         self.requests = 0
 
@@ -125,6 +128,7 @@ class RawServer:
                 body = self.rfile.read(int(self.headers.get("content-length", "0")))
                 outer.requests += 1
                 status, headers, data = reply({k.lower(): v for k, v in self.headers.items()}, body)
+                self.wfile.write(interim)  # informational (1xx) responses before the answer
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
@@ -920,6 +924,37 @@ def test_partly_prepared_transaction_is_moved_out_of_the_way(
         resolve(conn, GROUP, "mixed-1", ROLLBACK, actor="erin", reason="half of it never happened")
     states = sorted(r["state"] for r in rows(pg_dsn, "mixed-1"))
     assert states == ["committed", "rolled_back"]
+
+
+def test_informational_responses_before_the_answer_are_skipped(
+    raw_servers: Callable[..., RawServer],
+) -> None:
+    """103 Early Hints (and any 1xx) come before the final answer on the same connection: the
+    answer is the one after them, and the next check on the kept-alive connection reads its own."""
+    answers = iter([COMMIT, ROLLBACK])
+    server = raw_servers(
+        lambda h, b: signed_answer(h, b, next(answers)),
+        interim=b"HTTP/1.1 103 Early Hints\r\nlink: </a.css>; rel=preload\r\n\r\n"
+        b"HTTP/1.1 102 Processing\r\n\r\n",
+    )
+    client = HttpCheckClient(EndpointSettings.model_validate(endpoint_settings(server.url)))
+    try:
+        outcomes = [
+            client.check(
+                CheckRequest(
+                    producer_group=GROUP,
+                    tx_id=f"tx-{n}",
+                    check_count=1,
+                    first_prepared_at=datetime.now(UTC),
+                    records=[],
+                )
+            ).outcome
+            for n in (1, 2)
+        ]
+    finally:
+        client.close()
+    assert outcomes == ["commit", "rollback"]
+    assert server.requests == 2
 
 
 def test_total_timeout_holds_against_a_server_dripping_bytes(
