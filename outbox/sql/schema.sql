@@ -143,6 +143,8 @@ CREATE TABLE {schema}.audit_log (
     detail          jsonb       NOT NULL DEFAULT jsonb_build_object(),
     CONSTRAINT audit_log_action_valid CHECK (char_length(action) BETWEEN 1 AND 64)
 );
+-- 0006: a transaction's latest entry (rearm, resolve and redrive look it up)
+CREATE INDEX audit_log_tx_idx ON {schema}.audit_log (producer_group, tx_id, id);
 
 -- 0002: reconciliation findings
 -- What the reconciliation job (spark/) found, one row per finding. The natural key makes every

@@ -449,3 +449,31 @@ def test_parked_records_are_read_from_their_own_index_not_the_whole_table(pg_dsn
             assert "outbox_record_parked_idx" in text, name
             assert "Seq Scan" not in text, name
             assert conn.execute(query(name, "outbox"), params).fetchall(), name  # it finds them
+
+
+def test_a_transactions_latest_audit_entry_is_read_from_its_index(pg_dsn: str) -> None:
+    """rearm, resolve and redrive look up the transaction's latest audit entry (migration 0006):
+    from an index, not by reading every entry the audit retention keeps."""
+    from outbox.sql import query
+
+    tx_id = prepare(pg_dsn)
+    discard(pg_dsn, tx_id)
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            """
+            INSERT INTO outbox.audit_log (actor, action, producer_group, tx_id)
+            SELECT 'checker:old', 'discard', 'other', 'tx-' || g
+            FROM generate_series(1, 20000) AS g
+            """
+        )
+        conn.commit()
+        conn.execute("ANALYZE outbox.audit_log")
+        params = {"producer_group": GROUP, "tx_id": tx_id}
+        plan = conn.execute(
+            b"EXPLAIN (ANALYZE, FORMAT JSON) " + query("checker_discarded_ids", "outbox"), params
+        ).fetchone()[0]  # type: ignore[index]
+        text = json.dumps(plan)
+        assert "audit_log_tx_idx" in text
+        assert "Seq Scan" not in text
+        [(ids,)] = conn.execute(query("checker_discarded_ids", "outbox"), params).fetchall()
+    assert ids  # it finds the discard's record ids
