@@ -189,9 +189,11 @@ class Checker:
         self._outbox = Outbox(OutboxConfig(schema_name=self.schema, notify=True))
         self._channel = wakeup_channel(self.schema)
         make_client = http or (lambda _group, endpoint: HttpCheckClient(endpoint))
+        # by case-folded name: environment variables and secret files carry no case, so a
+        # producer group matches its endpoint whatever the case (settings merge case variants)
         self._endpoints: dict[str, _Endpoint] = {}
         for group, endpoint in settings.endpoints.items():
-            self._endpoints[group] = _Endpoint(
+            self._endpoints[group.casefold()] = _Endpoint(
                 group,
                 endpoint,
                 make_client(group, endpoint),
@@ -320,7 +322,7 @@ class Checker:
                     later.append(self._later(tx, now + self._spread(s.max_backoff)))
                     _metrics.NOT_SENT.labels(self._label(tx.producer_group), "mixed_states").inc()
                     continue
-                endpoint = self._endpoints.get(tx.producer_group)
+                endpoint = self._endpoint(tx.producer_group)
                 if endpoint is None:
                     self._note_unconfigured(tx.producer_group)
                     # Leave it, out of the way of the others; discarded at max age all the same.
@@ -330,7 +332,7 @@ class Checker:
                 if state is CircuitState.OPEN:
                     # Not asked, not counted: due again when a probe may go out.
                     later.append(self._later(tx, endpoint.breaker.retry_at or now))
-                    _metrics.NOT_SENT.labels(tx.producer_group, "circuit_open").inc()
+                    _metrics.NOT_SENT.labels(endpoint.group, "circuit_open").inc()
                     continue
                 if state is CircuitState.HALF_OPEN:
                     if tx.producer_group in probing:
@@ -382,8 +384,13 @@ class Checker:
         with self._rng_lock:
             return spread(delay, self.settings.backoff_jitter, self._rng)
 
+    def _endpoint(self, group: str) -> _Endpoint | None:
+        return self._endpoints.get(group.casefold())
+
     def _label(self, group: str) -> str:
-        return group if group in self._endpoints else _metrics.OTHER_GROUP
+        """The metrics label of a producer group: its endpoint's name, or ``other``."""
+        endpoint = self._endpoint(group)
+        return endpoint.group if endpoint is not None else _metrics.OTHER_GROUP
 
     def _note_unconfigured(self, group: str) -> None:
         _metrics.NOT_SENT.labels(_metrics.OTHER_GROUP, "no_endpoint").inc()
@@ -425,7 +432,7 @@ class Checker:
             return
         arrived: queue.SimpleQueue[Future[tuple[Claim, CheckAnswer]]] = queue.SimpleQueue()
         for c in claims:
-            endpoint = self._endpoints[c.producer_group]
+            endpoint = self._endpoints[c.producer_group.casefold()]
             endpoint.pool.submit(self._ask, endpoint, c).add_done_callback(arrived.put)
         left = len(claims)
         while left:
@@ -453,11 +460,11 @@ class Checker:
         for claim, answer in answers:
             group, tx_id, outcome = claim.producer_group, claim.tx_id, answer.outcome
             if answer.latency_s is not None:
-                _metrics.LATENCY.labels(group).observe(answer.latency_s)
+                _metrics.LATENCY.labels(self._label(group)).observe(answer.latency_s)
             if not outcome.sent:
                 # Never asked: give the check back, and try again when it can go out.
-                _metrics.NOT_SENT.labels(group, outcome.value).inc()
-                retry_at = self._endpoints[group].breaker.retry_at or now
+                _metrics.NOT_SENT.labels(self._label(group), outcome.value).inc()
+                retry_at = self._endpoints[group.casefold()].breaker.retry_at or now
                 count = claim.check_count
                 later.append(
                     Reschedule(
@@ -471,7 +478,7 @@ class Checker:
                 )
                 result.not_sent += 1
                 continue
-            _metrics.CHECKS.labels(group, outcome.value).inc()
+            _metrics.CHECKS.labels(self._label(group), outcome.value).inc()
             result.checked += 1
             result.outcomes[outcome.value] += 1
             if outcome.decided:
@@ -521,7 +528,7 @@ class Checker:
         for (log, args), conflicted, group in applied:
             if conflicted:
                 result.conflicts += 1
-                _metrics.CONFLICTS.labels(group).inc()
+                _metrics.CONFLICTS.labels(self._label(group)).inc()
             log(*args)
         for log, args in notes:
             log(*args)
@@ -575,14 +582,14 @@ class Checker:
         except OutboxDatabaseError as exc:  # the library wraps psycopg's errors
             if not _locked(exc):
                 raise  # the round fails, as for any other database error
-            _metrics.NOT_APPLIED.labels(group, "locked").inc()
+            _metrics.NOT_APPLIED.labels(self._label(group), "locked").inc()
             message = (
                 "tx %s of producer group %s: its rows are locked (its application is ending "
                 "it); answer %s dropped, the transaction is due again when its lease ends"
             )
             return (logger.info, (message, tx_id, group, outcome.value.upper())), False
         except InvalidRecordError as exc:  # rows another writer stored that the library refuses
-            _metrics.NOT_APPLIED.labels(group, "invalid").inc()
+            _metrics.NOT_APPLIED.labels(self._label(group), "invalid").inc()
             message = "tx %s of producer group %s: answer %s not applied: %s"
             return (logger.error, (message, tx_id, group, outcome.value.upper(), exc)), False
 
@@ -761,6 +768,6 @@ class Checker:
             "ready": database and not self._closed,
             "database": database,
             "last_round_ok": self._last_round_ok,
-            "circuits": {g: e.breaker.state.name.lower() for g, e in self._endpoints.items()},
+            "circuits": {e.group: e.breaker.state.name.lower() for e in self._endpoints.values()},
             "checker_id": self.checker_id,
         }

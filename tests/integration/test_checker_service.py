@@ -49,6 +49,7 @@ from outbox.checkback import (
     build_response,
     serve,
 )
+from relay.config import load_settings
 from tests.integration.test_relay_delivery import wait_for
 
 SECRET = "whsec_" + base64.b64encode(b"s" * 32).decode()
@@ -337,6 +338,29 @@ def test_a_tx_id_another_writer_stored_is_ended_as_the_table_takes_it(
         "committed",
         "rolled_back",
     )
+
+
+def test_a_producer_group_in_mixed_case_is_checked_by_an_endpoint_set_in_the_environment(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Environment variables carry no case: OUTBOX_CHECKER__ENDPOINTS__OrderService__URL
+    reaches the settings as `orderservice`. The group `OrderService` is checked all the same,
+    not left to be discarded at max age for want of an endpoint."""
+    endpoint.resolver.default = COMMIT
+    tx_id, created = prepare(pg_dsn, group="OrderService")
+    monkeypatch.setenv("OUTBOX_CHECKER__ENDPOINTS__OrderService__URL", endpoint.url)
+    monkeypatch.setenv("OUTBOX_CHECKER__ENDPOINTS__OrderService__SECRETS", json.dumps([SECRET]))
+    from_env = load_settings(database={"dsn": pg_dsn}).checker
+    s = from_env.model_copy(update={"backoff_jitter": 0.0})
+    checker = make_checker(s, Clock(created + 7 * S))
+    assert checker.run_once().committed == 1
+    assert [r.producer_group for r in endpoint.resolver.asked] == ["OrderService"]
+    assert {r["state"] for r in rows(pg_dsn, tx_id)} == {"committed"}
+    checks = metric("outbox_checker_checks_total", producer_group="orderservice", outcome="commit")
+    assert checks >= 1  # labelled by the endpoint's name, not by every spelling seen in rows
 
 
 def test_rollback_answer_rolls_back(

@@ -6,6 +6,7 @@ import base64
 import importlib
 import json
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -14,7 +15,7 @@ import checker
 from checker._claim import wire_headers
 from checker.config import CheckerSettings, EndpointSettings
 from checker.service import CheckRoundResult, _duration
-from relay.config import SidecarSettings
+from relay.config import SidecarSettings, load_settings
 
 SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
 
@@ -129,6 +130,36 @@ def test_endpoints_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     s = SidecarSettings()
     assert s.checker.max_checks == 3
     assert str(s.checker.endpoints["orders"].url) == "http://127.0.0.1:8081/outbox/check"
+
+
+def test_an_endpoint_named_in_mixed_case_is_one_endpoint_across_file_environment_and_secrets(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Environment variables and secret file names reach the settings lower-cased; the config
+    file keeps the case. The url in the file and the secret in a mounted file (the chart's
+    layout) are one endpoint, and the environment's fields win over the file's."""
+    config = tmp_path / "sidecar.toml"
+    config.write_text(
+        '[database]\ndsn = "postgresql://x@h/db"\n'
+        '[checker.endpoints.OrderService]\nurl = "http://file.internal/outbox/check"\n'
+        "timeout = 'PT3S'\n"
+    )
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "outbox_checker__endpoints__OrderService__secrets").write_text(f'["{SECRET}"]\n')
+    monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(secrets))
+    monkeypatch.setenv("OUTBOX_CHECKER__ENDPOINTS__ORDERSERVICE__TIMEOUT", "PT7S")
+    s = load_settings(config)
+    assert list(s.checker.endpoints) == ["OrderService"]
+    endpoint = s.checker.endpoints["OrderService"]
+    assert str(endpoint.url) == "http://file.internal/outbox/check"
+    assert endpoint.timeout == timedelta(seconds=7)  # the environment's
+    assert [x.get_secret_value() for x in endpoint.secrets] == [SECRET]
+
+
+def test_endpoints_differing_only_by_case_are_refused_by_name() -> None:
+    with pytest.raises(ValidationError, match="'ORDERS', 'Orders' differ only by case"):
+        CheckerSettings.model_validate({"endpoints": {"Orders": endpoint(), "ORDERS": endpoint()}})
 
 
 def test_wire_headers_first_wins_and_text() -> None:
