@@ -53,6 +53,7 @@ from checker._client import CheckAnswer, CheckClient, HttpCheckClient, Outcome
 from checker.config import CheckerSettings, EndpointSettings
 from outbox import sql as queries
 from outbox._core import OutboxConfig, wakeup_channel
+from outbox._dsn import parse_dsn
 from outbox._errors import (
     IllegalTransitionError,
     InvalidRecordError,
@@ -180,6 +181,7 @@ class Checker:
     ) -> None:
         self.settings = settings
         self.schema = OutboxConfig(schema_name=schema).schema_name
+        parse_dsn(dsn)  # a round's error would quote what libpq cannot parse: a password
         self.checker_id = checker_id or f"{socket.gethostname()}-{os.getpid()}"
         self._dsn = dsn
         self._connect_timeout_s = connect_timeout_s

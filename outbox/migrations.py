@@ -21,6 +21,7 @@ from psycopg.rows import tuple_row
 
 from outbox import sql as queries
 from outbox._core import OutboxConfig
+from outbox._dsn import parse_dsn
 from outbox._errors import OutboxDatabaseError, OutboxUsageError, SchemaError
 from outbox._session import in_pipeline
 
@@ -55,6 +56,7 @@ def migrate(
     schema = OutboxConfig(schema_name=schema).schema_name  # validates the identifier
     try:
         if isinstance(conninfo_or_conn, str):
+            parse_dsn(conninfo_or_conn)
             with psycopg.connect(conninfo_or_conn) as conn:
                 return _migrate(conn, schema)
         if in_pipeline(conninfo_or_conn):

@@ -8,6 +8,7 @@ import os
 from pydantic import ValidationError
 
 from outbox._describe import describe
+from outbox._dsn import parse_dsn
 from relay.config import DatabaseSettings, load_database_settings
 
 
@@ -25,6 +26,7 @@ def command_dsn(args: argparse.Namespace) -> str:
     `kubectl exec ... -- outboxctl status` works in the sidecar's container as it is)."""
     dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
     if dsn:
+        parse_dsn(str(dsn), "--dsn" if args.dsn else "OUTBOX_DATABASE_URL")
         return str(dsn)
     database, why = database_settings()
     if database is None:

@@ -36,7 +36,8 @@ from pydantic_settings import (
 
 from checker.config import CheckerSettings
 from outbox._core import OutboxConfig
-from outbox._errors import InvalidTopicError
+from outbox._dsn import parse_dsn
+from outbox._errors import InvalidConfigError, InvalidTopicError
 from outbox._records import check_topic
 
 DEFAULT_SECRETS_DIR = Path("/run/secrets/outbox")
@@ -124,6 +125,15 @@ class DatabaseSettings(BaseModel):
     @classmethod
     def _identifier(cls, v: str) -> str:
         return OutboxConfig(schema_name=v).schema_name
+
+    @field_validator("dsn")
+    @classmethod
+    def _parses(cls, v: SecretStr) -> SecretStr:
+        try:
+            parse_dsn(v.get_secret_value(), "database.dsn")
+        except InvalidConfigError as exc:  # its message never holds the DSN
+            raise ValueError(str(exc)) from None
+        return v
 
 
 class HttpSettings(BaseModel):

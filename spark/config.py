@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Self
 
-from psycopg.conninfo import conninfo_to_dict
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from outbox._core import OutboxConfig
+from outbox._dsn import parse_dsn
+from outbox._errors import InvalidConfigError
 from spark._errors import ReconcileConfigError
 
 FINDING_KINDS = ("missing", "duplicate", "orphan", "marker_mismatch", "out_of_order")
@@ -114,7 +115,10 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
     leaves out comes from libpq's environment (PGHOST, PGUSER, PGPASSWORD...), as psycopg's side
     of the job gets it: else the two sides could reach different databases.
     """
-    params = conninfo_to_dict(dsn)
+    try:
+        params = parse_dsn(dsn, "--dsn")
+    except InvalidConfigError as exc:  # its message never holds the DSN
+        raise ReconcileConfigError(str(exc)) from None
     for name, variable in _LIBPQ_ENVIRONMENT.items():
         if params.get(name) is None and os.environ.get(variable):
             params[name] = os.environ[variable]
@@ -161,6 +165,7 @@ class ReconcileSettings(BaseModel):
 
     dsn: SecretStr = Field(description="libpq connection string of the outbox's database.")
     schema_name: str = Field(default="outbox", description="Schema of the outbox tables.")
+
     jdbc_url: str | None = Field(
         default=None, description="JDBC URL of the same database (default: built from dsn)."
     )
@@ -216,6 +221,15 @@ class ReconcileSettings(BaseModel):
     max_lookup_ids: int = Field(
         default=100_000, ge=0, description="Most ledger rows looked up by id per judgement."
     )
+
+    @field_validator("dsn")
+    @classmethod
+    def _parses(cls, v: SecretStr) -> SecretStr:
+        try:
+            parse_dsn(v.get_secret_value(), "dsn")
+        except InvalidConfigError as exc:  # its message never holds the DSN
+            raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("schema_name")
     @classmethod

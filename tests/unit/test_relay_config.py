@@ -143,5 +143,5 @@ def test_names_are_taken_in_any_case_as_kafkas_docs_and_habits_write_them() -> N
     kafka = KafkaSettings(security_protocol="SASL_SSL", sasl_mechanism="scram-sha-512")  # type: ignore[arg-type]
     assert kafka.to_librdkafka()["security.protocol"] == "sasl_ssl"
     assert kafka.to_librdkafka()["sasl.mechanism"] == "SCRAM-SHA-512"
-    settings = SidecarSettings(database={"dsn": "x"}, log_level="info", log_format="TEXT")  # type: ignore[arg-type]
+    settings = SidecarSettings(database={"dsn": "dbname=x"}, log_level="info", log_format="TEXT")  # type: ignore[arg-type]
     assert (settings.log_level, settings.log_format) == ("INFO", "text")

@@ -1,0 +1,85 @@
+"""A DSN libpq cannot parse is refused by name, without printing it: libpq's parse errors quote
+the token they stumble on (a password) or the whole URI, and every failing round logged that."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+import outbox
+from outbox import InvalidConfigError
+from relay.cli import main
+from relay.config import SidecarSettings
+from spark._errors import ReconcileConfigError
+from spark.config import ReconcileSettings, jdbc_target
+
+UNPARSABLE = [
+    ("postgresql://app:Pa%ss_hunter2x@db/app", "invalid percent-encoded token"),
+    ("postgresql://app:hunter2x@[127.0.0.1:5432/app", "IPv6 host address"),
+    ("host=db password='hunter2x", "unterminated quoted string"),
+]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(("dsn", "reason"), UNPARSABLE)
+def test_the_sidecars_settings_refuse_it_naming_the_setting(dsn: str, reason: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        SidecarSettings.model_validate({"database": {"dsn": dsn}})
+    said = str(caught.value)
+    assert "database.dsn" in said
+    assert reason in said
+    assert "hunter2x" not in said
+
+
+@pytest.mark.parametrize(("dsn", "reason"), UNPARSABLE)
+def test_migrate_refuses_it_before_connecting(dsn: str, reason: str) -> None:
+    with pytest.raises(InvalidConfigError) as caught:
+        outbox.migrate(dsn)
+    assert reason in str(caught.value)
+    assert "hunter2x" not in str(caught.value)
+    assert caught.value.__cause__ is None
+    assert caught.value.__suppress_context__
+
+
+@pytest.mark.parametrize("where", ["--dsn", "OUTBOX_DATABASE_URL", "OUTBOX_DATABASE__DSN"])
+def test_commands_refuse_it_naming_where_it_came_from(
+    where: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dsn = UNPARSABLE[0][0]
+    argv = ["status"]
+    if where == "--dsn":
+        argv += ["--dsn", dsn]
+    else:
+        monkeypatch.setenv(where, dsn)
+    for command in (argv, ["migrate", *argv[1:]]):
+        try:
+            code = main(command)
+        except SystemExit as exit_:  # the sidecar's settings unusable: the command exits so
+            code, message = 1, str(exit_.code)
+        else:
+            message = ""
+        assert code != 0
+        err = capsys.readouterr().err + message
+        assert where.lower().replace("__", ".").removeprefix("outbox_") in err.lower()
+        assert "invalid percent-encoded token" in err
+        assert "hunter2x" not in err
+
+
+@pytest.mark.parametrize(("dsn", "reason"), UNPARSABLE)
+def test_the_reconciliation_refuses_it(dsn: str, reason: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        ReconcileSettings.model_validate({"dsn": dsn, "bootstrap_servers": "k:9092"})
+    assert reason in str(caught.value)
+    assert "hunter2x" not in str(caught.value)
+    with pytest.raises(ReconcileConfigError) as refused:
+        jdbc_target(dsn)
+    assert reason in str(refused.value)
+    assert "hunter2x" not in str(refused.value)
