@@ -84,6 +84,8 @@ def _tuples(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
 
 
 def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
+    if _up_to_date(conn, schema):
+        return MigrationReport(schema, (), latest_version())
     ident = sql.Identifier(schema)
     cur = _tuples(conn)
     with conn.transaction():
@@ -120,6 +122,18 @@ def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
                 (m.version, m.name),
             )
     return MigrationReport(schema, tuple(m.version for m in pending), latest_version())
+
+
+def _up_to_date(conn: psycopg.Connection[Any], schema: str) -> bool:
+    """Every migration of this library applied already, read without a lock or DDL: then
+    migrate changes nothing, and a role that may only read the schema runs it (the chart's
+    hook, on every upgrade, with the sidecar's own role). CREATE SCHEMA IF NOT EXISTS needs
+    CREATE on the database even when the schema exists."""
+    with _as_found(conn):
+        if current_version(conn, schema) is None:
+            return False
+        applied = _applied(conn, schema)
+    return applied == {m.version: m.name for m in queries.migrations()}
 
 
 def _applied(conn: psycopg.Connection[Any], schema: str) -> dict[int, str]:

@@ -78,6 +78,40 @@ def test_standalone_runs_relays_with_probes_a_grace_period_and_a_migration_hook(
     assert {"name": "OUTBOX_SECRETS_DIR", "value": "/run/secrets/outbox"} in migrate["env"]
 
 
+def test_the_migration_job_migrates_the_sidecars_schema_where_its_pods_may_run(
+    helm: str,
+) -> None:
+    """The hook and the sidecar take the schema from one value; the Job's pod gets the
+    placement, annotations (a mesh's inject=false) and resources of the relays', and may use
+    a Secret of its own (a role owning the schema)."""
+    docs = by_kind(
+        render(
+            helm,
+            "existingSecret=orders-outbox",
+            "migrations.schema=billing",
+            "migrations.existingSecret=orders-outbox-owner",
+            "nodeSelector.pool=outbox",
+            "tolerations[0].key=dedicated",
+            "tolerations[0].operator=Exists",
+            "podAnnotations.sidecar\\.istio\\.io/inject=false",
+        )
+    )
+    job_pod = docs["Job"]["spec"]["template"]
+    (migrate,) = job_pod["spec"]["containers"]
+    assert migrate["command"] == ["outboxctl", "migrate", "--schema", "billing"]
+    (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert {"name": "OUTBOX_DATABASE__SCHEMA_NAME", "value": "billing"} in container["env"]
+    assert job_pod["spec"]["volumes"][0]["secret"]["secretName"] == "orders-outbox-owner"
+    relays = docs["Deployment"]["spec"]["template"]["spec"]
+    assert relays["volumes"][1]["secret"]["secretName"] == "orders-outbox"  # theirs unchanged
+    assert job_pod["spec"]["nodeSelector"] == {"pool": "outbox"}
+    assert job_pod["spec"]["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
+    assert job_pod["metadata"]["annotations"] == {"sidecar.istio.io/inject": "false"}  # text
+    relay_annotations = docs["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    assert relay_annotations["sidecar.istio.io/inject"] == "false"
+    assert migrate["resources"] == container["resources"]
+
+
 def test_the_rendered_config_and_secret_are_what_the_sidecar_reads(
     helm: str, tmp_path: Path
 ) -> None:
@@ -288,6 +322,18 @@ def test_the_dashboard_is_off_by_default(helm: str) -> None:
     [
         ((), "existingSecret: the name of a Secret with the key outbox_database__dsn"),
         (("existingSecret=s", "mode=daemon"), 'mode must be standalone or sidecar, not "daemon"'),
+        (
+            ("existingSecret=s", "env.OUTBOX_HTTP__PORT=9090"),
+            "env.OUTBOX_HTTP__PORT: the chart sets it from httpPort; set that instead",
+        ),
+        (
+            ("existingSecret=s", "env.outbox_database__schema_name=billing"),
+            "env.outbox_database__schema_name: the chart sets it from migrations.schema",
+        ),
+        (
+            ("existingSecret=s", 'config=[database]\nschema_name = "billing"'),
+            "config: database.schema_name is set from migrations.schema",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_what_is_wrong(

@@ -44,6 +44,9 @@ chart, to run one relay in each of its pods (add the volumes of outbox-sidecar.v
       value: /run/secrets/outbox
     - name: OUTBOX_HTTP__PORT
       value: {{ .Values.httpPort | quote }}
+    - name: OUTBOX_DATABASE__SCHEMA_NAME
+      value: {{ .Values.migrations.schema | quote }}
+    {{- include "outbox-sidecar.checkEnv" . }}
     {{- range $name, $value := .Values.env }}
     - name: {{ $name }}
       value: {{ $value | quote }}
@@ -68,6 +71,21 @@ chart, to run one relay in each of its pods (add the volumes of outbox-sidecar.v
   volumeMounts:
     - {name: outbox-config, mountPath: /etc/outbox, readOnly: true}
     - {name: outbox-secrets, mountPath: /run/secrets/outbox, readOnly: true}
+{{- end -}}
+
+{{/* Settings the chart renders from its own values: given again in `env` or `config` they
+would win over them (the probes on one port, the sidecar on another; the hook migrating one
+schema, the sidecar reading another). */}}
+{{- define "outbox-sidecar.checkEnv" -}}
+{{- $own := dict "OUTBOX_HTTP__PORT" "httpPort" "OUTBOX_DATABASE__SCHEMA_NAME" "migrations.schema" "OUTBOX_CONFIG_FILE" "config" "OUTBOX_SECRETS_DIR" "existingSecret" -}}
+{{- range $name, $value := .Values.env -}}
+{{- if hasKey $own (upper $name) -}}
+{{- fail (printf "env.%s: the chart sets it from %s; set that instead" $name (get $own (upper $name))) -}}
+{{- end -}}
+{{- end -}}
+{{- if regexMatch "(?m)^\\s*schema_name\\s*=" .Values.config -}}
+{{- fail "config: database.schema_name is set from migrations.schema (the hook and the sidecar use it both); set that instead" -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "outbox-sidecar.volumes" -}}
