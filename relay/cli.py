@@ -24,7 +24,9 @@ from outbox import sql as outbox_sql
 from outbox.migrations import check_applied, current_version, latest_version
 from relay import logs, sidecar
 from relay.cli_database import command_dsn, database_settings
-from relay.config import SidecarSettings, load_settings
+from relay.config import SettingsUnreadable, SidecarSettings, load_settings
+from relay.http import ProbeServerUnavailable
+from relay.kafka import ProducerMisconfigured
 from relay.records import list_records
 from relay.status import outbox_status
 from spark.findings import read_findings
@@ -89,8 +91,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    """The effective settings, secrets masked."""
-    print(_settings(args).model_dump_json(indent=2))
+    """The effective settings, secrets masked; refused as the sidecar would refuse them."""
+    settings = _settings(args)
+    sidecar.check_settings(settings)
+    print(settings.model_dump_json(indent=2))
     return 0
 
 
@@ -276,7 +280,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.schema = database.schema_name if database is not None else "outbox"
     try:
         return int(args.func(args))
-    except (OutboxError, psycopg.Error, ValidationError, FileNotFoundError) as exc:
+    except (
+        OutboxError,
+        psycopg.Error,
+        ValidationError,
+        FileNotFoundError,
+        SettingsUnreadable,
+        ProducerMisconfigured,
+        ProbeServerUnavailable,
+    ) as exc:
         if serving:
             logging.getLogger("outbox").critical("outboxctl %s: %s", args.command, exc)
         else:

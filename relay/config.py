@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import tomllib
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
@@ -31,6 +32,7 @@ from pydantic_settings import (
     NestedSecretsSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -308,18 +310,30 @@ def load_database_settings(config_file: str | Path | None = None) -> DatabaseOnl
 _S = TypeVar("_S", bound=_FromEverywhere)
 
 
+class SettingsUnreadable(ValueError):
+    """The settings could not be read at all: a config file that is not TOML, a value in the
+    environment that is not the JSON its setting takes."""
+
+
 def _load(kind: type[_S], config_file: str | Path | None, overrides: dict[str, Any]) -> _S:
     secrets_dir = os.environ.get("OUTBOX_SECRETS_DIR") or (
         str(DEFAULT_SECRETS_DIR) if DEFAULT_SECRETS_DIR.is_dir() else None
     )
     config_file = config_file or os.environ.get("OUTBOX_CONFIG_FILE")
-    if not config_file:
-        return kind(_secrets_dir=secrets_dir, **overrides)
-    path = Path(config_file)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
+    chosen: type[_S] = kind
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
 
-    class FromFile(kind):  # type: ignore[valid-type,misc]
-        model_config = SettingsConfigDict(toml_file=path)
+        class FromFile(kind):  # type: ignore[valid-type,misc]
+            model_config = SettingsConfigDict(toml_file=path)
 
-    return FromFile(_secrets_dir=secrets_dir, **overrides)
+        chosen = FromFile
+    try:
+        return chosen(_secrets_dir=secrets_dir, **overrides)
+    except tomllib.TOMLDecodeError as exc:  # it named no file
+        raise SettingsUnreadable(f"config file {config_file} is not TOML: {exc}") from None
+    except SettingsError as exc:  # e.g. OUTBOX_KAFKA__EXTRA not JSON; it names the setting
+        why = f": {exc.__cause__}" if exc.__cause__ else ""  # where the JSON broke, no value
+        raise SettingsUnreadable(f"{exc}{why}") from None

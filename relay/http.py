@@ -19,6 +19,10 @@ Alive = Callable[[], bool]
 Ready = Callable[[], dict[str, Any]]
 
 
+class ProbeServerUnavailable(OSError):
+    """The probes' address cannot be listened on."""
+
+
 class ProbeServer:
     def __init__(self, host: str, port: int, alive: dict[str, Alive], ready: dict[str, Ready]):
         self.alive = alive
@@ -53,7 +57,12 @@ class ProbeServer:
             def log_message(self, format: str, *args: Any) -> None:
                 logger.debug("probe %s", format % args)
 
-        self._server = _server_for(host)((host, port), Handler)
+        try:
+            self._server = _server_for(host)((host, port), Handler)
+        except OSError as exc:  # a port taken, an address not of this host: say which setting
+            raise ProbeServerUnavailable(
+                f"http.port {port} on http.host {host!r} cannot be listened on: {exc.strerror}"
+            ) from None
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(

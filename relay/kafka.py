@@ -159,6 +159,44 @@ _TUNABLE_DEFAULTS: dict[str, Any] = {
 }
 
 
+def producer_conf(
+    conf: dict[str, Any], transactional_id: str, timeout: timedelta
+) -> dict[str, Any]:
+    """A shard producer's librdkafka settings: the relay's defaults, `conf` over them, and what
+    transactions need over that."""
+    # The tunables are defaults that kafka.extra may change (they were overwritten unsaid).
+    return {
+        **_TUNABLE_DEFAULTS,
+        # The broker aborts a transaction left open this long (a relay paused or cut off
+        # mid-batch): the same bound the relay's own waits on Kafka keep.
+        "transaction.timeout.ms": int(timeout.total_seconds() * 1000),
+        "logger": CLIENT_LOGGER,
+        **conf,
+        "transactional.id": transactional_id,
+        **_REQUIRED_VALUES,
+    }
+
+
+_QUIET = logging.getLogger("relay.librdkafka.settings-check")
+_QUIET.propagate = False  # its client has no broker to reach, and says so: not worth a line
+_QUIET.addHandler(logging.NullHandler())
+
+
+def check_client_settings(conf: dict[str, Any], timeout: timedelta) -> None:
+    """Build, and drop, a shard producer of these settings with no broker to reach: settings
+    librdkafka refuses (an unknown property, values that contradict each other) are refused
+    at start and by `outboxctl config`, naming them, not found by a client made later on one
+    of the relay's threads. ProducerMisconfigured when refused."""
+    checked = {**producer_conf(conf, "outbox-settings-check", timeout), "logger": _QUIET}
+    checked.pop("bootstrap.servers", None)  # no connection: nothing but the settings is tried
+    try:
+        Producer(checked)
+    except KafkaException as exc:
+        raise ProducerMisconfigured(
+            f"kafka: the Kafka client refuses these settings: {exc.args[0].str()}"
+        ) from None
+
+
 class ShardProducer:
     """A transactional producer with transactional.id `<prefix>-<shard>`."""
 
@@ -173,17 +211,12 @@ class ShardProducer:
                     conf[name],
                     _REQUIRED_VALUES[name],
                 )
-        # The tunables are defaults that kafka.extra may change (they were overwritten unsaid).
-        self._conf = {
-            **_TUNABLE_DEFAULTS,
-            # The broker aborts a transaction left open this long (a relay paused or cut off
-            # mid-batch): the same bound the relay's own waits on Kafka keep.
-            "transaction.timeout.ms": int(timeout.total_seconds() * 1000),
-            "logger": CLIENT_LOGGER,
-            **conf,
-            "transactional.id": transactional_id,
-            **_REQUIRED_VALUES,
-        }
+        if "transactional.id" in conf:
+            logger.warning(
+                "kafka.extra transactional.id ignored: each shard's producer has its own, "
+                "from relay.transactional_id_prefix"
+            )
+        self._conf = producer_conf(conf, transactional_id, timeout)
         self._producer: Producer | None = None
         self._sent: list[Sent] = []
         self._reported: deque[Sent] = deque()
@@ -361,7 +394,12 @@ class Topics:
 
     def __init__(self, conf: dict[str, Any], ttl: timedelta = timedelta(seconds=30)) -> None:
         admin_conf: dict[str, Any] = {**conf, "logger": CLIENT_LOGGER}
-        self._admin = AdminClient(admin_conf)
+        try:
+            self._admin = AdminClient(admin_conf)
+        except KafkaException as exc:
+            raise ProducerMisconfigured(
+                f"kafka: the Kafka client refuses these settings: {exc.args[0].str()}"
+            ) from None
         self._ttl = ttl.total_seconds()
         self._known: dict[str, tuple[float, int]] = {}  # topic -> (checked at, partitions)
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from relay import logs
 from relay.config import SidecarSettings
 from relay.http import ProbeServer
+from relay.kafka import check_client_settings
 from relay.service import Relay
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,19 @@ class Component(Protocol):
     def ready(self) -> dict[str, Any]: ...
 
 
+def check_settings(settings: SidecarSettings) -> None:
+    """What only the Kafka client can tell of the settings (ProducerMisconfigured): before
+    anything starts, and by `outboxctl config`."""
+    if settings.relay.enabled:
+        check_client_settings(
+            settings.kafka.to_librdkafka(), settings.relay.kafka_transaction_timeout
+        )
+
+
 def build_components(settings: SidecarSettings, only: str | None = None) -> dict[str, Component]:
     components: dict[str, Component] = {}
     if settings.relay.enabled and only in (None, "relay"):
+        check_settings(settings)
         components["relay"] = Relay(settings)
     if settings.checker.enabled and only in (None, "checker"):
         from checker.service import Checker

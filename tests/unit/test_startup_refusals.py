@@ -1,0 +1,103 @@
+"""Settings only the Kafka client, the TOML reader or the probes' socket can refuse: refused at
+start and by `outboxctl config`, naming what is wrong, never as an uncaught traceback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from relay.cli import main
+from relay.http import ProbeServer, ProbeServerUnavailable
+from relay.kafka import ShardProducer
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://relay@db/orders")
+
+
+def config(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["config", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ({"sasl_password": "x"}, 'No such configuration property: "sasl_password"'),
+        (
+            {"message.timeout.ms": "600000"},  # above the transaction timeout (60 s)
+            "`message.timeout.ms` must be set <= `transaction.timeout.ms`",
+        ),
+    ],
+)
+def test_settings_the_kafka_client_refuses_are_refused_by_config_and_at_start(
+    extra: dict[str, str],
+    said: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OUTBOX_KAFKA__EXTRA", json.dumps(extra))
+    code, out, err = config(capsys)
+    assert (code, out) == (1, "")
+    assert "kafka: the Kafka client refuses these settings" in err
+    assert said in err
+    assert "Traceback" not in err
+    monkeypatch.setenv("OUTBOX_LOG_FORMAT", "text")
+    assert main(["run"]) == 1  # before anything starts or connects
+
+
+def test_settings_librdkafka_takes_pass(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTBOX_KAFKA__EXTRA", json.dumps({"compression.type": "zstd"}))
+    code, out, _ = config(capsys)
+    assert code == 0
+    assert json.loads(out)["kafka"]["extra"] == {"compression.type": "zstd"}
+
+
+def test_a_value_that_is_not_json_names_its_setting(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTBOX_KAFKA__EXTRA", '{"compression.type": zstd}')
+    code, _, err = config(capsys)
+    assert code == 1
+    assert 'error parsing value for field "kafka"' in err
+    assert "line 1 column" in err
+    assert "Traceback" not in err
+
+
+def test_a_config_file_that_is_not_toml_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = tmp_path / "sidecar.toml"
+    bad.write_text("[relay\nshards = 2\n")
+    code, _, err = config(capsys, "--config", str(bad))
+    assert code == 1
+    assert f"config file {bad} is not TOML" in err
+
+
+def test_a_probe_port_taken_names_the_setting() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ProbeServerUnavailable, match=f"http.port {port} on http.host"):
+            ProbeServer("127.0.0.1", port, alive={}, ready={})
+
+
+def test_a_transactional_id_given_is_said_to_be_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="relay.kafka")
+    ShardProducer({"transactional.id": "mine"}, "outbox-relay-0", timedelta(seconds=60))
+    assert "kafka.extra transactional.id ignored" in caplog.text
