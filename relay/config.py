@@ -10,6 +10,7 @@ file (`--config` or `OUTBOX_CONFIG_FILE`). Nothing is read at import time: call
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tomllib
@@ -43,6 +44,16 @@ from outbox._errors import InvalidConfigError, InvalidTopicError
 from outbox._records import check_topic
 
 DEFAULT_SECRETS_DIR = Path("/run/secrets/outbox")
+# OUTBOX_* variables that are not settings: the commands' own, and the project's scripts' and tests'
+_NOT_SETTINGS = {
+    "OUTBOX_CONFIG_FILE", "OUTBOX_SECRETS_DIR", "OUTBOX_DATABASE_URL", "OUTBOX_SPARK_JARS",
+    "OUTBOX_RELAY_FAILPOINT", "OUTBOX_PG_PORT", "OUTBOX_KAFKA_PORT",
+    "OUTBOX_KAFKA_CONTROLLER_PORT",
+}  # fmt: skip
+_NOT_SETTINGS_PREFIXES = ("OUTBOX_TEST_",)
+_warned_unknown: set[str] = set()
+
+logger = logging.getLogger(__name__)
 
 
 MASK = "**********"  # as pydantic shows a SecretStr
@@ -310,6 +321,36 @@ def load_database_settings(config_file: str | Path | None = None) -> DatabaseOnl
 _S = TypeVar("_S", bound=_FromEverywhere)
 
 
+def _warn_unknown_names(secrets_dir: str | None) -> None:
+    """pydantic-settings skips an environment variable or secret file whose first part names no
+    setting (OUTBOX_LOG_LEVL, OUTBOX_KAFKA_BOOTSTRAP_SERVERS with one underscore, a secret file
+    outbox_kafka_sasl_password): the setting kept its default, unsaid. Said once each, not
+    refused: other tools may set OUTBOX_* variables of their own."""
+    sections = set(SidecarSettings.model_fields)
+    found = [(n, "environment variable") for n in os.environ if n.upper().startswith("OUTBOX_")]
+    if secrets_dir and Path(secrets_dir).is_dir():
+        found += [
+            (p.name, f"secret file in {secrets_dir}")
+            for p in Path(secrets_dir).iterdir()
+            if p.name.lower().startswith("outbox_")
+        ]
+    for name, where in found:
+        upper = name.upper()
+        if upper in _NOT_SETTINGS or upper.startswith(_NOT_SETTINGS_PREFIXES):
+            continue
+        section = upper.removeprefix("OUTBOX_").split("__")[0].lower()
+        if section in sections or name in _warned_unknown:
+            continue
+        _warned_unknown.add(name)
+        logger.warning(
+            "%s %s is not a setting and is ignored: settings are OUTBOX_ and one of %s, parts "
+            "joined by __ (e.g. OUTBOX_KAFKA__BOOTSTRAP_SERVERS)",
+            where,
+            name,
+            ", ".join(sorted(s.upper() for s in sections)),
+        )
+
+
 class SettingsUnreadable(ValueError):
     """The settings could not be read at all: a config file that is not TOML, a value in the
     environment that is not the JSON its setting takes."""
@@ -330,6 +371,7 @@ def _load(kind: type[_S], config_file: str | Path | None, overrides: dict[str, A
             model_config = SettingsConfigDict(toml_file=path)
 
         chosen = FromFile
+    _warn_unknown_names(secrets_dir)
     try:
         return chosen(_secrets_dir=secrets_dir, **overrides)
     except tomllib.TOMLDecodeError as exc:  # it named no file

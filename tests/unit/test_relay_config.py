@@ -145,3 +145,31 @@ def test_names_are_taken_in_any_case_as_kafkas_docs_and_habits_write_them() -> N
     assert kafka.to_librdkafka()["sasl.mechanism"] == "SCRAM-SHA-512"
     settings = SidecarSettings(database={"dsn": "dbname=x"}, log_level="info", log_format="TEXT")  # type: ignore[arg-type]
     assert (settings.log_level, settings.log_format) == ("INFO", "text")
+
+
+def test_names_of_no_setting_are_said_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pydantic-settings skips them: a misspelt section kept its default, unsaid."""
+    import relay.config
+
+    monkeypatch.setattr(relay.config, "_warned_unknown", set())
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://db/app")
+    monkeypatch.setenv("OUTBOX_LOG_LEVL", "DEBUG")
+    monkeypatch.setenv("OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "broker:9092")  # one underscore
+    monkeypatch.setenv("OUTBOX_TEST_PG_DSN", "postgresql://db/test")  # the tests' own
+    monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
+    (tmp_path / "outbox_kafka_sasl_password").write_text("s3cret")
+    (tmp_path / "outbox_kafka__sasl_password").write_text("s3cret")
+    (tmp_path / "other_app_key").write_text("x")
+    caplog.set_level("WARNING", logger="relay.config")
+    settings = load_settings()
+    load_settings()
+    assert settings.kafka.sasl_password is not None  # the well-named file is read
+    warned = sorted(r.getMessage().split(" is not a setting")[0] for r in caplog.records)
+    assert warned == [
+        "environment variable OUTBOX_KAFKA_BOOTSTRAP_SERVERS",
+        "environment variable OUTBOX_LOG_LEVL",
+        f"secret file in {tmp_path} outbox_kafka_sasl_password",
+    ]
+    assert "s3cret" not in caplog.text
