@@ -155,6 +155,8 @@ class Relay:
         self._last_trim = 0.0
         self._audit_trim_refused = False  # the role may not delete from audit_log: said once
         self._holder_seen: tuple[tuple[int, str], float] | None = None  # (pid, xid), first seen
+        self._gauge_conn: psycopg.Connection[Any] | None = None  # refresh_gauges' own
+        self._counts_backlog = False  # holds the gauges' advisory lock on _gauge_conn
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
         # is stamped (see _stamp)
         self._next_full_stamp = 0.0
@@ -829,7 +831,7 @@ class Relay:
             self.leases.leave(self.conn)
         except psycopg.Error as exc:
             logger.warning("could not hand the shards back (they expire instead): %s", exc)
-        for conn in (self._conn, self._listen):
+        for conn in (self._conn, self._listen, self._gauge_conn):
             if conn is not None:
                 conn.close()
         logger.info("relay %s stopped", self.relay_id)
@@ -878,18 +880,41 @@ class Relay:
         }
 
     def refresh_gauges(self) -> None:
-        with self._connect(autocommit=True) as conn:
-            count, oldest = conn.execute(
-                queries.query("relay_backlog", self.schema)
-            ).fetchone() or (0, None)
-            metrics.BACKLOG.set(count)
-            age = conn.execute(
-                "SELECT extract(epoch FROM now() - %s::timestamptz)", (oldest,)
-            ).fetchone()
-            metrics.OLDEST_AGE.set(float(age[0]) if age and age[0] is not None else 0.0)
+        """The backlog gauges, from the one relay of this outbox that holds the gauges' advisory
+        lock (0 on the others; dashboards and alerts take the max): counting the backlog reads
+        all of it, and every pod of a deployment counted it every refresh. The horizon gauges
+        (cheap), from every relay. On a connection kept for this: one each refresh was churn."""
+        conn = self._gauge_conn
+        if conn is None or conn.closed or conn.broken:
+            conn = self._gauge_conn = self._connect(autocommit=True)
+            self._counts_backlog = False
+        try:
+            if not self._counts_backlog:  # a session lock: it goes with the connection
+                self._counts_backlog = bool(
+                    conn.execute(
+                        queries.query("relay_try_gauge_lock", self.schema),
+                        {"schema": self.schema},
+                    ).fetchone()[0]  # type: ignore[index]
+                )
+            if self._counts_backlog:
+                count, oldest = conn.execute(
+                    queries.query("relay_backlog", self.schema)
+                ).fetchone() or (0, None)
+                age = conn.execute(
+                    "SELECT extract(epoch FROM now() - %s::timestamptz)", (oldest,)
+                ).fetchone()
+                metrics.BACKLOG.set(count)
+                metrics.OLDEST_AGE.set(float(age[0]) if age and age[0] is not None else 0.0)
+            else:
+                metrics.BACKLOG.set(0)
+                metrics.OLDEST_AGE.set(0)
             holder = conn.execute(queries.query("relay_horizon_holder", self.schema)).fetchone()
-            metrics.HORIZON_HOLDER_PID.set(holder[0] if holder else 0)
-            metrics.HORIZON_HELD.set(self._horizon_held(holder))
+        except psycopg.Error:
+            conn.close()  # and its lock: another relay's refresh takes it
+            self._gauge_conn = None
+            raise
+        metrics.HORIZON_HOLDER_PID.set(holder[0] if holder else 0)
+        metrics.HORIZON_HELD.set(self._horizon_held(holder))
 
     def _horizon_held(self, holder: tuple[int, str, float | None] | None) -> float:
         """Seconds the oldest running transaction has held the horizon. Its start is hidden

@@ -342,6 +342,12 @@ ORDER BY shard;
 -- theirs, and both ran (their leases do not exclude each other: the same records twice).
 SELECT pg_advisory_xact_lock(74111, hashtext(%(schema)s));
 
+-- name: relay_try_gauge_lock
+-- Session-level, on the gauges' own connection: the one relay of this outbox holding it counts
+-- the backlog for the gauges (a read of all of it), not every pod each refresh. Released with
+-- the connection: a stopped or cut-off relay's refresh is taken over by another's next one.
+SELECT pg_try_advisory_lock(74112, hashtext(%(schema)s));
+
 -- name: relay_ensure_shards
 INSERT INTO {schema}.shard_lease (shard)
 SELECT generate_series(0, %(shards)s - 1)

@@ -1870,6 +1870,30 @@ def test_the_backlog_gauges_count_committed_rows_and_age_the_oldest_stamped_or_n
         assert REGISTRY.get_sample_value("outbox_relay_oldest_undelivered_seconds") == 0
 
 
+def test_one_relay_counts_the_backlog_for_the_gauges_on_a_connection_it_keeps(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Counting the backlog reads all of it: every pod of a deployment counted it every ten
+    seconds, on a new connection each time. One relay holds the gauges' lock and counts; the
+    others say 0 (the dashboards and alerts take the max) until it is gone."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish_many(conn, [outbox.Record(topic, str(n), key=str(n)) for n in range(3)])
+    first, second = relay_factory(), relay_factory()
+
+    def backlog(relay: Any) -> float | None:
+        relay.refresh_gauges()
+        return REGISTRY.get_sample_value("outbox_relay_backlog_records")
+
+    assert backlog(first) == 3
+    pid = first._gauge_conn.info.backend_pid
+    assert backlog(second) == 0  # the gauges are this process's: the second's say 0
+    assert backlog(first) == 3
+    assert first._gauge_conn.info.backend_pid == pid  # kept, not one per refresh
+    first.stop()  # its lock goes with its connection
+    assert backlog(second) == 3
+
+
 def test_the_oldest_age_is_the_earliest_commit_whatever_the_transaction_ids(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
