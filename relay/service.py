@@ -376,7 +376,8 @@ class Relay:
             self._audit_trim_refused = True
             logger.warning(
                 "audit_log entries are kept for ever: this role may not delete them (%s); grant "
-                "it DELETE on audit_log (`outboxctl grants`), or set relay.audit_retention to 0",
+                "it DELETE on audit_log (`outboxctl grants`) and restart the relay (it does not "
+                "try again before), or set relay.audit_retention to 0",
                 exc.diag.message_primary,
             )
             return 0
