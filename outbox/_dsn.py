@@ -2,11 +2,11 @@
 
 libpq's parse errors quote what they stumbled on: the password itself ("invalid percent-encoded
 token"), or the whole URI. Printed by a failing round or command, that went to every log line.
+So only a fixed text of ours is given for each reason libpq has, never libpq's own message.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import psycopg
@@ -14,17 +14,28 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox._errors import InvalidConfigError
 
-_QUOTED = re.compile(r'"[^"]*"')
+# libpq's reason (its message's start) -> what we say: no part of the DSN in either
+_REASONS = (
+    ("invalid percent-encoded token", "a '%' not followed by two hex digits (write '%' as %25)"),
+    ("end of string reached when looking for matching", "a '[' of an IPv6 host left open"),
+    ("unterminated quoted string", "a quoted value left open"),
+    ('missing "=" after', "a word without '=' (quote a value with spaces: key='a b')"),
+    ("invalid connection option", "an unknown parameter name"),
+    ("invalid URI query parameter", "an unknown parameter in the URI's query"),
+    ("missing key/value separator", "a URI query parameter without '='"),
+    ("invalid URI", "not a valid URI"),
+)
 
 
 def parse_dsn(dsn: str, what: str = "the DSN") -> dict[str, Any]:
-    """The connection parameters of `dsn`; InvalidConfigError naming `what` and libpq's reason,
-    with what libpq quoted left out, when libpq cannot parse it."""
+    """The connection parameters of `dsn`; InvalidConfigError naming `what` and the reason
+    libpq refused it (in words of ours: libpq's own quote the DSN) when libpq cannot parse it."""
     try:
         return conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        reason = _QUOTED.sub('"..."', str(exc).strip())
-        hint = " (a '%' in a URI is written %25)" if "percent" in reason else ""
+        said = str(exc)
+        reason = next((ours for start, ours in _REASONS if said.startswith(start)), None)
         raise InvalidConfigError(
-            f"{what} is not a libpq connection string or URI: {reason}{hint}"
+            f"{what} is not a libpq connection string or URI: "
+            + (reason or "libpq cannot parse it (its message is not shown: it quotes the DSN)")
         ) from None

@@ -14,9 +14,12 @@ from spark._errors import ReconcileConfigError
 from spark.config import ReconcileSettings, jdbc_target
 
 UNPARSABLE = [
-    ("postgresql://app:Pa%ss_hunter2x@db/app", "invalid percent-encoded token"),
-    ("postgresql://app:hunter2x@[127.0.0.1:5432/app", "IPv6 host address"),
-    ("host=db password='hunter2x", "unterminated quoted string"),
+    ("postgresql://app:Pa%ss_hunter2x@db/app", "a '%' not followed by two hex digits"),
+    ("postgresql://app:hunter2x@[127.0.0.1:5432/app", "a '[' of an IPv6 host left open"),
+    ("host=db password='hunter2x", "a quoted value left open"),
+    ('postgresql://app:hun"ter2x@[db/app', "a '[' of an IPv6 host left open"),  # a '"' in it
+    ('postgresql://app:hun"ter%zz2x@db/app', "a '%' not followed by two hex digits"),
+    ("host=db password=abc hunter2x", "a word without '='"),  # a password with a space
 ]
 
 
@@ -36,7 +39,7 @@ def test_the_sidecars_settings_refuse_it_naming_the_setting(dsn: str, reason: st
     said = str(caught.value)
     assert "database.dsn" in said
     assert reason in said
-    assert "hunter2x" not in said
+    assert "2x" not in said
 
 
 @pytest.mark.parametrize(("dsn", "reason"), UNPARSABLE)
@@ -44,7 +47,7 @@ def test_migrate_refuses_it_before_connecting(dsn: str, reason: str) -> None:
     with pytest.raises(InvalidConfigError) as caught:
         outbox.migrate(dsn)
     assert reason in str(caught.value)
-    assert "hunter2x" not in str(caught.value)
+    assert "2x" not in str(caught.value)
     assert caught.value.__cause__ is None
     assert caught.value.__suppress_context__
 
@@ -69,8 +72,8 @@ def test_commands_refuse_it_naming_where_it_came_from(
         assert code != 0
         err = capsys.readouterr().err + message
         assert where.lower().replace("__", ".").removeprefix("outbox_") in err.lower()
-        assert "invalid percent-encoded token" in err
-        assert "hunter2x" not in err
+        assert "a '%' not followed by two hex digits" in err
+        assert "2x" not in err
 
 
 @pytest.mark.parametrize(("dsn", "reason"), UNPARSABLE)
@@ -78,8 +81,8 @@ def test_the_reconciliation_refuses_it(dsn: str, reason: str) -> None:
     with pytest.raises(ValidationError) as caught:
         ReconcileSettings.model_validate({"dsn": dsn, "bootstrap_servers": "k:9092"})
     assert reason in str(caught.value)
-    assert "hunter2x" not in str(caught.value)
+    assert "2x" not in str(caught.value)
     with pytest.raises(ReconcileConfigError) as refused:
         jdbc_target(dsn)
     assert reason in str(refused.value)
-    assert "hunter2x" not in str(refused.value)
+    assert "2x" not in str(refused.value)
