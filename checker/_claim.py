@@ -113,7 +113,12 @@ def lock_due(
     Check ``held_elsewhere`` and ``mixed`` before claiming one."""
     rows = conn.execute(
         queries.query("checker_lock_due", schema),
-        {"now": now, "limit": limit, "default_immunity": default_immunity, "max_age": max_age},
+        {
+            "now": now,
+            "limit": limit,
+            "default_immunity_s": default_immunity.total_seconds(),
+            "max_age_s": max_age.total_seconds(),
+        },
     ).fetchall()
     due = [
         DueTransaction(

@@ -107,6 +107,9 @@ ORDER BY state;
 -- The caller uses a transaction only if `locked` = `prepared` (no record held elsewhere); if
 -- `prepared` < `records`, some of its records are not prepared (e.g. published and prepared with
 -- one tx id): it is not checked, only moved out of the way of the others.
+-- The durations come as seconds (make_interval): a timedelta comes as days, and a day added to
+-- a timestamptz is 23 or 25 hours across a DST change of the session's time zone, so a record
+-- was due an hour early (or late) in such a zone.
 -- The scans read `limit` records each, not transactions: `scan_full` says one of them came full,
 -- so that more may be due even when fewer than `limit` transactions came back (transactions of
 -- many records); the caller then goes again at once instead of waiting a poll interval.
@@ -118,10 +121,12 @@ WITH scanned AS (
      LIMIT %(limit)s)
     UNION ALL
     (SELECT 2, producer_group, tx_id,
-            created_at + least(%(default_immunity)s, %(max_age)s) AS due_at
+            created_at + least(make_interval(secs => %(default_immunity_s)s),
+                               make_interval(secs => %(max_age_s)s)) AS due_at
      FROM {schema}.outbox_record
      WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NULL
-       AND created_at <= %(now)s - least(%(default_immunity)s, %(max_age)s)
+       AND created_at <= %(now)s - least(make_interval(secs => %(default_immunity_s)s),
+                                         make_interval(secs => %(max_age_s)s))
      ORDER BY created_at, id
      LIMIT %(limit)s)
     UNION ALL
@@ -132,10 +137,10 @@ WITH scanned AS (
      ORDER BY {schema}.immune_until(created_at, check_immunity), id
      LIMIT %(limit)s)
     UNION ALL
-    (SELECT 4, producer_group, tx_id, created_at + %(max_age)s AS due_at
+    (SELECT 4, producer_group, tx_id, created_at + make_interval(secs => %(max_age_s)s) AS due_at
      FROM {schema}.outbox_record
      WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
-       AND created_at <= %(now)s - %(max_age)s
+       AND created_at <= %(now)s - make_interval(secs => %(max_age_s)s)
      ORDER BY created_at, id
      LIMIT %(limit)s)
 ), candidate AS (
@@ -174,15 +179,18 @@ GROUP BY l.producer_group, l.tx_id, n.prepared, n.records
 -- immunity outlasts the maximum prepared age: the checker discards such a record then.
 -- An immunity counts in seconds (immune_until), as in the candidate scan.
 HAVING coalesce(max(l.next_check_at),
-                least({schema}.immune_until(min(l.created_at),
-                                            min(coalesce(l.check_immunity, %(default_immunity)s))),
-                      min(l.created_at) + %(max_age)s))
+                least({schema}.immune_until(
+                          min(l.created_at),
+                          min(coalesce(l.check_immunity,
+                                       make_interval(secs => %(default_immunity_s)s)))),
+                      min(l.created_at) + make_interval(secs => %(max_age_s)s)))
        <= %(now)s
 ORDER BY coalesce(max(l.next_check_at),
-                  least({schema}.immune_until(min(l.created_at),
-                                              min(coalesce(l.check_immunity,
-                                                           %(default_immunity)s))),
-                        min(l.created_at) + %(max_age)s)),
+                  least({schema}.immune_until(
+                            min(l.created_at),
+                            min(coalesce(l.check_immunity,
+                                         make_interval(secs => %(default_immunity_s)s)))),
+                        min(l.created_at) + make_interval(secs => %(max_age_s)s))),
          l.producer_group, l.tx_id;
 
 -- name: checker_claim

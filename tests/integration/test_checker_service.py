@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 import pytest
 from prometheus_client import REGISTRY
+from psycopg.conninfo import make_conninfo
 
 import outbox
 from checker import (
@@ -262,9 +263,9 @@ def raw_servers() -> Iterator[Callable[..., RawServer]]:
 def make_checker(pg_dsn: str) -> Iterator[Callable[..., Checker]]:
     made: list[Checker] = []
 
-    def make(s: CheckerSettings, clock: Clock, **kwargs: Any) -> Checker:
+    def make(s: CheckerSettings, clock: Clock, dsn: str | None = None, **kwargs: Any) -> Checker:
         kwargs.setdefault("rng", random.Random(0))
-        checker = Checker(s, pg_dsn, clock=clock, **kwargs)
+        checker = Checker(s, dsn or pg_dsn, clock=clock, **kwargs)
         made.append(checker)
         return checker
 
@@ -476,8 +477,8 @@ def test_the_due_scan_reads_no_record_still_inside_its_own_immunity(pg_dsn: str)
     params = {
         "now": created + 2 * S,
         "limit": 100,
-        "default_immunity": 6 * S,
-        "max_age": timedelta(hours=72),
+        "default_immunity_s": 6.0,
+        "max_age_s": 72 * 3600.0,
     }
     query = outbox.sql.query("checker_lock_due", "outbox")
     with psycopg.connect(pg_dsn) as conn, conn.transaction(force_rollback=True):
@@ -526,6 +527,28 @@ def test_a_full_scan_of_rows_held_elsewhere_does_not_spin(
         result = checker.run_once()
     assert (result.due, result.full) == (0, False)
     assert endpoint.resolver.asked == []
+
+
+@pytest.mark.parametrize("zone", ["UTC", "Europe/Berlin", "Asia/Kathmandu"])
+def test_the_maximum_prepared_age_is_hours_whatever_the_sessions_time_zone(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker], zone: str
+) -> None:
+    """A day added to a timestamptz is 23 hours across Berlin's spring change: a record whose
+    own immunity outlasts the 3-day maximum age was due at 71 hours there, and asked about,
+    while the checker (in hours) did not discard it yet."""
+    tx_id, _ = prepare(pg_dsn, check_immunity=5 * 86400)
+    created = datetime(2026, 3, 27, 12, 0, tzinfo=UTC)  # Berlin moves on 2026-03-29
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox.outbox_record SET created_at = %s WHERE tx_id = %s", (created, tx_id)
+        )
+    s = settings({GROUP: endpoint_settings(endpoint.url)}, max_prepared_age="P3D")
+    dsn = make_conninfo(pg_dsn, options=f"-c TimeZone={zone}")
+    early = make_checker(s, Clock(created + timedelta(hours=71, minutes=30)), dsn=dsn)
+    assert early.run_once().due == 0
+    assert endpoint.resolver.asked == []
+    late = make_checker(s, Clock(created + timedelta(hours=72)), dsn=dsn)
+    assert late.run_once().discarded == 1
 
 
 def test_a_transaction_mixing_default_and_own_immunity_is_due_at_the_earlier(
