@@ -156,7 +156,6 @@ class Relay:
         self._audit_trim_refused = False  # the role may not delete from audit_log: said once
         self._holder_seen: tuple[tuple[int, str], float] | None = None  # (pid, xid), first seen
         self._gauge_conn: psycopg.Connection[Any] | None = None  # refresh_gauges' own
-        self._counts_backlog = False  # holds the gauges' advisory lock on _gauge_conn
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
         # is stamped (see _stamp)
         self._next_full_stamp = 0.0
@@ -881,23 +880,18 @@ class Relay:
         }
 
     def refresh_gauges(self) -> None:
-        """The backlog gauges, from the one relay of this outbox that holds the gauges' advisory
-        lock (0 on the others; dashboards and alerts take the max): counting the backlog reads
-        all of it, and every pod of a deployment counted it every refresh. The horizon gauges
-        (cheap), from every relay. On a connection kept for this: one each refresh was churn."""
+        """The backlog gauges, from one relay of this outbox (relay_counts_backlog; 0 on the
+        others: dashboards and alerts take the max): counting the backlog reads all of it, and
+        every pod of a deployment counted it every refresh. The horizon gauges (cheap), from
+        every relay. On a connection kept for this: a new one each refresh was churn."""
         conn = self._gauge_conn
         if conn is None or conn.closed or conn.broken:
             conn = self._gauge_conn = self._connect(autocommit=True)
-            self._counts_backlog = False
         try:
-            if not self._counts_backlog:  # a session lock: it goes with the connection
-                self._counts_backlog = bool(
-                    conn.execute(
-                        queries.query("relay_try_gauge_lock", self.schema),
-                        {"schema": self.schema},
-                    ).fetchone()[0]  # type: ignore[index]
-                )
-            if self._counts_backlog:
+            counts = conn.execute(
+                queries.query("relay_counts_backlog", self.schema), {"relay_id": self.relay_id}
+            ).fetchone()
+            if counts and counts[0]:
                 count, oldest = conn.execute(
                     queries.query("relay_backlog", self.schema)
                 ).fetchone() or (0, None)
@@ -911,7 +905,7 @@ class Relay:
                 metrics.OLDEST_AGE.set(0)
             holder = conn.execute(queries.query("relay_horizon_holder", self.schema)).fetchone()
         except psycopg.Error:
-            conn.close()  # and its lock: another relay's refresh takes it
+            conn.close()
             self._gauge_conn = None
             raise
         metrics.HORIZON_HOLDER_PID.set(holder[0] if holder else 0)

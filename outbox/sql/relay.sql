@@ -342,11 +342,15 @@ ORDER BY shard;
 -- theirs, and both ran (their leases do not exclude each other: the same records twice).
 SELECT pg_advisory_xact_lock(74111, hashtext(%(schema)s));
 
--- name: relay_try_gauge_lock
--- Session-level, on the gauges' own connection: the one relay of this outbox holding it counts
--- the backlog for the gauges (a read of all of it), not every pod each refresh. Released with
--- the connection: a stopped or cut-off relay's refresh is taken over by another's next one.
-SELECT pg_try_advisory_lock(74112, hashtext(%(schema)s));
+-- name: relay_counts_backlog
+-- Whether this relay counts the backlog for the gauges (a read of all of it), not every pod at
+-- each refresh: the live relay of the lowest id does (one not yet a member counts while no
+-- live one is below it). Read afresh at each refresh, from the members' heartbeats: no session
+-- state (a session lock stayed with PgBouncer's server connection in transaction pooling).
+SELECT NOT EXISTS (
+    SELECT 1 FROM {schema}.relay_member
+    WHERE relay_id < %(relay_id)s AND expires_at > now()
+);
 
 -- name: relay_ensure_shards
 INSERT INTO {schema}.shard_lease (shard)

@@ -1874,12 +1874,14 @@ def test_one_relay_counts_the_backlog_for_the_gauges_on_a_connection_it_keeps(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     """Counting the backlog reads all of it: every pod of a deployment counted it every ten
-    seconds, on a new connection each time. One relay holds the gauges' lock and counts; the
-    others say 0 (the dashboards and alerts take the max) until it is gone."""
+    seconds, on a new connection each time. The live relay of the lowest id counts; the others
+    say 0 (the dashboards and alerts take the max) until it is gone."""
     topic = topic_factory()
+    first, second = relay_factory(relay_id="pod-a"), relay_factory(relay_id="pod-b")
+    for relay in (first, second):
+        relay.run_once()  # members now: their heartbeats are what the choice reads
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish_many(conn, [outbox.Record(topic, str(n), key=str(n)) for n in range(3)])
-    first, second = relay_factory(), relay_factory()
 
     def backlog(relay: Any) -> float | None:
         relay.refresh_gauges()
@@ -1890,7 +1892,7 @@ def test_one_relay_counts_the_backlog_for_the_gauges_on_a_connection_it_keeps(
     assert backlog(second) == 0  # the gauges are this process's: the second's say 0
     assert backlog(first) == 3
     assert first._gauge_conn.info.backend_pid == pid  # kept, not one per refresh
-    first.stop()  # its lock goes with its connection
+    first.stop()  # it leaves: no longer a member
     assert backlog(second) == 3
 
 
