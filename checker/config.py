@@ -25,7 +25,7 @@ would ever be asked) and a ``check_interval`` above ``max_backoff`` (it would ne
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Self
+from typing import Self
 
 from pydantic import (
     AnyHttpUrl,
@@ -140,35 +140,22 @@ class CheckerSettings(BaseModel):
         description="producer group -> its check endpoint; a group matches whatever the case",
     )
 
-    @field_validator("endpoints", mode="before")
+    @field_validator("endpoints")
     @classmethod
-    def _case_variants_merged(cls, endpoints: Any) -> Any:
-        """Environment variables and secret file names carry no case: pydantic-settings hands
-        ``OUTBOX_CHECKER__ENDPOINTS__OrderService__URL`` over as ``orderservice``, while the
-        config file keeps ``OrderService``. Producer groups match endpoints whatever the case,
-        so names differing only by case are one endpoint: merged, the environment's and secret
-        files' fields (lower-cased names) over the config file's."""
-        if not isinstance(endpoints, dict):
-            return endpoints
+    def _one_per_group(cls, endpoints: dict[str, EndpointSettings]) -> dict[str, EndpointSettings]:
+        """Producer groups match endpoints whatever the case (environment variables and secret
+        file names carry none: the sidecar's settings fold endpoint names in every source), so
+        two names differing only by case would be one group's two endpoints."""
         by_folded: dict[str, list[str]] = {}
         for name in endpoints:
-            by_folded.setdefault(str(name).casefold(), []).append(name)
-        merged: dict[Any, Any] = {}
+            by_folded.setdefault(name.casefold(), []).append(name)
         for names in by_folded.values():
-            if len(names) == 1:
-                merged[names[0]] = endpoints[names[0]]
-                continue
-            cased = sorted({n for n in names if n != n.casefold()})
-            if len(cased) > 1 or not all(isinstance(endpoints[n], dict) for n in names):
+            if len(names) > 1:
                 raise ValueError(
                     f"endpoints {', '.join(map(repr, sorted(names)))} differ only by case: "
                     "producer groups match endpoints whatever the case; give one of them"
                 )
-            fields: dict[str, Any] = {}
-            for name in sorted(names, key=lambda n: n == n.casefold()):  # lower-cased last
-                fields.update(endpoints[name])
-            merged[cased[0] if cased else names[0]] = fields
-        return merged
+        return endpoints
 
     @model_validator(mode="after")
     def _positive_times(self) -> Self:

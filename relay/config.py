@@ -30,6 +30,7 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     NestedSecretsSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
@@ -271,11 +272,48 @@ class _FromEverywhere(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        sources.append(NestedSecretsSettingsSource(file_secret_settings))
+        # each folding the checker's endpoint names (_fold_endpoints)
+        sources: list[PydanticBaseSettingsSource] = [init_settings, _FoldedEnv(settings_cls)]
+        sources.append(_FoldedSecrets(file_secret_settings))
         if settings_cls.model_config.get("toml_file"):  # set by load_settings
-            sources.append(TomlConfigSettingsSource(settings_cls))
+            sources.append(_FoldedToml(settings_cls))
         return tuple(sources)
+
+
+def _fold_endpoints(data: dict[str, Any]) -> dict[str, Any]:
+    """A source's settings with the checker's endpoint names case-folded, before the sources are
+    merged. Environment variables and secret file names reach the settings lower-cased, while
+    the config file and a JSON value keep the case: `OrderService` in the file and
+    `orderservice` from a secret file were two endpoints. Folded in each source, one endpoint
+    from two sources merges by the sources' priority (environment, secret files, the file)."""
+    checker = data.get("checker")
+    if not isinstance(checker, dict) or not isinstance(checker.get("endpoints"), dict):
+        return data
+    folded: dict[str, Any] = {}
+    for name, endpoint in checker["endpoints"].items():
+        key = str(name).casefold()
+        if key in folded:
+            raise SettingsError(
+                f"checker.endpoints: {key!r} is given twice in one place, in two cases: "
+                "producer groups match endpoints whatever the case; give it once"
+            )
+        folded[key] = endpoint
+    return {**data, "checker": {**checker, "endpoints": folded}}
+
+
+class _FoldedEnv(EnvSettingsSource):
+    def __call__(self) -> dict[str, Any]:
+        return _fold_endpoints(super().__call__())
+
+
+class _FoldedSecrets(NestedSecretsSettingsSource):
+    def __call__(self) -> dict[str, Any]:
+        return _fold_endpoints(super().__call__())
+
+
+class _FoldedToml(TomlConfigSettingsSource):
+    def __call__(self) -> dict[str, Any]:
+        return _fold_endpoints(super().__call__())
 
 
 class SidecarSettings(_FromEverywhere):

@@ -150,11 +150,18 @@ def test_an_endpoint_named_in_mixed_case_is_one_endpoint_across_file_environment
     monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(secrets))
     monkeypatch.setenv("OUTBOX_CHECKER__ENDPOINTS__ORDERSERVICE__TIMEOUT", "PT7S")
     s = load_settings(config)
-    assert list(s.checker.endpoints) == ["OrderService"]
-    endpoint = s.checker.endpoints["OrderService"]
+    assert list(s.checker.endpoints) == ["orderservice"]
+    endpoint = s.checker.endpoints["orderservice"]
     assert str(endpoint.url) == "http://file.internal/outbox/check"
     assert endpoint.timeout == timedelta(seconds=7)  # the environment's
     assert [x.get_secret_value() for x in endpoint.secrets] == [SECRET]
+    # a JSON value in the environment keeps its case, and still wins over the file
+    monkeypatch.setenv(
+        "OUTBOX_CHECKER__ENDPOINTS",
+        json.dumps({"ORDERService": {"url": "http://env.internal/outbox/check"}}),
+    )
+    endpoint = load_settings(config).checker.endpoints["orderservice"]
+    assert str(endpoint.url) == "http://env.internal/outbox/check"
 
 
 def test_endpoints_differing_only_by_case_are_refused_by_name() -> None:
