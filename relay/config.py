@@ -52,6 +52,11 @@ _NOT_SETTINGS = {
     "OUTBOX_KAFKA_CONTROLLER_PORT",
 }  # fmt: skip
 _NOT_SETTINGS_PREFIXES = ("OUTBOX_TEST_",)
+# what Kubernetes sets for each Service of the namespace (service links), for a Service named
+# outbox-... (the chart's own is <release>-outbox-sidecar): OUTBOX_..._SERVICE_HOST and the like
+_SERVICE_LINK = re.compile(
+    r"_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)$"
+)
 _warned_unknown: set[str] = set()
 
 logger = logging.getLogger(__name__)
@@ -375,6 +380,8 @@ def _warn_unknown_names(secrets_dir: str | None) -> None:
     for name, where in found:
         upper = name.upper()
         if upper in _NOT_SETTINGS or upper.startswith(_NOT_SETTINGS_PREFIXES):
+            continue
+        if where == "environment variable" and _SERVICE_LINK.search(upper):
             continue
         section = upper.removeprefix("OUTBOX_").split("__")[0].lower()
         if section in sections or name in _warned_unknown:

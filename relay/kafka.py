@@ -189,6 +189,9 @@ def check_client_settings(conf: dict[str, Any], timeout: timedelta) -> None:
     of the relay's threads. ProducerMisconfigured when refused."""
     checked = {**producer_conf(conf, "outbox-settings-check", timeout), "logger": _QUIET}
     checked.pop("bootstrap.servers", None)  # no connection: nothing but the settings is tried
+    if str(checked.get("sasl.oauthbearer.method", "")).lower() == "oidc":
+        # an OIDC client fetches its token when made: no credentials sent for a check
+        checked["sasl.oauthbearer.method"] = "default"
     try:
         Producer(checked)
     except KafkaException as exc:

@@ -65,6 +65,7 @@ def test_standalone_runs_relays_with_probes_a_grace_period_and_a_migration_hook(
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert pod["terminationGracePeriodSeconds"] > 25  # above relay.shutdown_grace (PT25S)
+    assert pod["enableServiceLinks"] is False  # Services' OUTBOX_..._SERVICE_HOST and such
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["outbox-secrets"]["secret"]["secretName"] == "orders-outbox"
     job = docs["Job"]

@@ -158,6 +158,9 @@ def test_names_of_no_setting_are_said_once(
     monkeypatch.setenv("OUTBOX_LOG_LEVL", "DEBUG")
     monkeypatch.setenv("OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "broker:9092")  # one underscore
     monkeypatch.setenv("OUTBOX_TEST_PG_DSN", "postgresql://db/test")  # the tests' own
+    for link in ("SERVICE_HOST", "SERVICE_PORT", "SERVICE_PORT_HTTP", "PORT", "PORT_8080_TCP",
+                 "PORT_8080_TCP_ADDR"):  # fmt: skip
+        monkeypatch.setenv(f"OUTBOX_OUTBOX_SIDECAR_{link}", "10.0.0.1")  # Kubernetes' own
     monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
     (tmp_path / "outbox_kafka_sasl_password").write_text("s3cret")
     (tmp_path / "outbox_kafka__sasl_password").write_text("s3cret")

@@ -101,3 +101,28 @@ def test_a_transactional_id_given_is_said_to_be_ignored(caplog: pytest.LogCaptur
     caplog.set_level(logging.WARNING, logger="relay.kafka")
     ShardProducer({"transactional.id": "mine"}, "outbox-relay-0", timedelta(seconds=60))
     assert "kafka.extra transactional.id ignored" in caplog.text
+
+
+def test_the_check_sends_no_oidc_credentials(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OIDC client fetches a token as soon as it is made: the settings check must not post
+    the client credentials to the token endpoint (from `outboxctl config`, anywhere)."""
+    with socket.socket() as token_endpoint:
+        token_endpoint.bind(("127.0.0.1", 0))
+        token_endpoint.listen()
+        token_endpoint.settimeout(1.0)
+        port = token_endpoint.getsockname()[1]
+        oidc = {
+            "security.protocol": "sasl_plaintext",
+            "sasl.mechanism": "OAUTHBEARER",
+            "sasl.oauthbearer.method": "oidc",
+            "sasl.oauthbearer.client.id": "relay",
+            "sasl.oauthbearer.client.secret": "s3cret",
+            "sasl.oauthbearer.token.endpoint.url": f"http://127.0.0.1:{port}/token",
+        }
+        monkeypatch.setenv("OUTBOX_KAFKA__EXTRA", json.dumps(oidc))
+        code, _, _ = config(capsys)
+        with pytest.raises(TimeoutError):
+            token_endpoint.accept()  # nobody came
+    assert code == 0
