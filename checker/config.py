@@ -38,6 +38,7 @@ from pydantic import (
 )
 
 from outbox.checkback import Signer
+from relay.durations import Duration
 
 
 class EndpointSettings(BaseModel):
@@ -52,10 +53,10 @@ class EndpointSettings(BaseModel):
     secrets: list[SecretStr] = Field(
         min_length=1, description="Signing secrets (whsec_...), newest first, for rotation."
     )
-    connect_timeout: timedelta = Field(
+    connect_timeout: Duration = Field(
         default=timedelta(seconds=2), description="TCP connect and TLS handshake."
     )
-    timeout: timedelta = Field(
+    timeout: Duration = Field(
         default=timedelta(seconds=5),
         description="Whole request, connect included: after this the answer is not waited for.",
     )
@@ -93,29 +94,29 @@ class CheckerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     enabled: bool = True
-    check_immunity: timedelta = Field(
+    check_immunity: Duration = Field(
         default=timedelta(seconds=6), description="[transactionTimeOut] first check after this."
     )
-    check_interval: timedelta = Field(
+    check_interval: Duration = Field(
         default=timedelta(seconds=30),
         description="[transactionCheckInterval] wait after the first UNKNOWN; grows by "
         "backoff_multiplier per further check.",
     )
     max_checks: int = Field(default=15, ge=1, description="[transactionCheckMax]")
-    max_prepared_age: timedelta = Field(
+    max_prepared_age: Duration = Field(
         default=timedelta(hours=72), description="[fileReservedTime] discard after this."
     )
     backoff_multiplier: float = Field(default=2.0, ge=1.0)
-    max_backoff: timedelta = timedelta(minutes=10)
+    max_backoff: Duration = timedelta(minutes=10)
     backoff_jitter: float = Field(
         default=0.1, ge=0.0, lt=1.0, description="Each wait is shortened by up to this fraction."
     )
     batch_size: int = Field(default=100, ge=1, description="Transactions claimed per round.")
-    poll_interval: timedelta = Field(
+    poll_interval: Duration = Field(
         default=timedelta(seconds=1),
         description="Pause between rounds when the last one found less than a full batch.",
     )
-    lease_margin: timedelta = Field(
+    lease_margin: Duration = Field(
         default=timedelta(seconds=10),
         description="A claimed check is leased for the endpoint's timeout plus this; a request "
         "that could not start within this margin is given back uncounted.",
@@ -123,14 +124,14 @@ class CheckerSettings(BaseModel):
     circuit_failure_threshold: int = Field(
         default=5, ge=1, description="Consecutive failed checks that open an endpoint's circuit."
     )
-    circuit_cooldown: timedelta = Field(
+    circuit_cooldown: Duration = Field(
         default=timedelta(seconds=30),
         description="An open circuit lets one probe through after this.",
     )
     request_max_records: int = Field(
         default=100, ge=1, description="Records summarised in one check request (the first ones)."
     )
-    metrics_interval: timedelta = Field(
+    metrics_interval: Duration = Field(
         default=timedelta(seconds=15),
         description="The prepared-records-by-age gauges (a pass over prepared rows) are "
         "refreshed at most this often.",

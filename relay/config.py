@@ -43,6 +43,7 @@ from outbox._core import OutboxConfig
 from outbox._dsn import parse_dsn
 from outbox._errors import InvalidConfigError, InvalidTopicError
 from outbox._records import check_topic
+from relay.durations import Duration
 
 DEFAULT_SECRETS_DIR = Path("/run/secrets/outbox")
 # OUTBOX_* variables that are not settings: the commands' own, and the project's scripts' and tests'
@@ -180,7 +181,7 @@ class RelaySettings(BaseModel):
     )
     op_marker_topic: str = "outbox.op-markers"
     op_marker_partitions: int = Field(default=4, ge=1)
-    op_marker_retention: timedelta = Field(
+    op_marker_retention: Duration = Field(
         default=timedelta(days=7),
         # the markers are what a recovery reads: shorter, an ordinary outage outlived them, and
         # an idle shard's recorded offset (moved on every hour) fell behind them while it ran
@@ -194,12 +195,12 @@ class RelaySettings(BaseModel):
     )
     dead_letter_topic: str = "outbox.dead-letter"
     batch_size: int = Field(default=1000, ge=1, le=100_000)
-    linger: timedelta = Field(
+    linger: Duration = Field(
         default=timedelta(milliseconds=0),
         ge=timedelta(0),
         description="Wait this long to fill a batch.",
     )
-    poll_interval: timedelta = Field(
+    poll_interval: Duration = Field(
         default=timedelta(milliseconds=500),
         gt=timedelta(0),  # 0: rounds back to back, with nothing to do
         description="Polling fallback between wake-ups.",
@@ -213,26 +214,26 @@ class RelaySettings(BaseModel):
         "batch waits for Kafka (one Postgres connection more; drains ~10% faster on a 2-core "
         "machine with Postgres and Kafka beside the relay, README).",
     )
-    lease_duration: timedelta = Field(default=timedelta(seconds=15), gt=timedelta(0))
-    heartbeat_interval: timedelta = Field(default=timedelta(seconds=5), ge=timedelta(0))
-    delivered_retention: timedelta = Field(
+    lease_duration: Duration = Field(default=timedelta(seconds=15), gt=timedelta(0))
+    heartbeat_interval: Duration = Field(default=timedelta(seconds=5), ge=timedelta(0))
+    delivered_retention: Duration = Field(
         default=timedelta(0),
         ge=timedelta(0),
         description="Keep delivered rows this long (0: delete at once).",
     )
-    audit_retention: timedelta = Field(
+    audit_retention: Duration = Field(
         default=timedelta(days=90),
         ge=timedelta(0),
         description="Keep audit_log entries (commands run by hand, discards) this long "
         "(0: for ever).",
     )
-    kafka_transaction_timeout: timedelta = Field(
+    kafka_transaction_timeout: Duration = Field(
         default=timedelta(seconds=60),
         ge=timedelta(seconds=1),  # librdkafka's least transaction.timeout.ms
         description="Kafka's transaction.timeout.ms (kafka.extra may set it apart), and how "
         "long the relay waits on Kafka for a batch's reports, commit or abort.",
     )
-    shutdown_grace: timedelta = Field(default=timedelta(seconds=25), ge=timedelta(0))
+    shutdown_grace: Duration = Field(default=timedelta(seconds=25), ge=timedelta(0))
 
     @field_validator("op_marker_topic", "dead_letter_topic")
     @classmethod

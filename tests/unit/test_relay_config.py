@@ -176,3 +176,34 @@ def test_names_of_no_setting_are_said_once(
         f"secret file in {tmp_path} outbox_kafka_sasl_password",
     ]
     assert "s3cret" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "said"),
+    [
+        ("OUTBOX_RELAY__AUDIT_RETENTION", "P1M", "months and years have no fixed length"),
+        ("OUTBOX_RELAY__DELIVERED_RETENTION", "P1Y", "months and years have no fixed length"),
+        ("OUTBOX_RELAY__AUDIT_RETENTION", "P10000Y", "months and years have no fixed length"),
+        ("OUTBOX_RELAY__DELIVERED_RETENTION", "P3650000D", "at most 36500 days"),
+        ("OUTBOX_CHECKER__MAX_PREPARED_AGE", "P3650000D", "at most 36500 days"),
+        ("OUTBOX_CHECKER__MAX_BACKOFF", "P36501D", "at most 36500 days"),
+    ],
+)
+def test_durations_of_no_fixed_length_or_past_postgres_range_are_refused_by_name(
+    setting: str, value: str, said: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P1M was taken as 30 days; P10000Y passed `outboxctl config`, then every relay or
+    checker round failed with 'timestamp out of range'."""
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://db/app")
+    monkeypatch.setenv(setting, value)
+    with pytest.raises(ValidationError) as caught:
+        load_settings()
+    name = setting.removeprefix("OUTBOX_").lower().replace("__", ".")
+    assert name in str(caught.value)
+    assert said in str(caught.value)
+
+
+def test_durations_of_days_weeks_and_fractions_pass() -> None:
+    relay = RelaySettings(audit_retention="P2W", delivered_retention="P1DT12H", linger="PT0.005S")  # type: ignore[arg-type]
+    assert relay.audit_retention.days == 14
+    assert relay.delivered_retention.total_seconds() == 36 * 3600
