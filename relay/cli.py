@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from datetime import UTC
 from importlib.metadata import version
 
 import psycopg
@@ -135,10 +136,10 @@ def _cmd_records(args: argparse.Namespace) -> int:
         return 0
     for r in found:
         reason = f"  {r.reason}" if r.reason else ""
+        created = r.created_at.astimezone(UTC)  # not the session's zone, unnamed
         print(
             f"{r.id:>10}  {r.state:11} {r.producer_group}/{r.tx_id}  {r.topic}  "
-            f"key {r.key_text()}  {r.value_bytes or 0} B  {r.created_at:%Y-%m-%d %H:%M:%S}"
-            f"{reason}"
+            f"key {r.key_text()}  {r.value_bytes or 0} B  {created:%Y-%m-%d %H:%M:%SZ}{reason}"
         )
     if not found:
         print("no records")
@@ -178,7 +179,8 @@ def _cmd_findings(args: argparse.Namespace) -> int:
     for f in found:
         where = f"{f.kafka_partition}:{f.kafka_offset}" if f.kafka_partition is not None else "-"
         print(
-            f"{f.event_time:%Y-%m-%d %H:%M:%S}  {f.kind:15} {f.topic}  id {f.outbox_id}  at {where}"
+            f"{f.event_time.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}  {f.kind:15} {f.topic}  "
+            f"id {f.outbox_id}  at {where}"
         )
     if not found:
         print("no findings")

@@ -38,23 +38,28 @@ FINDING_KINDS = ("missing", "duplicate", "orphan", "marker_mismatch", "out_of_or
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_MAX_DURATION_S = 36_500 * 86400.0  # past it, timestamps leave Postgres's and Spark's range
 
 
 def parse_duration(text: str) -> timedelta:
     """'90' (seconds), '500ms', '30s', '5m', '1h', '2d', or a sum such as '1m30s'."""
     raw = text.strip().lower().replace(" ", "")
     try:
-        return timedelta(seconds=float(raw))
+        seconds = float(raw)
     except ValueError:
-        pass
-    pos, seconds = 0, 0.0
-    for match in _DURATION_PART.finditer(raw):
-        if match.start() != pos:
-            break
-        seconds += float(match[1]) * _UNITS[match[2]]
-        pos = match.end()
-    if pos != len(raw) or not raw:
-        raise ValueError(f"{text!r} is not a duration (e.g. 90, 500ms, 30s, 5m, 1h, 1m30s)")
+        pos, seconds = 0, 0.0
+        for match in _DURATION_PART.finditer(raw):
+            if match.start() != pos:
+                break
+            seconds += float(match[1]) * _UNITS[match[2]]
+            pos = match.end()
+        if pos != len(raw) or not raw:
+            raise ValueError(
+                f"{text!r} is not a duration (e.g. 90, 500ms, 30s, 5m, 1h, 1m30s)"
+            ) from None
+    # float() takes 'inf', '-5' and '1e18': timedelta() overflowed with a traceback
+    if not 0 <= seconds <= _MAX_DURATION_S:
+        raise ValueError(f"{text!r}: a duration from 0 to {_MAX_DURATION_S // 86400:.0f} days")
     return timedelta(seconds=seconds)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 import outbox
 from checker import Checker, CheckerSettings, ManualResult
@@ -219,6 +220,15 @@ def test_records_lists_what_is_asked_without_values(
     table = capsys.readouterr().out.splitlines()
     assert len(table) == 2
     assert all("parked" in line and "Topic authorization failed" in line for line in table)
+    # in UTC, said so, whatever the session's time zone (it printed that zone's wall time)
+    kathmandu = make_conninfo(pg_dsn, options="-c TimeZone=Asia/Kathmandu")
+    assert main(["records", "--dsn", kathmandu, "--tx-id", tx_id]) == 0
+    assert capsys.readouterr().out.splitlines() == table
+    with psycopg.connect(pg_dsn) as conn:
+        created = conn.execute(
+            "SELECT min(created_at) FROM outbox.outbox_record WHERE tx_id = %s", (tx_id,)
+        ).fetchone()[0]  # type: ignore[index]
+    assert f"{created.astimezone(UTC):%Y-%m-%d %H:%M:%S}Z" in table[0]
     assert (
         main(["records", "--dsn", pg_dsn, "--topic", "billing.charged", "--state", "committed"])
         == 0

@@ -49,6 +49,13 @@ def test_parse_duration_refuses(text: str) -> None:
         parse_duration(text)
 
 
+@pytest.mark.parametrize("text", ["inf", "nan", "1e18", "-5", "36501d"])
+def test_parse_duration_refuses_what_no_timestamp_can_take(text: str) -> None:
+    """`--deadline inf` ended in an OverflowError traceback, not a usage error."""
+    with pytest.raises(ValueError, match="a duration from 0 to 36500 days"):
+        parse_duration(text)
+
+
 def test_parse_time_and_spark_interval() -> None:
     assert parse_time("2026-01-01T12:00:00Z") == T
     assert parse_time("2026-01-01T12:00:00") == T  # no zone: UTC
