@@ -173,11 +173,12 @@ class Checker:
         dsn: str,
         schema: str = "outbox",
         *,
-        clock: Clock = utc_now,
+        clock: Clock | None = None,
         rng: random.Random | None = None,
         http: ClientFactory | None = None,
         connect_timeout_s: float = 10.0,
         checker_id: str | None = None,
+        follow_database_clock: bool | None = None,
     ) -> None:
         self.settings = settings
         self.schema = OutboxConfig(schema_name=schema).schema_name
@@ -185,7 +186,15 @@ class Checker:
         self.checker_id = checker_id or f"{socket.gethostname()}-{os.getpid()}"
         self._dsn = dsn
         self._connect_timeout_s = connect_timeout_s
-        self._clock = clock
+        self._clock = clock or utc_now
+        # Scheduled by the database's clock: created_at and the other checkers' leases are its
+        # times. By this host's, a host 6 s ahead cut the check immunity by 6 s, and two hosts
+        # more than a lease apart asked about one transaction at once. Measured each round;
+        # a clock given (tests) is taken as it is unless asked.
+        self._follow_database = (
+            clock is None if follow_database_clock is None else (follow_database_clock)
+        )
+        self._skew = timedelta(0)  # the database's clock minus this host's
         self._rng = rng or random.Random()  # noqa: S311 - jitter, not secrets
         self._rng_lock = threading.Lock()
         self._outbox = Outbox(OutboxConfig(schema_name=self.schema, notify=True))
@@ -202,7 +211,7 @@ class Checker:
                 CircuitBreaker(
                     failure_threshold=settings.circuit_failure_threshold,
                     cooldown=settings.circuit_cooldown,
-                    clock=clock,
+                    clock=self._now,
                     on_change=self._circuit_changed(group),
                 ),
             )
@@ -242,6 +251,19 @@ class Checker:
             )
         return self._conn
 
+    def _now(self) -> datetime:
+        return self._clock() + self._skew
+
+    def _follow(self, conn: psycopg.Connection[Any]) -> None:
+        """Measure how far the database's clock is from this host's (see __init__)."""
+        if not self._follow_database:
+            return
+        before = self._clock()
+        row = conn.execute("SELECT clock_timestamp()").fetchone()
+        after = self._clock()
+        if row is not None:
+            self._skew = row[0] - (before + (after - before) / 2)
+
     def _drop_connection(self) -> None:
         if self._conn is not None:
             self._conn.close()
@@ -256,6 +278,7 @@ class Checker:
                 raise RuntimeError("the checker is stopped")
             try:
                 conn = self._connection()
+                self._follow(conn)
                 result = CheckRoundResult()
                 self._refresh_ages(conn)
                 claims = self._claim_due(conn, result)
@@ -274,7 +297,7 @@ class Checker:
 
     def _claim_due(self, conn: psycopg.Connection[Any], result: CheckRoundResult) -> list[Claim]:
         s = self.settings
-        now = self._clock()
+        now = self._now()
         discards: list[tuple[str, str, str]] = []
         limits: dict[tuple[str, str], tuple[str, str]] = {}  # -> (limit, reason)
         later: list[Reschedule] = []
@@ -410,7 +433,7 @@ class Checker:
     def _ask(self, endpoint: _Endpoint, claim: Claim) -> tuple[Claim, CheckAnswer]:
         """On the endpoint's worker thread: one request, unless it is too late or the circuit is
         open. Exceptions other than ``Exception`` (a simulated crash) propagate to the round."""
-        if self._clock() > claim.send_by:
+        if self._now() > claim.send_by:
             return claim, CheckAnswer(Outcome.DEFERRED, "could not start within the lease")
         if not endpoint.breaker.allow():
             return claim, CheckAnswer(Outcome.CIRCUIT_OPEN, "circuit open")
@@ -455,7 +478,7 @@ class Checker:
         result: CheckRoundResult,
     ) -> None:
         s = self.settings
-        now = self._clock()
+        now = self._now()
         decided: list[tuple[Claim, Outcome]] = []
         later: list[Reschedule] = []
         notes: list[_Note] = []  # logged once committed
@@ -631,7 +654,7 @@ class Checker:
         if self._ages_refreshed_at is not None and mono - self._ages_refreshed_at < interval:
             return
         self._ages_refreshed_at = mono
-        now = self._clock()
+        now = self._now()
         try:
             with conn.transaction():
                 conn.execute(

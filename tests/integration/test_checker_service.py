@@ -529,6 +529,28 @@ def test_a_full_scan_of_rows_held_elsewhere_does_not_spin(
     assert endpoint.resolver.asked == []
 
 
+@pytest.mark.parametrize("ahead_s", [-30, 7, 30])
+def test_a_checker_on_a_host_whose_clock_is_off_schedules_by_the_databases(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker], ahead_s: int
+) -> None:
+    """created_at and other checkers' leases are the database's times: a host 7 s ahead asked
+    before the 6 s check immunity was over, while the application's local transaction ran."""
+    endpoint.resolver.default = COMMIT
+    tx_id, _ = prepare(pg_dsn)
+    off = timedelta(seconds=ahead_s)
+    s = settings({GROUP: endpoint_settings(endpoint.url)})
+    checker = make_checker(s, lambda: utc_now() + off, follow_database_clock=True)
+    assert checker.run_once().due == 0  # inside its immunity, by the database's clock
+    assert endpoint.resolver.asked == []
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # as if 6 s had passed
+        conn.execute(
+            "UPDATE outbox.outbox_record SET created_at = created_at - interval '6 seconds'"
+            " WHERE tx_id = %s",
+            (tx_id,),
+        )
+    assert checker.run_once().committed == 1
+
+
 @pytest.mark.parametrize("zone", ["UTC", "Europe/Berlin", "Asia/Kathmandu"])
 def test_the_maximum_prepared_age_is_hours_whatever_the_sessions_time_zone(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker], zone: str
