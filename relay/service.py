@@ -391,7 +391,9 @@ class Relay:
         while True:
             with self.conn.transaction():
                 cur = self.conn.execute(
-                    queries.query(query, self.schema), {"retention": retention, "limit": limit}
+                    queries.query(query, self.schema),
+                    # seconds: days would be 23 or 25 hours across a DST change of the session
+                    {"retention_s": retention.total_seconds(), "limit": limit},
                 )
             trimmed += cur.rowcount
             if cur.rowcount < limit or time.monotonic() > deadline:

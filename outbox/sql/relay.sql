@@ -269,7 +269,7 @@ WHERE r.id = e.id AND r.state = e.state AND r.ended_at IS NULL
 DELETE FROM {schema}.outbox_record
 WHERE id IN (
     SELECT id FROM {schema}.outbox_record
-    WHERE ended_at < now() - %(retention)s::interval AND state <> 'parked'
+    WHERE ended_at < now() - make_interval(secs => %(retention_s)s) AND state <> 'parked'
     LIMIT %(limit)s
 );
 
@@ -284,7 +284,7 @@ DELETE FROM {schema}.audit_log
 WHERE id < coalesce(
     (SELECT oldest.id
      FROM (SELECT id, at FROM {schema}.audit_log ORDER BY id LIMIT %(limit)s) AS oldest
-     WHERE oldest.at >= now() - %(retention)s::interval
+     WHERE oldest.at >= now() - make_interval(secs => %(retention_s)s)
      ORDER BY oldest.id
      LIMIT 1),
     (SELECT max(oldest.id) + 1
