@@ -31,7 +31,7 @@ def parse_dsn(dsn: str, what: str = "the DSN") -> dict[str, Any]:
     """The connection parameters of `dsn`; InvalidConfigError naming `what` and the reason
     libpq refused it (in words of ours: libpq's own quote the DSN) when libpq cannot parse it."""
     try:
-        return conninfo_to_dict(dsn)
+        params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
         said = str(exc)
         reason = next((ours for start, ours in _REASONS if said.startswith(start)), None)
@@ -39,3 +39,16 @@ def parse_dsn(dsn: str, what: str = "the DSN") -> dict[str, Any]:
             f"{what} is not a libpq connection string or URI: "
             + (reason or "libpq cannot parse it (its message is not shown: it quotes the DSN)")
         ) from None
+    if dsn.lstrip().lower().startswith(("postgresql://", "postgres://")) and _split_secret(params):
+        # libpq parsed it, but a '@' or '/' of the password cut the URI elsewhere: the rest
+        # became the host, the port or the database, which the connection's errors then quote
+        raise InvalidConfigError(
+            f"{what} is not a URI libpq reads as meant: a '@' or '/' in the user or "
+            "password must be percent-encoded (%40, %2F)"
+        )
+    return params
+
+
+def _split_secret(params: dict[str, Any]) -> bool:
+    host, port, dbname = (str(params.get(k) or "") for k in ("host", "port", "dbname"))
+    return "@" in host or "@" in dbname or not all(p.isdigit() for p in port.split(",") if p)
