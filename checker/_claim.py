@@ -12,7 +12,7 @@ import base64
 import binascii
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -122,7 +122,17 @@ def lock_due(
     ).fetchall()
     due = [
         DueTransaction(
-            r[0], r[1], int(r[2]), r[3], int(r[4]), int(r[5]), int(r[6]), r[7], bool(r[9])
+            # in UTC: psycopg gives the session's zone, where adding a timedelta counts wall
+            # time (72 hours from before a spring DST change ended an hour early)
+            r[0],
+            r[1],
+            int(r[2]),
+            r[3].astimezone(UTC),
+            int(r[4]),
+            int(r[5]),
+            int(r[6]),
+            r[7].astimezone(UTC),
+            bool(r[9]),
         )
         for r in rows
     ]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -201,7 +201,8 @@ def rearm(
     schema: str = "outbox",
     now: datetime | None = None,
 ) -> ManualResult:
-    """discarded (not yet shipped) -> prepared, check count set to ``check_count``, due ``now``.
+    """discarded (not yet shipped) -> prepared, check count set to ``check_count``, due ``now``
+    (default: the database's time, which the checker schedules by).
 
     Raises UnknownTransactionError, IllegalTransitionError (not discarded, or already shipped:
     re-publish instead), TransactionBusyError; in each case nothing changed.
@@ -211,7 +212,6 @@ def rearm(
     if check_count < 0:
         raise ValueError("check_count must not be negative")
     schema = OutboxConfig(schema_name=schema).schema_name
-    due = now or datetime.now(UTC)
     with database_errors(), conn.transaction():
         rows = _lock(conn, schema, group, tx_id, "rearm")
         shipped = _shipped_away(conn, schema, group, tx_id, rows)
@@ -225,13 +225,12 @@ def rearm(
                 tx_id=tx_id,
                 current_states=current,
             )
-        ids = tuple(
-            int(r[0])
-            for r in conn.execute(
-                queries.query("checker_rearm", schema),
-                {"producer_group": group, "tx_id": tx_id, "check_count": check_count, "now": due},
-            ).fetchall()
-        )
+        rearmed = conn.execute(
+            queries.query("checker_rearm", schema),
+            {"producer_group": group, "tx_id": tx_id, "check_count": check_count, "now": now},
+        ).fetchall()
+        ids = tuple(int(r[0]) for r in rearmed)
+        due = rearmed[0][1] if rearmed else now
         audit_id = _audit(
             conn,
             schema,

@@ -302,14 +302,16 @@ FOR UPDATE NOWAIT;
 -- name: checker_rearm
 -- RocketMQ's resumeCheckHalfMessage: discarded, not yet shipped records go back to prepared and
 -- are due at once, their maximum prepared age counted from now (RocketMQ puts the half message
--- again, with a new store time). Only under the locks of checker_lock_transaction.
+-- again, with a new store time). Only under the locks of checker_lock_transaction. `now` NULL:
+-- the database's clock, which the checker schedules by (not the operator's host's).
 UPDATE {schema}.outbox_record
 SET state = 'prepared', reason = NULL, check_count = %(check_count)s,
-    next_check_at = %(now)s, rearmed_at = %(now)s, state_changed_at = now(),
+    next_check_at = coalesce(%(now)s::timestamptz, now()),
+    rearmed_at = coalesce(%(now)s::timestamptz, now()), state_changed_at = now(),
     check_lease_until = NULL
 WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
   AND state = 'discarded' AND ended_at IS NULL
-RETURNING id;
+RETURNING id, next_check_at;
 
 -- name: checker_redrive
 -- Parked records (the broker refused them for good; kept with their reason) back to committed,

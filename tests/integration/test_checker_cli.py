@@ -9,13 +9,14 @@ import logging
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
 import outbox
-from checker import Checker, CheckerSettings, ManualResult
+from checker import Checker, CheckerSettings, ManualResult, rearm
 from outbox.checkback import CheckHandler, CheckRequest, TransactionStatus, serve
 from outbox.migrations import latest_version
 from relay.cli import main
@@ -83,6 +84,28 @@ def test_rearm_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> No
     err = capsys.readouterr().err
     assert "cannot re-arm" in err
     assert "prepared" in err
+
+
+def test_rearm_is_due_by_the_databases_clock_not_the_operators_host(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checker schedules by the database's clock: a re-arm stamped by a host 40 minutes
+    behind was past a 30-minute maximum age at once, and discarded again unasked."""
+    import checker._manual
+
+    class Behind(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.now(tz) - timedelta(minutes=40)
+
+    monkeypatch.setattr(checker._manual, "datetime", Behind, raising=False)
+    tx_id = prepare(pg_dsn)
+    discard(pg_dsn, tx_id)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        result = rearm(conn, GROUP, tx_id, actor="carol")
+        db_now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+    assert result.next_check_at is not None
+    assert abs(result.next_check_at - db_now) < timedelta(minutes=1)
 
 
 def test_rearm_with_checks_says_which_max_checks_discard_it_again(

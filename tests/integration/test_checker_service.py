@@ -573,6 +573,28 @@ def test_the_maximum_prepared_age_is_hours_whatever_the_sessions_time_zone(
     assert late.run_once().discarded == 1
 
 
+@pytest.mark.parametrize("zone", ["UTC", "Europe/Berlin"])
+def test_the_next_check_is_never_capped_at_a_discard_an_hour_early(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker], zone: str
+) -> None:
+    """psycopg gives times in the session's zone, where adding 72 hours counts wall time: from
+    before Berlin's spring change the discard came an hour early in Python, capped every next
+    check there (in the past), and the endpoint was asked each round until max checks."""
+    tx_id, _ = prepare(pg_dsn)
+    created = datetime(2026, 3, 27, 12, 0, tzinfo=UTC)  # Berlin moves on 2026-03-29
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox.outbox_record SET created_at = %s WHERE tx_id = %s", (created, tx_id)
+        )
+    s = settings({GROUP: endpoint_settings(endpoint.url)}, max_prepared_age="P3D")
+    dsn = make_conninfo(pg_dsn, options=f"-c TimeZone={zone}")
+    clock = Clock(created + timedelta(hours=71, minutes=30))
+    checker = make_checker(s, clock, dsn=dsn)
+    assert checker.run_once().unknown == 1
+    assert one(pg_dsn, tx_id)["next_check_at"] == clock.now + 30 * S  # not the past
+    assert checker.run_once().due == 0
+
+
 def test_a_transaction_mixing_default_and_own_immunity_is_due_at_the_earlier(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
