@@ -1,4 +1,5 @@
-"""The type of the sidecar's duration settings: ISO 8601 or seconds, of a fixed length, bounded.
+"""The type of the sidecar's duration settings: ISO 8601 text (or a number of seconds in the
+TOML file), of a fixed length, bounded.
 
 pydantic takes `P1M` as 30 days and `P1Y` as 365: a month meant is not what is used. And a
 duration of thousands of years put timestamps out of Postgres's range: every relay round (the
