@@ -377,14 +377,17 @@ class ShardWorker:
         for marker in markers:
             by_kind.setdefault((marker.op, marker.topic), []).append(marker)
         ended_by_kind: Counter[tuple[Op, str]] = Counter()
+        unmatched: set[int] = set()
         with conn.transaction():
             self._lock_lease(conn)
             # Rows ended before the crash or changed by hand since do not count; by kind, so
             # that the records these ends deliver are counted as a batch end counts its own
             # (uncounted, a recovery's showed nowhere in the delivered and ended totals).
             for kind, of_kind in by_kind.items():
-                cursors = self._end_rows(conn, of_kind)
-                ended_by_kind[kind] += sum(max(c.rowcount, 0) for c in cursors)
+                ended_ids = self._end_recovered(conn, of_kind)
+                ended_by_kind[kind] += len(ended_ids)
+                unmatched.update(m.id for m in of_kind if m.id not in ended_ids)
+            self._say_other_records(conn, unmatched)
             conn.execute(
                 self._q("relay_set_marker_offset"),
                 {**self._lease_params(), "partition": self.marker_partition, "offset": end_offset},
@@ -1289,6 +1292,46 @@ class ShardWorker:
         if row is None:
             raise LeaseLost(f"shard {self.shard} (epoch {self.lease.epoch}) is no longer ours")
         return row[0], row[1]
+
+    def _end_recovered(self, conn: psycopg.Connection[Any], markers: list[OpMarker]) -> set[int]:
+        """End the rows of markers read back, each only if it is the marker's record, not only
+        of its id (relay_end_recovered); the ids ended."""
+        keep = bool(self.settings.delivered_retention)
+        rows = conn.execute(
+            self._q("relay_end_recovered"),
+            {
+                "ids": [m.id for m in markers],
+                "states": [_shipped_as(m) for m in markers],
+                "tx_ids": [m.tx_id for m in markers],
+                "producer_groups": [m.producer_group for m in markers],
+                "topics": [m.topic for m in markers],
+                "keys": [m.key for m in markers],
+                "xids": [None if m.xid is None else str(m.xid) for m in markers],
+                "partitions": [m.partition for m in markers],
+                "offsets": [m.offset for m in markers],
+                "keep": [keep] * len(markers),
+            },
+        ).fetchall()
+        return {int(r[0]) for r in rows}
+
+    def _say_other_records(self, conn: psycopg.Connection[Any], ids: set[int]) -> None:
+        """Markers whose ids another record now has (the database restored from a backup
+        taken before they were written): that record is left for delivery, and said."""
+        if not ids:
+            return
+        row = conn.execute(self._q("relay_other_records_of_ids"), {"ids": sorted(ids)}).fetchone()
+        others = int(row[0]) if row else 0
+        if others:
+            metrics.ERRORS.labels("marker_id_reused").inc()
+            logger.error(
+                "shard %s: %s rows waiting for delivery have the ids of records whose op "
+                "markers are committed, but are other records (another tx id, topic or key): "
+                "the database was restored from a backup taken before those were delivered, "
+                "and the ids were given again. The rows are left for delivery; what was "
+                "delivered after the backup is in Kafka but no longer in the outbox",
+                self.shard,
+                others,
+            )
 
     def _end_rows(
         self, conn: psycopg.Connection[Any], markers: Sequence[Ended | OpMarker]

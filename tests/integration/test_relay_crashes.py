@@ -143,6 +143,39 @@ def test_records_a_recovery_ends_are_counted_delivered_and_ended(
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
 
 
+def test_records_given_ids_again_after_a_database_restore_are_delivered_not_ended(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+    relay_factory: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A database restored from a backup taken before a batch was delivered gives that batch's
+    ids to new records; recovery ended rows by id alone, so the new records' rows were deleted
+    by the old records' markers, never sent."""
+    topic = topic_factory()
+    delivered = publish(pg_dsn, topic, transactions=2, per_tx=3)
+    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
+    assert doomed.proc.wait(60) == -9, doomed.output()  # in Kafka, with markers; rows still here
+    with psycopg.connect(pg_dsn) as conn:  # the restore: those rows gone, their ids given again
+        ids = [r[0] for r in conn.execute("SELECT id FROM outbox.outbox_record ORDER BY id")]
+        conn.execute("DELETE FROM outbox.outbox_record")
+        conn.execute(
+            "SELECT setval(pg_get_serial_sequence('outbox.outbox_record', 'id'), %s, false)",
+            (min(ids),),
+        )
+    fresh = publish(pg_dsn, topic, transactions=2, per_tx=3, tag="after-restore-")
+    with psycopg.connect(pg_dsn) as conn:
+        reused = [r[0] for r in conn.execute("SELECT id FROM outbox.outbox_record ORDER BY id")]
+    assert reused == ids  # the same ids, other records
+    caplog.set_level("ERROR", logger="relay.shard")
+    survivor = relay_factory(**FAST)
+    wait_for(lambda: survivor.run_once() and undelivered(pg_dsn) == 0, 60, "the new records")
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), delivered + fresh)
+    assert "have the ids of records whose op markers are committed" in caplog.text
+
+
 def test_a_transaction_open_on_the_marker_partition_hides_no_committed_marker(
     pg_dsn: str,
     kafka_bootstrap: str,
