@@ -366,13 +366,24 @@ class ShardWorker:
             # As recorded now, not when the lease was taken: batch ends and idle shards have
             # moved it on since, and the markers before it may be gone (retention).
             recorded_partition, recorded_offset = self._lock_lease(conn)
+            row = conn.execute(self._q("relay_marker_outbox"), {"shard": self.shard}).fetchone()
+            recorded_outbox = row[0] if row else None
         self.producer.init()
         # A lease that never recovered never shipped: no marker is this shard's yet (a new
         # lease row, or one made anew for a new shard count), and its offset 0 would mean
         # reading the partition's whole history, other shards' traffic included.
         first = recorded_partition is None
         start_offset = None if first else recorded_offset
-        markers, end_offset = self._read_markers(start_offset, keep_alive)
+        renamed = recorded_outbox if recorded_outbox not in (None, self.outbox) else None
+        if renamed is not None:
+            logger.warning(
+                "shard %s: its op markers were written as outbox %s, which is now %s (the "
+                "database or schema renamed): they are still its own",
+                self.shard,
+                renamed,
+                self.outbox,
+            )
+        markers, end_offset = self._read_markers(start_offset, keep_alive, renamed)
         by_kind: dict[tuple[Op, str], list[OpMarker]] = {}
         for marker in markers:
             by_kind.setdefault((marker.op, marker.topic), []).append(marker)
@@ -390,7 +401,12 @@ class ShardWorker:
             self._say_other_records(conn, unmatched)
             conn.execute(
                 self._q("relay_set_marker_offset"),
-                {**self._lease_params(), "partition": self.marker_partition, "offset": end_offset},
+                {
+                    **self._lease_params(),
+                    "partition": self.marker_partition,
+                    "offset": end_offset,
+                    "outbox": self.outbox,
+                },
             )
         for (op, topic), count in ended_by_kind.items():
             if count and op is Op.DELIVERED:
@@ -411,9 +427,13 @@ class ShardWorker:
         return len(markers)
 
     def _read_markers(
-        self, start: int | None, keep_alive: Callable[[], None] | None = None
+        self,
+        start: int | None,
+        keep_alive: Callable[[], None] | None = None,
+        former_name: str | None = None,
     ) -> tuple[list[OpMarker], int]:
-        """This shard's committed markers from `start` to the end of the log, and that end."""
+        """This shard's committed markers from `start` to the end of the log, and that end;
+        those named `former_name` are its own too (written before a rename)."""
         consumer = Consumer(
             {
                 "logger": CLIENT_LOGGER,
@@ -500,13 +520,17 @@ class ShardWorker:
                     )
                     metrics.ERRORS.labels("marker_format").inc()
                     continue
-                ours = [m for m in found if m.outbox in (None, self.outbox or m.outbox)]
+                ours = [
+                    m for m in found if m.outbox in (None, self.outbox or m.outbox, former_name)
+                ]
                 if len(ours) < len(found):
                     # Another outbox's, on a marker topic shared by mistake: its ids are not
                     # ours, and ending our rows by them dropped records never sent.
                     logger.error(
                         "shard %s: op markers of another outbox at %s:%s of %s: give each "
-                        "outbox its own op-marker topic; they end none of this one's rows",
+                        "outbox its own op-marker topic; they end none of this one's rows (if "
+                        "this outbox's database or schema was renamed before its relays "
+                        "recorded its name, stop them cleanly before a rename)",
                         self.shard,
                         tp.partition,
                         msg.offset(),
@@ -1106,6 +1130,7 @@ class ShardWorker:
                     **ending.lease_params,
                     "partition": self.marker_partition,
                     "offset": ending.next_offset,
+                    "outbox": self.outbox,
                 },
             )
             if ending.poison:

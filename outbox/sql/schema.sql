@@ -121,6 +121,9 @@ CREATE TABLE {schema}.shard_lease (
     -- database transaction
     marker_partition integer,
     marker_offset   bigint      NOT NULL DEFAULT 0,
+    -- 0006: the outbox name (database/schema) its markers were last written under: still its
+    -- own after a rename
+    marker_outbox   text,
     CONSTRAINT shard_lease_shard_valid CHECK (shard >= 0),
     CONSTRAINT shard_lease_owner_has_expiry CHECK (owner IS NULL OR lease_until IS NOT NULL)
 );

@@ -176,6 +176,41 @@ def test_records_given_ids_again_after_a_database_restore_are_delivered_not_ende
     assert "have the ids of records whose op markers are committed" in caplog.text
 
 
+def test_a_batch_in_doubt_is_not_sent_again_after_the_outbox_schema_was_renamed(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+    relay_settings: Callable[..., Any],
+    relay_factory: Callable[..., Any],
+) -> None:
+    """Markers name their outbox (database/schema): after a rename, recovery took the outbox's
+    own markers for another's, ended nothing by them, and the batch in doubt went out twice."""
+    topic = topic_factory()
+    expected = publish(pg_dsn, topic, transactions=2, per_tx=3)
+    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
+    assert doomed.proc.wait(60) == -9, doomed.output()
+    settings = relay_settings(**FAST)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("ALTER SCHEMA outbox RENAME TO outbox_renamed")
+    try:
+        database = settings.database.model_copy(update={"schema_name": "outbox_renamed"})
+        survivor = relay_factory(settings.model_copy(update={"database": database}))
+
+        def left() -> int:
+            with psycopg.connect(pg_dsn) as conn:
+                return int(
+                    conn.execute("SELECT count(*) FROM outbox_renamed.outbox_record").fetchone()[0]  # type: ignore[index]
+                )
+
+        wait_for(lambda: survivor.run_once() is not None and left() == 0, 60, "the recovery")
+        survivor.stop()
+        assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("ALTER SCHEMA outbox_renamed RENAME TO outbox")
+
+
 def test_a_transaction_open_on_the_marker_partition_hides_no_committed_marker(
     pg_dsn: str,
     kafka_bootstrap: str,
