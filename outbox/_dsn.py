@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
+from pydantic import SecretStr
 
 from outbox._errors import InvalidConfigError
 
@@ -47,6 +48,16 @@ def parse_dsn(dsn: str, what: str = "the DSN") -> dict[str, Any]:
             "password must be percent-encoded (%40, %2F)"
         )
     return params
+
+
+def check_dsn_setting(value: SecretStr, name: str) -> SecretStr:
+    """The body of a settings validator: parse_dsn's refusal as the ValueError pydantic takes
+    (its message never holds the DSN)."""
+    try:
+        parse_dsn(value.get_secret_value(), name)
+    except InvalidConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return value
 
 
 def _split_secret(params: dict[str, Any]) -> bool:

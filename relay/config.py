@@ -40,8 +40,8 @@ from pydantic_settings import (
 
 from checker.config import CheckerSettings
 from outbox._core import OutboxConfig
-from outbox._dsn import parse_dsn
-from outbox._errors import InvalidConfigError, InvalidTopicError
+from outbox._dsn import check_dsn_setting
+from outbox._errors import InvalidTopicError
 from outbox._records import check_topic
 from relay.durations import Duration
 
@@ -149,11 +149,7 @@ class DatabaseSettings(BaseModel):
     @field_validator("dsn")
     @classmethod
     def _parses(cls, v: SecretStr) -> SecretStr:
-        try:
-            parse_dsn(v.get_secret_value(), "database.dsn")
-        except InvalidConfigError as exc:  # its message never holds the DSN
-            raise ValueError(str(exc)) from None
-        return v
+        return check_dsn_setting(v, "database.dsn")
 
 
 class HttpSettings(BaseModel):

@@ -30,7 +30,7 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from outbox._core import OutboxConfig
-from outbox._dsn import parse_dsn
+from outbox._dsn import check_dsn_setting, parse_dsn
 from outbox._errors import InvalidConfigError
 from spark._errors import ReconcileConfigError
 
@@ -230,11 +230,7 @@ class ReconcileSettings(BaseModel):
     @field_validator("dsn")
     @classmethod
     def _parses(cls, v: SecretStr) -> SecretStr:
-        try:
-            parse_dsn(v.get_secret_value(), "dsn")
-        except InvalidConfigError as exc:  # its message never holds the DSN
-            raise ValueError(str(exc)) from None
-        return v
+        return check_dsn_setting(v, "dsn")
 
     @field_validator("schema_name")
     @classmethod

@@ -529,6 +529,20 @@ def test_a_full_scan_of_rows_held_elsewhere_does_not_spin(
     assert endpoint.resolver.asked == []
 
 
+def before_berlins_spring_change(
+    pg_dsn: str, tx_id: str, endpoint: Endpoint, zone: str
+) -> tuple[datetime, CheckerSettings, str]:
+    """The transaction prepared 2026-03-27 12:00 UTC (Berlin moves on the 29th), a 3-day
+    maximum age, and a DSN whose sessions are in `zone`."""
+    created = datetime(2026, 3, 27, 12, 0, tzinfo=UTC)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox.outbox_record SET created_at = %s WHERE tx_id = %s", (created, tx_id)
+        )
+    s = settings({GROUP: endpoint_settings(endpoint.url)}, max_prepared_age="P3D")
+    return created, s, make_conninfo(pg_dsn, options=f"-c TimeZone={zone}")
+
+
 @pytest.mark.parametrize("ahead_s", [-30, 7, 30])
 def test_a_checker_on_a_host_whose_clock_is_off_schedules_by_the_databases(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker], ahead_s: int
@@ -559,13 +573,7 @@ def test_the_maximum_prepared_age_is_hours_whatever_the_sessions_time_zone(
     own immunity outlasts the 3-day maximum age was due at 71 hours there, and asked about,
     while the checker (in hours) did not discard it yet."""
     tx_id, _ = prepare(pg_dsn, check_immunity=5 * 86400)
-    created = datetime(2026, 3, 27, 12, 0, tzinfo=UTC)  # Berlin moves on 2026-03-29
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(
-            "UPDATE outbox.outbox_record SET created_at = %s WHERE tx_id = %s", (created, tx_id)
-        )
-    s = settings({GROUP: endpoint_settings(endpoint.url)}, max_prepared_age="P3D")
-    dsn = make_conninfo(pg_dsn, options=f"-c TimeZone={zone}")
+    created, s, dsn = before_berlins_spring_change(pg_dsn, tx_id, endpoint, zone)
     early = make_checker(s, Clock(created + timedelta(hours=71, minutes=30)), dsn=dsn)
     assert early.run_once().due == 0
     assert endpoint.resolver.asked == []
@@ -581,13 +589,7 @@ def test_the_next_check_is_never_capped_at_a_discard_an_hour_early(
     before Berlin's spring change the discard came an hour early in Python, capped every next
     check there (in the past), and the endpoint was asked each round until max checks."""
     tx_id, _ = prepare(pg_dsn)
-    created = datetime(2026, 3, 27, 12, 0, tzinfo=UTC)  # Berlin moves on 2026-03-29
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(
-            "UPDATE outbox.outbox_record SET created_at = %s WHERE tx_id = %s", (created, tx_id)
-        )
-    s = settings({GROUP: endpoint_settings(endpoint.url)}, max_prepared_age="P3D")
-    dsn = make_conninfo(pg_dsn, options=f"-c TimeZone={zone}")
+    created, s, dsn = before_berlins_spring_change(pg_dsn, tx_id, endpoint, zone)
     clock = Clock(created + timedelta(hours=71, minutes=30))
     checker = make_checker(s, clock, dsn=dsn)
     assert checker.run_once().unknown == 1
