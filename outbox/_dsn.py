@@ -40,7 +40,7 @@ def parse_dsn(dsn: str, what: str = "the DSN") -> dict[str, Any]:
             f"{what} is not a libpq connection string or URI: "
             + (reason or "libpq cannot parse it (its message is not shown: it quotes the DSN)")
         ) from None
-    if dsn.lstrip().lower().startswith(("postgresql://", "postgres://")) and _split_secret(params):
+    if _split_secret(dsn):
         # libpq parsed it, but a '@' or '/' of the password cut the URI elsewhere: the rest
         # became the host, the port or the database, which the connection's errors then quote
         raise InvalidConfigError(
@@ -60,6 +60,21 @@ def check_dsn_setting(value: SecretStr, name: str) -> SecretStr:
     return value
 
 
-def _split_secret(params: dict[str, Any]) -> bool:
-    host, port, dbname = (str(params.get(k) or "") for k in ("host", "port", "dbname"))
-    return "@" in host or "@" in dbname or not all(p.isdigit() for p in port.split(",") if p)
+def _split_secret(dsn: str) -> bool:
+    """A URI, as written (not decoded: a '%40' in a database name is meant), whose user or
+    password holds a '@' or '/' that cut it elsewhere: a second '@' before the path, an '@' in
+    the path, or a port that is not a number."""
+    scheme, sep, rest = dsn.strip().partition("://")
+    if not sep or scheme.lower() not in ("postgresql", "postgres"):
+        return False
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority, path = rest[:end], rest[end:].partition("?")[0]
+    userinfo, _, hosts = authority.rpartition("@")
+    if "@" in userinfo or "@" in path:
+        return True
+    for host in hosts.split(","):
+        port = host.rpartition("]")[2] if host.startswith("[") else host
+        port = port.partition(":")[2] if ":" in port else ""
+        if port and not port.isdigit():
+            return True
+    return False

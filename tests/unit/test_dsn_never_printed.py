@@ -23,6 +23,7 @@ UNPARSABLE = [
     # parsed, but the password cut the URI elsewhere: connecting quoted its tail as the host
     ("postgresql://app:hun@ter2x@127.0.0.1/app", "must be percent-encoded"),
     ("postgresql://app:hun/ter2x@db/app", "must be percent-encoded"),
+    ("postgresql://app:123/ter2x@db/app", "must be percent-encoded"),  # a number's port
 ]
 
 
@@ -33,6 +34,21 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("OUTBOX_"):
             monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://app:secret@db.example/orders%40eu",  # an '@' encoded, in the database
+        "postgresql://app:p%40ss%2Fw@db.example:5432/app",  # encoded in the password
+        "postgresql://app@h1:5432,h2:5433/app?sslmode=require",
+        "postgresql://app@[::1]:5432/app",
+        "postgresql:///app?host=%2Fvar%2Frun%2Fpg%40x",
+        "host=db password=p@ss/w dbname=app",  # a keyword string takes them as they are
+    ],
+)
+def test_valid_dsns_pass(dsn: str) -> None:
+    assert SidecarSettings.model_validate({"database": {"dsn": dsn}}).database.dsn
 
 
 @pytest.mark.parametrize(("dsn", "reason"), UNPARSABLE)
