@@ -388,7 +388,7 @@ class ShardWorker:
         for marker in markers:
             by_kind.setdefault((marker.op, marker.topic), []).append(marker)
         ended_by_kind: Counter[tuple[Op, str]] = Counter()
-        unmatched: set[int] = set()
+        unmatched: list[OpMarker] = []
         with conn.transaction():
             self._lock_lease(conn)
             # Rows ended before the crash or changed by hand since do not count; by kind, so
@@ -397,7 +397,7 @@ class ShardWorker:
             for kind, of_kind in by_kind.items():
                 ended_ids = self._end_recovered(conn, of_kind)
                 ended_by_kind[kind] += len(ended_ids)
-                unmatched.update(m.id for m in of_kind if m.id not in ended_ids)
+                unmatched += [m for m in of_kind if m.id not in ended_ids]
             self._say_other_records(conn, unmatched)
             conn.execute(
                 self._q("relay_set_marker_offset"),
@@ -1339,12 +1339,21 @@ class ShardWorker:
         ).fetchall()
         return {int(r[0]) for r in rows}
 
-    def _say_other_records(self, conn: psycopg.Connection[Any], ids: set[int]) -> None:
+    def _say_other_records(self, conn: psycopg.Connection[Any], markers: list[OpMarker]) -> None:
         """Markers whose ids another record now has (the database restored from a backup
         taken before they were written): that record is left for delivery, and said."""
-        if not ids:
+        if not markers:
             return
-        row = conn.execute(self._q("relay_other_records_of_ids"), {"ids": sorted(ids)}).fetchone()
+        row = conn.execute(
+            self._q("relay_other_records_of_ids"),
+            {
+                "ids": [m.id for m in markers],
+                "tx_ids": [m.tx_id for m in markers],
+                "producer_groups": [m.producer_group for m in markers],
+                "topics": [m.topic for m in markers],
+                "keys": [m.key for m in markers],
+            },
+        ).fetchone()
         others = int(row[0]) if row else 0
         if others:
             metrics.ERRORS.labels("marker_id_reused").inc()

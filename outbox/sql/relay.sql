@@ -307,10 +307,17 @@ WITH e AS (
 SELECT id FROM kept UNION ALL SELECT id FROM deleted;
 
 -- name: relay_other_records_of_ids
--- Rows not ended that hold ids of markers recovery matched to none: another record under that
--- id (a database restored from a backup), left for delivery, and said.
-SELECT count(*) FROM {schema}.outbox_record
-WHERE id = ANY(%(ids)s::bigint[]) AND ended_at IS NULL;
+-- Rows not ended under ids of markers recovery matched to none that are other records (another
+-- tx id, producer group, topic or key: a database restored from a backup), left for delivery
+-- and said. Not the marker's own record changed by hand meanwhile (redriven, re-armed).
+SELECT count(*)
+FROM {schema}.outbox_record AS r
+JOIN unnest(%(ids)s::bigint[], %(tx_ids)s::text[], %(producer_groups)s::text[],
+            %(topics)s::text[], %(keys)s::bytea[])
+     AS e(id, tx_id, producer_group, topic, key) ON r.id = e.id
+WHERE r.ended_at IS NULL
+  AND (r.tx_id <> e.tx_id OR r.producer_group <> e.producer_group OR r.topic <> e.topic
+       OR (e.key IS NOT NULL AND r.key IS DISTINCT FROM e.key));
 
 -- name: relay_trim_archive
 -- Ended rows past the archive's retention, a bounded slice at a time (parked rows stay until
