@@ -191,9 +191,9 @@ class Checker:
         # times. By this host's, a host 6 s ahead cut the check immunity by 6 s, and two hosts
         # more than a lease apart asked about one transaction at once. Measured each round;
         # a clock given (tests) is taken as it is unless asked.
-        self._follow_database = (
-            clock is None if follow_database_clock is None else (follow_database_clock)
-        )
+        if follow_database_clock is None:
+            follow_database_clock = clock is None
+        self._follow_database = follow_database_clock
         self._skew = timedelta(0)  # the database's clock minus this host's
         self._rng = rng or random.Random()  # noqa: S311 - jitter, not secrets
         self._rng_lock = threading.Lock()
@@ -201,7 +201,7 @@ class Checker:
         self._channel = wakeup_channel(self.schema)
         make_client = http or (lambda _group, endpoint: HttpCheckClient(endpoint))
         # by case-folded name: environment variables and secret files carry no case, so a
-        # producer group matches its endpoint whatever the case (settings merge case variants)
+        # producer group matches its endpoint whatever the case (the settings fold the names)
         self._endpoints: dict[str, _Endpoint] = {}
         for group, endpoint in settings.endpoints.items():
             self._endpoints[group.casefold()] = _Endpoint(
