@@ -395,9 +395,9 @@ class ShardWorker:
             # that the records these ends deliver are counted as a batch end counts its own
             # (uncounted, a recovery's showed nowhere in the delivered and ended totals).
             for kind, of_kind in by_kind.items():
-                ended_ids = self._end_recovered(conn, of_kind)
-                ended_by_kind[kind] += len(ended_ids)
-                unmatched += [m for m in of_kind if m.id not in ended_ids]
+                ended, other = self._end_recovered(conn, of_kind)
+                ended_by_kind[kind] += ended
+                unmatched += other
             self._say_other_records(conn, unmatched)
             conn.execute(
                 self._q("relay_set_marker_offset"),
@@ -1318,26 +1318,28 @@ class ShardWorker:
             raise LeaseLost(f"shard {self.shard} (epoch {self.lease.epoch}) is no longer ours")
         return row[0], row[1]
 
-    def _end_recovered(self, conn: psycopg.Connection[Any], markers: list[OpMarker]) -> set[int]:
+    def _end_recovered(
+        self, conn: psycopg.Connection[Any], markers: list[OpMarker]
+    ) -> tuple[int, list[OpMarker]]:
         """End the rows of markers read back, each only if it is the marker's record, not only
-        of its id (relay_end_recovered); the ids ended."""
-        keep = bool(self.settings.delivered_retention)
-        rows = conn.execute(
-            self._q("relay_end_recovered"),
-            {
-                "ids": [m.id for m in markers],
-                "states": [_shipped_as(m) for m in markers],
-                "tx_ids": [m.tx_id for m in markers],
-                "producer_groups": [m.producer_group for m in markers],
-                "topics": [m.topic for m in markers],
-                "keys": [m.key for m in markers],
-                "xids": [None if m.xid is None else str(m.xid) for m in markers],
-                "partitions": [m.partition for m in markers],
-                "offsets": [m.offset for m in markers],
-                "keep": [keep] * len(markers),
-            },
-        ).fetchall()
-        return {int(r[0]) for r in rows}
+        of its id (relay_recovered_rows): how many ended, and the markers that matched none."""
+        mine = {
+            int(r[0])
+            for r in conn.execute(
+                self._q("relay_recovered_rows"),
+                {
+                    "ids": [m.id for m in markers],
+                    "states": [_shipped_as(m) for m in markers],
+                    "tx_ids": [m.tx_id for m in markers],
+                    "producer_groups": [m.producer_group for m in markers],
+                    "topics": [m.topic for m in markers],
+                    "keys": [m.key for m in markers],
+                    "xids": [None if m.xid is None else str(m.xid) for m in markers],
+                },
+            )
+        }
+        cursors = self._end_rows(conn, [m for m in markers if m.id in mine])
+        return sum(max(c.rowcount, 0) for c in cursors), [m for m in markers if m.id not in mine]
 
     def _say_other_records(self, conn: psycopg.Connection[Any], markers: list[OpMarker]) -> None:
         """Markers whose ids another record now has (the database restored from a backup

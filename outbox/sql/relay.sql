@@ -263,48 +263,24 @@ USING unnest(%(ids)s::bigint[], %(states)s::text[]) AS e(id, state)
 WHERE r.id = e.id AND r.state = e.state AND r.ended_at IS NULL
   AND e.state IN ('committed', 'rolled_back', 'discarded');
 
--- name: relay_end_recovered
--- relay_end_rows / relay_delete_rows for recovery, which ends rows by markers it reads back, not
--- by rows it claimed: a row is ended only if it is the marker's record (its tx id, producer
--- group, topic, key where the marker has it, committing xid where both have it), not only of
--- its id. After a database restored from a backup, the ids of records delivered since the
--- backup were given again to new records, and their markers deleted those, never sent.
--- `keep`: archive (as relay_end_rows), else delete (parked rows always kept). Returns the ids.
-WITH e AS (
-    SELECT * FROM unnest(%(ids)s::bigint[], %(states)s::text[], %(tx_ids)s::text[],
-                         %(producer_groups)s::text[], %(topics)s::text[], %(keys)s::bytea[],
-                         %(xids)s::text[], %(partitions)s::integer[], %(offsets)s::bigint[],
-                         %(keep)s::boolean[])
-         AS e(id, state, tx_id, producer_group, topic, key, xid, kafka_partition, kafka_offset,
-              keep)
-), mine AS (
-    SELECT r.id, e.state, e.kafka_partition, e.kafka_offset, e.keep
-    FROM {schema}.outbox_record AS r JOIN e ON r.id = e.id
-    WHERE r.state = e.state AND r.ended_at IS NULL
-      AND r.tx_id = e.tx_id AND r.producer_group = e.producer_group AND r.topic = e.topic
-      AND (e.key IS NULL OR r.key = e.key)
-      AND (e.xid IS NULL OR r.committed_xid IS NULL OR r.committed_xid = e.xid::xid8)
-    FOR UPDATE OF r
-), kept AS (
-    UPDATE {schema}.outbox_record AS r
-    SET state = CASE WHEN r.state = 'committed' THEN 'delivered' ELSE r.state END,
-        commit_ts = CASE WHEN r.state = 'committed' AND r.commit_ts IS NULL
-                         THEN coalesce(pg_xact_commit_timestamp(r.committed_xid::xid),
-                                       r.state_changed_at)
-                         ELSE r.commit_ts END,
-        ended_at = now(),
-        kafka_partition = m.kafka_partition,
-        kafka_offset = m.kafka_offset
-    FROM mine AS m
-    WHERE r.id = m.id AND (m.keep OR m.state = 'parked')
-    RETURNING r.id
-), deleted AS (
-    DELETE FROM {schema}.outbox_record AS r
-    USING mine AS m
-    WHERE r.id = m.id AND NOT m.keep AND m.state IN ('committed', 'rolled_back', 'discarded')
-    RETURNING r.id
-)
-SELECT id FROM kept UNION ALL SELECT id FROM deleted;
+-- name: relay_recovered_rows
+-- Of the rows markers read back name, those that are the markers' records, locked for their end
+-- (relay_end_rows / relay_delete_rows): recovery ends rows by markers, not rows it claimed, so a
+-- row is ended only if it is the marker's record (its tx id, producer group, topic, key where
+-- the marker has it, committing xid where both have it), not only of its id. After a database
+-- restored from a backup, the ids of records delivered since the backup were given again to new
+-- records, and their markers deleted those, never sent.
+SELECT r.id
+FROM {schema}.outbox_record AS r
+JOIN unnest(%(ids)s::bigint[], %(states)s::text[], %(tx_ids)s::text[],
+            %(producer_groups)s::text[], %(topics)s::text[], %(keys)s::bytea[],
+            %(xids)s::text[])
+     AS e(id, state, tx_id, producer_group, topic, key, xid) ON r.id = e.id
+WHERE r.state = e.state AND r.ended_at IS NULL
+  AND r.tx_id = e.tx_id AND r.producer_group = e.producer_group AND r.topic = e.topic
+  AND (e.key IS NULL OR r.key = e.key)
+  AND (e.xid IS NULL OR r.committed_xid IS NULL OR r.committed_xid = e.xid::xid8)
+FOR UPDATE OF r;
 
 -- name: relay_other_records_of_ids
 -- Rows not ended under ids of markers recovery matched to none that are other records (another

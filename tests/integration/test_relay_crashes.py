@@ -64,6 +64,25 @@ def publish(dsn: str, topic: str, transactions: int, per_tx: int, tag: str = "")
     return sent
 
 
+def in_doubt(
+    dsn: str,
+    topic: str,
+    relay_process: Callable[..., RelayProcess],
+    transactions: int = 2,
+    per_tx: int = 3,
+) -> tuple[list[bytes], RelayProcess]:
+    """Records published, then sent and committed in Kafka by a relay killed before it ended
+    their rows: a batch in doubt. The records, and the killed relay."""
+    sent = publish(dsn, topic, transactions, per_tx)
+    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
+    assert doomed.proc.wait(60) == -9, doomed.output()
+    return sent, doomed
+
+
+def recovered(relay: Any, dsn: str, what: str = "the recovery") -> None:
+    wait_for(lambda: relay.run_once() and undelivered(dsn) == 0, 60, what)
+
+
 def assert_exactly_once(msgs: list[Message], expected: list[bytes]) -> None:
     got = Counter(m.value() for m in msgs)
     duplicates = {v: n for v, n in got.items() if n > 1}
@@ -127,9 +146,7 @@ def test_records_a_recovery_ends_are_counted_delivered_and_ended(
     """Only a batch's own end counted its records: those a recovery ended from their markers
     (after a crash, or a lost connection in the end) were missing from both totals."""
     topic = topic_factory()
-    expected = publish(pg_dsn, topic, transactions=2, per_tx=3)
-    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
-    assert doomed.proc.wait(60) == -9, doomed.output()
+    expected, _ = in_doubt(pg_dsn, topic, relay_process)
     assert undelivered(pg_dsn) == len(expected)  # in Kafka, not ended
 
     def total(name: str, **labels: str) -> float:
@@ -137,7 +154,7 @@ def test_records_a_recovery_ends_are_counted_delivered_and_ended(
 
     ended_before = total("outbox_relay_records_ended_total", op="delivered")
     survivor = relay_factory(**FAST)  # in this process: its metrics are read here
-    wait_for(lambda: survivor.run_once() and undelivered(pg_dsn) == 0, 60, "the recovery")
+    recovered(survivor, pg_dsn)
     assert total("outbox_relay_records_delivered_total", topic=topic) == len(expected)
     assert total("outbox_relay_records_ended_total", op="delivered") - ended_before == len(expected)
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
@@ -155,9 +172,7 @@ def test_records_given_ids_again_after_a_database_restore_are_delivered_not_ende
     ids to new records; recovery ended rows by id alone, so the new records' rows were deleted
     by the old records' markers, never sent."""
     topic = topic_factory()
-    delivered = publish(pg_dsn, topic, transactions=2, per_tx=3)
-    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
-    assert doomed.proc.wait(60) == -9, doomed.output()  # in Kafka, with markers; rows still here
+    delivered, _ = in_doubt(pg_dsn, topic, relay_process)  # rows still here
     with psycopg.connect(pg_dsn) as conn:  # the restore: those rows gone, their ids given again
         ids = [r[0] for r in conn.execute("SELECT id FROM outbox.outbox_record ORDER BY id")]
         conn.execute("DELETE FROM outbox.outbox_record")
@@ -171,7 +186,7 @@ def test_records_given_ids_again_after_a_database_restore_are_delivered_not_ende
     assert reused == ids  # the same ids, other records
     caplog.set_level("ERROR", logger="relay.shard")
     survivor = relay_factory(**FAST)
-    wait_for(lambda: survivor.run_once() and undelivered(pg_dsn) == 0, 60, "the new records")
+    recovered(survivor, pg_dsn, "the new records")
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), delivered + fresh)
     assert "have the ids of records whose op markers are committed" in caplog.text
 
@@ -186,9 +201,7 @@ def test_a_row_changed_by_hand_while_in_doubt_is_not_taken_for_a_restore(
     """A marker's own record in another state (redriven, re-armed meanwhile) is left as it is,
     as before; it was also reported as a database restored from a backup, an error and a
     metric an alert may watch."""
-    publish(pg_dsn, topic_factory(), transactions=1, per_tx=2)
-    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
-    assert doomed.proc.wait(60) == -9, doomed.output()
+    in_doubt(pg_dsn, topic_factory(), relay_process, transactions=1, per_tx=2)
     with psycopg.connect(pg_dsn) as conn:  # the same record, in another state now
         conn.execute(
             "UPDATE outbox.outbox_record SET state = 'parked', reason = 'by hand'"
@@ -197,7 +210,7 @@ def test_a_row_changed_by_hand_while_in_doubt_is_not_taken_for_a_restore(
     caplog.set_level("ERROR", logger="relay.shard")
     reused = REGISTRY.get_sample_value("outbox_relay_errors_total", {"kind": "marker_id_reused"})
     survivor = relay_factory(**FAST)
-    wait_for(lambda: survivor.run_once() and undelivered(pg_dsn) == 0, 60, "the recovery")
+    recovered(survivor, pg_dsn)
     assert "have the ids of records" not in caplog.text
     after = REGISTRY.get_sample_value("outbox_relay_errors_total", {"kind": "marker_id_reused"})
     assert after == reused
@@ -214,9 +227,7 @@ def test_a_batch_in_doubt_is_not_sent_again_after_the_outbox_schema_was_renamed(
     """Markers name their outbox (database/schema): after a rename, recovery took the outbox's
     own markers for another's, ended nothing by them, and the batch in doubt went out twice."""
     topic = topic_factory()
-    expected = publish(pg_dsn, topic, transactions=2, per_tx=3)
-    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
-    assert doomed.proc.wait(60) == -9, doomed.output()
+    expected, _ = in_doubt(pg_dsn, topic, relay_process)
     settings = relay_settings(**FAST)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("ALTER SCHEMA outbox RENAME TO outbox_renamed")
@@ -302,9 +313,7 @@ def test_markers_deleted_while_a_batch_is_in_doubt_stop_the_relay_not_send_it_ag
     to the log start without a word, past the batch's markers, and the batch went again (or,
     with nothing after them, the shard waited for ever behind green probes)."""
     topic = topic_factory()
-    expected = publish(pg_dsn, topic, transactions=2, per_tx=3)
-    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
-    assert doomed.proc.wait(60) == -9, doomed.output()
+    expected, doomed = in_doubt(pg_dsn, topic, relay_process)
     assert undelivered(pg_dsn) == len(expected)  # in doubt: sent, not ended
     markers = doomed.settings.relay.op_marker_topic
     end = delete_markers_up_to_the_end(kafka_bootstrap, markers)
