@@ -52,6 +52,7 @@ from relay.kafka import (
     Fenced,
     OutcomeUnknown,
     ProducerFailed,
+    ProducerMisconfigured,
     Sent,
     ShardProducer,
     Topics,
@@ -366,8 +367,10 @@ class ShardWorker:
             # As recorded now, not when the lease was taken: batch ends and idle shards have
             # moved it on since, and the markers before it may be gone (retention).
             recorded_partition, recorded_offset = self._lock_lease(conn)
-            row = conn.execute(self._q("relay_marker_outbox"), {"shard": self.shard}).fetchone()
-            recorded_outbox = row[0] if row else None
+            row = conn.execute(self._q("relay_marker_writer"), {"shard": self.shard}).fetchone()
+            recorded_outbox, recorded_producer = row if row else (None, None)
+        if recorded_producer not in (None, self.producer.transactional_id):
+            self._fence_earlier_producer(recorded_producer)
         self.producer.init()
         # A lease that never recovered never shipped: no marker is this shard's yet (a new
         # lease row, or one made anew for a new shard count), and its offset 0 would mean
@@ -406,6 +409,7 @@ class ShardWorker:
                     "partition": self.marker_partition,
                     "offset": end_offset,
                     "outbox": self.outbox,
+                    "transactional_id": self.producer.transactional_id,
                 },
             )
         for (op, topic), count in ended_by_kind.items():
@@ -425,6 +429,34 @@ class ShardWorker:
             ended,
         )
         return len(markers)
+
+    def _fence_earlier_producer(self, transactional_id: str) -> None:
+        """Fence the producer the shard's markers were last written with, another than ours
+        (relay.transactional_id_prefix changed): Kafka fences only a producer of the same
+        transactional.id, and a relay of the old prefix, paused with a batch claimed, woke
+        after the lease moved, committed that batch, and its records went out twice."""
+        logger.warning(
+            "shard %s: its op markers were last written by producer %s, this relay's is %s "
+            "(relay.transactional_id_prefix changed): fencing that one first",
+            self.shard,
+            transactional_id,
+            self.producer.transactional_id,
+        )
+        earlier = ShardProducer(
+            self.kafka_conf, transactional_id, self.settings.kafka_transaction_timeout
+        )
+        try:
+            earlier.init()  # aborts its open transaction, refuses its commits from now on
+        except ProducerMisconfigured as exc:
+            raise ProducerMisconfigured(
+                f"shard {self.shard} cannot go on until the producer its op markers were last "
+                f"written with, {transactional_id} (of the relay.transactional_id_prefix before "
+                "it changed), is fenced, and Kafka refuses the relay that: "
+                f"{exc}. Keep the relay's principal allowed WRITE and DESCRIBE on the old "
+                "transactional ids until every relay has taken its shards over once"
+            ) from exc
+        finally:
+            earlier.close()
 
     def _read_markers(
         self,
@@ -1131,6 +1163,7 @@ class ShardWorker:
                     "partition": self.marker_partition,
                     "offset": ending.next_offset,
                     "outbox": self.outbox,
+                    "transactional_id": self.producer.transactional_id,
                 },
             )
             if ending.poison:

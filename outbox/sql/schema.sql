@@ -124,6 +124,9 @@ CREATE TABLE {schema}.shard_lease (
     -- 0006: the outbox name (database/schema) its markers were last written under: still its
     -- own after a rename
     marker_outbox   text,
+    -- 0007: the transactional id those markers were written with: recovery fences it too when
+    -- the relay's own differs (the prefix changed)
+    transactional_id text,
     CONSTRAINT shard_lease_shard_valid CHECK (shard >= 0),
     CONSTRAINT shard_lease_owner_has_expiry CHECK (owner IS NULL OR lease_until IS NOT NULL)
 );

@@ -404,19 +404,47 @@ def test_an_idle_shard_moves_its_marker_offset_on_so_that_retention_stops_no_res
     assert relay_factory(relay.settings).run_once().shards == 1  # a restart recovers too
 
 
+@pytest.mark.parametrize(
+    ("paused_at", "prefix_changed"),
+    [
+        (_failpoints.AFTER_PRODUCE, False),
+        (_failpoints.BEFORE_PRODUCE, True),
+        (_failpoints.AFTER_PRODUCE, True),
+    ],
+    ids=["same-prefix", "prefix-changed-before-produce", "prefix-changed-after-produce"],
+)
 def test_a_paused_owner_is_fenced_after_losing_its_lease(
     pg_dsn: str,
     kafka_bootstrap: str,
     topic_factory: Callable[..., str],
     relay_process: Callable[..., RelayProcess],
+    paused_at: str,
+    prefix_changed: bool,
 ) -> None:
+    """Prefix changed: the successor's transactional ids are not the zombie's (a rolling update
+    that changed relay.transactional_id_prefix), so its own producers fenced nothing. Paused
+    before its Kafka transaction began, the zombie woke, committed its batch, and its records
+    went out twice; paused in it, the successor waited for it to time out."""
     topic = topic_factory()
     expected = publish(pg_dsn, topic, transactions=4, per_tx=5)
 
-    zombie = relay_process(failpoint=f"{_failpoints.AFTER_PRODUCE}:stop", **FAST)
+    zombie = relay_process(failpoint=f"{paused_at}:stop", **FAST)
     wait_for(zombie.stopped, 60, "the first relay to pause with its batch in flight", zombie)
 
-    successor = relay_process(**FAST)
+    settings = zombie.settings
+    if prefix_changed:
+        relay = settings.relay.model_copy(
+            update={"transactional_id_prefix": f"{settings.relay.transactional_id_prefix}-new"}
+        )
+        settings = settings.model_copy(update={"relay": relay})
+    successor = relay_process(settings=settings)
+    if prefix_changed:
+        wait_for(
+            lambda: "fencing that one first" in successor.output(),
+            60,
+            "the successor to fence the zombie's producer",
+            successor,
+        )
     wait_for(
         lambda: undelivered(pg_dsn) == 0, 60, "the successor to take over and deliver", successor
     )
