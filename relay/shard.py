@@ -139,8 +139,8 @@ class EndFailed(Exception):
 
 
 class MarkersNotFound(Exception):
-    """The op-marker topic ends below the offset a shard recorded: another topic (renamed in
-    the settings, or deleted and made again) than the one its markers went to."""
+    """A shard's markers are not where it recorded them: another topic (renamed in the
+    settings, or deleted and made again) than the one they went to, or markers deleted."""
 
 
 class DeadLetterUnwritable(Exception):
@@ -368,7 +368,18 @@ class ShardWorker:
             # moved it on since, and the markers before it may be gone (retention).
             recorded_partition, recorded_offset = self._lock_lease(conn)
             row = conn.execute(self._q("relay_marker_writer"), {"shard": self.shard}).fetchone()
-            recorded_outbox, recorded_producer = row if row else (None, None)
+            recorded_outbox, recorded_producer, recorded_topic = row if row else (None,) * 3
+        topic = self.settings.op_marker_topic
+        if recorded_partition is not None and recorded_topic not in (None, topic):
+            # its offset would be read in another log: one that ran past it (a topic used
+            # before, switched back to) yields none of the markers of a batch in doubt
+            raise MarkersNotFound(
+                f"shard {self.shard} recorded its op markers in topic {recorded_topic}, not "
+                f"{topic}: relay.op_marker_topic changed. Run the relays with the topic they "
+                "wrote to; to go on with this one, accepting that a batch in doubt may go "
+                "again (none is if every relay stopped cleanly), stop every relay and empty "
+                "shard_lease"
+            )
         if recorded_producer not in (None, self.producer.transactional_id):
             self._fence_earlier_producer(recorded_producer)
         self.producer.init()
@@ -410,6 +421,7 @@ class ShardWorker:
                     "offset": end_offset,
                     "outbox": self.outbox,
                     "transactional_id": self.producer.transactional_id,
+                    "topic": self.settings.op_marker_topic,
                 },
             )
         for (op, topic), count in ended_by_kind.items():
@@ -1164,6 +1176,7 @@ class ShardWorker:
                     "offset": ending.next_offset,
                     "outbox": self.outbox,
                     "transactional_id": self.producer.transactional_id,
+                    "topic": self.settings.op_marker_topic,
                 },
             )
             if ending.poison:

@@ -325,13 +325,14 @@ WHERE id < coalesce(
 -- name: relay_set_marker_offset
 UPDATE {schema}.shard_lease
 SET marker_partition = %(partition)s, marker_offset = %(offset)s, marker_outbox = %(outbox)s,
-    transactional_id = %(transactional_id)s
+    transactional_id = %(transactional_id)s, marker_topic = %(topic)s
 WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s;
 
 -- name: relay_marker_writer
--- The outbox name the shard's markers were last written under, and the transactional id they
--- were written with (relay_set_marker_offset).
-SELECT marker_outbox, transactional_id FROM {schema}.shard_lease WHERE shard = %(shard)s;
+-- The outbox name the shard's markers were last written under, the transactional id they were
+-- written with and their topic (relay_set_marker_offset).
+SELECT marker_outbox, transactional_id, marker_topic FROM {schema}.shard_lease
+WHERE shard = %(shard)s;
 
 -- name: relay_advance_marker_offset
 -- An idle shard's marker offset, moved on to the partition's end (never back: a topic made anew

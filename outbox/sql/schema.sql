@@ -125,8 +125,10 @@ CREATE TABLE {schema}.shard_lease (
     -- own after a rename
     marker_outbox   text,
     -- 0007: the transactional id those markers were written with: recovery fences it too when
-    -- the relay's own differs (the prefix changed)
+    -- the relay's own differs (the prefix changed); and their topic (read in another, an offset
+    -- means nothing)
     transactional_id text,
+    marker_topic    text,
     CONSTRAINT shard_lease_shard_valid CHECK (shard >= 0),
     CONSTRAINT shard_lease_owner_has_expiry CHECK (owner IS NULL OR lease_until IS NOT NULL)
 );

@@ -456,6 +456,38 @@ def test_a_paused_owner_is_fenced_after_losing_its_lease(
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
 
 
+def test_a_relay_switched_back_to_a_marker_topic_used_before_stops_instead_of_sending_twice(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Callable[..., Any],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """The relays moved to another marker topic (shard_lease emptied, as the refusal of a
+    changed topic says), then back: the offset recorded in the second topic, read in the first
+    (which had run past it), found none of the markers of the batch in doubt, which went
+    again."""
+    topic, used_before = topic_factory(), topic_factory(partitions=2)
+    publish(pg_dsn, topic_factory(), transactions=2, per_tx=1)
+    relay = relay_factory(op_marker_topic=used_before, **FAST)
+    recovered(relay, pg_dsn, "the first topic's deliveries")
+    relay.stop()
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("DELETE FROM outbox.shard_lease")
+    sent, doomed = in_doubt(pg_dsn, topic, relay_process)  # markers in the relays' second topic
+    second = doomed.settings.relay
+    back = doomed.settings.model_copy(
+        update={"relay": second.model_copy(update={"op_marker_topic": used_before})}
+    )
+    wrong = relay_factory(back)
+    with pytest.raises(RelayConfigError, match=rf"in topic {second.op_marker_topic}, not"):
+        # the shard is taken once the killed relay's lease ran out
+        wait_for(lambda: wrong.run_once().shards, 60, "the killed relay's lease to run out")
+    wrong.stop()  # the sidecar's way: it stops, and hands its shard back
+    recovered(relay_factory(doomed.settings), pg_dsn)
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), sent)
+
+
 def test_two_relays_share_the_shards_and_deliver_each_record_once(
     pg_dsn: str,
     kafka_bootstrap: str,

@@ -934,7 +934,7 @@ def test_a_relay_on_another_op_marker_topic_than_its_shards_wrote_to_stops(
     assert first.run_once().delivered == 1  # an offset recorded past its markers
     first.stop()
     wrong = relay_factory(op_marker_topic=renamed)
-    with pytest.raises(RelayConfigError, match=rf"of {renamed}:0, which ends at 0"):
+    with pytest.raises(RelayConfigError, match=rf"in topic {before}, not {renamed}:"):
         wrong.run_once()
     wrong.stop()  # the sidecar's way: it stops, and hands its shard back
     assert relay_factory(op_marker_topic=before).run_once().shards == 1
