@@ -31,6 +31,7 @@ from outbox._errors import (
     RecordTooLargeError,
     SchemaError,
     SerializationError,
+    TransactionConflict,
     TransactionStateError,
     UnknownTransactionError,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "SchemaError",
     "SerializationError",
     "State",
+    "TransactionConflict",
     "TransactionStateError",
     "TransactionStatus",
     "Transition",

@@ -28,6 +28,7 @@ from outbox._session import (
     async_statement_cursor,
     database_errors,
     in_pipeline,
+    quiet,
     require_transaction,
 )
 from outbox._txid import new_tx_id
@@ -48,6 +49,7 @@ async def _run(
             "use Outbox for sync connections"
         )
     query, params = next(op)
+    params = quiet(conn, params)
     if in_transaction:
         if conn.autocommit and in_pipeline(conn):
             with database_errors():
@@ -61,6 +63,7 @@ async def _run(
                 rows = await cur.fetchall()  # see _sync._run
                 try:
                     query, params = op.send(rows)
+                    params = quiet(conn, params)
                 except StopIteration as done:
                     return done.value
 

@@ -16,6 +16,7 @@
     │   └── DuplicateTransactionError
     ├── SchemaError                 the database schema is missing or newer than this library
     └── OutboxDatabaseError         the database failed; psycopg's error is the __cause__
+        └── TransactionConflict     a serialization failure or deadlock: run the transaction again
 
 Validation happens before any SQL is sent, so after an InvalidRecordError, an OutboxUsageError or
 a TransactionStateError the caller's transaction is still usable. After an OutboxDatabaseError it
@@ -97,4 +98,15 @@ class SchemaError(OutboxError):
 
 
 class OutboxDatabaseError(OutboxError):
-    """Postgres reported an error; the original psycopg exception is chained as __cause__."""
+    """Postgres reported an error; the original psycopg exception is chained as __cause__, and
+    its SQLSTATE is `sqlstate` (None when the connection failed before the server answered)."""
+
+    def __init__(self, message: str, *, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+class TransactionConflict(OutboxDatabaseError):
+    """Postgres aborted the caller's transaction for a conflict with another one: a
+    serialization failure (40001, REPEATABLE READ or SERIALIZABLE) or a deadlock (40P01). Roll
+    back and run the whole transaction again, as for the same error raised by your own SQL."""

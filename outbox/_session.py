@@ -12,7 +12,12 @@ from psycopg.pq import PipelineStatus
 from psycopg.pq import TransactionStatus as PgTxStatus
 from psycopg.rows import tuple_row
 
-from outbox._errors import OutboxDatabaseError, OutboxUsageError, SchemaError
+from outbox._errors import (
+    OutboxDatabaseError,
+    OutboxUsageError,
+    SchemaError,
+    TransactionConflict,
+)
 
 
 def require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
@@ -72,4 +77,23 @@ def database_errors() -> Iterator[None]:
             "run `outboxctl migrate` (or outbox.migrate()) against this database"
         ) from exc
     except psycopg.Error as exc:
-        raise OutboxDatabaseError(f"the database failed: {exc}") from exc
+        # A retry loop that catches these in the application's own statements catches them
+        # here by their own class, not only as a database error.
+        kind = TransactionConflict if exc.sqlstate in _CONFLICTS else OutboxDatabaseError
+        raise kind(f"the database failed: {exc}", sqlstate=exc.sqlstate) from exc
+
+
+# serialization_failure, deadlock_detected
+_CONFLICTS = frozenset({"40001", "40P01"})
+
+
+def quiet(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], params: dict[str, Any]
+) -> dict[str, Any]:
+    """A statement's parameters with its NOTIFY of the relay turned off in a two-phase
+    transaction (tpc_begin): Postgres refuses to PREPARE one that ran NOTIFY, and the
+    application's transaction was lost at its PREPARE. The relay finds those records by
+    polling. psycopg keeps the two-phase state only as `_tpc` (xid, prepared), since 3.0."""
+    if params.get("notify") and getattr(conn, "_tpc", None) is not None:
+        return {**params, "notify": False}
+    return params

@@ -23,6 +23,7 @@ from outbox._records import Headers, Record, check_immunity_interval, require_re
 from outbox._session import (
     database_errors,
     in_pipeline,
+    quiet,
     require_transaction,
     statement_cursor,
 )
@@ -46,6 +47,7 @@ def _run(target: ConnectionOrCursor, op: _core.Operation, *, in_transaction: boo
             )
         )
     query, params = next(op)  # validation runs here, before anything is sent
+    params = quiet(conn, params)
     if in_transaction:
         if conn.autocommit and in_pipeline(conn):
             with database_errors(), conn.pipeline() as pipeline:
@@ -59,6 +61,7 @@ def _run(target: ConnectionOrCursor, op: _core.Operation, *, in_transaction: boo
             rows = cur.fetchall()
             try:
                 query, params = op.send(rows)
+                params = quiet(conn, params)
             except StopIteration as done:
                 return done.value
 

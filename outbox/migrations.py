@@ -74,7 +74,9 @@ def migrate(
             )
         return _migrate(conninfo_or_conn, schema)
     except psycopg.Error as exc:
-        raise OutboxDatabaseError(f"migrating schema {schema!r} failed: {exc}") from exc
+        raise OutboxDatabaseError(
+            f"migrating schema {schema!r} failed: {exc}", sqlstate=exc.sqlstate
+        ) from exc
 
 
 def _tuples(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:

@@ -470,6 +470,57 @@ def test_async_publish_and_rollback(pg_dsn: str) -> None:
     assert [r[5] for r in rows(pg_dsn)] == [b"kept", b"batch"]
 
 
+def test_records_written_in_a_two_phase_transaction_can_be_prepared_and_committed(
+    pg_dsn: str,
+) -> None:
+    """publish and commit NOTIFY the relay, and Postgres refuses to PREPARE a transaction that
+    ran NOTIFY: the application's transaction was lost at tpc_prepare."""
+    with psycopg.connect(pg_dsn) as conn:
+        conn.tpc_begin(conn.xid(1, "outbox-2pc", "sync"))
+        outbox.publish(conn, "t", "sync")
+        conn.tpc_prepare()
+        conn.tpc_commit()
+        half = outbox.prepare(conn, "t", "half")
+        conn.commit()
+        conn.tpc_begin(conn.xid(1, "outbox-2pc", "commit"))
+        outbox.commit(conn, half.tx_id)
+        conn.tpc_prepare()
+        conn.tpc_commit()
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+            await conn.tpc_begin("outbox-2pc-async")
+            await outbox.AsyncOutbox().publish(conn, "t", "async")
+            await conn.tpc_prepare()
+            await conn.tpc_commit()
+
+    asyncio.run(main())
+    assert [(r[5], r[8]) for r in rows(pg_dsn)] == [
+        (b"sync", "committed"),
+        (b"half", "committed"),
+        (b"async", "committed"),
+    ]
+
+
+def test_a_serialization_failure_is_a_transaction_conflict_with_its_sqlstate(
+    pg_dsn: str,
+) -> None:
+    """Wrapped as a plain OutboxDatabaseError without its SQLSTATE, a retry loop that catches
+    serialization failures missed those raised inside the outbox's calls."""
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        half = outbox.prepare(conn, "t", "v")
+    with psycopg.connect(pg_dsn) as late, psycopg.connect(pg_dsn) as other:
+        late.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        late.execute("SELECT 1")  # its snapshot, taken before the other's rollback
+        with other.transaction():
+            outbox.rollback(other, half.tx_id)
+        with pytest.raises(outbox.TransactionConflict) as conflict:
+            outbox.commit(late, half.tx_id)
+    assert isinstance(conflict.value, outbox.OutboxDatabaseError)
+    assert conflict.value.sqlstate == "40001"
+    assert isinstance(conflict.value.__cause__, psycopg.errors.SerializationFailure)
+
+
 def test_sync_api_refuses_an_async_connection(pg_dsn: str) -> None:
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
