@@ -162,6 +162,9 @@ class HttpSettings(BaseModel):
     enabled: bool = True
 
 
+MIN_OP_MARKER_MESSAGE_BYTES = 1024
+
+
 class RelaySettings(BaseModel):
     """The relay's own knobs; defaults chosen with bench/relay.py."""
 
@@ -186,7 +189,7 @@ class RelaySettings(BaseModel):
     )
     op_marker_message_bytes: int = Field(
         default=256 * 1024,
-        ge=1024,
+        ge=MIN_OP_MARKER_MESSAGE_BYTES,
         description="Markers per op-marker message, in bytes: below the topic's max.message.bytes.",
     )
     dead_letter_topic: str = "outbox.dead-letter"

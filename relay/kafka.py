@@ -10,7 +10,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -95,6 +95,11 @@ _MISCONFIGURED = {
     ),
 }
 
+# Seconds without a delivery report after which the topics of the records still waiting are
+# looked up (ShardProducer.reports): the client keeps a record for a topic deleted since it
+# learned of it queued until the transaction's timeout.
+REPORT_STALL_S = 5.0
+
 # Metadata errors that say the topic is not there for us; any other one passes.
 _TOPIC_MISSING = frozenset(
     {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.TOPIC_AUTHORIZATION_FAILED}
@@ -141,6 +146,8 @@ class Sent:
     partition: int | None = None
     offset: int | None = None
     error: KafkaError | None = None
+    topic: str = ""
+    reported: bool = False
 
 
 # What exactly-once needs of every shard producer, whatever kafka.extra says...
@@ -286,10 +293,11 @@ class ShardProducer:
         """Produce one record; raises KafkaException at once for what librdkafka refuses locally,
         and TransactionTimedOut once the transaction is open longer than its timeout."""
         self._past_timeout("still producing")
-        sent = Sent(tag)
+        sent = Sent(tag, topic=topic)
         reported = self._reported
 
         def report(err: KafkaError | None, msg: Message) -> None:
+            sent.reported = True
             sent.error = err
             if err is None:
                 sent.partition, sent.offset = msg.partition(), msg.offset()
@@ -326,20 +334,27 @@ class ShardProducer:
         if self._call(self.producer.flush, self.timeout_s) > 0:
             raise OutcomeUnknown(f"queued records not sent in {self.timeout_s}s")
 
-    def reports(self) -> Iterator[Sent]:
+    def reports(self, stalled: Callable[[list[Sent]], None] | None = None) -> Iterator[Sent]:
         """Each record of this transaction as its delivery report arrives, until all have one.
 
         Records the caller sends while iterating are waited for too: a caller can send what
         depends on a report (an op marker needs its record's offset) without a second flush.
+        `stalled` gets the records still waiting after REPORT_STALL_S without any report, and
+        again after each such stretch: it may raise to give the transaction up.
         """
         done = 0
+        last_report = time.monotonic()
         while done < len(self._sent):
             while self._reported:
                 done += 1
+                last_report = time.monotonic()
                 yield self._reported.popleft()
             if done >= len(self._sent):
                 break
             self._past_timeout(f"{len(self._sent) - done} records had no delivery report")
+            if stalled is not None and time.monotonic() - last_report > REPORT_STALL_S:
+                stalled([sent for sent in self._sent if not sent.reported])
+                last_report = time.monotonic()
             # flush, not poll: a flush sends what is queued at once instead of after linger.ms
             self._call(self.producer.flush, 0.1)
 
@@ -441,6 +456,11 @@ class Topics:
         count = 0 if topic is None else len(topic.partitions)
         self._known[name] = (now, count)
         return count
+
+    def known_partitions(self, name: str) -> int | None:
+        """The partition count last looked up for `name`, however old; None if never."""
+        cached = self._known.get(name)
+        return None if cached is None else cached[1]
 
     def log_end(self, name: str, partition: int, *, timeout_s: float = 10.0) -> int:
         """The partition's log end offset, open transactions included. A read_committed

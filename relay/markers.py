@@ -56,6 +56,9 @@ OUTBOX_REASON_HEADER = "outbox-reason"  # on dead-letter copies
 OUTBOX_VALUE_OMITTED_HEADER = "outbox-value-omitted"  # a copy too large to carry its value
 MARKER_VERSION = 2
 MAX_MARKER_KEY_BYTES = 4096
+# What a marker message may hold beyond op_marker_message_bytes: one more entry (its key and
+# reason are capped, below), the envelope, and Kafka's record overhead.
+MARKER_MESSAGE_MARGIN = 32 * 1024
 MAX_MARKER_REASON_CHARS = 1024
 
 

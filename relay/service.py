@@ -27,7 +27,7 @@ from outbox import wakeup_channel
 from outbox.migrations import schema_problem
 from relay import metrics
 from relay.background import BackgroundConnection
-from relay.config import SidecarSettings
+from relay.config import MIN_OP_MARKER_MESSAGE_BYTES, SidecarSettings
 from relay.kafka import (
     DEAD_LETTER_TOPIC_CONFIG,
     Fenced,
@@ -38,13 +38,14 @@ from relay.kafka import (
     TransactionTimedOut,
 )
 from relay.leases import LeaseManager, ShardCountMismatch
-from relay.markers import marker_partition, outbox_name
+from relay.markers import MARKER_MESSAGE_MARGIN, marker_partition, outbox_name
 from relay.pipelined import pipelined_transaction
 from relay.shard import (
     DeadLetterUnwritable,
     EndFailed,
     LeaseLost,
     MarkersNotFound,
+    MarkerTopicRefused,
     ShardRound,
     ShardWorker,
     Unstamped,
@@ -66,9 +67,6 @@ LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.byt
 # A round that held transactions back for another relay's shard looks again this soon (that
 # relay's rounds take tens of ms), not after the poll interval.
 HELD_BACK_POLL_S = 0.05
-# What a marker message may hold beyond op_marker_message_bytes: one more entry (its key and
-# reason are capped, relay/markers.py), the envelope, and Kafka's record overhead.
-MARKER_MESSAGE_MARGIN = 32 * 1024
 MIN_MARKER_RETENTION_MS = 24 * 3600 * 1000  # as relay.op_marker_retention's least
 HAND_OVER_S = 3.0  # what a stop spends, at most, recording the shards' marker offsets
 
@@ -299,11 +297,18 @@ class Relay:
         }
         for name, limit in limits.items():
             if limit is not None and rs.op_marker_message_bytes + MARKER_MESSAGE_MARGIN > limit:
+                fits = limit - MARKER_MESSAGE_MARGIN
+                fix = (
+                    f"set it to at most {fits}"
+                    if fits >= MIN_OP_MARKER_MESSAGE_BYTES
+                    # below the setting's least: that would be refused too
+                    else f"raise {name} to at least "
+                    f"{rs.op_marker_message_bytes + MARKER_MESSAGE_MARGIN}"
+                )
                 raise RelayConfigError(
                     f"relay.op_marker_message_bytes is {rs.op_marker_message_bytes}, but {name} "
-                    f"is {limit}: set it to at most {limit - MARKER_MESSAGE_MARGIN} (a message "
-                    f"may exceed it by one entry and the envelope, {MARKER_MESSAGE_MARGIN} bytes "
-                    "at most)"
+                    f"is {limit}: {fix} (a message may exceed it by one entry and the envelope, "
+                    f"{MARKER_MESSAGE_MARGIN} bytes at most)"
                 )
 
     def heartbeat(self) -> None:
@@ -470,7 +475,8 @@ class Relay:
                 self._drop_worker(shard)
             except (psycopg.Error, RelayConfigError):
                 raise  # the connection all shards share, or a heartbeat's refusal: not one shard's
-            except (ProducerMisconfigured, MarkersNotFound) as exc:  # so for every shard
+            except (ProducerMisconfigured, MarkersNotFound, MarkerTopicRefused) as exc:
+                # so for every shard
                 raise RelayConfigError(str(exc)) from exc
             except Exception as exc:
                 if self._marker_topic_gone(exc):

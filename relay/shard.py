@@ -60,6 +60,7 @@ from relay.kafka import (
 )
 from relay.leases import Lease
 from relay.markers import (
+    MARKER_MESSAGE_MARGIN,
     MAX_MARKER_REASON_CHARS,
     OUTBOX_ID_HEADER,
     OUTBOX_PRODUCER_GROUP_HEADER,
@@ -141,6 +142,11 @@ class EndFailed(Exception):
 class MarkersNotFound(Exception):
     """A shard's markers are not where it recorded them: another topic (renamed in the
     settings, or deleted and made again) than the one they went to, or markers deleted."""
+
+
+class MarkerTopicRefused(Exception):
+    """The op-marker topic refuses the relay's markers for good (their size, its rights):
+    nothing can be delivered until an operator changes it."""
 
 
 class DeadLetterUnwritable(Exception):
@@ -1041,7 +1047,7 @@ class ShardWorker:
         if not awaiting:
             send_markers(batcher.take())
         failed: list[Sent] = []
-        for report in self.producer.reports():
+        for report in self.producer.reports(self._look_up_waiting_topics):
             if report.tag is None:
                 continue  # a marker message
             awaiting -= 1
@@ -1100,11 +1106,10 @@ class ShardWorker:
             self._alone.difference_update(poison)
             result.parked = len(poison)
             return result
-        if any(m.error is not None for m in marker_sends):
+        marker_error = next((m.error for m in marker_sends if m.error is not None), None)
+        if marker_error is not None:
             self.producer.abort()
-            raise RuntimeError(
-                f"op markers could not be written to {self.settings.op_marker_topic}"
-            )
+            raise self._markers_refused(marker_error)
         _failpoints.hit(_failpoints.AFTER_PRODUCE)
         self._settle_before_commit()
         started = time.perf_counter()
@@ -1272,6 +1277,52 @@ class ShardWorker:
         )
         metrics.ERRORS.labels("dead_letter_refused").inc()
         return None
+
+    def _look_up_waiting_topics(self, waiting: list[Sent]) -> None:
+        """Records without a delivery report for a while (ShardProducer.reports). The client
+        keeps a record for a topic deleted (or made again with fewer partitions) since it
+        learned of it queued until the transaction's timeout: the whole shard stalled on it,
+        60 s by default, said to be Kafka's slowness. Found so, the transaction is given up at
+        once: the next round's preflight parks the records of a topic gone, a dead-letter topic
+        is made again, and the recovery's new producer reads the topic's metadata afresh."""
+        for topic in sorted({sent.topic for sent in waiting}):
+            before = self.topics.known_partitions(topic)
+            try:
+                now = self.topics.partitions(topic, refresh=True)
+            except KafkaException:
+                continue  # a partition without a leader, say: waited for, as any slowness
+            if now and (before is None or now >= before):
+                continue
+            # Not aborted here (its abort failed, fatal, the transaction's state invalid): the
+            # recovery's new producer ends it.
+            if now == 0 and topic == self.settings.dead_letter_topic:
+                raise self._dead_letter_refused(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
+            what = "was deleted" if now == 0 else f"has {now} partitions now, not {before}"
+            raise KafkaException(
+                KafkaError(
+                    KafkaError.UNKNOWN_TOPIC_OR_PART if now == 0 else KafkaError._UNKNOWN_PARTITION,
+                    f"topic {topic} {what} while this shard's batch was sent to it: the batch "
+                    "goes again (the records of a topic gone are parked)",
+                )
+            )
+
+    def _markers_refused(self, err: KafkaError) -> Exception:
+        """The op-marker topic refused a marker message. For its size or the relay's rights,
+        every round aborted the same way for ever, said as a bare RuntimeError, behind green
+        probes: the relay stops instead, as when the start-up check finds it so. A topic gone
+        is for the relay to tell (Relay._marker_topic_gone); anything else goes again."""
+        topic = self.settings.op_marker_topic
+        said = f"op markers could not be written to {topic}: {err.str()}"
+        if err.code() in _SIZE_ERRORS:
+            return MarkerTopicRefused(
+                f"{said}. Its max.message.bytes must stay at least relay.op_marker_message_bytes "
+                f"({self.settings.op_marker_message_bytes}) plus {MARKER_MESSAGE_MARGIN} bytes"
+            )
+        if err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+            return MarkerTopicRefused(f"{said}. The relay's principal needs WRITE on it")
+        if err.code() == KafkaError.POLICY_VIOLATION:
+            return MarkerTopicRefused(f"{said}, by a policy of the broker")
+        return KafkaException(KafkaError(err.code(), said))
 
     def _dead_letter_refused(self, err: KafkaError) -> DeadLetterUnwritable:
         """The dead-letter topic refused a copy for what it is, not for the copy's size. Made

@@ -13,6 +13,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import (
     AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
     ConfigResource,
     ConfigSource,
     NewPartitions,
@@ -809,6 +811,42 @@ def test_marker_messages_larger_than_the_marker_topic_takes_are_refused_at_start
     wait_for(lambda: not running.alive())
     fitting = relay_factory(op_marker_topic=markers_topic, op_marker_message_bytes=65536)
     assert fitting.run_once().delivered == 1
+    # a limit no op_marker_message_bytes fits: the topic's is to change (the setting's least
+    # is 1024; it said "set it to at most -12768")
+    tiny = topic_factory(partitions=2, config={"max.message.bytes": "20000"})
+    with pytest.raises(
+        RelayConfigError, match=rf"raise max.message.bytes of topic {tiny} to at least 294912"
+    ):
+        relay_factory(op_marker_topic=tiny).run_once()
+
+
+def test_a_marker_topic_that_refuses_markers_while_the_relay_runs_stops_it(
+    pg_dsn: str, kafka_admin: AdminClient, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Its max.message.bytes lowered below a marker message: every round aborted for ever,
+    said as a bare RuntimeError without Kafka's error, behind green probes."""
+    topic, markers_topic = topic_factory(), topic_factory(partitions=2)
+    relay = relay_factory(op_marker_topic=markers_topic)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "before")
+    assert relay.run_once().delivered == 1
+    lowered = ConfigResource(
+        ResourceType.TOPIC,
+        markers_topic,
+        incremental_configs=[
+            ConfigEntry("max.message.bytes", "100", incremental_operation=AlterConfigOpType.SET)
+        ],
+    )
+    kafka_admin.incremental_alter_configs([lowered])[lowered].result(30)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "after")
+    with pytest.raises(
+        RelayConfigError,
+        match=rf"op markers could not be written to {markers_topic}: .*too large.* Its "
+        "max.message.bytes must stay at least",
+    ):
+        relay.run_once()
+    assert [r[1] for r in rows(pg_dsn)] == ["committed"]  # kept, not ended without its marker
 
 
 def test_a_marker_topic_that_cannot_keep_the_markers_is_refused_at_start(
@@ -984,6 +1022,56 @@ def test_a_shard_count_refused_by_a_heartbeat_between_rounds_stops_the_relay(
     began = time.monotonic()
     wait_for(relay.ended_by_itself, 40)
     assert time.monotonic() - began < 5, "it ran on until a round's own heartbeat"
+
+
+@pytest.mark.parametrize("deleted", ["destination", "dead-letter"])
+def test_a_topic_deleted_after_the_producer_wrote_to_it_does_not_stall_the_shard(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    kafka_admin: AdminClient,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    deleted: str,
+) -> None:
+    """The client kept the records for a topic it had written to, deleted since, queued until
+    the Kafka transaction timed out: every other record of the shard waited that long (60 s
+    by default), and the error said Kafka was slow."""
+    gone, other = topic_factory(partitions=3), topic_factory()
+    relay = relay_factory(kafka_transaction_timeout="PT300S")  # the stall, before
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, gone, "first")
+    if deleted == "dead-letter":
+        discarded(pg_dsn, gone, "copied")  # its copy goes to the dead-letter topic
+    wait_for(lambda: relay.run_once() and rows(pg_dsn) == [])  # the producer knows the topic
+    target = gone if deleted == "destination" else relay.settings.relay.dead_letter_topic
+    kafka_admin.delete_topics([target])[target].result(30)
+    wait_for(lambda: target not in kafka_admin.list_topics(timeout=10).topics)
+    if deleted == "destination":
+        with psycopg.connect(pg_dsn) as conn, conn.transaction():
+            outbox.publish(conn, gone, "lost")
+    else:
+        discarded(pg_dsn, other, "needs a copy")
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, other, "goes on")
+
+    def sent_on() -> bool:
+        try:
+            relay.run_once()
+        except RelayConfigError:
+            raise
+        except Exception:
+            pass
+        return not [r for r in rows(pg_dsn) if r[1] == "committed"]
+
+    wait_for(sent_on, 60)
+    assert values(consume_all(kafka_bootstrap, other, "read_committed")) == [b"goes on"]
+    if deleted == "destination":
+        assert [(r[1], r[2]) for r in rows(pg_dsn)] == [
+            ("parked", f"topic {gone!r} does not exist")
+        ]
+    else:  # made again, its copy sent once it takes copies again
+        assert target in kafka_admin.list_topics(timeout=10).topics
+        assert [r[1] for r in rows(pg_dsn)] == ["discarded"]
 
 
 def test_a_marker_topic_deleted_while_the_relay_runs_stops_it(
