@@ -68,6 +68,7 @@ LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.byt
 # relay's rounds take tens of ms), not after the poll interval.
 HELD_BACK_POLL_S = 0.05
 MIN_MARKER_RETENTION_MS = 24 * 3600 * 1000  # as relay.op_marker_retention's least
+HORIZON_WARN_S = 60.0  # a transaction holding the xid horizon this long is logged, once
 HAND_OVER_S = 3.0  # what a stop spends, at most, recording the shards' marker offsets
 
 
@@ -153,6 +154,7 @@ class Relay:
         self._last_trim = 0.0
         self._audit_trim_refused = False  # the role may not delete from audit_log: said once
         self._holder_seen: tuple[tuple[int, str], float] | None = None  # (pid, xid), first seen
+        self._holder_warned: tuple[int, str] | None = None  # (pid, xid) last logged
         self._gauge_conn: psycopg.Connection[Any] | None = None  # refresh_gauges' own
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
         # is stamped (see _stamp)
@@ -917,9 +919,21 @@ class Relay:
             self._gauge_conn = None
             raise
         metrics.HORIZON_HOLDER_PID.set(holder[0] if holder else 0)
-        metrics.HORIZON_HELD.set(self._horizon_held(holder))
+        held = self._horizon_held(holder)
+        metrics.HORIZON_HELD.set(held)
+        if holder is not None and held >= HORIZON_WARN_S and self._holder_warned != holder[:2]:
+            # The gauges name a pid only, 0 for a prepared transaction: the log says which
+            # transaction, once, so an operator can end it.
+            self._holder_warned = holder[:2]
+            logger.warning(
+                "the xid horizon has been held for %.0f s by %s (xid %s): records committed "
+                "after it began are delivered once it ends",
+                held,
+                holder[3],
+                holder[1],
+            )
 
-    def _horizon_held(self, holder: tuple[int, str, float | None] | None) -> float:
+    def _horizon_held(self, holder: tuple[Any, ...] | None) -> float:
         """Seconds the oldest running transaction has held the horizon. Its start is hidden
         from a role without pg_read_all_stats (the least-privilege grants): then the seconds
         since this relay first saw it, a lower bound. A None here failed every refresh, and
@@ -927,7 +941,7 @@ class Relay:
         if holder is None:
             self._holder_seen = None
             return 0.0
-        pid, xid, age = holder
+        pid, xid, age = holder[:3]
         if self._holder_seen is None or self._holder_seen[0] != (pid, xid):
             self._holder_seen = ((pid, xid), time.monotonic())
         return age if age is not None else time.monotonic() - self._holder_seen[1]

@@ -448,14 +448,18 @@ SELECT (SELECT count(*) FROM {schema}.outbox_record WHERE state = 'committed'),
 -- shown to all): the relay then counts from when it first saw that transaction.
 -- A prepared transaction (PREPARE TRANSACTION, two-phase commit) holds it too, with no session
 -- left: pid 0, its age from when it was prepared (the gauges said nothing held the horizon
--- while delivery waited for it).
-SELECT pid, xid, age_s FROM (
+-- while delivery waited for it). `what`: which it is, for the relay's log.
+SELECT pid, xid, age_s, what FROM (
     SELECT pid, backend_xid::text AS xid, extract(epoch FROM now() - xact_start)::float8 AS age_s,
-           age(backend_xid) AS xid_age
+           age(backend_xid) AS xid_age,
+           format('the transaction of pid %s (database %s, application %L, %s)', pid, datname,
+                  application_name, coalesce(state, 'state hidden from this role')) AS what
     FROM pg_stat_activity
     WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
     UNION ALL
-    SELECT 0, transaction::text, extract(epoch FROM now() - prepared)::float8, age(transaction)
+    SELECT 0, transaction::text, extract(epoch FROM now() - prepared)::float8, age(transaction),
+           format('the prepared transaction %L (database %s, two-phase commit): it is kept '
+                  'until COMMIT PREPARED or ROLLBACK PREPARED', gid, database)
     FROM pg_prepared_xacts
 ) AS running
 ORDER BY xid_age DESC

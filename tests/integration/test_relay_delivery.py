@@ -26,6 +26,7 @@ from pydantic import SecretStr
 import outbox
 from checker import redrive
 from outbox import Record
+from relay import service as service_module
 from relay.config import SidecarSettings
 from relay.kafka import Fenced, ShardProducer, TransactionTimedOut
 from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
@@ -2004,11 +2005,17 @@ def test_the_oldest_age_is_the_earliest_commit_whatever_the_transaction_ids(
     assert age >= 0.5
 
 
-def test_a_prepared_transaction_holding_the_horizon_shows_in_the_gauges(
-    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+def test_a_prepared_transaction_holding_the_horizon_shows_in_the_gauges_and_log(
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A transaction prepared for two-phase commit has no session any more: the gauges said
-    nothing held the horizon while delivery waited for it."""
+    nothing held the horizon while delivery waited for it. Their pid is 0 for it: the log
+    names it (nothing did, and an operator could not tell which transaction to end)."""
+    monkeypatch.setattr(service_module, "HORIZON_WARN_S", 0.2)
     topic = topic_factory()
     relay = relay_factory()
     gid = f"held-{topic}"[:200]
@@ -2028,6 +2035,10 @@ def test_a_prepared_transaction_holding_the_horizon_shows_in_the_gauges(
 
         wait_for(lambda: held() > 0.2)
         assert REGISTRY.get_sample_value("outbox_relay_horizon_holder_pid") == 0
+        relay.refresh_gauges()  # said once
+        said = [r.getMessage() for r in caplog.records if "xid horizon" in r.getMessage()]
+        assert len(said) == 1, said
+        assert f"the prepared transaction '{gid}'" in said[0]
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(f"ROLLBACK PREPARED '{gid}'")
