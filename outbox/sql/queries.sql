@@ -52,7 +52,11 @@ ORDER BY inserted.id;
 
 -- name: lock_tx_id
 -- Serialises writers that name the same caller-given tx id, so the reuse check below is exact.
-SELECT pg_advisory_xact_lock(hashtextextended(%(producer_group)s || '/' || %(tx_id)s, 7411));
+-- Above READ COMMITTED the id is refused (tx_id_used_elsewhere): no lock then, which the refused
+-- transaction held until it ended, blocking every other writer of that id.
+SELECT CASE WHEN current_setting('transaction_isolation') = 'read committed'
+    THEN pg_advisory_xact_lock(hashtextextended(%(producer_group)s || '/' || %(tx_id)s, 7411))
+END;
 
 -- name: tx_id_used_elsewhere
 -- (used by another database transaction, used in this one for the other kind of record:

@@ -192,6 +192,12 @@ def test_a_given_tx_id_needs_an_isolation_that_sees_its_reuse(
             if refused:
                 with pytest.raises(outbox.OutboxUsageError, match="READ COMMITTED transactions"):
                     outbox.prepare(conn, "t", "v", tx_id="order-7")
+                # the refusal holds no lock on the id: it held one till the end, and another
+                # writer of the id waited for it
+                with psycopg.connect(pg_dsn) as other:
+                    other.execute("SET lock_timeout = '2s'")
+                    outbox.prepare(other, "t", "x", tx_id="order-7")
+                    other.rollback()
             else:
                 outbox.prepare(conn, "t", "v", tx_id="order-7")
             outbox.prepare(conn, "t", "w")  # a tx id of the outbox's own needs no check
