@@ -109,9 +109,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"oldest undelivered commit: {status['oldest_undelivered'] or '-'}")
     print(f"relays alive: {', '.join(status['relays']) or 'none'}")
     for lease in status["leases"]:
+        markers = (
+            "none yet"
+            if lease["marker_partition"] is None
+            else f"{lease['marker_topic'] or '(topic not recorded)'}:{lease['marker_partition']} "
+            f"from offset {lease['marker_offset']}, by {lease['transactional_id'] or '-'}"
+        )
         print(
             f"shard {lease['shard']}: owner {lease['owner'] or '-'} epoch {lease['epoch']} "
-            f"until {lease['lease_until'] or '-'}"
+            f"until {lease['lease_until'] or '-'}; markers {markers}"
         )
     return 0
 

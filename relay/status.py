@@ -34,11 +34,24 @@ def outbox_status(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
             ).format(s)
         )
     ]
+    # Where each shard's markers are recorded, and by which producer: what recovery reads
+    # and fences (operators changing the marker topic or the transactional id prefix look
+    # here). As JSON: a schema before 0007 has some of these columns only.
     leases = [
-        {"shard": r[0], "owner": r[1], "epoch": r[2], "lease_until": r[3]}
+        {
+            "shard": r[0],
+            "owner": r[1],
+            "epoch": r[2],
+            "lease_until": r[3],
+            "marker_topic": r[4].get("marker_topic"),
+            "marker_partition": r[4].get("marker_partition"),
+            "marker_offset": r[4].get("marker_offset"),
+            "transactional_id": r[4].get("transactional_id"),
+        }
         for r in conn.execute(
             sql.SQL(
-                "SELECT shard, owner, epoch, lease_until FROM {}.shard_lease ORDER BY shard"
+                "SELECT shard, owner, epoch, lease_until, to_jsonb(lease) "
+                "FROM {}.shard_lease AS lease ORDER BY shard"
             ).format(s)
         )
     ]

@@ -971,6 +971,12 @@ def test_a_relay_on_another_op_marker_topic_than_its_shards_wrote_to_stops(
         outbox.publish(conn, topic_factory(), "v")
     first = relay_factory(op_marker_topic=before)
     assert first.run_once().delivered == 1  # an offset recorded past its markers
+    with psycopg.connect(pg_dsn) as conn:  # what `outboxctl status` shows of it
+        (lease,) = outbox_status(conn, "outbox")["leases"]
+    prefix = first.settings.relay.transactional_id_prefix
+    assert (lease["marker_topic"], lease["marker_partition"]) == (before, 0)
+    assert lease["marker_offset"] > 0
+    assert lease["transactional_id"] == f"{prefix}-0"
     first.stop()
     wrong = relay_factory(op_marker_topic=renamed)
     with pytest.raises(RelayConfigError, match=rf"in topic {before}, not {renamed}:"):
