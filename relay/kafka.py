@@ -334,13 +334,14 @@ class ShardProducer:
         if self._call(self.producer.flush, self.timeout_s) > 0:
             raise OutcomeUnknown(f"queued records not sent in {self.timeout_s}s")
 
-    def reports(self, stalled: Callable[[list[Sent]], None] | None = None) -> Iterator[Sent]:
+    def reports(self, stalled: Callable[[list[Sent]], bool] | None = None) -> Iterator[Sent]:
         """Each record of this transaction as its delivery report arrives, until all have one.
 
         Records the caller sends while iterating are waited for too: a caller can send what
         depends on a report (an op marker needs its record's offset) without a second flush.
         `stalled` gets the records still waiting after REPORT_STALL_S without any report, and
-        again after each such stretch: it may raise to give the transaction up.
+        again after each such stretch: it may raise to give the transaction up, or return
+        True to stop waiting (those records then have no report).
         """
         done = 0
         last_report = time.monotonic()
@@ -353,7 +354,8 @@ class ShardProducer:
                 break
             self._past_timeout(f"{len(self._sent) - done} records had no delivery report")
             if stalled is not None and time.monotonic() - last_report > REPORT_STALL_S:
-                stalled([sent for sent in self._sent if not sent.reported])
+                if stalled([sent for sent in self._sent if not sent.reported]):
+                    return
                 last_report = time.monotonic()
             # flush, not poll: a flush sends what is queued at once instead of after linger.ms
             self._call(self.producer.flush, 0.1)

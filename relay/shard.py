@@ -335,6 +335,7 @@ class ShardWorker:
         # records refused in a batch too large for their topic: each goes again in a batch of
         # its own, and only one refused alone is parked
         self._alone: set[int] = set()
+        self._markers_alone = False  # each marker message in a batch of its own (_markers_refused)
         # Until then the dead-letter topic is taken to refuse everything (DeadLetterUnwritable):
         # the rows that need a copy there wait, and the rest of the shard goes on.
         self._dead_letter_blocked_until = 0.0
@@ -1019,6 +1020,8 @@ class ShardWorker:
             if message is None or doomed:
                 return
             try:
+                if self._markers_alone:
+                    self.producer.send_queued()
                 marker_sends.append(
                     self.producer.send(
                         self.settings.op_marker_topic,
@@ -1028,6 +1031,8 @@ class ShardWorker:
                         self.marker_partition,
                     )
                 )
+                if self._markers_alone:
+                    self.producer.send_queued()
             except KafkaException as exc:
                 if not _transaction_failed(exc):
                     raise
@@ -1047,9 +1052,17 @@ class ShardWorker:
         if not awaiting:
             send_markers(batcher.take())
         failed: list[Sent] = []
-        for report in self.producer.reports(self._look_up_waiting_topics):
-            if report.tag is None:
-                continue  # a marker message
+
+        def stalled(waiting: list[Sent]) -> bool:
+            # Failed, the transaction is aborted: what has no report yet (a marker queued
+            # after the failure got none until the timeout, 60 s) is purged, and goes again.
+            return doomed or self._look_up_waiting_topics(waiting)
+
+        for report in self.producer.reports(stalled):
+            if report.tag is None:  # a marker message
+                if report.error is not None and report.error.code() not in _PURGED:
+                    doomed = True
+                continue
             awaiting -= 1
             if report.error is not None:
                 failed.append(report)
@@ -1088,6 +1101,18 @@ class ShardWorker:
         if unwritable is not None:
             self.producer.abort()
             raise self._dead_letter_refused(unwritable)
+        marker_error = next(
+            (
+                m.error
+                for m in marker_sends
+                if m.error is not None and m.error.code() not in _PURGED
+            ),
+            None,
+        )
+        if marker_error is not None and not failed:  # the markers' own fault
+            self.producer.abort()
+            self.needs_recovery = True
+            raise self._markers_refused(marker_error)
         if doomed:
             # A record failed in flight: the transaction is lost. Abort, park, go again, with
             # a new producer: after a broker's refusal librdkafka bumps the producer epoch and
@@ -1106,10 +1131,9 @@ class ShardWorker:
             self._alone.difference_update(poison)
             result.parked = len(poison)
             return result
-        marker_error = next((m.error for m in marker_sends if m.error is not None), None)
-        if marker_error is not None:
+        if any(m.error is not None for m in marker_sends):  # purged, with nothing failed
             self.producer.abort()
-            raise self._markers_refused(marker_error)
+            raise KafkaException(KafkaError(KafkaError._STATE, "the op markers were not sent"))
         _failpoints.hit(_failpoints.AFTER_PRODUCE)
         self._settle_before_commit()
         started = time.perf_counter()
@@ -1278,19 +1302,22 @@ class ShardWorker:
         metrics.ERRORS.labels("dead_letter_refused").inc()
         return None
 
-    def _look_up_waiting_topics(self, waiting: list[Sent]) -> None:
+    def _look_up_waiting_topics(self, waiting: list[Sent]) -> bool:
         """Records without a delivery report for a while (ShardProducer.reports). The client
         keeps a record for a topic deleted (or made again with fewer partitions) since it
         learned of it queued until the transaction's timeout: the whole shard stalled on it,
         60 s by default, said to be Kafka's slowness. Found so, the transaction is given up at
         once: the next round's preflight parks the records of a topic gone, a dead-letter topic
-        is made again, and the recovery's new producer reads the topic's metadata afresh."""
+        is made again, and the recovery's new producer reads the topic's metadata afresh.
+        False: none found so (waited for, as any slowness)."""
         for topic in sorted({sent.topic for sent in waiting}):
             before = self.topics.known_partitions(topic)
             try:
                 now = self.topics.partitions(topic, refresh=True)
             except KafkaException:
-                continue  # a partition without a leader, say: waited for, as any slowness
+                # A partition without a leader, or the broker unreachable: then each lookup
+                # would wait its 10 s, the records' topics one after another.
+                return False
             if now and (before is None or now >= before):
                 continue
             # Not aborted here (its abort failed, fatal, the transaction's state invalid): the
@@ -1305,6 +1332,7 @@ class ShardWorker:
                     "goes again (the records of a topic gone are parked)",
                 )
             )
+        return False
 
     def _markers_refused(self, err: KafkaError) -> Exception:
         """The op-marker topic refused a marker message. For its size or the relay's rights,
@@ -1313,6 +1341,14 @@ class ShardWorker:
         is for the relay to tell (Relay._marker_topic_gone); anything else goes again."""
         topic = self.settings.op_marker_topic
         said = f"op markers could not be written to {topic}: {err.str()}"
+        if err.code() in _SIZE_ERRORS and not self._markers_alone:
+            # The broker checks a whole batch against max.message.bytes, and the client puts
+            # several marker messages in one: from now on each goes alone, as refused records do.
+            self._markers_alone = True
+            logger.warning(
+                "shard %s: %s; marker messages go one at a time from now on", self.shard, said
+            )
+            return KafkaException(KafkaError(err.code(), f"{said}: they go one at a time"))
         if err.code() in _SIZE_ERRORS:
             return MarkerTopicRefused(
                 f"{said}. Its max.message.bytes must stay at least relay.op_marker_message_bytes "
