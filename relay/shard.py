@@ -48,6 +48,7 @@ from relay.kafka import (
     CLIENT_LOGGER,
     DEAD_LETTER_TOPIC_CONFIG,
     PERMANENT_RECORD_ERRORS,
+    REPORT_STALL_S,
     TOPIC_REFUSED_ERRORS,
     Fenced,
     OutcomeUnknown,
@@ -1310,14 +1311,17 @@ class ShardWorker:
         once: the next round's preflight parks the records of a topic gone, a dead-letter topic
         is made again, and the recovery's new producer reads the topic's metadata afresh.
         False: none found so (waited for, as any slowness)."""
+        # The broker unreachable, each look-up waits 10 s: the records' topics one after
+        # another held the shard (and its lease) that long each.
+        give_up_at = time.monotonic() + REPORT_STALL_S
         for topic in sorted({sent.topic for sent in waiting}):
+            if time.monotonic() > give_up_at:
+                return False
             before = self.topics.known_partitions(topic)
             try:
                 now = self.topics.partitions(topic, refresh=True)
             except KafkaException:
-                # A partition without a leader, or the broker unreachable: then each lookup
-                # would wait its 10 s, the records' topics one after another.
-                return False
+                continue  # a partition without a leader, say: waited for, as any slowness
             if now and (before is None or now >= before):
                 continue
             # Not aborted here (its abort failed, fatal, the transaction's state invalid): the
