@@ -21,6 +21,7 @@ from confluent_kafka import (
     KafkaException,
     Message,
     Producer,
+    TopicCollection,
     TopicPartition,
 )
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
@@ -458,6 +459,18 @@ class Topics:
         count = 0 if topic is None else len(topic.partitions)
         self._known[name] = (now, count)
         return count
+
+    def topic_id(self, name: str) -> str | None:
+        """The topic's id: a topic deleted and made again under its name has another. None
+        when it is missing."""
+        try:
+            future = self._admin.describe_topics(TopicCollection([name]), request_timeout=10)
+            described = future[name].result(15)
+        except KafkaException as exc:
+            if exc.args[0].code() in _TOPIC_MISSING:
+                return None
+            raise
+        return None if described.topic_id is None else str(described.topic_id)
 
     def known_partitions(self, name: str) -> int | None:
         """The partition count last looked up for `name`, however old; None if never."""

@@ -337,6 +337,7 @@ class ShardWorker:
         # its own, and only one refused alone is parked
         self._alone: set[int] = set()
         self._markers_alone = False  # each marker message in a batch of its own (_markers_refused)
+        self._marker_topic_id: str | None = None  # as recovery found it; recorded with offsets
         # Until then the dead-letter topic is taken to refuse everything (DeadLetterUnwritable):
         # the rows that need a copy there wait, and the rest of the shard goes on.
         self._dead_letter_blocked_until = 0.0
@@ -376,7 +377,7 @@ class ShardWorker:
             # moved it on since, and the markers before it may be gone (retention).
             recorded_partition, recorded_offset = self._lock_lease(conn)
             row = conn.execute(self._q("relay_marker_writer"), {"shard": self.shard}).fetchone()
-            recorded_outbox, recorded_producer, recorded_topic = row if row else (None,) * 3
+            recorded_outbox, recorded_producer, recorded_topic, recorded_id = row or (None,) * 4
         topic = self.settings.op_marker_topic
         if recorded_partition is not None and recorded_topic not in (None, topic):
             # its offset would be read in another log: one that ran past it (a topic used
@@ -387,6 +388,15 @@ class ShardWorker:
                 "wrote to; to go on with this one, accepting that a batch in doubt may go "
                 "again (none is if every relay stopped cleanly), stop every relay and empty "
                 "shard_lease"
+            )
+        self._marker_topic_id = self.topics.topic_id(topic)
+        if recorded_partition is not None and recorded_id not in (None, self._marker_topic_id):
+            raise MarkersNotFound(
+                f"shard {self.shard} recorded its op markers in topic {topic} of id "
+                f"{recorded_id}, and the topic of that name now has id {self._marker_topic_id}: "
+                "it was deleted and made again, and the markers of a batch in doubt went with "
+                "it. To go on, accepting that such a batch may go again (none is if every "
+                "relay stopped cleanly), stop every relay and empty shard_lease"
             )
         if recorded_producer not in (None, self.producer.transactional_id):
             self._fence_earlier_producer(recorded_producer)
@@ -430,6 +440,7 @@ class ShardWorker:
                     "outbox": self.outbox,
                     "transactional_id": self.producer.transactional_id,
                     "topic": self.settings.op_marker_topic,
+                    "topic_id": self._marker_topic_id,
                 },
             )
         for (op, topic), count in ended_by_kind.items():
@@ -1207,6 +1218,7 @@ class ShardWorker:
                     "outbox": self.outbox,
                     "transactional_id": self.producer.transactional_id,
                     "topic": self.settings.op_marker_topic,
+                    "topic_id": self._marker_topic_id,
                 },
             )
             if ending.poison:

@@ -325,13 +325,14 @@ WHERE id < coalesce(
 -- name: relay_set_marker_offset
 UPDATE {schema}.shard_lease
 SET marker_partition = %(partition)s, marker_offset = %(offset)s, marker_outbox = %(outbox)s,
-    transactional_id = %(transactional_id)s, marker_topic = %(topic)s
+    transactional_id = %(transactional_id)s, marker_topic = %(topic)s,
+    marker_topic_id = %(topic_id)s
 WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s;
 
 -- name: relay_marker_writer
 -- The outbox name the shard's markers were last written under, the transactional id they were
--- written with and their topic (relay_set_marker_offset).
-SELECT marker_outbox, transactional_id, marker_topic FROM {schema}.shard_lease
+-- written with and their topic, by name and id (relay_set_marker_offset).
+SELECT marker_outbox, transactional_id, marker_topic, marker_topic_id FROM {schema}.shard_lease
 WHERE shard = %(shard)s;
 
 -- name: relay_advance_marker_offset

@@ -129,6 +129,7 @@ CREATE TABLE {schema}.shard_lease (
     -- means nothing)
     transactional_id text,
     marker_topic    text,
+    marker_topic_id text,
     CONSTRAINT shard_lease_shard_valid CHECK (shard >= 0),
     CONSTRAINT shard_lease_owner_has_expiry CHECK (owner IS NULL OR lease_until IS NOT NULL)
 );

@@ -19,6 +19,7 @@ from confluent_kafka.admin import (
     ConfigResource,
     ConfigSource,
     NewPartitions,
+    NewTopic,
     ResourceType,
 )
 from prometheus_client import REGISTRY
@@ -1012,6 +1013,46 @@ def test_a_relay_on_another_op_marker_topic_than_its_shards_wrote_to_stops(
         wrong.run_once()
     wrong.stop()  # the sidecar's way: it stops, and hands its shard back
     assert relay_factory(op_marker_topic=before).run_once().shards == 1
+
+
+def test_a_marker_topic_made_anew_under_its_name_stops_the_relay(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    kafka_admin: AdminClient,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+) -> None:
+    """Deleted and made again while the relays were stopped, its log refilled past the offset
+    a shard recorded (other shards' markers, say): recovery read from that offset, found none
+    of the markers of a batch in doubt, and would have sent it again."""
+    markers_topic = topic_factory(partitions=2)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic_factory(), "v")
+    first = relay_factory(op_marker_topic=markers_topic)
+    assert first.run_once().delivered == 1
+    first.stop()
+    kafka_admin.delete_topics([markers_topic])[markers_topic].result(30)
+    wait_for(lambda: markers_topic not in kafka_admin.list_topics(timeout=10).topics)
+
+    def made_again() -> bool:
+        new = NewTopic(markers_topic, num_partitions=2, replication_factor=1)
+        try:
+            kafka_admin.create_topics([new])[markers_topic].result(30)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+            return False  # still being deleted
+        return True
+
+    wait_for(made_again, 30)
+    refill = Producer({"bootstrap.servers": kafka_bootstrap})
+    for _ in range(10):
+        refill.produce(markers_topic, b"another's", partition=0)
+    assert refill.flush(30) == 0
+    wrong = relay_factory(op_marker_topic=markers_topic)
+    with pytest.raises(RelayConfigError, match="it was deleted and made again"):
+        wrong.run_once()
+    wrong.stop()
 
 
 def test_relays_of_two_shard_counts_starting_together_do_not_both_run(

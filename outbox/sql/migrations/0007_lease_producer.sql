@@ -12,3 +12,6 @@ ALTER TABLE {schema}.shard_lease ADD COLUMN transactional_id text;
 -- read in a topic changed back to one used before (that had run past it), found none of the
 -- markers of a batch in doubt, and the batch went out twice.
 ALTER TABLE {schema}.shard_lease ADD COLUMN marker_topic text;
+-- And the topic's id: a topic deleted and made again under the same name has another, and
+-- its log (other shards' markers, say) could have run past the offset too.
+ALTER TABLE {schema}.shard_lease ADD COLUMN marker_topic_id text;
