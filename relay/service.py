@@ -154,6 +154,7 @@ class Relay:
         self._last_trim = 0.0
         self._audit_trim_refused = False  # the role may not delete from audit_log: said once
         self._holder_seen: tuple[tuple[int, str], float] | None = None  # (pid, xid), first seen
+        self._marker_topic_id: str | None = None  # the op-marker topic's, as first seen
         self._holder_warned: tuple[int, str] | None = None  # (pid, xid) last logged
         self._gauge_conn: psycopg.Connection[Any] | None = None  # refresh_gauges' own
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
@@ -314,6 +315,7 @@ class Relay:
                 )
 
     def heartbeat(self) -> None:
+        self._check_marker_topic_id()
         try:
             changes = self.leases.heartbeat(self.conn)
         except ShardCountMismatch as exc:
@@ -482,13 +484,7 @@ class Relay:
                 raise RelayConfigError(str(exc)) from exc
             except Exception as exc:
                 if self._marker_topic_gone(exc):
-                    raise RelayConfigError(
-                        f"the op-marker topic {self.settings.relay.op_marker_topic} was deleted "
-                        "while the relay ran (or its principal may no longer see it: its ACLs), "
-                        "and the markers of any batch in doubt with it. Stop every relay; if it "
-                        "was deleted, to go on, accepting that such a batch may go again, empty "
-                        "shard_lease and start them (the topic is made again)"
-                    ) from exc
+                    raise self._marker_topic_deleted() from exc
                 # One shard's trouble (a topic without a leader, a marker partition stuck)
                 # must not stop the others: it backs off alone, and recovers before it goes on.
                 worker.failures += 1
@@ -501,6 +497,31 @@ class Relay:
             self._counted = failed[0]  # counted above, by shard: not again as the round's
             raise failed[0]  # nothing went: the loop backs off
         return result
+
+    def _marker_topic_deleted(self) -> RelayConfigError:
+        return RelayConfigError(
+            f"the op-marker topic {self.settings.relay.op_marker_topic} was deleted while the "
+            "relay ran (or its principal may no longer see it: its ACLs), and the markers of "
+            "any batch in doubt with it. Stop every relay; if it was deleted, to go on, "
+            "accepting that such a batch may go again, empty shard_lease and start them (the "
+            "topic is made again)"
+        )
+
+    def _check_marker_topic_id(self) -> None:
+        """The op-marker topic deleted and made again under its name while the relay ran
+        (another relay's start makes it): the relay wrote on into the new one, its shards
+        recording the old topic's id with offsets in the new, and every restart was refused.
+        Found at the next heartbeat, it stops the relay as a deletion seen does."""
+        try:
+            now = self.topics.topic_id(self.settings.relay.op_marker_topic)
+        except KafkaException:
+            return  # the broker unreachable, say: the leases go on meanwhile
+        if now is None:
+            return  # missing: the rounds find out (_marker_topic_gone)
+        if self._marker_topic_id is None:
+            self._marker_topic_id = now
+        elif now != self._marker_topic_id:
+            raise self._marker_topic_deleted()
 
     def _marker_topic_gone(self, exc: Exception) -> bool:
         """A Kafka failure of a shard whose cause is the op-marker topic deleted: every round

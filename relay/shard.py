@@ -390,6 +390,15 @@ class ShardWorker:
                 "shard_lease"
             )
         self._marker_topic_id = self.topics.topic_id(topic)
+        recorded = recorded_partition is not None and recorded_id is not None
+        if recorded and self._marker_topic_id is None:
+            raise MarkersNotFound(
+                f"shard {self.shard} recorded its op markers in topic {topic}, which is "
+                "missing (or the relay's principal may no longer see it: its ACLs); if it "
+                "was deleted, the markers of a batch in doubt went with it. To go on, "
+                "accepting that such a batch may go again (none is if every relay stopped "
+                "cleanly), stop every relay and empty shard_lease"
+            )
         if recorded_partition is not None and recorded_id not in (None, self._marker_topic_id):
             raise MarkersNotFound(
                 f"shard {self.shard} recorded its op markers in topic {topic} of id "

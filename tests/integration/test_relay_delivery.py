@@ -1022,15 +1022,15 @@ def test_a_marker_topic_made_anew_under_its_name_stops_the_relay(
     topic_factory: Callable[..., str],
     relay_factory: Any,
 ) -> None:
-    """Deleted and made again while the relays were stopped, its log refilled past the offset
-    a shard recorded (other shards' markers, say): recovery read from that offset, found none
-    of the markers of a batch in doubt, and would have sent it again."""
+    """Deleted and made again, its log refilled past the offset a shard recorded (other shards'
+    markers, say): recovery read from that offset, found none of the markers of a batch in
+    doubt, and would have sent it again. A relay running meanwhile wrote on into the new topic,
+    its shards recording the old topic's id: it stops at its next heartbeat."""
     markers_topic = topic_factory(partitions=2)
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic_factory(), "v")
-    first = relay_factory(op_marker_topic=markers_topic)
-    assert first.run_once().delivered == 1
-    first.stop()
+    running = relay_factory(op_marker_topic=markers_topic)
+    assert running.run_once().delivered == 1
     kafka_admin.delete_topics([markers_topic])[markers_topic].result(30)
     wait_for(lambda: markers_topic not in kafka_admin.list_topics(timeout=10).topics)
 
@@ -1049,6 +1049,9 @@ def test_a_marker_topic_made_anew_under_its_name_stops_the_relay(
     for _ in range(10):
         refill.produce(markers_topic, b"another's", partition=0)
     assert refill.flush(30) == 0
+    with pytest.raises(RelayConfigError, match=f"op-marker topic {markers_topic} was deleted"):
+        running.run_once()
+    running.stop()
     wrong = relay_factory(op_marker_topic=markers_topic)
     with pytest.raises(RelayConfigError, match="it was deleted and made again"):
         wrong.run_once()
