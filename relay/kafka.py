@@ -460,12 +460,12 @@ class Topics:
         self._known[name] = (now, count)
         return count
 
-    def topic_id(self, name: str) -> str | None:
+    def topic_id(self, name: str, *, timeout_s: float = 10.0) -> str | None:
         """The topic's id: a topic deleted and made again under its name has another. None
         when it is missing."""
         try:
-            future = self._admin.describe_topics(TopicCollection([name]), request_timeout=10)
-            described = future[name].result(15)
+            future = self._admin.describe_topics(TopicCollection([name]), request_timeout=timeout_s)
+            described = future[name].result(timeout_s + 5)
         except KafkaException as exc:
             if exc.args[0].code() in _TOPIC_MISSING:
                 return None

@@ -68,6 +68,7 @@ LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.byt
 # relay's rounds take tens of ms), not after the poll interval.
 HELD_BACK_POLL_S = 0.05
 MIN_MARKER_RETENTION_MS = 24 * 3600 * 1000  # as relay.op_marker_retention's least
+MARKER_TOPIC_CHECK_S = 10.0  # how often the op-marker topic's id is compared (heartbeat)
 HORIZON_WARN_S = 60.0  # a transaction holding the xid horizon this long is logged, once
 HAND_OVER_S = 3.0  # what a stop spends, at most, recording the shards' marker offsets
 
@@ -155,6 +156,7 @@ class Relay:
         self._audit_trim_refused = False  # the role may not delete from audit_log: said once
         self._holder_seen: tuple[tuple[int, str], float] | None = None  # (pid, xid), first seen
         self._marker_topic_id: str | None = None  # the op-marker topic's, as first seen
+        self._marker_topic_checked_at = -float("inf")
         self._holder_warned: tuple[int, str] | None = None  # (pid, xid) last logged
         self._gauge_conn: psycopg.Connection[Any] | None = None  # refresh_gauges' own
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
@@ -315,7 +317,6 @@ class Relay:
                 )
 
     def heartbeat(self) -> None:
-        self._check_marker_topic_id()
         try:
             changes = self.leases.heartbeat(self.conn)
         except ShardCountMismatch as exc:
@@ -330,6 +331,7 @@ class Relay:
                 f"first, so that it recovers), then empty the table {self.schema}.shard_lease, "
                 "and start the relays with the new count"
             ) from None
+        self._check_marker_topic_id()  # after the leases are renewed: it may wait on Kafka
         for shard in changes.lost:
             self._drop_worker(shard)
         for shard in changes.to_release:
@@ -511,11 +513,15 @@ class Relay:
         """The op-marker topic deleted and made again under its name while the relay ran
         (another relay's start makes it): the relay wrote on into the new one, its shards
         recording the old topic's id with offsets in the new, and every restart was refused.
-        Found at the next heartbeat, it stops the relay as a deletion seen does."""
+        Found at a heartbeat, it stops the relay as a deletion seen does. Asked every
+        MARKER_TOPIC_CHECK_S, briefly: the broker unreachable, the next heartbeat waited."""
+        if time.monotonic() < self._marker_topic_checked_at + MARKER_TOPIC_CHECK_S:
+            return
+        self._marker_topic_checked_at = time.monotonic()
         try:
-            now = self.topics.topic_id(self.settings.relay.op_marker_topic)
-        except KafkaException:
-            return  # the broker unreachable, say: the leases go on meanwhile
+            now = self.topics.topic_id(self.settings.relay.op_marker_topic, timeout_s=2.0)
+        except (KafkaException, TimeoutError):
+            return  # the broker unreachable, say: asked again later
         if now is None:
             return  # missing: the rounds find out (_marker_topic_gone)
         if self._marker_topic_id is None:

@@ -1021,11 +1021,13 @@ def test_a_marker_topic_made_anew_under_its_name_stops_the_relay(
     kafka_admin: AdminClient,
     topic_factory: Callable[..., str],
     relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Deleted and made again, its log refilled past the offset a shard recorded (other shards'
     markers, say): recovery read from that offset, found none of the markers of a batch in
     doubt, and would have sent it again. A relay running meanwhile wrote on into the new topic,
     its shards recording the old topic's id: it stops at its next heartbeat."""
+    monkeypatch.setattr(service_module, "MARKER_TOPIC_CHECK_S", 0.0)
     markers_topic = topic_factory(partitions=2)
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic_factory(), "v")
