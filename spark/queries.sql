@@ -51,10 +51,11 @@ SELECT min(ended_at) FROM {schema}.outbox_record WHERE ended_at IS NOT NULL AND 
 -- name: prune_findings
 -- The job's retention: findings written longer ago than it (by the detected_at index), `limit`
 -- at a time: a table that grew for months is emptied in short transactions, not in one that
--- holds its row locks and its xid (the relay's horizon) for minutes.
+-- holds its row locks and its xid (the relay's horizon) for minutes. The retention comes in seconds:
+-- an interval of days is counted in the session's calendar, an hour off across a DST change.
 DELETE FROM {schema}.reconciliation_finding
 WHERE id IN (SELECT id FROM {schema}.reconciliation_finding
-             WHERE detected_at < now() - %(retention)s
+             WHERE detected_at < now() - make_interval(secs => %(retention_s)s)
              ORDER BY detected_at, id LIMIT %(limit)s)
 
 -- name: prune_windows
@@ -62,7 +63,7 @@ WHERE id IN (SELECT id FROM {schema}.reconciliation_finding
 DELETE FROM {schema}.reconciliation_window
 WHERE (window_start, window_end) IN (
     SELECT window_start, window_end FROM {schema}.reconciliation_window
-    WHERE updated_at < now() - %(retention)s LIMIT %(limit)s)
+    WHERE updated_at < now() - make_interval(secs => %(retention_s)s) LIMIT %(limit)s)
 
 -- name: create_finding_stage
 CREATE TEMPORARY TABLE reconciliation_finding_stage (

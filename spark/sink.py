@@ -95,7 +95,7 @@ def prune(
                 with conn.transaction():
                     cur.execute(
                         _sql.query(f"prune_{table}", schema),
-                        {"retention": retention, "limit": batch},
+                        {"retention_s": retention.total_seconds(), "limit": batch},
                     )
                 deleted[table] += cur.rowcount
                 if cur.rowcount < batch:

@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from zoneinfo import ZoneInfo
 
 import psycopg
 import pytest
 from confluent_kafka import KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
+from psycopg.conninfo import make_conninfo
 
 import outbox
 from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, marker_entry, marker_messages
@@ -175,18 +177,19 @@ def reconcile(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, 
 def write_aged(
     dsn: str, *, finding_id: int, detected: timedelta, window_at: datetime, updated: timedelta
 ) -> None:
-    """A finding detected and a summary window written `detected` / `updated` ago."""
+    """A finding detected and a summary window written `detected` / `updated` ago (in seconds,
+    whatever the session's time zone)."""
     with psycopg.connect(dsn) as conn:
         conn.execute(
             "INSERT INTO outbox.reconciliation_finding (kind, topic, outbox_id, event_time,"
             " detected_at, detected_in)"
-            " VALUES ('missing', 'orders', %s, now(), now() - %s, 'tick')",
-            (finding_id, detected),
+            " VALUES ('missing', 'orders', %s, now(), now() - make_interval(secs => %s), 'tick')",
+            (finding_id, detected.total_seconds()),
         )
         conn.execute(
             "INSERT INTO outbox.reconciliation_window (window_start, window_end, records,"
-            " updated_at) VALUES (%s, %s, 5, now() - %s)",
-            (window_at, window_at + timedelta(minutes=1), updated),
+            " updated_at) VALUES (%s, %s, 5, now() - make_interval(secs => %s))",
+            (window_at, window_at + timedelta(minutes=1), updated.total_seconds()),
         )
 
 
@@ -204,6 +207,37 @@ def test_retention_deletes_what_was_written_before_it(pg_dsn: str) -> None:
         conn.commit()
     assert [f.outbox_id for f in read_findings(pg_dsn)] == [2]
     assert [w.window_start for w in read_windows(pg_dsn)] == [long_ago + timedelta(minutes=1)]
+
+
+def days_across_a_dst_change(zone: str) -> tuple[int, timedelta]:
+    """The fewest whole days back from now across one of `zone`'s DST changes, and how far a
+    day-counted cut-off in that zone's calendar lies from the same days in seconds."""
+    now = datetime.now(UTC)
+    local_now = now.astimezone(ZoneInfo(zone))
+    for days in range(1, 370):
+        # Python's aware arithmetic keeps the wall clock, as Postgres's interval of days does
+        gap = (local_now - timedelta(days=days)).astimezone(UTC) - (now - timedelta(days=days))
+        if gap:
+            return days, gap
+    raise AssertionError(f"{zone} has no DST change in a year")
+
+
+def test_retention_counts_seconds_whatever_the_sessions_time_zone(pg_dsn: str) -> None:
+    """The retention was an interval of days, which Postgres counts in the session's calendar:
+    across a DST change a finding an hour too young was deleted, or one too old kept."""
+    from spark import sink
+
+    days, gap = days_across_a_dst_change("Europe/Berlin")
+    # Between the two cut-offs: past the retention in seconds only if the calendar's is later.
+    age = timedelta(days=days) - gap / 2
+    write_aged(pg_dsn, finding_id=1, detected=age, updated=age,
+               window_at=datetime.now(UTC) - timedelta(days=400))  # fmt: skip
+    with sink.connect(make_conninfo(pg_dsn, options="-c TimeZone=Europe/Berlin")) as conn:
+        conn.autocommit = True
+        pruned = sink.prune(conn, "outbox", timedelta(days=days))
+    older = age > timedelta(days=days)
+    assert pruned == sink.Pruned(int(older), int(older), complete=True)
+    assert len(read_findings(pg_dsn)) == int(not older)
 
 
 def test_retention_deletes_in_batches_and_says_when_more_is_due(pg_dsn: str) -> None:
