@@ -156,6 +156,7 @@ class Relay:
         self._audit_trim_refused = False  # the role may not delete from audit_log: said once
         self._holder_seen: tuple[tuple[int, str], float] | None = None  # (pid, xid), first seen
         self._marker_topic_id: str | None = None  # the op-marker topic's, as first seen
+        self._marker_topic_id_now: str | None = None  # another id, once found: it stays refused
         self._marker_topic_checked_at = -float("inf")
         self._holder_warned: tuple[int, str] | None = None  # (pid, xid) last logged
         self._gauge_conn: psycopg.Connection[Any] | None = None  # refresh_gauges' own
@@ -331,7 +332,6 @@ class Relay:
                 f"first, so that it recovers), then empty the table {self.schema}.shard_lease, "
                 "and start the relays with the new count"
             ) from None
-        self._check_marker_topic_id()  # after the leases are renewed: it may wait on Kafka
         for shard in changes.lost:
             self._drop_worker(shard)
         for shard in changes.to_release:
@@ -363,6 +363,10 @@ class Relay:
         if changes.gained:  # their rows may be left unstamped by another relay
             self._stamp_all_again()
         metrics.SHARDS_OWNED.set(len(self.workers))
+        # Last: it may wait on Kafka, and the lease changes are all acted on by now (raised
+        # before, a shard gained was renewed for ever with no worker). Before the heartbeat
+        # counts as done: refused between rounds, the next round's heartbeat is still due.
+        self._check_marker_topic_id()
         self._last_heartbeat = time.monotonic()
 
     def trim_archive(self, limit: int = 10_000, budget_s: float | None = None) -> int:
@@ -500,6 +504,15 @@ class Relay:
             raise failed[0]  # nothing went: the loop backs off
         return result
 
+    def _marker_topic_replaced(self, was: str, now: str) -> RelayConfigError:
+        return RelayConfigError(
+            f"the op-marker topic {self.settings.relay.op_marker_topic} was deleted and made "
+            f"again while the relay ran (its id was {was}, it is {now}): the markers of any "
+            "batch in doubt went with the old one, and the shards' recorded offsets name "
+            "neither. Stop every relay; to go on, accepting that such a batch may go again, "
+            "empty shard_lease and start them"
+        )
+
     def _marker_topic_deleted(self) -> RelayConfigError:
         return RelayConfigError(
             f"the op-marker topic {self.settings.relay.op_marker_topic} was deleted while the "
@@ -514,7 +527,11 @@ class Relay:
         (another relay's start makes it): the relay wrote on into the new one, its shards
         recording the old topic's id with offsets in the new, and every restart was refused.
         Found at a heartbeat, it stops the relay as a deletion seen does. Asked every
-        MARKER_TOPIC_CHECK_S, briefly: the broker unreachable, the next heartbeat waited."""
+        MARKER_TOPIC_CHECK_S, briefly: the broker unreachable, the next heartbeat waited.
+        Once found, every heartbeat refuses: one between rounds is said by the next round's."""
+        if self._marker_topic_id_now is not None:
+            assert self._marker_topic_id is not None
+            raise self._marker_topic_replaced(self._marker_topic_id, self._marker_topic_id_now)
         if time.monotonic() < self._marker_topic_checked_at + MARKER_TOPIC_CHECK_S:
             return
         self._marker_topic_checked_at = time.monotonic()
@@ -527,7 +544,8 @@ class Relay:
         if self._marker_topic_id is None:
             self._marker_topic_id = now
         elif now != self._marker_topic_id:
-            raise self._marker_topic_deleted()
+            self._marker_topic_id_now = now
+            raise self._marker_topic_replaced(self._marker_topic_id, now)
 
     def _marker_topic_gone(self, exc: Exception) -> bool:
         """A Kafka failure of a shard whose cause is the op-marker topic deleted: every round
@@ -953,8 +971,8 @@ class Relay:
             # transaction, once, so an operator can end it.
             self._holder_warned = holder[:2]
             logger.warning(
-                "the xid horizon has been held for %.0f s by %s (xid %s): records committed "
-                "after it began are delivered once it ends",
+                "the xid horizon has been held for %.0f s by %s (xid %s): records of "
+                "transactions that took their xid after it wait until it ends",
                 held,
                 holder[3],
                 holder[1],

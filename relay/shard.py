@@ -392,6 +392,16 @@ class ShardWorker:
         self._marker_topic_id = self.topics.topic_id(topic)
         recorded = recorded_partition is not None and recorded_id is not None
         if recorded and self._marker_topic_id is None:
+            if self.topics.partitions(topic, refresh=True):
+                # The two look-ups disagree (a broker's metadata still settling, say): this
+                # recovery fails and goes again, where a refusal would stop the relay for good.
+                raise KafkaException(
+                    KafkaError(
+                        KafkaError.UNKNOWN_TOPIC_OR_PART,
+                        f"op-marker topic {topic}: described as missing, listed as there; "
+                        "recovery goes again",
+                    )
+                )
             raise MarkersNotFound(
                 f"shard {self.shard} recorded its op markers in topic {topic}, which is "
                 "missing (or the relay's principal may no longer see it: its ACLs); if it "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -1022,17 +1023,28 @@ def test_a_marker_topic_made_anew_under_its_name_stops_the_relay(
     topic_factory: Callable[..., str],
     relay_factory: Any,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Deleted and made again, its log refilled past the offset a shard recorded (other shards'
     markers, say): recovery read from that offset, found none of the markers of a batch in
     doubt, and would have sent it again. A relay running meanwhile wrote on into the new topic,
-    its shards recording the old topic's id: it stops at its next heartbeat."""
-    monkeypatch.setattr(service_module, "MARKER_TOPIC_CHECK_S", 0.0)
+    its shards recording the old topic's id: it stops at its next heartbeat, also when that
+    comes between rounds (an idle relay's are: the refusal was forgotten by the next round)."""
+    # not 0: a refusal between rounds was forgotten when the round's own check was not due
+    monkeypatch.setattr(service_module, "MARKER_TOPIC_CHECK_S", 1.0)
     markers_topic = topic_factory(partitions=2)
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic_factory(), "v")
-    running = relay_factory(op_marker_topic=markers_topic)
+    running = relay_factory(op_marker_topic=markers_topic, lease_duration="PT60S")
     assert running.run_once().delivered == 1
+    idle = relay_factory(  # holds no shard: `running` keeps them, and the check is the relay's
+        op_marker_topic=markers_topic,
+        heartbeat_interval="PT0.2S",
+        poll_interval="PT60S",  # no round but the first: every heartbeat is between rounds
+        lease_duration="PT30S",
+    )
+    idle.start()
+    wait_for(lambda: idle._marker_topic_id is not None)  # seen once, as it was
     kafka_admin.delete_topics([markers_topic])[markers_topic].result(30)
     wait_for(lambda: markers_topic not in kafka_admin.list_topics(timeout=10).topics)
 
@@ -1051,13 +1063,48 @@ def test_a_marker_topic_made_anew_under_its_name_stops_the_relay(
     for _ in range(10):
         refill.produce(markers_topic, b"another's", partition=0)
     assert refill.flush(30) == 0
-    with pytest.raises(RelayConfigError, match=f"op-marker topic {markers_topic} was deleted"):
+    replaced = rf"op-marker topic {markers_topic} was deleted and made again while the relay ran"
+    wait_for(idle.ended_by_itself, 30)  # while `running` holds the shards: by its heartbeat
+    assert any(re.search(replaced, r.getMessage()) for r in caplog.records)
+    running._marker_topic_checked_at = -float("inf")  # due at its next heartbeat
+    with pytest.raises(RelayConfigError, match=replaced):
         running.run_once()
     running.stop()
     wrong = relay_factory(op_marker_topic=markers_topic)
     with pytest.raises(RelayConfigError, match="it was deleted and made again"):
         wrong.run_once()
     wrong.stop()
+
+
+def test_a_marker_topic_described_as_missing_once_is_looked_up_again_not_refused(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """One describe answered "missing" (a broker's metadata still settling on a cluster) made
+    recovery refuse the shard's recorded topic, and the relay stopped for good."""
+    topic = topic_factory()
+    relay = relay_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "before")
+    assert relay.run_once().delivered == 1  # the topic's id recorded with the markers' offset
+    for worker in relay.workers.values():
+        worker.needs_recovery = True
+    real_topic_id, asked = relay.topics.topic_id, []
+
+    def missing_once(name: str, **kw: Any) -> str | None:
+        asked.append(name)
+        return None if len(asked) == 1 else real_topic_id(name, **kw)
+
+    relay.topics.topic_id = missing_once
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "after")
+    with pytest.raises(KafkaException, match="described as missing, listed as there"):
+        relay.run_once()  # not RelayConfigError: this recovery fails, and goes again
+    for worker in relay.workers.values():
+        worker.retry_at = 0.0  # its backoff over
+    assert relay.run_once().delivered == 1
+    assert asked == [relay.settings.relay.op_marker_topic] * 2
+    copies = consume_all(relay.settings.kafka.bootstrap_servers, topic, "read_committed")
+    assert [m.value() for m in copies] == [b"before", b"after"]
 
 
 def test_relays_of_two_shard_counts_starting_together_do_not_both_run(
