@@ -96,6 +96,8 @@ _MISCONFIGURED = {
     ),
 }
 
+TOPIC_READY_S = 30.0  # how long a topic the relay made may take to have its partitions led
+
 # Seconds without a delivery report after which the topics of the records still waiting are
 # looked up (ShardProducer.reports): the client keeps a record for a topic deleted since it
 # learned of it queued until the transaction's timeout.
@@ -425,7 +427,8 @@ class Topics:
         self._known: dict[str, tuple[float, int]] = {}  # topic -> (checked at, partitions)
 
     def ensure(self, name: str, partitions: int, config: dict[str, str]) -> None:
-        """Create `name` if missing (the broker's default replication factor)."""
+        """Create `name` if missing (the broker's default replication factor), and return once
+        its partitions have leaders."""
         if self.partitions(name, refresh=True):
             return
         futures = self._admin.create_topics(
@@ -438,6 +441,33 @@ class Topics:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
         self._known.pop(name, None)
+        self._await_leaders(name)
+
+    def _await_leaders(self, name: str) -> None:
+        """A topic just made is in the metadata, and its partitions led, some time after the
+        broker says it is made (seconds on a busy machine). Looked up meanwhile, the relay's
+        first recovery found no leader for the marker partition, then no topic at all, and
+        stopped for good: "deleted while the relay ran". Raises KafkaException (the setup
+        goes again) if that takes longer than TOPIC_READY_S."""
+        deadline = time.monotonic() + TOPIC_READY_S
+        while True:
+            topic = self._admin.list_topics(name, timeout=10).topics.get(name)
+            if (
+                topic is not None
+                and topic.error is None
+                and topic.partitions
+                and all(p.leader >= 0 for p in topic.partitions.values())
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise KafkaException(
+                    KafkaError(
+                        KafkaError.LEADER_NOT_AVAILABLE,
+                        f"topic {name} was made, but its partitions had no leaders after "
+                        f"{TOPIC_READY_S:g}s",
+                    )
+                )
+            time.sleep(0.1)
 
     def partitions(self, name: str, *, refresh: bool = False) -> int:
         """Partition count of `name`, 0 when it does not exist (or we may not see it).

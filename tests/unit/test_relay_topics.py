@@ -52,3 +52,50 @@ def test_a_topic_without_a_leader_for_now_is_an_error_that_passes_not_a_missing_
         topics.partitions("t")
     topics._admin = _Admin(SimpleNamespace(error=None, partitions={0: 0}))  # type: ignore[assignment]
     assert topics.partitions("t") == 1  # not cached as missing
+
+
+class _Creating(_Admin):
+    """A broker that makes the topic, then shows it in its metadata only after a while, and
+    its partitions led only after that."""
+
+    def __init__(self, seen: list[Any]) -> None:
+        super().__init__(None)
+        self.seen = seen
+        self.created = False
+
+    def create_topics(self, new: list[Any]) -> dict[str, Any]:
+        self.created = True
+        return {new[0].topic: SimpleNamespace(result=lambda timeout: None)}
+
+    def list_topics(self, name: str, timeout: float) -> Any:
+        self.topic = self.seen.pop(0) if self.created and self.seen else self.topic
+        return super().list_topics(name, timeout)
+
+
+def _led(*leaders: int) -> Any:
+    return SimpleNamespace(
+        error=None, partitions={i: SimpleNamespace(leader=n) for i, n in enumerate(leaders)}
+    )
+
+
+def test_a_topic_made_is_ready_once_its_partitions_have_leaders() -> None:
+    """Looked up at once, a marker topic just made had no leader, then seemed missing, and the
+    relay stopped at its first start: "deleted while the relay ran"."""
+    leaderless = SimpleNamespace(error=KafkaError(KafkaError.LEADER_NOT_AVAILABLE), partitions={})
+    admin = _Creating([None, leaderless, _led(-1, 0), _led(0, 0)])
+    topics = topics_seeing(None)
+    topics._admin = admin  # type: ignore[assignment]
+    topics.ensure("markers", 2, {})
+    assert admin.seen == []  # it waited through each stage
+    assert topics.partitions("markers") == 2
+
+
+def test_a_topic_made_that_gets_no_leader_in_time_is_an_error_that_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("relay.kafka.TOPIC_READY_S", 0.3)
+    admin = _Creating([_led(-1)] * 100)
+    topics = topics_seeing(None)
+    topics._admin = admin  # type: ignore[assignment]
+    with pytest.raises(KafkaException, match=r"had no leaders after 0\.3s"):
+        topics.ensure("markers", 1, {})
