@@ -96,12 +96,16 @@ _MISCONFIGURED = {
     ),
 }
 
+_NO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"  # the zero Uuid, as confluent-kafka prints it
 TOPIC_READY_S = 30.0  # how long a topic the relay made may take to have its partitions led
 
 # Seconds without a delivery report after which the topics of the records still waiting are
 # looked up (ShardProducer.reports): the client keeps a record for a topic deleted since it
 # learned of it queued until the transaction's timeout.
 REPORT_STALL_S = 5.0
+
+# A topic just made has these until every broker knows it and its partitions are led.
+_PROPAGATING = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.LEADER_NOT_AVAILABLE})
 
 # Metadata errors that say the topic is not there for us; any other one passes.
 _TOPIC_MISSING = frozenset(
@@ -426,9 +430,11 @@ class Topics:
         self._ttl = ttl.total_seconds()
         self._known: dict[str, tuple[float, int]] = {}  # topic -> (checked at, partitions)
 
-    def ensure(self, name: str, partitions: int, config: dict[str, str]) -> None:
+    def ensure(
+        self, name: str, partitions: int, config: dict[str, str], *, await_leaders: bool = True
+    ) -> None:
         """Create `name` if missing (the broker's default replication factor), and return once
-        its partitions have leaders."""
+        its partitions have leaders (`await_leaders`)."""
         if self.partitions(name, refresh=True):
             return
         futures = self._admin.create_topics(
@@ -441,20 +447,25 @@ class Topics:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
         self._known.pop(name, None)
-        self._await_leaders(name)
+        if await_leaders:
+            self._await_leaders(name)
 
     def _await_leaders(self, name: str) -> None:
         """A topic just made is in the metadata, and its partitions led, some time after the
         broker says it is made (seconds on a busy machine). Looked up meanwhile, the relay's
         first recovery found no leader for the marker partition, then no topic at all, and
         stopped for good: "deleted while the relay ran". Raises KafkaException (the setup
-        goes again) if that takes longer than TOPIC_READY_S."""
+        goes again) if that takes longer than TOPIC_READY_S. Any other error of the topic's
+        (not authorised to see it, say) is for the caller's checks to say, at once."""
         deadline = time.monotonic() + TOPIC_READY_S
         while True:
             topic = self._admin.list_topics(name, timeout=10).topics.get(name)
+            error = None if topic is None else topic.error
+            if error is not None and error.code() not in _PROPAGATING:
+                return
             if (
                 topic is not None
-                and topic.error is None
+                and error is None
                 and topic.partitions
                 and all(p.leader >= 0 for p in topic.partitions.values())
             ):
@@ -500,7 +511,9 @@ class Topics:
             if exc.args[0].code() in _TOPIC_MISSING:
                 return None
             raise
-        return None if described.topic_id is None else str(described.topic_id)
+        # A cluster still in ZooKeeper mode (mid-upgrade) may give a topic no id: all zeros.
+        given = None if described.topic_id is None else str(described.topic_id)
+        return None if given == _NO_TOPIC_ID else given
 
     def known_partitions(self, name: str) -> int | None:
         """The partition count last looked up for `name`, however old; None if never."""

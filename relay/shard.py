@@ -1403,7 +1403,9 @@ class ShardWorker:
         self._dead_letter_blocked_until = time.monotonic() + DEAD_LETTER_RETRY_S
         if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
             try:
-                self.topics.ensure(topic, 1, DEAD_LETTER_TOPIC_CONFIG)
+                # not waited for: a Kafka transaction may be open, the shard's lease unrenewed,
+                # and the rows wait DEAD_LETTER_RETRY_S anyway
+                self.topics.ensure(topic, 1, DEAD_LETTER_TOPIC_CONFIG, await_leaders=False)
             except KafkaException as exc:
                 logger.warning("shard %s: could not create %s: %s", self.shard, topic, exc)
         return DeadLetterUnwritable(

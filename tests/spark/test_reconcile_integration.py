@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from zoneinfo import ZoneInfo
 
 import psycopg
 import pytest
@@ -209,17 +208,19 @@ def test_retention_deletes_what_was_written_before_it(pg_dsn: str) -> None:
     assert [w.window_start for w in read_windows(pg_dsn)] == [long_ago + timedelta(minutes=1)]
 
 
-def days_across_a_dst_change(zone: str) -> tuple[int, timedelta]:
-    """The fewest whole days back from now across one of `zone`'s DST changes, and how far a
-    day-counted cut-off in that zone's calendar lies from the same days in seconds."""
-    now = datetime.now(UTC)
-    local_now = now.astimezone(ZoneInfo(zone))
-    for days in range(1, 370):
-        # Python's aware arithmetic keeps the wall clock, as Postgres's interval of days does
-        gap = (local_now - timedelta(days=days)).astimezone(UTC) - (now - timedelta(days=days))
-        if gap:
-            return days, gap
-    raise AssertionError(f"{zone} has no DST change in a year")
+def days_across_a_dst_change(dsn: str) -> tuple[int, timedelta]:
+    """The fewest whole days back from now across a DST change of the session's time zone, and
+    how far a cut-off of that many days in its calendar lies from the same days in seconds
+    (asked of Postgres: its reading of an ambiguous hour is not Python's)."""
+    with psycopg.connect(dsn) as conn:
+        found = conn.execute(
+            "SELECT d, gap FROM (SELECT d, (now() - make_interval(days => d))"
+            " - (now() - make_interval(secs => d * 86400.0)) AS gap"
+            " FROM generate_series(1, 370) AS d) AS cut WHERE gap <> interval '0'"
+            " ORDER BY d LIMIT 1"
+        ).fetchone()
+    assert found is not None, "no DST change in a year"
+    return found[0], found[1]
 
 
 def test_retention_counts_seconds_whatever_the_sessions_time_zone(pg_dsn: str) -> None:
@@ -227,12 +228,13 @@ def test_retention_counts_seconds_whatever_the_sessions_time_zone(pg_dsn: str) -
     across a DST change a finding an hour too young was deleted, or one too old kept."""
     from spark import sink
 
-    days, gap = days_across_a_dst_change("Europe/Berlin")
+    berlin = make_conninfo(pg_dsn, options="-c TimeZone=Europe/Berlin")
+    days, gap = days_across_a_dst_change(berlin)
     # Between the two cut-offs: past the retention in seconds only if the calendar's is later.
     age = timedelta(days=days) - gap / 2
     write_aged(pg_dsn, finding_id=1, detected=age, updated=age,
                window_at=datetime.now(UTC) - timedelta(days=400))  # fmt: skip
-    with sink.connect(make_conninfo(pg_dsn, options="-c TimeZone=Europe/Berlin")) as conn:
+    with sink.connect(berlin) as conn:
         conn.autocommit = True
         pruned = sink.prune(conn, "outbox", timedelta(days=days))
     older = age > timedelta(days=days)

@@ -99,3 +99,34 @@ def test_a_topic_made_that_gets_no_leader_in_time_is_an_error_that_passes(
     topics._admin = admin  # type: ignore[assignment]
     with pytest.raises(KafkaException, match=r"had no leaders after 0\.3s"):
         topics.ensure("markers", 1, {})
+
+
+def test_a_topic_made_that_we_may_not_see_is_left_to_the_callers_checks_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not authorised to describe it, its leaders were awaited for the whole wait, then said
+    to be missing: the setup's own check says what is wrong, and stops the relay."""
+    monkeypatch.setattr("relay.kafka.TOPIC_READY_S", 30.0)
+    forbidden = SimpleNamespace(
+        error=KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED), partitions={}
+    )
+    admin = _Creating([forbidden] * 100)
+    topics = topics_seeing(None)
+    topics._admin = admin  # type: ignore[assignment]
+    topics.ensure("markers", 1, {})
+    assert len(admin.seen) == 99  # one look-up after it was made, not a wait
+
+
+def test_a_topic_with_the_zero_id_has_none() -> None:
+    """A cluster in ZooKeeper mode mid-upgrade gives topics no id: all zeros, the same for a
+    topic made again, which an id compared would never tell apart."""
+    from confluent_kafka import Uuid
+
+    class _Describing(_Admin):
+        def describe_topics(self, names: Any, request_timeout: float) -> dict[str, Any]:
+            done = SimpleNamespace(result=lambda timeout: SimpleNamespace(topic_id=Uuid(0, 0)))
+            return {"t": done}
+
+    topics = topics_seeing(None)
+    topics._admin = _Describing(None)  # type: ignore[assignment]
+    assert topics.topic_id("t") is None
