@@ -1,11 +1,14 @@
 """Start, stop and describe the real local stack: PostgreSQL, a KRaft Kafka broker, Spark's jars.
 
 Usage: scripts/services up|down|status|env|spark-jars|helm|restart postgres|kafka
+                        crash postgres|kafka
 
 `helm` prints the path of a Helm binary for the chart's tests: one on the PATH, else one built
 with `go install` into `.local/bin` (Helm is a Go module; the Go toolchain fetches it).
 
 Everything lives under `.local/` (ignored by git): binaries' data, resolved jars, logs, pid files.
+OUTBOX_LOCAL_DIR moves it (relative to the repository's root), so that a second stack on ports of
+its own can run beside this one (the chaos soak's, `python -m scripts.soak`).
 `up` is idempotent: what exists is reused and what runs is left running, so a second call returns in
 seconds. Only the standard library is used, so this runs before the project's virtualenv exists.
 
@@ -28,7 +31,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCAL = ROOT / ".local"
+LOCAL = ROOT / (os.environ.get("OUTBOX_LOCAL_DIR") or ".local")  # empty: the default, not ROOT
 HOST = "127.0.0.1"
 PG_PORT = int(os.environ.get("OUTBOX_PG_PORT", "55432"))
 KAFKA_PORT = int(os.environ.get("OUTBOX_KAFKA_PORT", "59092"))
@@ -205,16 +208,17 @@ def postgres_up() -> None:
     log(f"postgres ready on {HOST}:{PG_PORT} (log: {PG_LOG})")
 
 
-def postgres_down() -> None:
+def postgres_down(mode: str = "fast") -> None:
+    """Stop postgres; mode "immediate" is a crash: no shutdown checkpoint, recovery at start."""
     bindir = pg_bindir()
     if not bindir or not (PG_DATA / "postmaster.pid").exists():
         return
     subprocess.run(
-        [*pg_user_prefix(), str(bindir / "pg_ctl"), "-D", str(PG_DATA), "-m", "fast", "-w", "stop"],
+        [*pg_user_prefix(), str(bindir / "pg_ctl"), "-D", str(PG_DATA), "-m", mode, "-w", "stop"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    log("postgres stopped")
+    log("postgres stopped" if mode == "fast" else f"postgres stopped ({mode})")
 
 
 # --- Kafka ------------------------------------------------------------------------------------
@@ -392,6 +396,20 @@ def kafka_down() -> None:
     log("kafka stopped")
 
 
+def kafka_kill() -> None:
+    """SIGKILL the broker, as a crash: no controlled shutdown, its logs recovered at start."""
+    pid = kafka_pid()
+    if pid is None:
+        return
+    os.kill(pid, signal.SIGKILL)
+    # the closed port tells it is gone: a killed broker nobody reaps still answers kill(pid, 0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and port_open(KAFKA_PORT):
+        time.sleep(0.1)
+    KAFKA_PID.unlink(missing_ok=True)
+    log("kafka killed")
+
+
 # --- Spark connector jars ---------------------------------------------------------------------
 
 
@@ -488,6 +506,13 @@ def main(argv: list[str]) -> int:
         else:
             kafka_down()
             kafka_up()
+        return 0
+    if cmd == "crash" and len(argv) == 3 and argv[2] in ("postgres", "kafka"):
+        # For fault tests: stopped as a crash stops it; `up` starts it again on the same data.
+        if argv[2] == "postgres":
+            postgres_down("immediate")
+        else:
+            kafka_kill()
         return 0
     if cmd == "spark-jars":  # only the jars, for machines whose services come from elsewhere
         print(env_lines()[-1])
