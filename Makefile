@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast bench install services-up services-down services-status lint typecheck clean
+.PHONY: run test test-fast bench soak install services-up services-down services-status lint typecheck clean
 
 test: install services-up
 	$(PY) -m pytest
@@ -24,6 +24,10 @@ bench: install services-up
 	$(PY) -m bench.checker
 	$(PY) -m bench.relay
 	$(PY) -m bench.reconcile
+
+# Chaos soak of the relay on a stack of its own (other ports, .local/soak): scripts/soak/.
+soak: install
+	$(PY) -m scripts.soak
 
 install: $(STAMP)
 
