@@ -57,7 +57,7 @@ PLAN = Plan(
     gap_s=(8, 25),
     stack_gap_s=75,
 )
-# --harsh: the colleague's harsher weights: blackouts, more broker kills and Postgres crashes.
+# --harsh: blackouts of every relay, more broker kills and Postgres crashes, shorter gaps.
 HARSH = Plan(
     weights={"kill9": 2, "start": 3, "sigstop": 3, "sigterm": 1, "blackout": 1}
     | {"kafka_restart": 0.5, "kafka_kill9": 1.2, "pg_restart": 0.5, "pg_crash": 1.5},
