@@ -8,6 +8,7 @@ shards back so another relay takes them at once, and tolerates being called twic
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -46,6 +47,7 @@ from relay.shard import (
     LeaseLost,
     MarkersNotFound,
     MarkerTopicRefused,
+    OutElsewhere,
     ShardRound,
     ShardWorker,
     Unstamped,
@@ -353,6 +355,7 @@ class Relay:
                     self.ender,
                     self.claimer,
                     self.outbox,
+                    functools.partial(self._ending_elsewhere, lease.shard),
                 )
             except Exception:
                 # Held without a worker, a shard was renewed for ever and never delivered,
@@ -413,6 +416,14 @@ class Relay:
             trimmed += cur.rowcount
             if cur.rowcount < limit or time.monotonic() > deadline:
                 return trimmed
+
+    def _ending_elsewhere(self, shard: int) -> OutElsewhere:
+        """Transactions the other owned shards committed in Kafka and are ending the rows of."""
+        ending = [w.ending_xids() for s, w in self.workers.items() if s != shard]
+        return OutElsewhere(
+            [xid for out in ending for xid in out.spanning],
+            [xid for out in ending for xid in out.all],
+        )
 
     def _drop_worker(self, shard: int) -> None:
         worker = self.workers.pop(shard, None)

@@ -270,6 +270,14 @@ class UnstampedSeen:
     resets: int
 
 
+@dataclass(frozen=True)
+class OutElsewhere:
+    """Transactions other shards of the relay committed in Kafka, whose rows are being ended."""
+
+    spanning: list[str]  # with rows in more than one shard: the claims leave them out
+    all: list[str]  # every one: no transaction waits for them (ShardWorker._may_send)
+
+
 @dataclass
 class _ClaimAhead:
     """The next claim, made on the claimer's connection while a full batch waits for Kafka."""
@@ -288,6 +296,7 @@ class _Ending:
     lease_params: dict[str, Any]
     xids: list[str]  # its transactions and rows, kept out of the next claim meanwhile
     ids: list[int]
+    spanning: list[str]  # those of `xids` with rows in other shards too
     changed: Future[int] | None = None  # rows changed by hand meanwhile, once ended
 
 
@@ -308,6 +317,7 @@ class ShardWorker:
         ender: BackgroundConnection | None = None,
         claimer: BackgroundConnection | None = None,
         outbox: str | None = None,
+        ending_elsewhere: Callable[[], OutElsewhere] | None = None,
     ) -> None:
         # Its epoch only: where its markers are recorded up to is read from the lease row
         # (_lock_lease), which batch ends and idle moves keep current.
@@ -343,6 +353,8 @@ class ShardWorker:
         self._dead_letter_blocked_until = 0.0
         self.ender = ender  # None: each batch's rows are ended before deliver_once returns
         self.claimer = claimer  # None: no claim is made ahead (see deliver_once)
+        # the other shards' ending_xids (see _out_elsewhere)
+        self._ending_elsewhere = ending_elsewhere
         self._ending: _Ending | None = None  # the last batch, while the ender ends its rows
         self._claim_ahead: _ClaimAhead | None = None  # the next claim, made during the last batch
         # Where the usual round's claim starts reading stamped rows (relay.sql, relay_claim's
@@ -635,19 +647,22 @@ class ShardWorker:
         unstamped: Unstamped | None = None,
         after: tuple[datetime, str] | None = None,
         limit: int | None = None,
+        out_elsewhere: OutElsewhere | None = None,
     ) -> _Batch:
         """The next committed transactions in commit order, and the rows waiting for their op
         marker (rolled back, discarded, parked), leaving out `skip_xids` (transactions) and
         `skip_ids` (rows waiting for their marker) of batches committed, or being committed,
         in Kafka whose rows are not ended yet, and stamped rows up to `after` (commit time,
         xid8; see _claimed_past). `limit`: how many rows of this shard pick the transactions
-        (the batch size when None). Thread-safe: reads no state that changes.
+        (the batch size when None). `out_elsewhere`: see _out_elsewhere. Thread-safe: reads
+        no state that changes.
 
         A transaction that must wait (another shard sends it, or an earlier row of one of its
         keys is still to go out from another shard) is held back, and so is every later one
         that shares a key with it; the others go. Per-key order is commit order either way."""
         s = self.settings
         batch = _Batch()
+        out = out_elsewhere or OutElsewhere([], [])
         by_tx: dict[str, list[Row]] = {}  # in commit order: the query sorts, dicts keep order
         conn.execute(self._q("relay_claim_plan"))
         # Prepared as psycopg prepares (its 5th run on a connection), then run with a generic
@@ -658,7 +673,9 @@ class ShardWorker:
                 **self.key_range,
                 "hold_back": hold_back,
                 "limit": limit or s.batch_size,
-                "ending": pgarray.words(skip_xids),
+                # only those that may have rows here: a generic plan checks each row it reads
+                # against the whole array (Postgres hashes only a constant one)
+                "ending": pgarray.words(skip_xids + out.spanning),
                 "inline": unstamped is not None,
                 "stamped_below": unstamped.since if unstamped else "0",
                 "lo_all": unstamped.lo if unstamped else [],
@@ -679,7 +696,7 @@ class ShardWorker:
                     "hi": unstamped.hi,
                     "stamped_below": unstamped.since,
                     "limit": unstamped.limit,
-                    "ending": pgarray.words(skip_xids),
+                    "ending": pgarray.words(skip_xids + out.all),
                 },
                 prepare=False,
             )
@@ -690,7 +707,7 @@ class ShardWorker:
         if limit is not None and limit < s.batch_size:
             lo, hi = self.key_range["lo"], self.key_range["hi"]
             batch.cut_short = sum(1 for r in rows if lo <= r[8] <= hi) >= limit
-        earliest = self._earliest_elsewhere(conn, by_tx, skip_xids)
+        earliest = self._earliest_elsewhere(conn, by_tx, skip_xids + out.all)
         waiting_keys: set[int] = set()  # keys of the transactions held back
         count = 0
         for xid, tx_rows in by_tx.items():
@@ -746,6 +763,11 @@ class ShardWorker:
         ).fetchall()
         return {key_hash: (ts, int(xid)) for key_hash, ts, xid in rows}
 
+    def _own(self, tx_rows: list[Row]) -> bool:
+        """Whether all of a transaction's rows are in this shard."""
+        n = self.settings.shards
+        return all(shard_of(r.key_hash, n) == self.shard for r in tx_rows)
+
     def _home(self, tx_rows: list[Row]) -> int:
         """The shard that sends a transaction: that of its first row (the same for every relay)."""
         return shard_of(min(tx_rows, key=lambda r: r.id).key_hash, self.settings.shards)
@@ -770,8 +792,7 @@ class ShardWorker:
     ) -> bool:
         """Whether this shard sends the transaction now: it is this shard's alone, or this shard
         is its home and no earlier row of its keys in other shards is still to go out."""
-        n = self.settings.shards
-        if all(shard_of(r.key_hash, n) == self.shard for r in tx_rows):
+        if self._own(tx_rows):
             return True
         if self._home(tx_rows) != self.shard:
             return False  # its home shard sends it; its keys here wait behind it
@@ -810,7 +831,13 @@ class ShardWorker:
             with pipelined_transaction(conn):  # 2 round trips
                 skips = self._ending_skips()
                 batch = self._claim(
-                    conn, hold_back, *skips, unstamped, self._claimed_past, self._claim_limit
+                    conn,
+                    hold_back,
+                    *skips,
+                    unstamped,
+                    self._claimed_past,
+                    self._claim_limit,
+                    self._out_elsewhere(),
                 )
         self._claim_limit = self._next_claim_limit(batch)
         claim_next = None
@@ -909,6 +936,22 @@ class ShardWorker:
         ending = self._ending
         return ([], []) if ending is None else (list(ending.xids), list(ending.ids))
 
+    def _out_elsewhere(self) -> OutElsewhere:
+        """Transactions the relay's other shards committed in Kafka and are ending the rows
+        of: out, so not waited for. Without them, in a load of small transactions spanning
+        shards, each wait for another shard cost a round more (that shard's end had not run
+        yet), and a pause of HELD_BACK_POLL_S when no shard sent anything."""
+        if self._ending_elsewhere is None:
+            return OutElsewhere([], [])
+        return self._ending_elsewhere()
+
+    def ending_xids(self) -> OutElsewhere:
+        """Transactions of the batch committed in Kafka whose rows are being ended."""
+        ending = self._ending
+        return (
+            OutElsewhere([], []) if ending is None else OutElsewhere(ending.spanning, ending.xids)
+        )
+
     def _take_claim_ahead(self) -> _Batch | None:
         """The claim made during the last batch, if it may go: that batch committed in Kafka,
         nothing needs recovery, and it came full. A claim that did not come full is made again:
@@ -953,10 +996,13 @@ class ShardWorker:
         skip_ids += [r.id for r in batch.ended]
         # past `batch` too: the claim is taken only if `batch` commits
         after = batch.claimed_through or self._claimed_past
+        out_elsewhere = self._out_elsewhere()  # here: the claimer's thread must not read workers
 
         def claim(conn: psycopg.Connection[Any]) -> _Batch:
             with pipelined_transaction(conn):
-                return self._claim(conn, hold_back, skip_xids, skip_ids, unstamped, after)
+                return self._claim(
+                    conn, hold_back, skip_xids, skip_ids, unstamped, after, None, out_elsewhere
+                )
 
         self._claim_ahead = _ClaimAhead(self.claimer.submit(claim))
 
@@ -1186,6 +1232,11 @@ class ShardWorker:
             lease_params=self._lease_params(),
             xids=[xid for tx in batch.transactions if (xid := tx[0].committed_xid)],
             ids=[r.id for r in ended],
+            spanning=[
+                xid
+                for tx in batch.transactions
+                if (xid := tx[0].committed_xid) and not self._own(tx)
+            ],
         )
         if self.ender is None:
             self._end_or_recover(ending, conn)
