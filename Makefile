@@ -23,6 +23,7 @@ bench: install services-up
 	$(PY) -m bench.publish
 	$(PY) -m bench.checker
 	$(PY) -m bench.relay
+	$(PY) -m bench.spanning
 	$(PY) -m bench.reconcile
 
 # Chaos soak of the relay on a stack of its own (other ports, .local/soak): scripts/soak/.

@@ -1,0 +1,154 @@
+"""The relay's drain of small transactions, some of which span shards, by shard count.
+
+A transaction whose records fall in several shards is sent by one of them, and the later
+records of its keys in the others wait until it is out (relay/shard.py): with small
+transactions and few keys, a shard's round ends at the next such wait. Side by side in one run,
+on the same Postgres and broker, with 1 KiB records: for each shard count, one relay owning
+every shard drains (a) a backlog where a share of the transactions span shards and (b) the same
+backlog's shape with every transaction inside one shard (the baseline). Transactions hold 1-4
+records over 50 keys; rates are timed after the first batch (bench/relay.py, drain()).
+Figures: records/s of each, and spanning / baseline per shard count (no goal: a measure).
+Final line: JSON.
+
+    .venv/bin/python -m bench.spanning [--records 12000] [--shards 1,2,4,6] [--share 0.25]
+                                       [--seed 1] [--batch-size N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import random
+from collections import defaultdict
+from collections.abc import Callable
+
+import psycopg
+
+from bench._services import scratch_database, service_env, sweep_leftover_topics
+from bench.relay import BATCH, VALUE, delete_made_topics, drain
+from relay.sharding import shard_of
+
+KEYS = [f"k{i}" for i in range(50)]
+
+
+def key_shards(dsn: str, shards: int) -> dict[str, int]:
+    """Each key's shard, by the hash the outbox helper gives it."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT k, hashtextextended(k, 0) FROM unnest(%s::text[]) AS k", (KEYS,)
+        ).fetchall()
+    return {key: shard_of(key_hash, shards) for key, key_hash in rows}
+
+
+def transactions(
+    shard_of_key: dict[str, int], count: int, share: float, seed: int
+) -> list[list[str]]:
+    """Keys of transactions of 1-4 records, `count` records in all. A `share` of those with
+    two records or more span shards (when there are several); the others keep to one shard."""
+    rng = random.Random(seed)
+    by_shard: dict[int, list[str]] = defaultdict(list)
+    for key, shard in shard_of_key.items():
+        by_shard[shard].append(key)
+    made: list[list[str]] = []
+    total = 0
+    while total < count:
+        size = min(rng.randint(1, 4), count - total)
+        if size > 1 and len(by_shard) > 1 and rng.random() < share:
+            first, second = rng.sample(sorted(by_shard), 2)
+            keys = [rng.choice(by_shard[first]), rng.choice(by_shard[second])]
+            keys += [rng.choice(KEYS) for _ in range(size - 2)]
+        else:
+            home = by_shard[rng.choice(sorted(by_shard))]
+            keys = [rng.choice(home) for _ in range(size)]
+        made.append(keys)
+        total += size
+    return made
+
+
+def spans(shard_of_key: dict[str, int], keys: list[str]) -> bool:
+    return len({shard_of_key[k] for k in keys}) > 1
+
+
+def filler(txs: list[list[str]]) -> Callable[[str, str, int], None]:
+    """A drain's `fill`: each transaction one INSERT, committed on its own, pipelined."""
+
+    def fill(dsn: str, topic: str, count: int) -> None:
+        assert sum(map(len, txs)) == count
+        with psycopg.connect(dsn, autocommit=True) as conn, conn.pipeline() as pipeline:
+            for n, keys in enumerate(txs):
+                conn.execute(
+                    """
+                    INSERT INTO outbox.outbox_record (producer_group, tx_id, topic, key, value,
+                                                      key_hash, state, committed_xid)
+                    SELECT 'bench', 'span-' || %(n)s, %(topic)s, convert_to(k, 'UTF8'),
+                           %(value)s, hashtextextended(k, 0), 'committed', pg_current_xact_id()
+                    FROM unnest(%(keys)s::text[]) WITH ORDINALITY AS t(k, i) ORDER BY i
+                    """,
+                    {"n": n, "topic": topic, "value": VALUE, "keys": keys},
+                )
+                pipeline.sync()
+
+    return fill
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=12_000)
+    parser.add_argument("--shards", default="1,2,4,6", help="shard counts, comma-separated")
+    parser.add_argument(
+        "--share", type=float, default=0.25, help="of transactions of 2+ records, those spanning"
+    )
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=BATCH, help="the relay's batch_size")
+    args = parser.parse_args()
+    try:
+        counts = [int(n) for n in args.shards.split(",")]
+    except ValueError:
+        parser.error(f"--shards must be whole numbers separated by commas, not {args.shards!r}")
+    if any(n < 1 for n in counts):
+        parser.error(f"--shards must be at least 1 each, not {args.shards!r}")
+    if not 0 <= args.share <= 1:
+        parser.error(f"--share must be between 0 and 1, not {args.share}")
+    if not 1 <= args.batch_size < args.records:
+        parser.error("--batch-size must be at least 1 and below --records (a drain's rate is "
+                     f"timed after its first batch), not {args.batch_size}")  # fmt: skip
+    bootstrap = service_env()["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
+    sweep_leftover_topics(bootstrap)
+    atexit.register(delete_made_topics, bootstrap)
+
+    results = {}
+    for shards in counts:
+        rates = {}
+        for label, share in (("spanning", args.share), ("baseline", 0.0)):
+            with scratch_database() as dsn:
+                shard_of_key = key_shards(dsn, shards)
+                txs = transactions(shard_of_key, args.records, share, args.seed)
+                spanning = sum(spans(shard_of_key, keys) for keys in txs)
+                run = drain(dsn, bootstrap, args.records, shards, args.batch_size, filler(txs))
+            rates[label] = run.rate
+            print(
+                f"{shards} shards, {label}: {run.rate:8.0f}/s ({len(txs)} transactions, "
+                f"{spanning} spanning shards; {run.rate_from_start:.0f}/s from the start)",
+                flush=True,
+            )
+        results[shards] = {
+            "spanning_per_s": round(rates["spanning"]),
+            "baseline_per_s": round(rates["baseline"]),
+            "ratio": round(rates["spanning"] / rates["baseline"], 3),
+        }
+    print(
+        json.dumps(
+            {
+                "benchmark": "spanning",
+                "records": args.records,
+                "share_spanning": args.share,
+                "batch_size": args.batch_size,
+                "by_shards": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
