@@ -17,7 +17,8 @@ from the stored offset (read_committed) and ends those rows instead of sending t
 Multi-shard transactions: the shard of its lowest record id is its home. The home relay sends
 it once no other shard holds an earlier-committed record of its keys; the other shards hold it,
 and their later transactions of its keys, back until it is gone (_claim). Per-key commit order
-therefore holds across shards.
+therefore holds across shards. Gone means ended, or committed in Kafka by another shard of the
+same relay whose end is pending (_out_elsewhere).
 """
 
 from __future__ import annotations
