@@ -366,6 +366,9 @@ class Relay:
         if changes.gained:  # their rows may be left unstamped by another relay
             self._stamp_all_again()
         metrics.SHARDS_OWNED.set(len(self.workers))
+        others_hold_shards = len(self.workers) < self.settings.relay.shards
+        for worker in self.workers.values():
+            worker.wake_relays = others_hold_shards
         # Last: it may wait on Kafka, and the lease changes are all acted on by now (raised
         # before, a shard gained was renewed for ever with no worker). Before the heartbeat
         # counts as done: refused between rounds, the next round's heartbeat is still due.
@@ -774,8 +777,9 @@ class Relay:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
-                    woke = any(
-                        True for _ in listening.notifies(timeout=min(left, 0.25), stop_after=1)
+                    woke = any(  # not by its own ends (relay_wake_relays)
+                        n.payload != self.relay_id
+                        for n in listening.notifies(timeout=min(left, 0.25), stop_after=1)
                     )
                     self._heartbeat_between_rounds()
                 if woke:  # drain what else arrived: one round serves them all

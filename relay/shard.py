@@ -42,6 +42,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from outbox import sql as queries
+from outbox import wakeup_channel
 from relay import _failpoints, metrics, pgarray
 from relay.background import BackgroundConnection
 from relay.config import RelaySettings
@@ -298,6 +299,7 @@ class _Ending:
     xids: list[str]  # its transactions and rows, kept out of the next claim meanwhile
     ids: list[int]
     spanning: list[str]  # those of `xids` with rows in other shards too
+    wake_relays: bool = False  # the end wakes the other relays (ShardWorker.wake_relays)
     changed: Future[int] | None = None  # rows changed by hand meanwhile, once ended
 
 
@@ -356,6 +358,10 @@ class ShardWorker:
         self.claimer = claimer  # None: no claim is made ahead (see deliver_once)
         # the other shards' ending_xids (see _out_elsewhere)
         self._ending_elsewhere = ending_elsewhere
+        # Set by the relay while other relays hold shards: each end wakes them, as one may hold
+        # a transaction back for this batch (waiting, it would poll, ever longer while it sends
+        # nothing: two relays drained small transactions spanning their shards 5x slower than one).
+        self.wake_relays = False
         self._ending: _Ending | None = None  # the last batch, while the ender ends its rows
         self._claim_ahead: _ClaimAhead | None = None  # the next claim, made during the last batch
         # Where the usual round's claim starts reading stamped rows (relay.sql, relay_claim's
@@ -1238,6 +1244,7 @@ class ShardWorker:
                 for tx in batch.transactions
                 if (xid := tx[0].committed_xid) and not self._own(tx)
             ],
+            wake_relays=self.wake_relays,
         )
         if self.ender is None:
             self._end_or_recover(ending, conn)
@@ -1294,6 +1301,11 @@ class ShardWorker:
             )
             if ending.poison:
                 self._park(conn, ending.poison, lease_locked=True)
+            if ending.wake_relays:
+                conn.execute(
+                    self._q("relay_wake_relays"),
+                    {"channel": wakeup_channel(self.schema), "relay_id": self.relay_id},
+                )
             self._check_lease(lease)
         changed = self._count_changed(markers, cursors)
         if changed:

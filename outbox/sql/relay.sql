@@ -215,6 +215,12 @@ FROM (
 WHERE (e.ts, e.xid) < (%(until_ts)s::timestamptz, %(until_xid)s::xid8)
 ORDER BY e.key_hash, e.ts, e.xid;
 
+-- name: relay_wake_relays
+-- In a batch's end, when other relays hold shards: one of them may hold a transaction back for
+-- this batch (relay/shard.py, _may_send), and no commit of an application wakes it. The payload
+-- is this relay's id: it ignores its own.
+SELECT pg_notify(%(channel)s, %(relay_id)s);
+
 -- name: relay_unmarked
 -- Rolled back, discarded and parked rows whose op marker (and dead-letter copy) is not out yet;
 -- `ending`: those whose marker is committed and that are being ended meanwhile.

@@ -2607,6 +2607,66 @@ def test_a_running_relay_held_back_for_another_relay_looks_again_soon(
     assert time.monotonic() - started < 10  # not the 30 s poll interval
 
 
+def test_a_relay_holding_a_transaction_back_for_another_relay_is_woken_by_that_relays_end(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Polling, a relay waited ever longer while it sent nothing: two relays drained small
+    transactions spanning their shards 5x slower than one. The other relay's end wakes it."""
+    monkeypatch.setattr(service_module, "HELD_BACK_POLL_S", 30.0)  # no poll comes in time
+    topic = topic_factory()
+    first = relay_factory(shards=2, poll_interval="PT30S")
+    second = same_settings_other_id(relay_factory, first, "second")
+    for r in (first, second, first, second):
+        r.heartbeat()
+    by_shard = {next(iter(r.workers)): r for r in (first, second)}
+    (a_key,), (b_key,) = keys_by_shard(pg_dsn, 2, 1)
+    publish_tx(pg_dsn, topic, b_key, a_key)  # home 1
+    publish_tx(pg_dsn, topic, a_key)  # shard 0's, behind the first
+    waiting, sending = by_shard[0], by_shard[1]
+    rounds: list[Any] = []
+    run_once = waiting.run_once
+    waiting.run_once = lambda **kw: rounds.append(run_once(**kw)) or rounds[-1]  # type: ignore[method-assign]
+    waiting.start()
+    wait_for(lambda: any(r.held_back for r in rounds))
+    assert sending.run_once().delivered == 2
+    wait_for(lambda: len(consume_all(kafka_bootstrap, topic, "read_committed")) == 3, 10)
+
+
+def test_a_relay_is_not_woken_by_its_own_ends(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Its ends wake the other relays (another shard's relay is there to wake); a round after
+    each of its own batches would find nothing."""
+    topic = topic_factory()
+    first = relay_factory(shards=2, poll_interval="PT30S")
+    second = same_settings_other_id(relay_factory, first, "second")
+    for r in (first, second, first, second):
+        r.heartbeat()
+    (key,) = keys_by_shard(pg_dsn, 2, 1)[next(iter(first.workers))]
+    rounds: list[Any] = []
+    run_once = first.run_once
+    first.run_once = lambda **kw: rounds.append(run_once(**kw)) or rounds[-1]  # type: ignore[method-assign]
+    first.start()
+    wait_for(lambda: len(rounds) == 1)  # its first round, then it waits: nothing to send
+    publish_tx(pg_dsn, topic, key)  # the commit wakes it
+    wait_for(lambda: sum(r.delivered for r in rounds) == 1)
+    with psycopg.connect(pg_dsn) as conn:  # its end is done: the row is gone
+        wait_for(
+            lambda: (
+                conn.execute(
+                    "SELECT count(*) FROM outbox.outbox_record WHERE topic = %s", (topic,)
+                ).fetchone()
+                == (0,)
+            )
+        )
+    time.sleep(1)  # a wake-up by its own end would be a round now, not in 30 s
+    assert len(rounds) == 2
+
+
 def test_two_running_relays_keep_commit_order_per_key_across_shards(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
