@@ -229,15 +229,8 @@ class Drain:
     cpu: dict[str, float]  # µs per record by part, after the first batch (bench/_cpu.py)
 
 
-def drain(
-    dsn: str,
-    bootstrap: str,
-    count: int,
-    shards: int = 1,
-    batch: int = BATCH,
-    fill: Callable[[str, str, int], None] = fill_outbox,
-) -> Drain:
-    """Fill a backlog (`fill(dsn, topic, count)`), start a relay process, time the drain.
+def drain(dsn: str, bootstrap: str, count: int, shards: int = 1, batch: int = BATCH) -> Drain:
+    """Fill a backlog, start a relay process, time the drain.
 
     The relay runs with its defaults (ended rows are deleted) and owns every shard. Its op
     markers carry the time each was produced (sorted: with shards, in several partitions):
@@ -248,7 +241,7 @@ def drain(
     and stamping left out, as in `rate`) until nothing is left, the relay process apart.
     """
     topic = create_topic(bootstrap)
-    fill(dsn, topic, count)
+    fill_outbox(dsn, topic, count)
     env = relay_env(dsn, bootstrap, batch, shards=shards)
     # Polled on one connection: a backend for each poll would cost Postgres CPU of its own.
     with psycopg.connect(dsn, autocommit=True) as conn:

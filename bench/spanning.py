@@ -3,15 +3,17 @@
 A transaction whose records fall in several shards is sent by one of them, and the later
 records of its keys in the others wait until it is out (relay/shard.py): with small
 transactions and few keys, a shard's round ends at the next such wait. Side by side in one run,
-on the same Postgres and broker, with 1 KiB records: for each shard count, one relay owning
-every shard drains (a) a backlog where a share of the transactions span shards and (b) the same
-backlog's shape with every transaction inside one shard (the baseline). Transactions hold 1-4
-records over 50 keys; rates are timed after the first batch (bench/relay.py, drain()).
-Figures: records/s of each, and spanning / baseline per shard count (no goal: a measure).
-Final line: JSON.
+on the same Postgres and broker, with 1 KiB records: for each shard count, the relays drain (a)
+a backlog where a share of the transactions span shards and (b) the same backlog's shape with
+every transaction inside one shard (the baseline). Transactions hold 1-4 records over 50 keys.
+`--relays N` relay processes share the shards, as one sidecar per pod would (one, by default,
+owns them all). Once the shards are spread over them they are paused (SIGSTOP) while the
+backlog is written, and the rate is timed from their SIGCONT until no row is left. Figures:
+records/s of each, and spanning / baseline per shard count (no goal: a measure). Final line:
+JSON.
 
     .venv/bin/python -m bench.spanning [--records 12000] [--shards 1,2,4,6] [--share 0.25]
-                                       [--seed 1] [--batch-size N]
+                                       [--seed 1] [--batch-size N] [--relays 1]
 """
 
 from __future__ import annotations
@@ -20,13 +22,24 @@ import argparse
 import atexit
 import json
 import random
+import signal
+import subprocess
+import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
 import psycopg
 
-from bench._services import scratch_database, service_env, sweep_leftover_topics
-from bench.relay import BATCH, VALUE, delete_made_topics, drain
+from bench._services import ROOT, scratch_database, service_env, sweep_leftover_topics
+from bench.relay import (
+    BATCH,
+    VALUE,
+    create_topic,
+    delete_made_topics,
+    relay_env,
+    undelivered,
+)
 from relay.sharding import shard_of
 
 KEYS = [f"k{i}" for i in range(50)]
@@ -92,6 +105,58 @@ def filler(txs: list[list[str]]) -> Callable[[str, str, int], None]:
     return fill
 
 
+def drain_shared(
+    dsn: str, bootstrap: str, txs: list[list[str]], shards: int, relays: int, batch: int
+) -> float:
+    """records/s of `relays` relay processes sharing the shards (see the module's docstring)."""
+    topic = create_topic(bootstrap)
+    env = relay_env(dsn, bootstrap, batch, shards=shards)
+    settings = json.loads(env["OUTBOX_RELAY"])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "relay.cli", "relay"],
+            env={**env, "OUTBOX_RELAY": json.dumps({**settings, "relay_id": f"bench-{i}"})},
+            cwd=ROOT,
+        )
+        for i in range(relays)
+    ]
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+
+            def wait(until: Callable[[], bool], what: str) -> None:
+                deadline = time.monotonic() + 120
+                while not until():
+                    if any(p.poll() is not None for p in procs):
+                        raise RuntimeError("a relay exited")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{what} not in 120 s")
+                    time.sleep(0.05)
+
+            def spread() -> bool:
+                held = conn.execute(
+                    "SELECT count(DISTINCT owner), count(owner) FROM outbox.shard_lease "
+                    "WHERE lease_until > now()"
+                ).fetchone()
+                return held == (min(relays, shards), shards)
+
+            wait(spread, "the shards spread over the relays")  # a heartbeat or two
+            for p in procs:
+                p.send_signal(signal.SIGSTOP)
+            try:  # well within a lease: the fill takes about a second
+                filler(txs)(dsn, topic, sum(map(len, txs)))
+            finally:
+                started = time.monotonic()
+                for p in procs:
+                    p.send_signal(signal.SIGCONT)
+            wait(lambda: not undelivered(conn), "the drain")
+            return sum(map(len, txs)) / (time.monotonic() - started)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=12_000)
@@ -101,6 +166,7 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=BATCH, help="the relay's batch_size")
+    parser.add_argument("--relays", type=int, default=1, help="relay processes sharing the shards")
     args = parser.parse_args()
     try:
         counts = [int(n) for n in args.shards.split(",")]
@@ -110,9 +176,10 @@ def main() -> None:
         parser.error(f"--shards must be at least 1 each, not {args.shards!r}")
     if not 0 <= args.share <= 1:
         parser.error(f"--share must be between 0 and 1, not {args.share}")
-    if not 1 <= args.batch_size < args.records:
-        parser.error("--batch-size must be at least 1 and below --records (a drain's rate is "
-                     f"timed after its first batch), not {args.batch_size}")  # fmt: skip
+    if args.relays < 1:
+        parser.error(f"--relays must be at least 1, not {args.relays}")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be at least 1, not {args.batch_size}")
     bootstrap = service_env()["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
     sweep_leftover_topics(bootstrap)
     atexit.register(delete_made_topics, bootstrap)
@@ -125,11 +192,11 @@ def main() -> None:
                 shard_of_key = key_shards(dsn, shards)
                 txs = transactions(shard_of_key, args.records, share, args.seed)
                 spanning = sum(spans(shard_of_key, keys) for keys in txs)
-                run = drain(dsn, bootstrap, args.records, shards, args.batch_size, filler(txs))
-            rates[label] = run.rate
+                rate = drain_shared(dsn, bootstrap, txs, shards, args.relays, args.batch_size)
+            rates[label] = rate
             print(
-                f"{shards} shards, {label}: {run.rate:8.0f}/s ({len(txs)} transactions, "
-                f"{spanning} spanning shards; {run.rate_from_start:.0f}/s from the start)",
+                f"{shards} shards, {label}: {rate:8.0f}/s ({len(txs)} transactions, "
+                f"{spanning} spanning shards)",
                 flush=True,
             )
         results[shards] = {
@@ -144,6 +211,7 @@ def main() -> None:
                 "records": args.records,
                 "share_spanning": args.share,
                 "batch_size": args.batch_size,
+                "relays": args.relays,
                 "by_shards": results,
             }
         )
