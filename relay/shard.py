@@ -298,7 +298,12 @@ class _Ending:
     lease_params: dict[str, Any]
     xids: list[str]  # its transactions and rows, kept out of the next claim meanwhile
     ids: list[int]
-    spanning: list[str]  # those of `xids` with rows in other shards too
+    # Those of `xids` whose records all went (none parked by this end), and of those, the ones
+    # with rows in other shards too: what the relay's other shards count as out (OutElsewhere).
+    # A parked record's row is parked only by this end: if the end fails, recovery finds no
+    # marker of it, and it goes again later, maybe from another shard, after its key's next.
+    out: list[str]
+    spanning: list[str]
     wake_relays: bool = False  # the end wakes the other relays (ShardWorker.wake_relays)
     changed: Future[int] | None = None  # rows changed by hand meanwhile, once ended
 
@@ -1232,6 +1237,11 @@ class ShardWorker:
             self._claimed_past = batch.claimed_through
         _failpoints.hit(_failpoints.AFTER_KAFKA_COMMIT)
 
+        sent_whole = {  # by xid: the transactions of which no record is parked
+            xid: tx
+            for tx in batch.transactions
+            if (xid := tx[0].committed_xid) and not any(r.id in poison for r in tx)
+        }
         ending = _Ending(
             markers=markers,
             poison=poison,
@@ -1239,11 +1249,8 @@ class ShardWorker:
             lease_params=self._lease_params(),
             xids=[xid for tx in batch.transactions if (xid := tx[0].committed_xid)],
             ids=[r.id for r in ended],
-            spanning=[
-                xid
-                for tx in batch.transactions
-                if (xid := tx[0].committed_xid) and not self._own(tx)
-            ],
+            out=list(sent_whole),
+            spanning=[xid for xid, tx in sent_whole.items() if not self._own(tx)],
             wake_relays=self.wake_relays,
         )
         if self.ender is None:

@@ -2512,6 +2512,39 @@ def test_what_another_shard_of_the_relay_committed_in_kafka_is_not_waited_for_un
         assert left.fetchone() == (0,)
 
 
+def test_a_transaction_with_a_record_parked_by_its_end_is_waited_for_until_that_end(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Its parked record's row is parked by the end alone: if the end failed, that row would
+    go again later, maybe from another shard, after its key's next record. So the other shard
+    holds its key's later records back until the end is done."""
+    topic = topic_factory(partitions=1)
+    (a_key,), (b_key,) = keys_by_shard(pg_dsn, 2, 1)
+    relay = relay_factory(shards=2)
+    relay.heartbeat()
+    relay.run_once(pipelined=True)  # set up, recovered, stamped: the next rounds stamp nothing
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():  # home 0
+        outbox.publish(conn, topic, "T-a", key=a_key)
+        outbox.publish(conn, topic, "T-b", key=b_key, partition=1)  # no partition 1: parked
+    publish_tx(pg_dsn, topic, b_key)  # shard 1's alone, after T on b_key
+    gate = threading.Event()
+    assert relay.ender is not None
+    relay.ender.submit(lambda _conn: gate.wait(30))
+    try:
+        held = relay.run_once(pipelined=True)
+        assert (held.delivered, held.held_back) == (1, True)  # T-a; the last waits for T's end
+    finally:
+        gate.set()
+    relay.run_once(pipelined=True)  # T's end parks T-b; the last goes
+    relay.run_once()
+    got = by_key(kafka_bootstrap, topic)
+    assert got[a_key.encode()] == [b"T-a"]
+    assert [v.split(b"@")[0] for v in got[b_key.encode()]] == [b_key.encode()]
+    with psycopg.connect(pg_dsn) as conn:
+        parked = conn.execute("SELECT value FROM outbox.outbox_record WHERE state = 'parked'")
+        assert parked.fetchall() == [(b"T-b",)]
+
+
 def test_an_earlier_row_of_its_key_in_another_shard_holds_a_transaction_back_others_do_not(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
