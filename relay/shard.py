@@ -1306,14 +1306,14 @@ class ShardWorker:
                     "topic_id": self._marker_topic_id,
                 },
             )
-            if ending.poison:
-                self._park(conn, ending.poison, lease_locked=True)
+            parked = self._park(conn, ending.poison, lease_locked=True) if ending.poison else []
             if ending.wake_relays:
                 conn.execute(
                     self._q("relay_wake_relays"),
                     {"channel": wakeup_channel(self.schema), "relay_id": self.relay_id},
                 )
             self._check_lease(lease)
+        self._parked(parked)  # committed now
         changed = self._count_changed(markers, cursors)
         if changed:
             logger.warning(
@@ -1665,7 +1665,10 @@ class ShardWorker:
 
     def _park(
         self, conn: psycopg.Connection[Any], poison: dict[int, str], *, lease_locked: bool = False
-    ) -> None:
+    ) -> list[tuple[list[int], str]]:
+        """Park the rows of `poison` (by id: why), and return them by reason. `lease_locked`:
+        in the caller's transaction, which reports them with _parked() once it committed (a
+        lease lost rolls it back, and "parked" was logged and counted for rows that were not)."""
         with conn.transaction():
             if not lease_locked:  # a relay that lost its lease must not park the heir's rows
                 self._lock_lease(conn)
@@ -1676,16 +1679,23 @@ class ShardWorker:
                 by_reason.setdefault(reason, []).append(row_id)
             for reason, ids in by_reason.items():
                 conn.execute(self._q("relay_park"), {"ids": ids, "reason": reason})
-                shown = ", ".join(map(str, ids[:PARKED_IDS_LOGGED]))
-                more = len(ids) - PARKED_IDS_LOGGED
-                logger.warning(
-                    "parked %s record(s) %s%s: %s",
-                    len(ids),
-                    shown,
-                    f" and {more} more" if more > 0 else "",
-                    reason,
-                )
-                metrics.PARKED.labels(_reason_kind(reason)).inc(len(ids))
+        parked = [(ids, reason) for reason, ids in by_reason.items()]
+        if not lease_locked:
+            self._parked(parked)
+        return parked
+
+    def _parked(self, parked: list[tuple[list[int], str]]) -> None:
+        for ids, reason in parked:
+            shown = ", ".join(map(str, ids[:PARKED_IDS_LOGGED]))
+            more = len(ids) - PARKED_IDS_LOGGED
+            logger.warning(
+                "parked %s record(s) %s%s: %s",
+                len(ids),
+                shown,
+                f" and {more} more" if more > 0 else "",
+                reason,
+            )
+            metrics.PARKED.labels(_reason_kind(reason)).inc(len(ids))
 
     def close(self) -> None:
         self.settle_quietly()

@@ -324,6 +324,43 @@ def test_poison_records_are_parked_and_the_rest_goes_on(
     assert (third.delivered, third.ended, third.parked) == (0, 0, 0)
 
 
+def test_records_an_end_would_park_are_not_reported_parked_when_its_lease_is_lost(
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The end that parks them rolls back on a lost lease: "parked" was logged and counted for
+    rows that stayed as they were."""
+    from relay.shard import LeaseLost
+
+    topic = topic_factory(partitions=1)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "good")
+        outbox.publish(conn, topic, "poison", partition=3)  # no partition 3
+    relay = relay_factory()
+    relay.heartbeat()
+    (worker,) = relay.workers.values()
+    gate = threading.Event()
+    assert relay.ender is not None
+    relay.ender.submit(lambda _conn: gate.wait(30))
+    kind = {"reason": "partition_out_of_range"}
+    before = REGISTRY.get_sample_value("outbox_relay_records_parked_total", kind) or 0.0
+    with caplog.at_level("WARNING", logger="relay.shard"):
+        try:
+            assert relay.run_once(pipelined=True).delivered == 1  # its end waits at the gate
+            with psycopg.connect(pg_dsn) as conn:  # another relay takes the shard meanwhile
+                conn.execute("UPDATE outbox.shard_lease SET owner = 'heir', epoch = epoch + 1")
+        finally:
+            gate.set()
+        with pytest.raises(LeaseLost):
+            worker.settle()
+    assert not [r for r in caplog.records if "parked" in r.getMessage()]
+    after = REGISTRY.get_sample_value("outbox_relay_records_parked_total", kind) or 0.0
+    assert after == before
+    assert sorted(r[1] for r in rows(pg_dsn)) == ["committed", "committed"]  # for the heir
+
+
 def test_a_transaction_parked_for_one_reason_is_parked_in_one_statement_and_log_line(
     pg_dsn: str,
     topic_factory: Callable[..., str],
