@@ -172,7 +172,9 @@ class RelaySettings(BaseModel):
 
     enabled: bool = True
     relay_id: str | None = Field(
-        default=None, description="Identity in leases and logs; default: host name and pid."
+        default=None,
+        max_length=200,  # the payload of its wake-ups (relay_wake_relays): at most 8000 bytes
+        description="Identity in leases and logs; default: host name and pid.",
     )
     shards: int = Field(default=1, ge=1, le=1024, description="Shards of the outbox, by key hash.")
     transactional_id_prefix: str = Field(

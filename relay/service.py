@@ -366,9 +366,7 @@ class Relay:
         if changes.gained:  # their rows may be left unstamped by another relay
             self._stamp_all_again()
         metrics.SHARDS_OWNED.set(len(self.workers))
-        others_hold_shards = len(self.workers) < self.settings.relay.shards
-        for worker in self.workers.values():
-            worker.wake_relays = others_hold_shards
+        self._set_wake_relays()
         # Last: it may wait on Kafka, and the lease changes are all acted on by now (raised
         # before, a shard gained was renewed for ever with no worker). Before the heartbeat
         # counts as done: refused between rounds, the next round's heartbeat is still due.
@@ -419,6 +417,14 @@ class Relay:
             trimmed += cur.rowcount
             if cur.rowcount < limit or time.monotonic() > deadline:
                 return trimmed
+
+    def _set_wake_relays(self) -> None:
+        """While other relays hold shards, the ends wake them (ShardWorker.wake_relays). Not
+        with listen_notify off: nobody listens then, and a notifying commit takes a lock."""
+        rs = self.settings.relay
+        wake = rs.listen_notify and len(self.workers) < rs.shards
+        for worker in self.workers.values():
+            worker.wake_relays = wake
 
     def _ending_elsewhere(self, shard: int) -> OutElsewhere:
         """Transactions the other owned shards committed in Kafka and are ending the rows of."""
@@ -472,6 +478,7 @@ class Relay:
                 limit=self.settings.relay.batch_size * len(owned),
                 resets=self._stamp_resets,
             )
+        self._set_wake_relays()  # a worker dropped since the heartbeat (LeaseLost), say
         tried, failed = 0, []
         for shard in owned:
             self._keep_alive()  # a slow shard must not let the others' leases lapse
@@ -712,7 +719,7 @@ class Relay:
                 # Held back for another relay's shard: it sends within a round or two, and no
                 # commit wakes this one when it has. Longer each time nothing went (that relay
                 # may be dead until its lease expires, or in trouble), up to the poll interval.
-                self._wait_for_work(held_back_wait)
+                self._wait_for_work(held_back_wait, held_back=True)
                 longest = self.settings.relay.poll_interval.total_seconds()
                 held_back_wait = (
                     HELD_BACK_POLL_S if result.delivered else min(2 * held_back_wait, longest)
@@ -758,7 +765,10 @@ class Relay:
             not in ("database", "kafka", "fenced", "dead_letter_unwritable", "transaction_timeout"),
         )
 
-    def _wait_for_work(self, timeout: float | None = None) -> None:
+    def _wait_for_work(self, timeout: float | None = None, *, held_back: bool = False) -> None:
+        """Until a commit is announced (or `timeout`, or the poll interval). `held_back`: this
+        relay holds a transaction back for another relay's shard, and that relay's ends wake
+        it (relay_wake_relays); else only the applications' and the checker's notifications."""
         rs = self.settings.relay
         timeout = min(rs.poll_interval.total_seconds(), timeout or float("inf"))
         if rs.listen_notify:
@@ -777,8 +787,8 @@ class Relay:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
-                    woke = any(  # not by its own ends (relay_wake_relays)
-                        n.payload != self.relay_id
+                    woke = any(  # relay_wake_relays' payload: a relay's id
+                        not n.payload or (held_back and n.payload != self.relay_id)
                         for n in listening.notifies(timeout=min(left, 0.25), stop_after=1)
                     )
                     self._heartbeat_between_rounds()

@@ -958,11 +958,10 @@ class ShardWorker:
         return self._ending_elsewhere()
 
     def ending_xids(self) -> OutElsewhere:
-        """Transactions of the batch committed in Kafka whose rows are being ended."""
+        """Transactions of the batch committed in Kafka whose rows are being ended, all of whose
+        records went (see _Ending.out)."""
         ending = self._ending
-        return (
-            OutElsewhere([], []) if ending is None else OutElsewhere(ending.spanning, ending.xids)
-        )
+        return OutElsewhere([], []) if ending is None else OutElsewhere(ending.spanning, ending.out)
 
     def _take_claim_ahead(self) -> _Batch | None:
         """The claim made during the last batch, if it may go: that batch committed in Kafka,
@@ -1251,7 +1250,8 @@ class ShardWorker:
             ids=[r.id for r in ended],
             out=list(sent_whole),
             spanning=[xid for xid, tx in sent_whole.items() if not self._own(tx)],
-            wake_relays=self.wake_relays,
+            # only what committed rows: rolled back, discarded or parked ones hold nothing back
+            wake_relays=self.wake_relays and bool(batch.transactions),
         )
         if self.ender is None:
             self._end_or_recover(ending, conn)

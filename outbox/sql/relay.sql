@@ -218,8 +218,10 @@ ORDER BY e.key_hash, e.ts, e.xid;
 -- name: relay_wake_relays
 -- In a batch's end, when other relays hold shards: one of them may hold a transaction back for
 -- this batch (relay/shard.py, _may_send), and no commit of an application wakes it. The payload
--- is this relay's id: it ignores its own.
-SELECT pg_notify(%(channel)s, %(relay_id)s);
+-- is this relay's id: it ignores its own, and the others heed it only while they hold a
+-- transaction back. lock_timeout 0: a transaction that notified takes a cluster-wide lock at
+-- commit, and a role's lock_timeout would fail the end there (so does the checker's commit).
+SELECT set_config('lock_timeout', '0', true), pg_notify(%(channel)s, %(relay_id)s);
 
 -- name: relay_unmarked
 -- Rolled back, discarded and parked rows whose op marker (and dead-letter copy) is not out yet;

@@ -2582,6 +2582,36 @@ def test_a_transaction_with_a_record_parked_by_its_end_is_waited_for_until_that_
         assert parked.fetchall() == [(b"T-b",)]
 
 
+def test_a_transaction_waits_for_the_end_of_an_earlier_one_of_its_key_with_a_parked_record(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """As above, from the other side: the home shard of a later transaction of the key waits."""
+    topic = topic_factory(partitions=1)
+    (a_key, _), (b_key, b2_key) = keys_by_shard(pg_dsn, 2, 2)
+    relay = relay_factory(shards=2)
+    relay.heartbeat()
+    relay.run_once(pipelined=True)  # set up, recovered, stamped: the next rounds stamp nothing
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():  # shard 1's alone
+            outbox.publish(conn, topic, "P-b2", key=b2_key)
+            outbox.publish(conn, topic, "P-b", key=b_key, partition=1)  # no partition 1: parked
+        with conn.transaction():  # home 0, after the first on b_key
+            outbox.publish(conn, topic, "T-a", key=a_key)
+            outbox.publish(conn, topic, "T-b", key=b_key)
+    gate = threading.Event()
+    assert relay.ender is not None
+    relay.ender.submit(lambda _conn: gate.wait(30))
+    try:
+        assert relay.run_once(pipelined=True).delivered == 1  # P-b2; T waits for P
+        held = relay.run_once(pipelined=True)
+        assert (held.delivered, held.held_back) == (0, True)  # still, until P's end
+    finally:
+        gate.set()
+    relay.run_once(pipelined=True)  # P's end parks P-b; T goes
+    relay.run_once()
+    assert by_key(kafka_bootstrap, topic)[b_key.encode()] == [b"T-b"]
+
+
 def test_an_earlier_row_of_its_key_in_another_shard_holds_a_transaction_back_others_do_not(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
@@ -2706,26 +2736,30 @@ def test_a_relay_holding_a_transaction_back_for_another_relay_is_woken_by_that_r
     wait_for(lambda: len(consume_all(kafka_bootstrap, topic, "read_committed")) == 3, 10)
 
 
-def test_a_relay_is_not_woken_by_its_own_ends(
+def test_a_relay_holding_nothing_back_is_not_woken_by_ends_its_own_or_another_relays(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
-    """Its ends wake the other relays (another shard's relay is there to wake); a round after
-    each of its own batches would find nothing."""
+    """Only one that holds a transaction back waits for them: a round after each batch of any
+    relay would find nothing, and with 10 relays nearly doubled the idle ones' claims."""
     topic = topic_factory()
     first = relay_factory(shards=2, poll_interval="PT30S")
     second = same_settings_other_id(relay_factory, first, "second")
     for r in (first, second, first, second):
         r.heartbeat()
-    (key,) = keys_by_shard(pg_dsn, 2, 1)[next(iter(first.workers))]
+    keys = keys_by_shard(pg_dsn, 2, 1)
+    (own,), (others,) = keys[next(iter(first.workers))], keys[next(iter(second.workers))]
     rounds: list[Any] = []
     run_once = first.run_once
     first.run_once = lambda **kw: rounds.append(run_once(**kw)) or rounds[-1]  # type: ignore[method-assign]
     first.start()
     wait_for(lambda: len(rounds) == 1)  # its first round, then it waits: nothing to send
-    publish_tx(pg_dsn, topic, key)  # the commit wakes it
+    publish_tx(pg_dsn, topic, own)  # the commit wakes it
     wait_for(lambda: sum(r.delivered for r in rounds) == 1)
-    with psycopg.connect(pg_dsn) as conn:  # its end is done: the row is gone
-        wait_for(
+    with psycopg.connect(pg_dsn) as conn:
+        publish_tx(pg_dsn, topic, others)  # wakes it too: a round that finds nothing
+        wait_for(lambda: len(rounds) == 3)
+        assert second.run_once().delivered == 1  # the other relay's end
+        wait_for(  # both ends are done: the rows are gone
             lambda: (
                 conn.execute(
                     "SELECT count(*) FROM outbox.outbox_record WHERE topic = %s", (topic,)
@@ -2733,8 +2767,8 @@ def test_a_relay_is_not_woken_by_its_own_ends(
                 == (0,)
             )
         )
-    time.sleep(1)  # a wake-up by its own end would be a round now, not in 30 s
-    assert len(rounds) == 2
+    time.sleep(1)  # a wake-up by either end would be a round now, not in 30 s
+    assert len(rounds) == 3
 
 
 def test_two_running_relays_keep_commit_order_per_key_across_shards(

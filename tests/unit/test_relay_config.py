@@ -207,3 +207,11 @@ def test_durations_of_days_weeks_and_fractions_pass() -> None:
     relay = RelaySettings(audit_retention="P2W", delivered_retention="P1DT12H", linger="PT0.005S")  # type: ignore[arg-type]
     assert relay.audit_retention.days == 14
     assert relay.delivered_retention.total_seconds() == 36 * 3600
+
+
+def test_a_relay_id_longer_than_its_wake_ups_may_carry_is_refused_by_name() -> None:
+    """It is the payload of its NOTIFY (relay_wake_relays), which Postgres limits: too long, it
+    failed every batch's end."""
+    assert RelaySettings(relay_id="r" * 200).relay_id == "r" * 200
+    with pytest.raises(ValidationError, match=r"relay_id\n.*at most 200 characters"):
+        RelaySettings(relay_id="r" * 201)
