@@ -2681,55 +2681,45 @@ def test_a_claim_after_a_round_that_held_back_reads_less_and_goes_again_at_once_
     assert [v.split(b"@")[0] for v in got[1:]] == [f"{a_key}#{i}".encode() for i in range(behind)]
 
 
-def test_a_running_relay_held_back_for_another_relay_looks_again_soon(
-    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
-) -> None:
-    """No commit wakes a relay when another relay sends what it waits for: it must not wait for
-    its (here long) poll interval."""
-    topic = topic_factory()
-    first = relay_factory(shards=2, poll_interval="PT30S")
+def _two_relays_polling_every_30s(relay_factory: Any, **relay: Any) -> tuple[Relay, Relay]:
+    first = relay_factory(shards=2, poll_interval="PT30S", **relay)
     second = same_settings_other_id(relay_factory, first, "second")
-    for r in (first, second, first, second):
+    for r in (first, second, first, second):  # the first takes both, hands one back
         r.heartbeat()
-    by_shard = {next(iter(r.workers)): r for r in (first, second)}
-    (a_key,), (b_key,) = keys_by_shard(pg_dsn, 2, 1)
-    publish_tx(pg_dsn, topic, b_key, a_key)  # home 1
-    publish_tx(pg_dsn, topic, a_key)  # shard 0's, behind the first
-    waiting, sending = by_shard[0], by_shard[1]
+    return first, second
+
+
+def record_rounds(relay: Relay) -> list[Any]:
+    """What each round of the relay returns, once it is started."""
     rounds: list[Any] = []
-    run_once = waiting.run_once
-    waiting.run_once = lambda **kw: rounds.append(run_once(**kw)) or rounds[-1]  # type: ignore[method-assign]
-    waiting.start()
-    wait_for(lambda: any(r.held_back for r in rounds))
-    assert sending.run_once().delivered == 2
-    started = time.monotonic()
-    wait_for(lambda: len(consume_all(kafka_bootstrap, topic, "read_committed")) == 3, 10)
-    assert time.monotonic() - started < 10  # not the 30 s poll interval
+    run_once = relay.run_once
+    relay.run_once = lambda **kw: rounds.append(run_once(**kw)) or rounds[-1]  # type: ignore[method-assign]
+    return rounds
 
 
-def test_a_relay_holding_a_transaction_back_for_another_relay_is_woken_by_that_relays_end(
+@pytest.mark.parametrize("listen_notify", [True, False], ids=["woken-by-its-end", "polling"])
+def test_a_running_relay_held_back_for_another_relay_goes_on_soon_after_that_one_sends(
     pg_dsn: str,
     kafka_bootstrap: str,
     topic_factory: Callable[..., str],
     relay_factory: Any,
     monkeypatch: pytest.MonkeyPatch,
+    listen_notify: bool,
 ) -> None:
-    """Polling, a relay waited ever longer while it sent nothing: two relays drained small
-    transactions spanning their shards 5x slower than one. The other relay's end wakes it."""
-    monkeypatch.setattr(service_module, "HELD_BACK_POLL_S", 30.0)  # no poll comes in time
+    """No application's commit announces what another relay sends. With listen_notify, that
+    relay's end wakes it: polling, it waited twice as long each round that sent nothing, and two
+    relays drained small transactions spanning their shards 5x slower than one. Without, it
+    polls soon, not after its (here long) poll interval."""
+    if listen_notify:
+        monkeypatch.setattr(service_module, "HELD_BACK_POLL_S", 30.0)  # no poll comes in time
     topic = topic_factory()
-    first = relay_factory(shards=2, poll_interval="PT30S")
-    second = same_settings_other_id(relay_factory, first, "second")
-    for r in (first, second, first, second):
-        r.heartbeat()
+    first, second = _two_relays_polling_every_30s(relay_factory, listen_notify=listen_notify)
     by_shard = {next(iter(r.workers)): r for r in (first, second)}
     (a_key,), (b_key,) = keys_by_shard(pg_dsn, 2, 1)
     publish_tx(pg_dsn, topic, b_key, a_key)  # home 1
     publish_tx(pg_dsn, topic, a_key)  # shard 0's, behind the first
     waiting, sending = by_shard[0], by_shard[1]
-    rounds: list[Any] = []
-    run_once = waiting.run_once
-    waiting.run_once = lambda **kw: rounds.append(run_once(**kw)) or rounds[-1]  # type: ignore[method-assign]
+    rounds = record_rounds(waiting)
     waiting.start()
     wait_for(lambda: any(r.held_back for r in rounds))
     assert sending.run_once().delivered == 2
@@ -2742,15 +2732,10 @@ def test_a_relay_holding_nothing_back_is_not_woken_by_ends_its_own_or_another_re
     """Only one that holds a transaction back waits for them: a round after each batch of any
     relay would find nothing, and with 10 relays nearly doubled the idle ones' claims."""
     topic = topic_factory()
-    first = relay_factory(shards=2, poll_interval="PT30S")
-    second = same_settings_other_id(relay_factory, first, "second")
-    for r in (first, second, first, second):
-        r.heartbeat()
+    first, second = _two_relays_polling_every_30s(relay_factory)
     keys = keys_by_shard(pg_dsn, 2, 1)
     (own,), (others,) = keys[next(iter(first.workers))], keys[next(iter(second.workers))]
-    rounds: list[Any] = []
-    run_once = first.run_once
-    first.run_once = lambda **kw: rounds.append(run_once(**kw)) or rounds[-1]  # type: ignore[method-assign]
+    rounds = record_rounds(first)
     first.start()
     wait_for(lambda: len(rounds) == 1)  # its first round, then it waits: nothing to send
     publish_tx(pg_dsn, topic, own)  # the commit wakes it
