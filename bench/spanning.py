@@ -46,7 +46,8 @@ KEYS = [f"k{i}" for i in range(50)]
 
 
 def key_shards(dsn: str, shards: int) -> dict[str, int]:
-    """Each key's shard, by the hash the outbox helper gives it."""
+    """Each key's shard, by the key hash filler() writes (as bench/relay.py's fill does; not
+    publish()'s, which hashes the key's bytes: any hash spreads the keys alike)."""
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
             "SELECT k, hashtextextended(k, 0) FROM unnest(%s::text[]) AS k", (KEYS,)
