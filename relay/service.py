@@ -716,9 +716,10 @@ class Relay:
                 self._pause(_backoff(failures))
                 continue
             if result.held_back and not result.full:
-                # Held back for another relay's shard: it sends within a round or two, and no
-                # commit wakes this one when it has. Longer each time nothing went (that relay
-                # may be dead until its lease expires, or in trouble), up to the poll interval.
+                # Held back for another relay's shard: it sends within a round or two, and its
+                # end wakes this one (no application's commit does). Else polled, longer each
+                # time nothing went (that relay may be dead until its lease expires, or in
+                # trouble), up to the poll interval.
                 self._wait_for_work(held_back_wait, held_back=True)
                 longest = self.settings.relay.poll_interval.total_seconds()
                 held_back_wait = (
