@@ -177,6 +177,8 @@ def main() -> None:
         parser.error(f"--shards must be at least 1 each, not {args.shards!r}")
     if not 0 <= args.share <= 1:
         parser.error(f"--share must be between 0 and 1, not {args.share}")
+    if args.records < 1:
+        parser.error(f"--records must be at least 1, not {args.records}")
     if args.relays < 1:
         parser.error(f"--relays must be at least 1, not {args.relays}")
     if args.batch_size < 1:

@@ -355,7 +355,7 @@ class Relay:
                     self.ender,
                     self.claimer,
                     self.outbox,
-                    functools.partial(self._ending_elsewhere, lease.shard),
+                    ending_elsewhere=functools.partial(self._ending_elsewhere, lease.shard),
                 )
             except Exception:
                 # Held without a worker, a shard was renewed for ever and never delivered,
@@ -428,7 +428,7 @@ class Relay:
 
     def _ending_elsewhere(self, shard: int) -> OutElsewhere:
         """Transactions the other owned shards committed in Kafka and are ending the rows of."""
-        ending = [w.ending_xids() for s, w in self.workers.items() if s != shard]
+        ending = [w.out_for_other_shards() for s, w in self.workers.items() if s != shard]
         return OutElsewhere(
             [xid for out in ending for xid in out.spanning],
             [xid for out in ending for xid in out.all],

@@ -325,7 +325,8 @@ class ShardWorker:
         ender: BackgroundConnection | None = None,
         claimer: BackgroundConnection | None = None,
         outbox: str | None = None,
-        ending_elsewhere: Callable[[], OutElsewhere] | None = None,
+        *,
+        ending_elsewhere: Callable[[], OutElsewhere],
     ) -> None:
         # Its epoch only: where its markers are recorded up to is read from the lease row
         # (_lock_lease), which batch ends and idle moves keep current.
@@ -361,7 +362,7 @@ class ShardWorker:
         self._dead_letter_blocked_until = 0.0
         self.ender = ender  # None: each batch's rows are ended before deliver_once returns
         self.claimer = claimer  # None: no claim is made ahead (see deliver_once)
-        # the other shards' ending_xids (see _out_elsewhere)
+        # the other shards' out_for_other_shards() (see _out_elsewhere)
         self._ending_elsewhere = ending_elsewhere
         # Set by the relay while other relays hold shards: each end wakes them, as one may hold
         # a transaction back for this batch (waiting, it would poll, ever longer while it sends
@@ -953,11 +954,9 @@ class ShardWorker:
         of: out, so not waited for. Without them, in a load of small transactions spanning
         shards, each wait for another shard cost a round more (that shard's end had not run
         yet), and a pause of HELD_BACK_POLL_S when no shard sent anything."""
-        if self._ending_elsewhere is None:
-            return OutElsewhere([], [])
         return self._ending_elsewhere()
 
-    def ending_xids(self) -> OutElsewhere:
+    def out_for_other_shards(self) -> OutElsewhere:
         """Transactions of the batch committed in Kafka whose rows are being ended, all of whose
         records went (see _Ending.out)."""
         ending = self._ending

@@ -78,3 +78,23 @@ def test_the_spanning_benchmark_compares_each_shard_count_with_its_baseline(
     spanning = dict(re.findall(r"^2 shards, (\w+): .* (\d+) spanning shards", done.stdout, re.M))
     assert int(spanning["spanning"]) > 0
     assert spanning["baseline"] == "0"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (("--records", "0"), "--records must be at least 1, not 0"),
+        (("--relays", "0"), "--relays must be at least 1, not 0"),
+        (("--shards", "2,x"), "--shards must be whole numbers separated by commas"),
+        (("--share", "1.5"), "--share must be between 0 and 1, not 1.5"),
+    ],
+)
+def test_the_spanning_benchmark_refuses_bad_arguments_before_anything_runs(
+    argv: tuple[str, ...], said: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.spanning", *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert said in done.stderr
