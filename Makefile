@@ -18,12 +18,13 @@ test-fast: install
 run: install
 	$(PY) scripts/demo.py
 
-# All four, one after the other (never two at once: they share the machine's cores): ~16 min on 2 cores.
+# All six, one after the other (never two at once: they share the machine's cores): ~26 min on 2 cores.
 bench: install services-up
 	$(PY) -m bench.publish
 	$(PY) -m bench.checker
 	$(PY) -m bench.relay
 	$(PY) -m bench.spanning
+	$(PY) -m bench.latency
 	$(PY) -m bench.reconcile
 
 # Chaos soak of the relay on a stack of its own (other ports, .local/soak): scripts/soak/.

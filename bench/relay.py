@@ -370,8 +370,10 @@ def latency(
     seconds: float,
     per_tx: int = PER_TX,
     batch: int = BATCH,
+    shards: int = 1,
 ) -> Latency:
-    """Commit-to-visible, for transactions of `per_tx` records written at `rate` records/s.
+    """Commit-to-visible, for transactions of `per_tx` records written at `rate` records/s, with
+    one relay owning `shards` shards.
 
     From the commit time Postgres recorded to the poll of a read_committed consumer (a process
     of its own: in the writer's process it waited for the GIL, and that wait counted as
@@ -382,7 +384,7 @@ def latency(
     statements = _transactions(topic, rate, seconds, per_tx)
     proc = subprocess.Popen(
         [sys.executable, "-m", "relay.cli", "relay"],
-        env=relay_env(dsn, bootstrap, batch),
+        env=relay_env(dsn, bootstrap, batch, shards=shards),
         cwd=ROOT,
     )
     spawn = multiprocessing.get_context("spawn")

@@ -1,5 +1,5 @@
-"""`python -m bench.relay` end to end, small: it runs, honours --batch-size, and its final line
-is the JSON the README and the notes quote."""
+"""`python -m bench.relay`, bench.spanning and bench.latency end to end, small: they run, honour
+their arguments, and their final line is the JSON the README and the notes quote."""
 
 from __future__ import annotations
 
@@ -94,6 +94,48 @@ def test_the_spanning_benchmark_refuses_bad_arguments_before_anything_runs(
 ) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench.spanning", *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert said in done.stderr
+
+
+def test_the_latency_benchmark_compares_each_shard_count_with_one_shard(
+    kafka_bootstrap: str,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.latency", "--shards", "2", "--rates", "100",
+         "--seconds", "1", "--repeat", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert (report["benchmark"], report["records_per_tx"], report["repeat"]) == ("latency", 1, 1)
+    figures = report["by_rate"]["100"]
+    assert sorted(figures) == ["1", "2"]  # one shard, the baseline, runs though not asked
+    for shards in ("1", "2"):
+        assert 0 < figures[shards]["p50_ms"] <= figures[shards]["p99_ms"]
+        assert figures[shards]["written_per_s"] > 0
+    assert figures["1"]["p50_vs_one_shard"] == 1.0
+    assert figures["2"]["p50_vs_one_shard"] == round(
+        figures["2"]["p50_ms"] / figures["1"]["p50_ms"], 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (("--shards", "0,2"), "--shards must each be above 0, not '0,2'"),
+        (("--rates", "fast"), "--rates must be numbers separated by commas, not 'fast'"),
+        (("--seconds", "0"), "--seconds must be above 0, not 0"),
+        (("--per-tx", "0"), "--per-tx must be above 0, not 0"),
+    ],
+)
+def test_the_latency_benchmark_refuses_bad_arguments_before_anything_runs(
+    argv: tuple[str, ...], said: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.latency", *argv],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2
