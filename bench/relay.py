@@ -50,6 +50,7 @@ from bench._services import (
 from outbox import Outbox, OutboxConfig, Record, State, _core
 from relay.config import RelaySettings
 from relay.markers import decode_markers
+from relay.sharding import shard_of
 
 VALUE = os.urandom(512).hex().encode()  # 1 KiB
 BATCH: int = RelaySettings.model_fields["batch_size"].default  # --batch-size, by default
@@ -284,11 +285,13 @@ def drain(dsn: str, bootstrap: str, count: int, shards: int = 1, batch: int = BA
     )
 
 
-def _arrivals(bootstrap: str, topic: str, ready: Any, stop: Any, expected: Any, out: Any) -> None:
+def _arrivals(
+    bootstrap: str, topic: str, ready: Any, stop: Any, expected: Any, out: Any, warmups: int = 1
+) -> None:
     """The consumer, in a process of its own: in the publisher's process it waited for the GIL
     behind the publishing loop, and that wait was counted as latency. Sends {value prefix:
     arrival time} once it has seen `expected` records (set when known) or is stopped; sets
-    `ready` once it has seen the warm-up record."""
+    `ready` once it has seen `warmups` warm-up records."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -301,13 +304,16 @@ def _arrivals(bootstrap: str, topic: str, ready: Any, stop: Any, expected: Any, 
     partitions = consumer.list_topics(topic, 30).topics[topic].partitions
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
     arrived: dict[bytes, float] = {}
+    warmed = 0
     while not stop.is_set() and not 0 < expected.value <= len(arrived):
         msg = consumer.poll(0.1)
         if msg is not None and msg.error() is None:
             at = time.time()
             prefix = (msg.value() or b"").split(b":", 1)[0]
             if prefix == b"warmup":
-                ready.set()
+                warmed += 1
+                if warmed >= warmups:
+                    ready.set()
             else:
                 arrived[prefix] = at
     consumer.close()
@@ -363,6 +369,22 @@ class Latency:
     achieved_per_s: float  # what was really written: below `rate` if the writer fell behind
 
 
+def warmup_keys(dsn: str, shards: int) -> list[str]:
+    """A key of each shard, as publish() hashes a text key (its UTF-8 bytes' hex)."""
+    with psycopg.connect(dsn) as conn:
+        hashed = conn.execute(
+            "SELECT k, hashtextextended(encode(convert_to(k, 'UTF8'), 'hex'), 0)"
+            " FROM unnest(%s::text[]) AS k",
+            ([f"warmup-{i}" for i in range(64 * shards)],),
+        ).fetchall()
+    first: dict[int, str] = {}
+    for key, key_hash in hashed:
+        first.setdefault(shard_of(key_hash, shards), key)
+    if len(first) < shards:
+        raise RuntimeError(f"no warm-up key found for each of {shards} shards")
+    return [first[s] for s in sorted(first)]
+
+
 def latency(
     dsn: str,
     bootstrap: str,
@@ -377,8 +399,9 @@ def latency(
 
     From the commit time Postgres recorded to the poll of a read_committed consumer (a process
     of its own: in the writer's process it waited for the GIL, and that wait counted as
-    latency), on this machine's clock. The timed load starts once a warm-up record has arrived:
-    the relay holds its shard and the consumer reads.
+    latency), on this machine's clock. The timed load starts once a warm-up record of each shard
+    has arrived: the relay holds its shards (each recovered, its producer made) and the
+    consumer reads.
     """
     topic = create_topic(bootstrap)
     statements = _transactions(topic, rate, seconds, per_tx)
@@ -390,14 +413,17 @@ def latency(
     spawn = multiprocessing.get_context("spawn")
     ready, stop, arrivals = spawn.Event(), spawn.Event(), spawn.Queue()
     expected = spawn.Value("q", 0)
+    keys = warmup_keys(dsn, shards)
     reader = spawn.Process(
-        target=_arrivals, args=(bootstrap, topic, ready, stop, expected, arrivals)
+        target=_arrivals, args=(bootstrap, topic, ready, stop, expected, arrivals, len(keys))
     )
     reader.start()
     arrived: dict[bytes, float] = {}
     try:
-        with psycopg.connect(dsn) as conn, conn.transaction():
-            Outbox().publish(conn, topic, b"warmup:", key="warmup")
+        with psycopg.connect(dsn) as conn:
+            for key in keys:  # a transaction each: one spanning shards goes from one of them
+                with conn.transaction():
+                    Outbox().publish(conn, topic, b"warmup:", key=key)
         if not ready.wait(120):
             raise RuntimeError("the warm-up record did not arrive in 120 s")
         committed, took = _write_paced(dsn, statements, per_tx / rate)
