@@ -19,9 +19,9 @@ from relay.sharding import shard_of
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def bench(*argv: str) -> subprocess.CompletedProcess[str]:
+def bench(*argv: str, module: str = "bench.relay") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bench.relay", *argv],
+        [sys.executable, "-m", module, *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -51,27 +51,13 @@ def test_a_small_run_reports_every_figure_for_the_batch_size_asked(kafka_bootstr
     assert set(report["cpu_us_per_record"]) == {"b1", "b2", "relay"}
 
 
-@pytest.mark.parametrize(
-    ("argv", "said"),
-    [
-        (("--batch-size", "0"), "--batch-size must be at least 1, not 0"),
-        (("--records", "100", "--batch-size", "100"), "must exceed the batch size, 100"),
-    ],
-)
-def test_bad_sizes_are_refused_before_anything_runs(argv: tuple[str, ...], said: str) -> None:
-    done = bench(*argv)
-    assert done.returncode == 2
-    assert said in done.stderr
-
-
 def test_the_spanning_benchmark_compares_each_shard_count_with_its_baseline(
     kafka_bootstrap: str,
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.spanning", "--records", "600", "--shards", "2",
-         "--relays", "2", "--batch-size", "100"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = bench(
+        *("--records", "600", "--shards", "2", "--relays", "2", "--batch-size", "100"),
+        module="bench.spanning",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert (report["benchmark"], report["records"], report["batch_size"]) == ("spanning", 600, 100)
@@ -88,34 +74,13 @@ def test_the_spanning_benchmark_compares_each_shard_count_with_its_baseline(
     assert spanning["baseline"] == "0"
 
 
-@pytest.mark.parametrize(
-    ("argv", "said"),
-    [
-        (("--records", "0"), "--records must be at least 1, not 0"),
-        (("--relays", "0"), "--relays must be at least 1, not 0"),
-        (("--shards", "2,x"), "--shards must be whole numbers separated by commas"),
-        (("--share", "1.5"), "--share must be between 0 and 1, not 1.5"),
-    ],
-)
-def test_the_spanning_benchmark_refuses_bad_arguments_before_anything_runs(
-    argv: tuple[str, ...], said: str
-) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.spanning", *argv],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 2
-    assert said in done.stderr
-
-
 def test_the_latency_benchmark_compares_each_shard_count_with_one_shard(
     kafka_bootstrap: str,
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.latency", "--shards", "2", "--rates", "100",
-         "--seconds", "1", "--repeat", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = bench(
+        *("--shards", "2", "--rates", "100", "--seconds", "1", "--repeat", "1"),
+        module="bench.latency",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert (report["benchmark"], report["records_per_tx"], report["repeat"]) == ("latency", 1, 1)
@@ -131,21 +96,27 @@ def test_the_latency_benchmark_compares_each_shard_count_with_one_shard(
 
 
 @pytest.mark.parametrize(
-    ("argv", "said"),
+    ("module", "argv", "said"),
     [
-        (("--shards", "0,2"), "--shards must each be above 0, not '0,2'"),
-        (("--rates", "fast"), "--rates must be numbers separated by commas, not 'fast'"),
-        (("--seconds", "0"), "--seconds must be above 0, not 0"),
-        (("--per-tx", "0"), "--per-tx must be above 0, not 0"),
+        ("bench.relay", ("--batch-size", "0"), "--batch-size must be at least 1, not 0"),
+        ("bench.relay", ("--records", "100", "--batch-size", "100"),
+         "must exceed the batch size, 100"),
+        ("bench.spanning", ("--records", "0"), "--records must be at least 1, not 0"),
+        ("bench.spanning", ("--relays", "0"), "--relays must be at least 1, not 0"),
+        ("bench.spanning", ("--shards", "2,x"),
+         "--shards must be whole numbers separated by commas"),
+        ("bench.spanning", ("--share", "1.5"), "--share must be between 0 and 1, not 1.5"),
+        ("bench.latency", ("--shards", "0,2"), "--shards must each be above 0, not '0,2'"),
+        ("bench.latency", ("--rates", "fast"),
+         "--rates must be numbers separated by commas, not 'fast'"),
+        ("bench.latency", ("--seconds", "0"), "--seconds must be above 0, not 0"),
+        ("bench.latency", ("--per-tx", "0"), "--per-tx must be above 0, not 0"),
     ],
-)
-def test_the_latency_benchmark_refuses_bad_arguments_before_anything_runs(
-    argv: tuple[str, ...], said: str
+)  # fmt: skip
+def test_bad_arguments_are_refused_before_anything_runs(
+    module: str, argv: tuple[str, ...], said: str
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.latency", *argv],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    done = bench(*argv, module=module)
     assert done.returncode == 2
     assert said in done.stderr
 
