@@ -1,17 +1,17 @@
-"""Commit-to-visible latency by the number of shards one relay owns.
+"""Commit-to-visible latency by the number of shards.
 
-A relay takes its shards in turn each round: each one's claim, Kafka transaction and commit
-(relay/service.py, Relay.run_once). Side by side in one run, on the same Postgres and broker, with
-1 KiB records: for each rate, one relay owning each shard count takes the same paced load
-(bench/relay.py's latency step: from the commit time Postgres recorded to the poll of a
-read_committed consumer), one shard being the baseline. Transactions hold `--per-tx` records
+Side by side in one run, on the same Postgres and broker, with 1 KiB records: for each rate,
+each shard count takes the same paced load (bench/relay.py's latency step: from the commit time
+Postgres recorded to the poll of a read_committed consumer), one shard being the baseline. One
+relay owns every shard, or `--relays N` relay processes share them (as one sidecar per pod
+would; the load starts once they are spread evenly). Transactions hold `--per-tx` records
 over 100 keys (1, by default: none spans shards). Figures: p50 and p99 in ms and the rate the
 writer reached, for each rate and shard count, and each p50 over the one-shard p50 at that rate
 (no goal: a measure). Runs alternate between shard counts, so that a slow spell of the machine
 hits them alike. Final line: JSON.
 
     .venv/bin/python -m bench.latency [--shards 1,2,4] [--rates 300,1000] [--seconds 10]
-                                      [--per-tx 1] [--repeat 2]
+                                      [--per-tx 1] [--repeat 2] [--relays 1]
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10, help="of paced load, each run")
     parser.add_argument("--per-tx", type=int, default=1, help="records per transaction")
     parser.add_argument("--repeat", type=int, default=2, help="runs of each rate and count")
+    parser.add_argument("--relays", type=int, default=1, help="relay processes sharing the shards")
     args = parser.parse_args()
     try:
         shard_counts = [int(n) for n in numbers(args.shards, int, "--shards")]
@@ -61,7 +62,7 @@ def main() -> None:
         parser.error(str(exc))
     if 1 not in shard_counts:
         shard_counts.insert(0, 1)  # the baseline
-    for name in ("seconds", "per_tx", "repeat"):
+    for name in ("seconds", "per_tx", "repeat", "relays"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be above 0, not {getattr(args, name)}")
     bootstrap = service_env()["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
@@ -74,7 +75,15 @@ def main() -> None:
         for _ in range(args.repeat):
             for shards in shard_counts:
                 with scratch_database() as dsn:
-                    run = latency(dsn, bootstrap, rate, args.seconds, args.per_tx, shards=shards)
+                    run = latency(
+                        dsn,
+                        bootstrap,
+                        rate,
+                        args.seconds,
+                        args.per_tx,
+                        shards=shards,
+                        relays=args.relays,
+                    )
                 runs[shards].append(run)
                 counted = f"{shards} shard{'s' * (shards > 1)}"
                 print(
@@ -94,6 +103,7 @@ def main() -> None:
                 "seconds": args.seconds,
                 "records_per_tx": args.per_tx,
                 "repeat": args.repeat,
+                "relays": args.relays,
                 "by_rate": results,
             }
         )

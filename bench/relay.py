@@ -385,6 +385,31 @@ def warmup_keys(dsn: str, shards: int) -> list[str]:
     return [first[s] for s in sorted(first)]
 
 
+def await_spread(
+    conn: psycopg.Connection[Any], shards: int, relays: int, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """Until every shard is held and spread evenly over the relays (they take shards from each
+    other at their heartbeats): a shard moving during the timed load counted its new owner's
+    recovery."""
+    deadline = time.monotonic() + 120
+    most = -(-shards // min(relays, shards))  # shards a relay holds at most once spread
+    while True:
+        counts = [
+            n
+            for (n,) in conn.execute(
+                "SELECT count(*) FROM outbox.shard_lease"
+                " WHERE owner IS NOT NULL AND lease_until > now() GROUP BY owner"
+            ).fetchall()
+        ]
+        if sum(counts) == shards and max(counts) <= most:
+            return
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a relay exited before the latency load")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"shards held by relay after 120 s: {counts}, {shards} shards")
+        time.sleep(0.2)
+
+
 def latency(
     dsn: str,
     bootstrap: str,
@@ -393,23 +418,24 @@ def latency(
     per_tx: int = PER_TX,
     batch: int = BATCH,
     shards: int = 1,
+    relays: int = 1,
 ) -> Latency:
     """Commit-to-visible, for transactions of `per_tx` records written at `rate` records/s, with
-    one relay owning `shards` shards.
+    `relays` relay processes sharing `shards` shards.
 
     From the commit time Postgres recorded to the poll of a read_committed consumer (a process
     of its own: in the writer's process it waited for the GIL, and that wait counted as
-    latency), on this machine's clock. The timed load starts once a warm-up record of each shard
-    has arrived: the relay holds its shards (each recovered, its producer made) and the
-    consumer reads.
+    latency), on this machine's clock. The timed load starts once the shards are spread over
+    the relays and a warm-up record of each shard has arrived: each shard is recovered, its
+    producer made, and the consumer reads.
     """
     topic = create_topic(bootstrap)
     statements = _transactions(topic, rate, seconds, per_tx)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "relay.cli", "relay"],
-        env=relay_env(dsn, bootstrap, batch, shards=shards),
-        cwd=ROOT,
-    )
+    env = relay_env(dsn, bootstrap, batch, shards=shards)
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "relay.cli", "relay"], env=env, cwd=ROOT)
+        for _ in range(relays)
+    ]
     spawn = multiprocessing.get_context("spawn")
     ready, stop, arrivals = spawn.Event(), spawn.Event(), spawn.Queue()
     expected = spawn.Value("q", 0)
@@ -420,7 +446,8 @@ def latency(
     reader.start()
     arrived: dict[bytes, float] = {}
     try:
-        with psycopg.connect(dsn) as conn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            await_spread(conn, shards, relays, procs)
             for key in keys:  # a transaction each: one spanning shards goes from one of them
                 with conn.transaction():
                     Outbox().publish(conn, topic, b"warmup:", key=key)
@@ -436,8 +463,10 @@ def latency(
             with contextlib.suppress(queue.Empty):
                 arrived = arrivals.get(timeout=60)
         reader.join(60)
-        proc.terminate()
-        proc.wait(60)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(60)
     seen = sorted(
         (at - committed[int(prefix.split(b".")[0])]) * 1000 for prefix, at in arrived.items()
     )

@@ -78,12 +78,13 @@ def test_the_latency_benchmark_compares_each_shard_count_with_one_shard(
     kafka_bootstrap: str,
 ) -> None:
     done = bench(
-        *("--shards", "2", "--rates", "100", "--seconds", "1", "--repeat", "1"),
+        *("--shards", "2", "--rates", "100", "--seconds", "1", "--repeat", "1", "--relays", "2"),
         module="bench.latency",
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert (report["benchmark"], report["records_per_tx"], report["repeat"]) == ("latency", 1, 1)
+    assert report["relays"] == 2
     figures = report["by_rate"]["100"]
     assert sorted(figures) == ["1", "2"]  # one shard, the baseline, runs though not asked
     for shards in ("1", "2"):
@@ -111,6 +112,7 @@ def test_the_latency_benchmark_compares_each_shard_count_with_one_shard(
          "--rates must be numbers separated by commas, not 'fast'"),
         ("bench.latency", ("--seconds", "0"), "--seconds must be above 0, not 0"),
         ("bench.latency", ("--per-tx", "0"), "--per-tx must be above 0, not 0"),
+        ("bench.latency", ("--relays", "0"), "--relays must be above 0, not 0"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_anything_runs(
