@@ -431,6 +431,7 @@ def latency(
     """
     topic = create_topic(bootstrap)
     statements = _transactions(topic, rate, seconds, per_tx)
+    keys = warmup_keys(dsn, shards)
     env = relay_env(dsn, bootstrap, batch, shards=shards)
     procs = [
         subprocess.Popen([sys.executable, "-m", "relay.cli", "relay"], env=env, cwd=ROOT)
@@ -439,7 +440,6 @@ def latency(
     spawn = multiprocessing.get_context("spawn")
     ready, stop, arrivals = spawn.Event(), spawn.Event(), spawn.Queue()
     expected = spawn.Value("q", 0)
-    keys = warmup_keys(dsn, shards)
     reader = spawn.Process(
         target=_arrivals, args=(bootstrap, topic, ready, stop, expected, arrivals, len(keys))
     )
@@ -452,7 +452,7 @@ def latency(
                 with conn.transaction():
                     Outbox().publish(conn, topic, b"warmup:", key=key)
         if not ready.wait(120):
-            raise RuntimeError("the warm-up record did not arrive in 120 s")
+            raise RuntimeError("the warm-up records did not all arrive in 120 s")
         committed, took = _write_paced(dsn, statements, per_tx / rate)
         expected.value = len(statements) * per_tx
         with contextlib.suppress(queue.Empty):  # a relay far behind: counted short below
