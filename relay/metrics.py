@@ -23,6 +23,12 @@ COMMIT_SECONDS = Histogram(
     "Latency of commit_transaction.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+DELIVERY_LAG = Histogram(
+    "outbox_relay_delivery_lag_seconds",
+    "From an outbox transaction's database commit (the database server's clock) to the Kafka "
+    "commit that delivered it (the relay's clock); one observation per transaction.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
 BACKLOG = Gauge("outbox_relay_backlog_records", "Committed records not delivered yet.")
 OLDEST_AGE = Gauge(
     "outbox_relay_oldest_undelivered_seconds",

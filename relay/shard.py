@@ -1231,6 +1231,7 @@ class ShardWorker:
             raise
         metrics.COMMIT_SECONDS.observe(time.perf_counter() - started)
         metrics.BATCH_SIZE.observe(len(sent))
+        self._observe_lag(batch, sent)
         if batch.claimed_through is not None:
             self._claimed_past = batch.claimed_through
         _failpoints.hit(_failpoints.AFTER_KAFKA_COMMIT)
@@ -1264,6 +1265,16 @@ class ShardWorker:
         result.ended = len(ended)
         result.parked = len(poison)
         return result
+
+    @staticmethod
+    def _observe_lag(batch: _Batch, sent: dict[int, Sent]) -> None:
+        """Each transaction of which a record went: its delivery lag. A clock behind the
+        database server's counts none (0), not a negative lag."""
+        now = time.time()
+        for tx in batch.transactions:
+            committed_at = tx[0].commit_ts
+            if committed_at is not None and any(r.id in sent for r in tx):
+                metrics.DELIVERY_LAG.observe(max(0.0, now - committed_at.timestamp()))
 
     # --- ending a batch committed in Kafka ------------------------------------------------------
 

@@ -3086,3 +3086,34 @@ def test_a_producer_setting_the_broker_refuses_for_good_stops_the_relay_saying_w
     relay = relay_factory(settings.model_copy(update={"kafka": kafka}))
     with pytest.raises(RelayConfigError, match=r"must not exceed the broker's transaction\.max"):
         relay.run_once()  # the loop stops on it, and the process exits 1
+
+
+def test_the_delivery_lag_is_observed_once_a_transaction_from_its_database_commit(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with conn.transaction():
+            late = outbox.publish(conn, topic, "committed two minutes ago", key="a")
+        with conn.transaction():
+            outbox.publish_many(conn, [Record(topic, f"v{i}", key=f"k{i}") for i in range(3)])
+        conn.execute(
+            "UPDATE outbox.outbox_record SET commit_ts = now() - interval '2 minutes'"
+            " WHERE id = %s",
+            (late,),
+        )
+
+    def sample(suffix: str, **labels: str) -> float:
+        name = f"outbox_relay_delivery_lag_seconds_{suffix}"
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = (sample("count"), sample("sum"), sample("bucket", le="60.0"))
+    assert relay_factory().run_once().delivered == 4
+    count, total, within_a_minute = (
+        sample("count") - before[0],
+        sample("sum") - before[1],
+        sample("bucket", le="60.0") - before[2],
+    )
+    assert count == 2  # a transaction of three records counts once
+    assert within_a_minute == 1  # the other waited two minutes, from its commit
+    assert 120 <= total < 180

@@ -64,6 +64,7 @@ def test_probes_metrics_and_graceful_shutdown(
     metrics = get(port, "/metrics")[1].decode()
     assert f'outbox_relay_records_delivered_total{{topic="{topic}"}} 3.0' in metrics
     assert "outbox_relay_kafka_commit_seconds_count" in metrics
+    assert "outbox_relay_delivery_lag_seconds_count 1.0" in metrics  # one transaction
     assert "outbox_relay_shards_owned 1.0" in metrics
 
     assert relay.terminate(timeout=30) == 0, relay.output()
