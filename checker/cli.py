@@ -25,7 +25,6 @@ import getpass
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -36,6 +35,7 @@ import psycopg
 from checker._manual import ManualResult, rearm, redrive, redrive_topic, resolve
 from outbox.checkback import TransactionStatus
 from relay.cli_database import command_dsn
+from relay.signals import StopOnSignals
 
 logger = logging.getLogger(__name__)
 
@@ -280,13 +280,7 @@ def _cmd_checker(args: argparse.Namespace) -> int:
         return 0
 
     stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        logger.info("received %s: stopping the checker", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    StopOnSignals(stop, "stopping the checker").install()
     checker.start()
     logger.info("checker started (%d endpoint(s))", len(settings.checker.endpoints))
     while not stop.wait(1.0):

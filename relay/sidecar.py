@@ -12,7 +12,6 @@ one is left to the liveness probe.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from typing import Any, Protocol
@@ -22,6 +21,7 @@ from relay.config import SidecarSettings
 from relay.http import ProbeServer
 from relay.kafka import check_client_settings
 from relay.service import Relay
+from relay.signals import StopOnSignals
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +68,7 @@ def run(settings: SidecarSettings, only: str | None = None) -> int:
     logs.configure(settings.log_level, settings.log_format)
     components = build_components(settings, only)
     stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        logger.info("received %s: shutting down", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    StopOnSignals(stop, "shutting down").install()
 
     probes = None
     if settings.http.enabled:
