@@ -1268,8 +1268,8 @@ class ShardWorker:
 
     @staticmethod
     def _observe_lag(batch: _Batch, sent: dict[int, Sent]) -> None:
-        """Each transaction of which a record went: its delivery lag. A clock behind the
-        database server's counts none (0), not a negative lag."""
+        """Each transaction of which a record went: its delivery lag. A relay clock behind the
+        database server's counts 0, not a negative lag."""
         now = time.time()
         for tx in batch.transactions:
             committed_at = tx[0].commit_ts
