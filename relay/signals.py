@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
@@ -32,3 +34,19 @@ class StopOnSignals:
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self)
         signal.signal(signal.SIGINT, self)
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Installed for the block, the previous handlers back after it: for a job that an
+        embedding process (a test, a notebook) runs from its main thread. Off the main thread,
+        where Python refuses handlers, nothing is installed."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.install()
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():  # None: not set from Python, the default then
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)

@@ -54,7 +54,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -63,7 +62,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from types import FrameType
 from typing import Any
 
 import psycopg
@@ -78,6 +76,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import LongType, StructField, StructType
 
 from relay import _failpoints
+from relay.signals import StopOnSignals
 from spark import _sql, sink, transform
 from spark._errors import ReconcileConfigError, ReconcileError, ReconcileQueryError
 from spark.config import (
@@ -309,16 +308,18 @@ class ReconcileJob:
         query = self._query
         return query is not None and query.isActive and self._failure is None
 
-    def request_stop(self) -> None:
-        """Ask run_forever() to stop (safe from a signal handler: no call into Spark)."""
-        self._stopping.set()
-
-    def run_forever(self) -> None:
-        """start(), then wait until the query ends or stop() is called; raise what failed."""
+    def run_forever(self, until: threading.Event | None = None) -> None:
+        """start(), then wait until the query ends, stop() is called or `until` is set; raise
+        what failed. `until` is how a signal handler asks: setting it calls nothing in Spark,
+        and start() does not clear it, so a request made while the job starts is kept."""
         self.start()
         query = self._query
         try:
-            while query is not None and not self._stopping.is_set():
+            while (
+                query is not None
+                and not self._stopping.is_set()
+                and not (until is not None and until.is_set())
+            ):
                 try:
                     if self._await(query, timeout_s=1):
                         break
@@ -1289,30 +1290,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif settings.once:
             report = job.run_once()
         else:
-            _stop_on_sigterm(job)
-            try:
-                job.run_forever()
-            except KeyboardInterrupt:
-                job.stop()
+            # The handler runs in the middle of the py4j call it interrupts: it only sets
+            # `stop` (a call into Spark from there broke that one); run_forever sees it within
+            # a second. A second signal inside the first one's set() is ignored, not deadlocked.
+            stop = threading.Event()
+            with StopOnSignals(stop, "stopping the reconciliation").installed():
+                job.run_forever(until=stop)
             return 0
         print(json.dumps(report.as_dict()) if args.json else report.format(), flush=True)
         return EXIT_FINDINGS if args.fail_on_findings and report.found_total else 0
     finally:
         if owned:
             spark.stop()
-
-
-def _stop_on_sigterm(job: ReconcileJob) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        # Only ask: the handler runs in the main thread in the middle of whatever py4j call it
-        # was making (awaitTermination); a second call from here broke that one. run_forever
-        # sees the request within a second and stops the query itself.
-        job.request_stop()
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 if __name__ == "__main__":

@@ -889,11 +889,52 @@ def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(
                 assert time.monotonic() < until, "the restarted job reported nothing"
                 time.sleep(0.5)
             time.sleep(3)  # a few more triggers and idle judgements: nothing may come twice
-        finally:
-            job.terminate()
+        finally:  # Ctrl-C then a SIGTERM at once (as `make run`'s stop does): a clean exit
+            job.send_signal(signal.SIGINT)
+            job.send_signal(signal.SIGTERM)
             assert job.wait(60) == 0, log.read_text(errors="replace")
     assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", dropped.id)]
     assert len(list((checkpoint / "observations").glob("batch-*"))) >= 1
+
+
+def test_run_forever_stops_when_asked_while_starting_or_running(
+    spark: SparkSession, pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """`until` is what the job's SIGTERM/SIGINT handler sets. A request made before the query
+    started is kept (start() clears the job's own stop flag: a request kept there was lost),
+    and one made while it runs stops it; either way the query is stopped."""
+    from spark.job import ReconcileJob
+
+    orders, markers = topic_factory(), topic_factory()
+    settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
+
+    def run(job: ReconcileJob, until: threading.Event) -> threading.Thread:
+        runner = threading.Thread(target=job.run_forever, kwargs={"until": until}, daemon=True)
+        runner.start()
+        return runner
+
+    early = ReconcileJob(settings, spark)
+    asked_early = threading.Event()
+    asked_early.set()
+    runner = run(early, asked_early)
+    runner.join(90)
+    assert not runner.is_alive(), "a stop asked before the query started was lost"
+    assert not early.running
+
+    job, asked = ReconcileJob(settings, spark), threading.Event()
+    runner = run(job, asked)
+    try:
+        wait_for_first_judgement(job)
+        assert runner.is_alive()
+        assert job.running
+        asked.set()
+        runner.join(60)
+        assert not runner.is_alive(), "run_forever did not see the stop asked"
+        assert not job.running
+        assert not [q for q in spark.streams.active if q.isActive]
+    finally:
+        job.stop()
 
 
 def _compilations(spark: SparkSession) -> int:

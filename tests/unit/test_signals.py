@@ -30,3 +30,34 @@ def test_a_second_signal_inside_the_first_ones_set_returns_at_once() -> None:
     worker.start()
     worker.join(5)
     assert not worker.is_alive()
+
+
+def test_installed_puts_the_handlers_back_after_the_block() -> None:
+    """A job run from an embedding process's main thread (a test, a notebook) must not leave
+    its handler behind: a later Ctrl-C would set a dead job's event and stop nothing."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    stop = threading.Event()
+    handler = StopOnSignals(stop, "stopping")
+    with handler.installed():
+        assert signal.getsignal(signal.SIGTERM) is handler
+        assert signal.getsignal(signal.SIGINT) is handler
+        signal.raise_signal(signal.SIGINT)  # runs the handler, here in the main thread
+        assert stop.is_set()
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_installed_off_the_main_thread_installs_nothing() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with StopOnSignals(threading.Event(), "stopping").installed():
+                assert signal.getsignal(signal.SIGTERM) == before
+        except BaseException as exc:  # reported by the test's thread below
+            failed.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(5)
+    assert failed == []
