@@ -62,6 +62,7 @@ from outbox._errors import (
 )
 from outbox._sync import Outbox
 from outbox.migrations import schema_problem
+from relay.dbprobe import DatabaseProbe
 
 if TYPE_CHECKING:
     from relay.config import SidecarSettings
@@ -186,6 +187,7 @@ class Checker:
         self.checker_id = checker_id or f"{socket.gethostname()}-{os.getpid()}"
         self._dsn = dsn
         self._connect_timeout_s = connect_timeout_s
+        self._db_probe = DatabaseProbe(self._connect, wait_s=connect_timeout_s)
         self._clock = clock or utc_now
         # Scheduled by the database's clock: created_at and the other checkers' leases are its
         # times. By this host's, a host 6 s ahead cut the check immunity by 6 s, and two hosts
@@ -243,13 +245,16 @@ class Checker:
         if self._conn is None or self._conn.closed or self._conn.broken:
             if self._conn is not None:
                 self._conn.close()
-            self._conn = psycopg.connect(
-                self._dsn,
-                autocommit=True,
-                connect_timeout=max(1, int(self._connect_timeout_s)),
-                application_name=f"outbox-checker {self.checker_id}"[:63],
-            )
+            self._conn = self._connect()
         return self._conn
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(
+            self._dsn,
+            autocommit=True,
+            connect_timeout=max(1, int(self._connect_timeout_s)),
+            application_name=f"outbox-checker {self.checker_id}"[:63],
+        )
 
     def _now(self) -> datetime:
         return self._clock() + self._skew
@@ -740,6 +745,7 @@ class Checker:
             endpoint.pool.shutdown(wait=False, cancel_futures=True)
             endpoint.client.close()
         self._drop_connection()
+        self._db_probe.close()
 
     def __enter__(self) -> Checker:
         return self
@@ -783,12 +789,7 @@ class Checker:
     def ready(self) -> dict[str, Any]:
         """What /readyz reports. ``ready`` needs the database only: an endpoint that is down is
         the producer's problem and must not take the sidecar (and its pod) out of service."""
-        try:
-            with psycopg.connect(self._dsn, connect_timeout=3) as probe:
-                probe.execute("SELECT 1")
-            database = True
-        except psycopg.Error:
-            database = False
+        database = self._db_probe.reachable()
         return {
             "ready": database and not self._closed,
             "database": database,

@@ -29,6 +29,7 @@ from outbox.migrations import schema_problem
 from relay import metrics
 from relay.background import BackgroundConnection
 from relay.config import MIN_OP_MARKER_MESSAGE_BYTES, SidecarSettings
+from relay.dbprobe import DatabaseProbe
 from relay.kafka import (
     DEAD_LETTER_TOPIC_CONFIG,
     Fenced,
@@ -162,6 +163,9 @@ class Relay:
         self._marker_topic_checked_at = -float("inf")
         self._holder_warned: tuple[int, str] | None = None  # (pid, xid) last logged
         self._gauge_conn: psycopg.Connection[Any] | None = None  # refresh_gauges' own
+        self._db_probe = DatabaseProbe(
+            lambda: self._connect(autocommit=True), wait_s=self.settings.database.connect_timeout_s
+        )
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
         # is stamped (see _stamp)
         self._next_full_stamp = 0.0
@@ -915,6 +919,7 @@ class Relay:
         for conn in (self._conn, self._listen, self._gauge_conn):
             if conn is not None:
                 conn.close()
+        self._db_probe.close()
         logger.info("relay %s stopped", self.relay_id)
 
     # --- probes and gauges ------------------------------------------------------------------
@@ -944,12 +949,7 @@ class Relay:
     def ready(self) -> dict[str, Any]:
         """What /readyz reports; `ready` needs the database, the broker, and the relay's
         setup (its topics made and its settings checked) done: until then it delivers nothing."""
-        try:
-            with self._connect() as probe:
-                probe.execute("SELECT 1")
-            database = True
-        except psycopg.Error:
-            database = False
+        database = self._db_probe.reachable()
         broker = self.topics.reachable()
         return {
             "ready": database and broker and self._set_up,

@@ -1,0 +1,68 @@
+"""Whether the database answers, for /readyz, on one connection kept between probes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+
+class DatabaseProbe:
+    """`SELECT 1` on a connection kept from one probe to the next.
+
+    A new connection per probe was a Postgres backend forked, authenticated and torn down every
+    probe period (5 s in the chart), for the relay and again for the checker, in every pod.
+    A kept connection that the server or a proxy closed meanwhile (idle_session_timeout, a
+    restart) fails once: the probe then tries a new one before it says the database is down.
+
+    `connect` must return an autocommit connection (a probe must not leave a transaction open)
+    whose connect_timeout bounds a probe of a database that does not answer. Probes that come
+    together (the kubelet's and a person's curl) share the connection, one at a time; one that
+    cannot get it within `wait_s` answers False rather than queue behind a stuck one. After
+    close(), False: the service it probed for has stopped."""
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], wait_s: float) -> None:
+        self._connect = connect
+        self._wait_s = wait_s
+        self._conn: psycopg.Connection[Any] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def reachable(self) -> bool:
+        if not self._lock.acquire(timeout=self._wait_s):
+            return False
+        try:
+            if self._closed:
+                return False
+            conn = self._conn
+            kept = conn is not None and not conn.closed and not conn.broken
+            return self._select_one() or (kept and self._select_one())
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Under the lock: libpq frees the connection, which a probe in flight still used. A
+        probe stuck past `wait_s` keeps it; the process is ending then."""
+        if self._lock.acquire(timeout=self._wait_s):
+            try:
+                self._closed = True
+                self._drop()
+            finally:
+                self._lock.release()
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _select_one(self) -> bool:
+        try:
+            if self._conn is None or self._conn.closed or self._conn.broken:
+                self._conn = self._connect()
+            self._conn.execute("SELECT 1")
+            return True
+        except psycopg.Error:
+            self._drop()
+            return False

@@ -1,0 +1,122 @@
+"""/readyz's database check keeps one connection between probes, against the real Postgres."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+
+from relay.dbprobe import DatabaseProbe
+from relay.service import Relay
+
+APP = "outbox-probe-test"
+
+
+class CountedConnect:
+    """Connects as the probe's owner does (autocommit), counting the connections made."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.made = 0
+
+    def __call__(self) -> psycopg.Connection[Any]:
+        self.made += 1
+        return psycopg.connect(self.dsn, autocommit=True, connect_timeout=2, application_name=APP)
+
+
+def backends(dsn: str, app: str = APP) -> list[int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND pid <> "
+            "pg_backend_pid()",
+            (app,),
+        ).fetchall()
+    return [pid for (pid,) in rows]
+
+
+def test_probes_share_one_connection(pg_dsn: str) -> None:
+    """A new connection per probe was a backend forked and torn down every probe period."""
+    connect = CountedConnect(pg_dsn)
+    probe = DatabaseProbe(connect, wait_s=2)
+    try:
+        assert [probe.reachable() for _ in range(5)] == [True] * 5
+        assert connect.made == 1
+        assert len(backends(pg_dsn)) == 1
+    finally:
+        probe.close()
+
+
+def test_a_kept_connection_the_server_ended_is_replaced_not_reported_down(pg_dsn: str) -> None:
+    """idle_session_timeout, a proxy or a restart ends a kept connection between probes: the
+    database is up all the same."""
+    connect = CountedConnect(pg_dsn)
+    probe = DatabaseProbe(connect, wait_s=2)
+    try:
+        assert probe.reachable()
+        (pid,) = backends(pg_dsn)
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        assert probe.reachable()
+        assert connect.made == 2
+        assert backends(pg_dsn) != [pid]
+    finally:
+        probe.close()
+
+
+def test_a_database_that_does_not_answer_is_down_after_one_try(pg_dsn: str) -> None:
+    connect = CountedConnect(make_conninfo(pg_dsn, port=1))  # nothing listens there
+    probe = DatabaseProbe(connect, wait_s=2)
+    assert not probe.reachable()
+    assert connect.made == 1  # no connection was kept: nothing to try again
+
+
+def test_a_probe_behind_a_stuck_one_answers_false_at_its_wait(pg_dsn: str) -> None:
+    entered, release = threading.Event(), threading.Event()
+    connect = CountedConnect(pg_dsn)
+
+    def stuck_connect() -> psycopg.Connection[Any]:
+        entered.set()
+        release.wait(30)  # as a connect to a host that does not answer
+        return connect()
+
+    probe = DatabaseProbe(stuck_connect, wait_s=0.2)
+    first = threading.Thread(target=probe.reachable, daemon=True)
+    first.start()
+    try:
+        assert entered.wait(10)
+        assert not probe.reachable()
+    finally:
+        release.set()
+        first.join(10)
+        probe.close()
+
+
+def test_close_ends_the_connection_and_later_probes_say_false(pg_dsn: str) -> None:
+    connect = CountedConnect(pg_dsn)
+    probe = DatabaseProbe(connect, wait_s=2)
+    assert probe.reachable()
+    probe.close()
+    assert backends(pg_dsn) == []
+    assert not probe.reachable()
+    assert connect.made == 1
+
+
+def test_a_relays_readiness_probes_reuse_a_connection(
+    pg_dsn: str, relay_factory: Callable[..., Relay]
+) -> None:
+    relay = relay_factory()
+    made: list[dict[str, Any]] = []
+    connect = relay._connect
+
+    def counted(**kwargs: Any) -> psycopg.Connection[Any]:
+        made.append(kwargs)
+        return connect(**kwargs)
+
+    relay._connect = counted  # type: ignore[method-assign]
+    assert [relay.ready()["database"] for _ in range(4)] == [True] * 4
+    assert made == [{"autocommit": True}]
+    relay.stop(timeout=10)
+    assert not relay.ready()["database"]  # stopped: the probe's connection is closed
