@@ -110,12 +110,14 @@ def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
             )
         _refuse_other_migrations(schema, applied)
         pending = [m for m in queries.migrations() if m.version not in done]
+        # prepare=False: a file holds several statements, which Postgres will not prepare (a
+        # connection of prepare_threshold=0 prepares every statement, the first run too)
         if not done:
-            cur.execute(queries.schema_sql(schema))
+            cur.execute(queries.schema_sql(schema), prepare=False)
         else:
             for m in pending:
                 logger.info("applying migration %04d_%s to schema %s", m.version, m.name, schema)
-                cur.execute(m.sql_for(schema))
+                cur.execute(m.sql_for(schema), prepare=False)
         for m in pending:
             cur.execute(
                 sql.SQL("INSERT INTO {}.schema_migration (version, name) VALUES (%s, %s)").format(

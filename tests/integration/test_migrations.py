@@ -78,8 +78,8 @@ def test_migrate_is_idempotent_and_versioned(empty_db: str) -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"row_factory": dict_row}, {"cursor_factory": psycopg.RawCursor}],
-    ids=["dict_row", "RawCursor"],
+    [{"row_factory": dict_row}, {"cursor_factory": psycopg.RawCursor}, {"prepare_threshold": 0}],
+    ids=["dict_row", "RawCursor", "prepare_threshold=0"],
 )
 def test_migrate_on_a_connection_of_any_row_or_cursor_factory(
     empty_db: str, options: dict[str, Any]
@@ -89,6 +89,30 @@ def test_migrate_on_a_connection_of_any_row_or_cursor_factory(
         assert outbox.migrate(conn).applied == tuple(range(1, latest_version() + 1))
         assert outbox.migrate(conn).applied == ()
         assert current_version(conn) == latest_version()
+        check_applied(conn)
+        assert schema_problem(conn) is None
+
+
+def test_migrate_upgrades_on_a_connection_that_prepares_every_statement(empty_db: str) -> None:
+    """A pool's prepare_threshold=0 prepares even a statement's first run, and Postgres refuses
+    to prepare one of several commands: an upgrade (and a fresh schema) failed with "cannot
+    insert multiple commands into a prepared statement", while an up-to-date schema did not."""
+    *older, last = outbox_sql.migrations()
+    with psycopg.connect(empty_db, autocommit=True) as conn:  # a schema one release behind
+        conn.execute("CREATE SCHEMA outbox")
+        for m in older:
+            conn.execute(m.sql_for("outbox"))
+        conn.execute(
+            "CREATE TABLE outbox.schema_migration (version integer PRIMARY KEY,"
+            " name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        for m in older:
+            conn.execute(
+                "INSERT INTO outbox.schema_migration (version, name) VALUES (%s, %s)",
+                (m.version, m.name),
+            )
+    with psycopg.connect(empty_db, prepare_threshold=0) as conn:
+        assert outbox.migrate(conn).applied == (last.version,)
         check_applied(conn)
         assert schema_problem(conn) is None
 
