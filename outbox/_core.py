@@ -185,34 +185,12 @@ def insert(
     ]
     schema = cfg.schema_name
     if tx_id is not None and not tx_id_generated:
-        # A caller-given tx id belongs to one database transaction only.
+        # A caller-given tx id belongs to one database transaction only. Checked, locked when
+        # free, checked again under the lock: see tx_id_used_elsewhere.
         params = {"producer_group": group, "tx_id": tx_id, "state": state.value}
-        yield queries.query("lock_tx_id", schema), params
-        rows = yield queries.query("tx_id_used_elsewhere", schema), params
-        elsewhere, other_kind, isolation = rows[0]
-        if isolation != "read committed":
-            raise OutboxUsageError(
-                f"tx id {tx_id!r} given in a {isolation.upper()} transaction: its snapshot "
-                "cannot see another transaction that took the same tx id after it began, so "
-                "the id cannot be checked for reuse; give a tx id in READ COMMITTED "
-                "transactions only, or let the outbox make it (tx_id=None)"
-            )
-        if elsewhere:
-            raise DuplicateTransactionError(
-                f"tx id {tx_id!r} of producer group {group!r} is already used by another "
-                "database transaction; give each transaction its own tx id",
-                producer_group=group,
-                tx_id=tx_id,
-            )
-        if other_kind:
-            kinds = (
-                ("prepared", "published") if state is State.COMMITTED else ("published", "prepared")
-            )
-            raise OutboxUsageError(
-                f"tx id {tx_id!r} of producer group {group!r} already holds {kinds[0]} records "
-                f"in this transaction; {kinds[1]} ones need a tx id of their own (a commit or "
-                "rollback would move the prepared ones and not the others)"
-            )
+        for lock in (True, False):
+            rows = yield queries.query("tx_id_used_elsewhere", schema), {**params, "lock": lock}
+            _refuse_reused_tx_id(group, tx_id, state, *rows[0][:3])
     common = {
         "producer_group": group,
         "tx_id": tx_id,
@@ -254,6 +232,32 @@ _ALREADY = {
     State.COMMITTED: {State.COMMITTED.value, State.DELIVERED.value, State.PARKED.value},
     State.ROLLED_BACK: {State.ROLLED_BACK.value},
 }
+
+
+def _refuse_reused_tx_id(
+    group: str, tx_id: str, state: State, elsewhere: bool, other_kind: bool, isolation: str
+) -> None:
+    if isolation not in ("read committed", "read uncommitted"):  # the latter runs as the former
+        raise OutboxUsageError(
+            f"tx id {tx_id!r} given in a {isolation.upper()} transaction: its snapshot "
+            "cannot see another transaction that took the same tx id after it began, so "
+            "the id cannot be checked for reuse; give a tx id in READ COMMITTED "
+            "transactions only, or let the outbox make it (tx_id=None)"
+        )
+    if elsewhere:
+        raise DuplicateTransactionError(
+            f"tx id {tx_id!r} of producer group {group!r} is already used by another "
+            "database transaction; give each transaction its own tx id",
+            producer_group=group,
+            tx_id=tx_id,
+        )
+    if other_kind:
+        kinds = ("prepared", "published") if state is State.COMMITTED else ("published", "prepared")
+        raise OutboxUsageError(
+            f"tx id {tx_id!r} of producer group {group!r} already holds {kinds[0]} records "
+            f"in this transaction; {kinds[1]} ones need a tx id of their own (a commit or "
+            "rollback would move the prepared ones and not the others)"
+        )
 
 
 def end(cfg: OutboxConfig, tx_id: str, to_state: State, producer_group: str | None) -> Operation:

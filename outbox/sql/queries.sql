@@ -50,27 +50,31 @@ FROM inserted
 CROSS JOIN (SELECT CASE WHEN %(notify)s THEN pg_notify(%(channel)s, '') END) AS wake
 ORDER BY inserted.id;
 
--- name: lock_tx_id
--- Serialises writers that name the same caller-given tx id, so the reuse check below is exact.
--- Above READ COMMITTED the id is refused (tx_id_used_elsewhere): no lock then, which the refused
--- transaction held until it ended, blocking every other writer of that id.
-SELECT CASE WHEN current_setting('transaction_isolation') = 'read committed'
-    THEN pg_advisory_xact_lock(hashtextextended(%(producer_group)s || '/' || %(tx_id)s, 7411))
-END;
-
 -- name: tx_id_used_elsewhere
--- (used by another database transaction, used in this one for the other kind of record:
--- published and prepared records under one tx id would end apart, the isolation level: above
--- READ COMMITTED a transaction that committed after this one's snapshot is not seen)
-SELECT EXISTS (
-    SELECT 1 FROM {schema}.outbox_record
-    WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
-      AND writer_xid <> pg_current_xact_id()
-), EXISTS (
-    SELECT 1 FROM {schema}.outbox_record
-    WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
-      AND writer_xid = pg_current_xact_id() AND (state = 'prepared') <> (%(state)s = 'prepared')
-), current_setting('transaction_isolation');
+-- Whether a caller-given tx id may be written in this transaction: used by another database
+-- transaction; used in this one for the other kind of record (published and prepared records
+-- under one tx id would end apart); the isolation level (above READ COMMITTED a transaction
+-- that committed after this one's snapshot is not seen; READ UNCOMMITTED runs as READ
+-- COMMITTED). With %(lock)s, and only when the id passes, it then takes the lock that
+-- serialises the writers of the id, so that the check the caller runs again after it (on a
+-- new snapshot, with %(lock)s false) is exact. An id refused here takes no lock: a refused
+-- caller that goes on with its transaction (an "already published" retry caught) held it to
+-- the end, and every later writer of the id waited for that instead of being refused at once.
+SELECT used.elsewhere, used.other_kind, used.isolation,
+       CASE WHEN %(lock)s AND NOT used.elsewhere AND NOT used.other_kind
+                 AND used.isolation IN ('read committed', 'read uncommitted')
+            THEN pg_advisory_xact_lock(hashtextextended(%(producer_group)s || '/' || %(tx_id)s, 7411))
+       END
+FROM (SELECT EXISTS (
+          SELECT 1 FROM {schema}.outbox_record
+          WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
+            AND writer_xid <> pg_current_xact_id()
+      ), EXISTS (
+          SELECT 1 FROM {schema}.outbox_record
+          WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
+            AND writer_xid = pg_current_xact_id()
+            AND (state = 'prepared') <> (%(state)s = 'prepared')
+      ), current_setting('transaction_isolation')) AS used (elsewhere, other_kind, isolation);
 
 -- name: end_transaction
 -- Compare-and-set: only prepared records move; all records of the transaction move together.

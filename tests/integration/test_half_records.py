@@ -143,6 +143,24 @@ def test_a_tx_id_belongs_to_one_database_transaction(pg_dsn: str) -> None:
     assert states(pg_dsn, "order-43") == ["prepared", "prepared"]
 
 
+def test_a_refused_tx_id_holds_no_lock_for_the_rest_of_the_transaction(pg_dsn: str) -> None:
+    """A caller that catches the refusal and goes on with its transaction (an "already
+    published" retry) held the id's lock to its end: every later writer of the id waited for
+    it, or failed on lock_timeout, instead of being refused at once."""
+    prepared(pg_dsn, 1, tx_id="order-9")
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        with pytest.raises(outbox.DuplicateTransactionError):
+            outbox.publish(conn, "t", "again", tx_id="order-9")
+        advisory = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s"
+        assert conn.execute(advisory, (conn.info.backend_pid,)).fetchone() == (0,)
+        with psycopg.connect(pg_dsn) as other:
+            other.execute("SET lock_timeout = '2s'")
+            with pytest.raises(outbox.DuplicateTransactionError):
+                outbox.publish(other, "t", "later", tx_id="order-9")
+            other.rollback()
+    assert states(pg_dsn, "order-9") == ["prepared"]
+
+
 def test_concurrent_reuse_of_a_tx_id_is_caught(pg_dsn: str) -> None:
     first = psycopg.connect(pg_dsn)
     first.execute("SELECT 1")
@@ -181,6 +199,7 @@ def test_concurrent_reuse_of_a_tx_id_is_caught(pg_dsn: str) -> None:
         (psycopg.IsolationLevel.REPEATABLE_READ, True),  # blind to a later-committed reuse
         (psycopg.IsolationLevel.SERIALIZABLE, True),  # too, against a READ COMMITTED writer
         (psycopg.IsolationLevel.READ_COMMITTED, False),
+        (psycopg.IsolationLevel.READ_UNCOMMITTED, False),  # Postgres runs it as READ COMMITTED
     ],
 )
 def test_a_given_tx_id_needs_an_isolation_that_sees_its_reuse(
