@@ -111,7 +111,21 @@ def check_stored_tx_id(tx_id: object) -> str:
     records; the checker's COMMIT for it was never applied, and it could not be resolved."""
     if not isinstance(tx_id, str) or not 1 <= len(tx_id) <= 128:
         raise InvalidTxIdError(f"tx id {tx_id!r} is invalid: use 1 to 128 characters")
+    # What no row can hold: Postgres text takes no NUL, and a lone surrogate is no UTF-8 (a
+    # "database failed" error, or a bare UnicodeEncodeError, said it before)
+    if "\x00" in tx_id or (not tx_id.isascii() and not _encodes(tx_id)):
+        raise InvalidTxIdError(
+            f"tx id {tx_id!r} is invalid: no stored tx id holds a NUL or a lone surrogate"
+        )
     return tx_id
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_immunity_interval(immunity: object) -> timedelta | None:

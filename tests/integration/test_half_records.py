@@ -231,6 +231,19 @@ def test_an_empty_tx_id_is_refused_not_replaced(pg_dsn: str) -> None:
             outbox.publish(conn, "t", "v", tx_id="")
 
 
+@pytest.mark.parametrize("tx_id", ["a\x00b", "\ud800"], ids=["NUL", "lone surrogate"])
+@pytest.mark.parametrize("action", ["commit", "rollback"])
+def test_ending_a_tx_id_no_row_can_hold_is_refused_before_any_sql(
+    pg_dsn: str, tx_id: str, action: str
+) -> None:
+    """Checked by length only, a NUL came back as "the database failed", and a lone surrogate
+    as a bare UnicodeEncodeError, which an `except OutboxError` missed."""
+    with psycopg.connect(pg_dsn) as conn:
+        with pytest.raises(outbox.InvalidTxIdError, match="NUL or a lone surrogate"):
+            getattr(outbox, action)(conn, tx_id)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE  # nothing sent
+
+
 def test_commit_and_rollback_racing_one_wins(pg_dsn: str) -> None:
     for _ in range(10):
         written = prepared(pg_dsn, 3)
