@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,13 @@ def left_idle(
 
 
 def parse_status(answer: object) -> TransactionStatus:
+    if inspect.isawaitable(answer):  # only the sync API gets one: the async one awaits it
+        if inspect.iscoroutine(answer):
+            answer.close()  # never awaited: closed, so Python does not warn of it later
+        raise OutboxUsageError(
+            "the local transaction returned an awaitable, which Outbox cannot await: use "
+            "AsyncOutbox.send_in_transaction. The records stay prepared for the checker."
+        )
     try:
         return TransactionStatus(str(answer))
     except ValueError:

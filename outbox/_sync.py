@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 
 from outbox import _core
+from outbox._callbacks import is_async
 from outbox._core import OutboxConfig, State, Transition, Written
 from outbox._errors import OutboxUsageError, TransactionStateError
 from outbox._local import (
@@ -206,6 +207,11 @@ class Outbox:
         Records left prepared are settled by the checker, which asks the producer group's
         endpoint after `check_immunity`. `conn` must have no transaction open.
         """
+        if is_async(local_transaction):
+            raise OutboxUsageError(
+                "local_transaction is async, and Outbox cannot await it: use "
+                "AsyncOutbox.send_in_transaction (nothing was written)"
+            )
         require_idle(conn, psycopg.Connection)
         with conn.transaction():
             written = self.prepare_many(

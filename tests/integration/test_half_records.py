@@ -347,6 +347,30 @@ def test_send_in_transaction_rejects_a_bad_answer_and_keeps_records(pg_dsn: str)
     assert states(pg_dsn, tx_ids[0]) == ["prepared"]
 
 
+def test_sync_send_in_transaction_refuses_an_async_local_transaction_before_writing(
+    pg_dsn: str,
+) -> None:
+    """It was called, never awaited: the records stayed prepared, the work never ran, and the
+    error said only that a coroutine is not a status."""
+    ran: list[str] = []
+
+    async def charge(written: Written) -> TransactionStatus:
+        ran.append(written.tx_id)
+        return TransactionStatus.COMMIT
+
+    def charge_later(written: Written) -> Any:  # a sync function that returns a coroutine
+        return charge(written)
+
+    with psycopg.connect(pg_dsn) as conn:
+        with pytest.raises(outbox.OutboxUsageError, match=r"AsyncOutbox\.send_in_transaction"):
+            outbox.send_in_transaction(conn, [Record("t", "a")], charge)  # type: ignore[arg-type]
+        assert conn.execute("SELECT count(*) FROM outbox.outbox_record").fetchone() == (0,)
+        conn.rollback()
+        with pytest.raises(outbox.OutboxUsageError, match=r"AsyncOutbox\.send_in_transaction"):
+            outbox.send_in_transaction(conn, [Record("t", "b")], charge_later)
+    assert ran == []
+
+
 def test_send_in_transaction_needs_a_connection_without_an_open_transaction(pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn) as conn:
         conn.execute("SELECT 1")  # opens a transaction
