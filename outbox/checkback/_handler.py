@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from outbox._callbacks import call_back
+from outbox._errors import InvalidConfigError
 
 from ._protocol import CheckRequest, TransactionStatus, build_response, parse_request
 from ._signing import (
@@ -75,7 +76,7 @@ class _HandlerBase:
         max_body_bytes: int,
     ) -> None:
         if max_body_bytes <= 0:
-            raise ValueError("max_body_bytes must be positive")
+            raise InvalidConfigError(f"max_body_bytes must be positive, got {max_body_bytes!r}")
         # Verifier first: it rejects an empty secret list with a clear message.
         self._verifier = Verifier(
             secrets, tolerance_s=tolerance_s, replay_cache=replay_cache, now=now

@@ -24,6 +24,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import math
 import re
 import secrets as _secrets
 import threading
@@ -34,7 +35,7 @@ from typing import Final, Protocol, TypeAlias
 
 from pydantic import SecretBytes, SecretStr
 
-from outbox._errors import OutboxError
+from outbox._errors import InvalidConfigError, OutboxError
 
 HEADER_ID: Final = "webhook-id"
 HEADER_TIMESTAMP: Final = "webhook-timestamp"
@@ -96,18 +97,22 @@ def decode_secret(secret: Secret) -> bytes:
         secret = secret.get_secret_value()
     if isinstance(secret, str):
         if not secret.startswith(_SECRET_PREFIX):
-            raise ValueError(
+            raise InvalidConfigError(
                 f"secret text must have the form '{_SECRET_PREFIX}<base64 key>'; "
                 "pass raw key material as bytes"
             )
         try:
             key = base64.b64decode(secret.removeprefix(_SECRET_PREFIX), validate=True)
         except binascii.Error:
-            raise ValueError(f"secret after '{_SECRET_PREFIX}' is not valid base64") from None
+            raise InvalidConfigError(
+                f"secret after '{_SECRET_PREFIX}' is not valid base64"
+            ) from None
     else:
         key = bytes(secret)
     if len(key) < _MIN_KEY_BYTES:
-        raise ValueError(f"secret key is {len(key)} bytes; at least {_MIN_KEY_BYTES} are required")
+        raise InvalidConfigError(
+            f"secret key is {len(key)} bytes; at least {_MIN_KEY_BYTES} are required"
+        )
     return key
 
 
@@ -153,8 +158,12 @@ class InMemoryReplayCache:
     """
 
     def __init__(self, ttl_s: float = 2 * DEFAULT_TOLERANCE_S, max_entries: int = 100_000) -> None:
-        if ttl_s <= 0 or max_entries <= 0:
-            raise ValueError("ttl_s and max_entries must be positive")
+        # not `ttl_s <= 0`: NaN passes that, and a cache of NaN seconds kept nothing
+        if not (math.isfinite(ttl_s) and ttl_s > 0) or max_entries <= 0:
+            raise InvalidConfigError(
+                f"ttl_s and max_entries must be positive and finite, got {ttl_s!r} and "
+                f"{max_entries!r}"
+            )
         self._ttl_s = ttl_s
         self._max_entries = max_entries
         self._entries: OrderedDict[str, float] = OrderedDict()  # insertion order = age order
@@ -196,9 +205,13 @@ class Verifier:
         now: Callable[[], float] = time.time,
     ) -> None:
         if isinstance(secrets, str | bytes | SecretStr | SecretBytes) or not secrets:
-            raise ValueError("secrets must be a non-empty list of secrets, newest first")
-        if tolerance_s <= 0:
-            raise ValueError("tolerance_s must be positive")
+            raise InvalidConfigError("secrets must be a non-empty list of secrets, newest first")
+        # not `tolerance_s <= 0`: NaN passed that and turned off the age and replay checks,
+        # and inf the age check
+        if not (math.isfinite(tolerance_s) and tolerance_s > 0):
+            raise InvalidConfigError(
+                f"tolerance_s must be positive and finite, got {tolerance_s!r}"
+            )
         self._keys = [decode_secret(s) for s in secrets]
         self._tolerance_s = tolerance_s
         self._replay_cache = (

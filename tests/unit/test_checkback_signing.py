@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import base64
+import math
 import threading
 
 import pytest
 from pydantic import SecretStr
 
+import outbox
 import outbox.checkback as checkback
 from outbox.checkback import (
     HEADER_ID,
     HEADER_SIGNATURE,
     HEADER_TIMESTAMP,
+    CheckHandler,
     InMemoryReplayCache,
     ReplayedMessage,
     SignatureInvalid,
     SignatureMissing,
     Signer,
     TimestampOutsideTolerance,
+    TransactionStatus,
     Verifier,
     generate_secret,
 )
@@ -93,7 +97,7 @@ def test_secret_forms() -> None:
     ],
 )
 def test_bad_secrets_are_refused_without_echoing_them(secret: str | bytes, message: str) -> None:
-    with pytest.raises(ValueError, match=message) as info:
+    with pytest.raises(outbox.InvalidConfigError, match=message) as info:  # an OutboxError
         Signer(secret)
     text = secret if isinstance(secret, str) else secret.decode()
     if text:
@@ -102,7 +106,7 @@ def test_bad_secrets_are_refused_without_echoing_them(secret: str | bytes, messa
 
 @pytest.mark.parametrize("secrets", [[], (), NEW, SecretStr(NEW)])
 def test_verifier_needs_a_list_of_secrets(secrets: object) -> None:
-    with pytest.raises(ValueError, match="non-empty list of secrets"):
+    with pytest.raises(outbox.InvalidConfigError, match="non-empty list of secrets"):
         Verifier(secrets)  # type: ignore[arg-type]
 
 
@@ -269,10 +273,23 @@ def test_replay_cache_records_once_across_threads() -> None:
     assert sorted(answers) == [False] + [True] * 15
 
 
-@pytest.mark.parametrize(("ttl_s", "max_entries"), [(0, 10), (10, 0)])
+@pytest.mark.parametrize(
+    ("ttl_s", "max_entries"), [(0, 10), (10, 0), (math.nan, 10), (math.inf, 10)]
+)
 def test_replay_cache_limits_must_be_positive(ttl_s: float, max_entries: int) -> None:
-    with pytest.raises(ValueError, match="must be positive"):
+    """NaN passed `ttl_s <= 0`, and a cache of NaN seconds dropped every id it was given."""
+    with pytest.raises(outbox.InvalidConfigError, match="must be positive and finite"):
         InMemoryReplayCache(ttl_s=ttl_s, max_entries=max_entries)
+
+
+@pytest.mark.parametrize("tolerance_s", [0, -1, math.nan, math.inf])
+def test_a_tolerance_that_would_turn_the_checks_off_is_refused(tolerance_s: float) -> None:
+    """NaN passed `tolerance_s <= 0` and turned off the age and the replay checks: a request
+    signed ten days before, or the same one replayed, was answered."""
+    with pytest.raises(outbox.InvalidConfigError, match="tolerance_s must be positive and finite"):
+        Verifier([NEW], tolerance_s=tolerance_s)
+    with pytest.raises(outbox.InvalidConfigError, match="tolerance_s"):
+        CheckHandler(lambda request: TransactionStatus.COMMIT, [NEW], tolerance_s=tolerance_s)
 
 
 def test_errors_share_one_root() -> None:
