@@ -36,7 +36,13 @@ from outbox._errors import (
     UnknownTransactionError,
 )
 from outbox._local import LocalTransactionResult
-from outbox._records import DEFAULT_MAX_RECORD_BYTES, Record, default_serializer
+from outbox._records import (
+    DEFAULT_MAX_RECORD_BYTES,
+    Headers,
+    HeaderValue,
+    Record,
+    default_serializer,
+)
 from outbox._sync import Outbox
 from outbox._txid import new_tx_id
 from outbox.checkback import TransactionStatus
@@ -56,6 +62,8 @@ __all__ = [
     "MAX_SCHEMA_NAME",
     "AsyncOutbox",
     "DuplicateTransactionError",
+    "HeaderValue",
+    "Headers",
     "IllegalTransitionError",
     "InvalidConfigError",
     "InvalidHeaderError",

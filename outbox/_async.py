@@ -6,7 +6,7 @@ Each method behaves exactly as its namesake in `outbox._sync.Outbox`; the docstr
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -95,7 +95,7 @@ class AsyncOutbox:
     async def publish_many(
         self,
         conn: AsyncConnectionOrCursor,
-        records: Sequence[Record],
+        records: Iterable[Record],
         *,
         tx_id: str | None = None,
         producer_group: str | None = None,
@@ -131,7 +131,7 @@ class AsyncOutbox:
     async def prepare_many(
         self,
         conn: AsyncConnectionOrCursor,
-        records: Sequence[Record],
+        records: Iterable[Record],
         *,
         tx_id: str | None = None,
         producer_group: str | None = None,
@@ -164,7 +164,7 @@ class AsyncOutbox:
     async def send_in_transaction(
         self,
         conn: psycopg.AsyncConnection[Any],
-        records: Sequence[Record],
+        records: Iterable[Record],
         local_transaction: Callable[[Written], Awaitable[TransactionStatus | str]]
         | Callable[[Written], TransactionStatus | str],
         *,

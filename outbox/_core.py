@@ -284,7 +284,7 @@ def end(cfg: OutboxConfig, tx_id: str, to_state: State, producer_group: str | No
     if not current:
         raise UnknownTransactionError(
             f"no records of tx id {tx_id!r} in producer group {group!r}: never prepared, "
-            "or delivered and removed already",
+            "its prepare not committed yet, or delivered and removed already",
             producer_group=group,
             tx_id=tx_id,
         )

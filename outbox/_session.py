@@ -32,7 +32,11 @@ def require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[
         raise OutboxUsageError(
             "no transaction is open and the connection is in autocommit mode, so the record "
             "would commit on its own, apart from your business rows: write it inside "
-            "`with conn.transaction():`"
+            + (
+                "`async with conn.transaction():`"
+                if isinstance(conn, psycopg.AsyncConnection)
+                else "`with conn.transaction():`"
+            )
         )
 
 

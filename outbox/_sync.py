@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -102,7 +102,7 @@ class Outbox:
     def publish_many(
         self,
         conn: ConnectionOrCursor,
-        records: Sequence[Record],
+        records: Iterable[Record],
         *,
         tx_id: str | None = None,
         producer_group: str | None = None,
@@ -145,7 +145,7 @@ class Outbox:
     def prepare_many(
         self,
         conn: ConnectionOrCursor,
-        records: Sequence[Record],
+        records: Iterable[Record],
         *,
         tx_id: str | None = None,
         producer_group: str | None = None,
@@ -169,6 +169,8 @@ class Outbox:
     ) -> Transition:
         """prepared -> committed for every record of `tx_id`; a repeated commit changes nothing.
 
+        Like publish, it writes in the caller's transaction: `changed=True` counts once that
+        commits (on an autocommit connection the statement commits on its own).
         Raises UnknownTransactionError or IllegalTransitionError (e.g. after a rollback).
         """
         op = _core.end(self.config, tx_id, State.COMMITTED, producer_group)
@@ -177,14 +179,15 @@ class Outbox:
     def rollback(
         self, conn: ConnectionOrCursor, tx_id: str, *, producer_group: str | None = None
     ) -> Transition:
-        """prepared -> rolled_back for every record of `tx_id`; a repeat changes nothing."""
+        """prepared -> rolled_back for every record of `tx_id`; a repeat changes nothing. In
+        the caller's transaction, as commit()."""
         op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group)
         return _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
     def send_in_transaction(
         self,
         conn: psycopg.Connection[Any],
-        records: Sequence[Record],
+        records: Iterable[Record],
         local_transaction: Callable[[Written], TransactionStatus | str],
         *,
         tx_id: str | None = None,

@@ -59,6 +59,17 @@ def migrate(
             parse_dsn(conninfo_or_conn)
             with psycopg.connect(conninfo_or_conn) as conn:
                 return _migrate(conn, schema)
+        if not isinstance(conninfo_or_conn, psycopg.Connection):  # typed callers cannot; others
+            kind = type(conninfo_or_conn).__name__  # type: ignore[unreachable]
+            raise OutboxUsageError(
+                f"migrate() takes a DSN or a psycopg Connection, got {kind}"
+                + (
+                    " (there is no async migrate: pass a DSN, or await "
+                    "asyncio.to_thread(outbox.migrate, dsn))"
+                    if "Async" in kind
+                    else ""
+                )
+            )
         if in_pipeline(conninfo_or_conn):
             # Its files hold several statements each, which the extended protocol (the only
             # one a pipeline speaks) refuses: a fresh schema failed, an up-to-date one did not.

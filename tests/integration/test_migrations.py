@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from collections.abc import Iterator
@@ -129,6 +130,20 @@ def test_migrate_refuses_a_connection_in_pipeline_mode_by_name(
         conn.rollback()
         assert current_version(conn) is None  # nothing written
         assert outbox.migrate(conn).version == latest_version()  # out of the pipeline: works
+
+
+def test_migrate_refuses_an_async_connection_by_name(empty_db: str) -> None:
+    """It failed with "'Lock' object does not support the context manager protocol" and a
+    coroutine never awaited."""
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(empty_db) as conn:
+            with pytest.raises(outbox.OutboxUsageError, match=r"AsyncConnection.*pass a DSN"):
+                outbox.migrate(conn)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    with psycopg.connect(empty_db) as conn:
+        assert current_version(conn) is None  # nothing written
 
 
 def test_concurrent_migrate_from_many_pods(empty_db: str) -> None:

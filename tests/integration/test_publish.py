@@ -235,6 +235,19 @@ def test_autocommit_without_a_transaction_is_refused(pg_dsn: str) -> None:
     assert len(rows(pg_dsn)) == 1
 
 
+def test_async_autocommit_without_a_transaction_names_the_async_block(pg_dsn: str) -> None:
+    """It told asyncio users to write `with conn.transaction():`, which an AsyncConnection
+    refuses."""
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            with pytest.raises(outbox.OutboxUsageError, match=r"`async with conn\.transaction"):
+                await outbox.AsyncOutbox().publish(conn, "t", "v")
+
+    asyncio.run(main())
+    assert rows(pg_dsn) == []
+
+
 def test_every_call_works_in_pipeline_mode(pg_dsn: str) -> None:
     """In pipeline mode the rows of a statement are there only once fetched: every call wrote
     its records, then raised IndexError (commit: UnknownTransactionError, after committing)."""
