@@ -222,9 +222,14 @@ def _headers_to_rows(headers: Headers | None) -> list[list[str | None]]:
     except PydanticValidationError as exc:
         err = exc.errors()[0]
         index, field = err["loc"][1], err["loc"][2]
-        raise InvalidHeaderError(
-            f"header #{index} ({pairs[int(index)][0]!r}): {field}: {err['msg']}"
-        ) from None
+        name, value = pairs[int(index)]
+        # pydantic names the union's last member only ("Input should be a valid bytes")
+        msg = (
+            f"must be bytes, str or None, got {type(value).__name__}"
+            if field == "value" and not isinstance(value, bytes | str | None)
+            else err["msg"]
+        )
+        raise InvalidHeaderError(f"header #{index} ({name!r}): {field}: {msg}") from None
     rows: list[list[str | None]] = []
     for h in parsed.items:
         raw = h.value.encode() if isinstance(h.value, str) else h.value
