@@ -29,6 +29,7 @@ from outbox._session import (
     database_errors,
     in_pipeline,
     quiet,
+    require_not_aborted,
     require_transaction,
 )
 from outbox._txid import new_tx_id
@@ -56,6 +57,8 @@ async def _run(
                 async with conn.pipeline() as pipeline:
                     await pipeline.sync()
         require_transaction(conn)
+    else:  # commit/rollback: in the caller's transaction, or on their own
+        require_not_aborted(conn)
     with database_errors():
         async with async_statement_cursor(target) as cur:
             while True:

@@ -20,15 +20,19 @@ from outbox._errors import (
 )
 
 
-def require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
-    """The record must be part of the caller's transaction, never a transaction of its own."""
-    status = conn.info.transaction_status
-    if status == PgTxStatus.INERROR:
+def require_not_aborted(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Said here, not as the database's InFailedSqlTransaction at the first statement."""
+    if conn.info.transaction_status == PgTxStatus.INERROR:
         raise OutboxUsageError(
             "the connection's transaction is aborted (an earlier statement failed): "
             "roll it back before writing to the outbox"
         )
-    if status == PgTxStatus.IDLE and conn.autocommit:
+
+
+def require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """The record must be part of the caller's transaction, never a transaction of its own."""
+    require_not_aborted(conn)
+    if conn.info.transaction_status == PgTxStatus.IDLE and conn.autocommit:
         raise OutboxUsageError(
             "no transaction is open and the connection is in autocommit mode, so the record "
             "would commit on its own, apart from your business rows: write it inside "

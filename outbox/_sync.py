@@ -25,6 +25,7 @@ from outbox._session import (
     database_errors,
     in_pipeline,
     quiet,
+    require_not_aborted,
     require_transaction,
     statement_cursor,
 )
@@ -54,6 +55,8 @@ def _run(target: ConnectionOrCursor, op: _core.Operation, *, in_transaction: boo
             with database_errors(), conn.pipeline() as pipeline:
                 pipeline.sync()  # until then the status says ACTIVE, not whether a block is open
         require_transaction(conn)
+    else:  # commit/rollback: in the caller's transaction, or on their own
+        require_not_aborted(conn)
     with database_errors(), statement_cursor(target) as cur:
         while True:
             cur.execute(query, params)

@@ -244,6 +244,20 @@ def test_ending_a_tx_id_no_row_can_hold_is_refused_before_any_sql(
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE  # nothing sent
 
 
+@pytest.mark.parametrize("action", ["commit", "rollback"])
+def test_ending_in_an_aborted_transaction_says_to_roll_it_back(pg_dsn: str, action: str) -> None:
+    """publish said so; commit and rollback came back as "the database failed"."""
+    written = prepared(pg_dsn, 1)
+    with psycopg.connect(pg_dsn) as conn:
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            conn.execute("SELECT 1/0")
+        with pytest.raises(outbox.OutboxUsageError, match=r"aborted.*roll it back"):
+            getattr(outbox, action)(conn, written.tx_id)
+        conn.rollback()
+        assert getattr(outbox, action)(conn, written.tx_id).changed
+    assert states(pg_dsn, written.tx_id) == ["committed" if action == "commit" else "rolled_back"]
+
+
 def test_commit_and_rollback_racing_one_wins(pg_dsn: str) -> None:
     for _ in range(10):
         written = prepared(pg_dsn, 3)
