@@ -14,8 +14,8 @@ prepared age counted from the re-arm. `resolve` commits or rolls back by hand a 
 transaction (or a discarded one not shipped yet). `redrive` puts parked records (refused by
 the broker for good) back to committed once their cause is fixed, and the relay ships them
 again (`--topic`: every record parked for that topic, transaction by transaction). All
-three are audited in `audit_log`. The database comes from `--dsn` or
-OUTBOX_DATABASE_URL (for `checker`: from the settings, `--dsn` overriding them).
+three are audited in `audit_log`. The database comes from `--dsn`, OUTBOX_DATABASE_URL or
+the sidecar's settings, in that order (for `checker` the other settings as well).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from typing import Any, TypeVar
 import psycopg
 
 from checker._manual import ManualResult, rearm, redrive, redrive_topic, resolve
+from outbox import SchemaError
 from outbox.checkback import TransactionStatus
-from relay.cli_database import command_dsn
+from relay.cli_database import connect
 from relay.signals import StopOnSignals
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def _connected(
 ) -> _Done | None:
     """`action` on a connection of its own; None once bad input was refused (said on stderr)."""
     try:
-        with psycopg.connect(command_dsn(args), autocommit=True) as conn:
+        with connect(args, autocommit=True) as conn:
             return action(conn)
     except ValueError as exc:  # bad input: nothing was sent
         print(f"outboxctl {args.command}: {exc}", file=sys.stderr)
@@ -261,8 +262,9 @@ def _cmd_checker(args: argparse.Namespace) -> int:
     from relay.config import load_settings
 
     database: dict[str, Any] = {}
-    if args.dsn:
-        database["dsn"] = args.dsn
+    dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")  # as the other commands take it
+    if dsn:
+        database["dsn"] = dsn
     if args.schema_given:  # else the settings decide
         database["schema_name"] = args.schema
     settings = load_settings(args.config, **({"database": database} if database else {}))
@@ -273,6 +275,9 @@ def _cmd_checker(args: argparse.Namespace) -> int:
     checker = Checker.from_sidecar_settings(settings)
     if args.once:
         try:
+            problem = checker.schema_problem()
+            if problem is not None:  # said, rather than the SQL error of the round's first query
+                raise SchemaError(problem)
             result = checker.run_once()
         finally:
             checker.stop()

@@ -684,6 +684,11 @@ class Checker:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
+    def schema_problem(self) -> str | None:
+        """outbox.migrations.schema_problem() of its schema: why it cannot work on it, or None."""
+        with self._round_lock:
+            return schema_problem(self._connection(), self.schema)
+
     def run(self) -> None:
         """Rounds until ``stop()``: at once while batches come full, else every poll interval.
 
@@ -695,7 +700,7 @@ class Checker:
         while not self._stop.is_set():
             if not schema_checked:
                 try:
-                    problem = schema_problem(self._connection(), self.schema)
+                    problem = self.schema_problem()
                     schema_checked = True
                 except psycopg.Error:
                     problem = None  # not reachable yet: the round fails, backs off, checks again

@@ -11,20 +11,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
-from datetime import UTC
+from datetime import UTC, datetime
 from importlib.metadata import version
+from typing import Any
 
 import psycopg
 from pydantic import ValidationError
 
 from checker import cli as checker_cli
-from outbox import OutboxError, SchemaError, migrate
+from outbox import OutboxError, SchemaError, State, migrate
 from outbox import sql as outbox_sql
+from outbox._describe import describe
 from outbox.migrations import check_applied, current_version, latest_version
 from relay import logs, sidecar
-from relay.cli_database import command_dsn, database_settings
+from relay.cli_database import command_dsn, command_schema, connect
 from relay.config import SettingsUnreadable, SidecarSettings, load_settings
 from relay.http import ProbeServerUnavailable
 from relay.kafka import ProducerMisconfigured
@@ -34,7 +37,8 @@ from spark.findings import read_findings
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
-    report = migrate(command_dsn(args), schema=args.schema)
+    with connect(args) as conn:
+        report = migrate(conn, schema=args.schema)
     if args.json:
         print(
             json.dumps(
@@ -50,7 +54,7 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 def _cmd_schema_version(args: argparse.Namespace) -> int:
     problem = None
-    with psycopg.connect(command_dsn(args)) as conn:
+    with connect(args) as conn:
         at = current_version(conn, args.schema)
         try:
             check_applied(conn, args.schema)
@@ -99,13 +103,33 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_schema(conn: psycopg.Connection[Any], schema: str) -> None:
+    """What to do about a schema not migrated, rather than the SQL error of its first query.
+    An older version is read as it is (mid-upgrade, the status matters most)."""
+    if current_version(conn, schema) is None:
+        raise SchemaError(
+            f"schema {schema!r} holds no outbox: run `outboxctl migrate --schema {schema}`, or "
+            "name the sidecar's schema with --schema"
+        )
+
+
+def _json_default(value: object) -> str:
+    """Times as ISO 8601 (as `findings --json` writes them), anything else as text."""
+    return value.isoformat() if isinstance(value, datetime) else str(value)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
-    with psycopg.connect(command_dsn(args)) as conn:
+    with connect(args) as conn:
+        _require_schema(conn, args.schema)
         status = outbox_status(conn, args.schema)
+    # every state, 0 too: a script reading states["parked"] got a KeyError when none was
+    status["states"] = {state.value: status["states"].get(state.value, 0) for state in State}
     if args.json:
-        print(json.dumps(status, default=str))
+        print(json.dumps(status, default=_json_default))
         return 0
-    print(f"records by state: {status['states'] or 'none'}")
+    print("records by state:")
+    for state, count in status["states"].items():
+        print(f"  {state:12} {count:>10}")
     print(f"oldest undelivered commit: {status['oldest_undelivered'] or '-'}")
     print(f"relays alive: {', '.join(status['relays']) or 'none'}")
     for lease in status["leases"]:
@@ -124,7 +148,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_records(args: argparse.Namespace) -> int:
     try:
-        with psycopg.connect(command_dsn(args)) as conn:
+        with connect(args) as conn:
+            _require_schema(conn, args.schema)
             found = list_records(
                 conn,
                 args.schema,
@@ -138,7 +163,7 @@ def _cmd_records(args: argparse.Namespace) -> int:
         print(f"outboxctl records: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([r.as_dict() for r in found], default=str))
+        print(json.dumps([r.as_dict() for r in found], default=_json_default))
         return 0
     for r in found:
         reason = f"  {r.reason}" if r.reason else ""
@@ -193,6 +218,13 @@ def _cmd_findings(args: argparse.Namespace) -> int:
     return 0
 
 
+def _role(name: str) -> str:
+    """A role name as `grants` quotes it: Postgres refuses an empty one, and a NUL."""
+    if not name or "\x00" in name:
+        raise argparse.ArgumentTypeError("a role name must not be empty")
+    return name
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outboxctl", description="Kafka transactional outbox sidecar: run and inspect it."
@@ -218,9 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "grants", parents=[common], help="print least-privilege GRANTs for your roles"
     )
-    p.add_argument("--writer-role", required=True, help="the application's role")
-    p.add_argument("--relay-role", required=True, help="the sidecar's role")
-    p.add_argument("--reconciler-role", required=True, help="the Spark reconciliation's role")
+    for flag, whose in [
+        ("--writer-role", "the application's role"),
+        ("--relay-role", "the sidecar's role"),
+        ("--reconciler-role", "the Spark reconciliation's role"),
+    ]:
+        p.add_argument(flag, required=True, type=_role, help=whose)
     p.set_defaults(func=_cmd_grants)
 
     config = argparse.ArgumentParser(add_help=False)
@@ -283,11 +318,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.configure_from_environment()
     if "schema" in args:
         args.schema_given = args.schema is not None  # `checker --config` reads its own settings
-    if "schema" in args and args.schema is None:
-        database, _ = database_settings()
-        args.schema = database.schema_name if database is not None else "outbox"
+    if "schema" in args:
+        args.schema = command_schema(args)
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (`outboxctl records | head`): nothing more to say, and no
+        # traceback. Python's recipe: the interpreter's last flush of stdout must not fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (
         OutboxError,
         psycopg.Error,
@@ -297,11 +336,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         ProducerMisconfigured,
         ProbeServerUnavailable,
     ) as exc:
+        said = _settings_error(exc) if isinstance(exc, ValidationError) else str(exc)
         if serving:
-            logging.getLogger("outbox").critical("outboxctl %s: %s", args.command, exc)
+            logging.getLogger("outbox").critical("outboxctl %s: %s", args.command, said)
         else:
-            print(f"outboxctl {args.command}: {exc}", file=sys.stderr)
+            print(f"outboxctl {args.command}: {said}", file=sys.stderr)
         return 1
+
+
+def _settings_error(exc: ValidationError) -> str:
+    """One line naming each bad setting, not pydantic's dump of our classes and its links; a
+    missing database names where the DSN goes."""
+    said = f"settings: {describe(exc, 'settings')}"
+    if any(err["loc"][:1] == ("database",) and err["type"] == "missing" for err in exc.errors()):
+        said += (
+            " (set OUTBOX_DATABASE__DSN, or the secret file outbox_database__dsn, or "
+            "[database] dsn in the config file)"
+        )
+    return said
 
 
 if __name__ == "__main__":

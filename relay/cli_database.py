@@ -3,22 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from typing import Any
 
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import ValidationError
 
 from outbox._describe import describe
 from outbox._dsn import parse_dsn
-from relay.config import DatabaseSettings, load_database_settings
+from relay.config import DatabaseLookupSettings, load_database_settings
 
 
-def database_settings() -> tuple[DatabaseSettings | None, str]:
+def database_settings() -> tuple[DatabaseLookupSettings | None, str]:
     """The database part of the sidecar's settings, the rest unread (load_database_settings),
     or None and why it could not be read."""
     try:
         return load_database_settings().database, ""
-    except Exception as exc:  # not configured here, or configured wrong: say so if needed
+    except Exception as exc:  # configured wrong: say so if needed
         return None, describe(exc, "settings") if isinstance(exc, ValidationError) else str(exc)
+
+
+def command_schema(args: argparse.Namespace) -> str:
+    """--schema, else the sidecar's setting (whatever gives the DSN), else `outbox`."""
+    if args.schema is not None:
+        return str(args.schema)
+    database, why = database_settings()
+    if database is None:  # not `outbox` unsaid: the command would work on another outbox
+        raise SystemExit(
+            f"outboxctl: the sidecar's database settings cannot be read for the schema ({why}); "
+            "pass --schema"
+        )
+    return database.schema_name
 
 
 def command_dsn(args: argparse.Namespace) -> str:
@@ -29,10 +46,32 @@ def command_dsn(args: argparse.Namespace) -> str:
         parse_dsn(str(dsn), "--dsn" if args.dsn else "OUTBOX_DATABASE_URL")
         return str(dsn)
     database, why = database_settings()
-    if database is None:
+    if database is None or database.dsn is None:
         raise SystemExit(
             "outboxctl: no database: pass --dsn, set OUTBOX_DATABASE_URL, or give the sidecar's "
             "setting (OUTBOX_DATABASE__DSN, or the file outbox_database__dsn in "
-            f"OUTBOX_SECRETS_DIR); the sidecar's settings: {why}"
+            f"OUTBOX_SECRETS_DIR){f'; the sidecar settings: {why}' if why else ''}"
         )
     return database.dsn.get_secret_value()
+
+
+def connect(args: argparse.Namespace, **kwargs: Any) -> psycopg.Connection[Any]:
+    """A connection for the command, given up after the sidecar's connect timeout (10 s) unless
+    the DSN or PGCONNECT_TIMEOUT sets one: without one, a database that took the connection
+    and never answered (a failover, a dropped route) left `outboxctl status` hanging for ever.
+    A failure names the host and database, never the password."""
+    dsn = command_dsn(args)
+    given = conninfo_to_dict(dsn)
+    if "connect_timeout" not in given and not os.environ.get("PGCONNECT_TIMEOUT"):
+        database, _ = database_settings()
+        timeout = database.connect_timeout_s if database is not None else 10.0
+        kwargs.setdefault("connect_timeout", max(1, math.ceil(timeout)))  # whole seconds
+    try:
+        return psycopg.connect(dsn, **kwargs)
+    except psycopg.OperationalError as exc:
+        where = "{}:{}/{}".format(
+            given.get("host") or os.environ.get("PGHOST") or "localhost",
+            given.get("port") or os.environ.get("PGPORT") or 5432,
+            given.get("dbname") or os.environ.get("PGDATABASE") or "(default)",
+        )
+        raise psycopg.OperationalError(f"cannot connect to {where}: {exc}") from exc

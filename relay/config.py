@@ -342,6 +342,19 @@ class SidecarSettings(_FromEverywhere):
         return v.upper() if info.field_name == "log_level" else v.lower()
 
 
+class DatabaseLookupSettings(DatabaseSettings):
+    """The database setting as the inspection commands read it: their DSN may come from --dsn
+    or OUTBOX_DATABASE_URL instead, and the schema and connect timeout still come from here (a
+    DSN from --dsn dropped the schema setting, unsaid: `status` read another outbox)."""
+
+    dsn: SecretStr | None = None  # type: ignore[assignment]
+
+    @field_validator("dsn")
+    @classmethod
+    def _parses(cls, v: SecretStr | None) -> SecretStr | None:  # type: ignore[override]
+        return None if v is None else check_dsn_setting(v, "database.dsn")
+
+
 class DatabaseOnlySettings(_FromEverywhere):
     """The database part of the sidecar's settings, the rest unread: what `outboxctl migrate`
     and the inspection commands need. The chart's migration Job mounts the Secret alone (its
@@ -350,7 +363,7 @@ class DatabaseOnlySettings(_FromEverywhere):
 
     model_config = SettingsConfigDict(extra="ignore")
 
-    database: DatabaseSettings
+    database: DatabaseLookupSettings = DatabaseLookupSettings()
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> SidecarSettings:
@@ -403,6 +416,23 @@ class SettingsUnreadable(ValueError):
     environment that is not the JSON its setting takes."""
 
 
+_SOURCES = {
+    "_FoldedEnv": "the environment variable OUTBOX_{FIELD} (or an OUTBOX_{FIELD}__...)",
+    "_FoldedSecrets": "the secret file outbox_{field} (or an outbox_{field}__...)",
+    "_FoldedToml": "the config file's [{field}]",
+}
+
+
+def _where(exc: SettingsError) -> str:
+    """pydantic-settings' 'error parsing value for field "kafka" from source "_FoldedEnv"', said
+    as the operator set it: the variable OUTBOX_KAFKA__<...>, not a class of ours."""
+    found = re.search(r'field "(\w+)" from source "(\w+)"', str(exc))
+    if found is None or found.group(2) not in _SOURCES:
+        return str(exc)
+    field, source = found.groups()
+    return f"{_SOURCES[source].format(field=field, FIELD=field.upper())} cannot be read"
+
+
 def _load(kind: type[_S], config_file: str | Path | None, overrides: dict[str, Any]) -> _S:
     secrets_dir = os.environ.get("OUTBOX_SECRETS_DIR") or (
         str(DEFAULT_SECRETS_DIR) if DEFAULT_SECRETS_DIR.is_dir() else None
@@ -412,7 +442,8 @@ def _load(kind: type[_S], config_file: str | Path | None, overrides: dict[str, A
     if config_file:
         path = Path(config_file)
         if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist")
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise FileNotFoundError(f"config file {path} {what}")
 
         class FromFile(kind):  # type: ignore[valid-type,misc]
             model_config = SettingsConfigDict(toml_file=path)
@@ -425,4 +456,4 @@ def _load(kind: type[_S], config_file: str | Path | None, overrides: dict[str, A
         raise SettingsUnreadable(f"config file {config_file} is not TOML: {exc}") from None
     except SettingsError as exc:  # e.g. OUTBOX_KAFKA__EXTRA not JSON; it names the setting
         why = f": {exc.__cause__}" if exc.__cause__ else ""  # where the JSON broke, no value
-        raise SettingsUnreadable(f"{exc}{why}") from None
+        raise SettingsUnreadable(f"{_where(exc)}{why}") from None

@@ -58,7 +58,12 @@ def build_components(settings: SidecarSettings, only: str | None = None) -> dict
         components["checker"] = Checker.from_sidecar_settings(settings)
     if not components:
         # logged, not a SystemExit's message: a raw line in the sidecar's JSON logs
-        logger.critical("nothing to run: the relay and the checker are both disabled")
+        logger.critical(
+            "nothing to run: %s",
+            f"the {only} is disabled ({only}.enabled = false)"
+            if only is not None
+            else "the relay and the checker are both disabled",
+        )
         raise SystemExit(1)
     return components
 

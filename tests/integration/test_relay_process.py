@@ -241,6 +241,8 @@ def test_a_sidecar_with_nothing_to_run_says_so_in_json(
     env.pop("OUTBOX_RELAY")
     entry = _the_line_of_a_failed_start(env, "run")
     assert entry["message"] == "nothing to run: the relay and the checker are both disabled"
+    entry = _the_line_of_a_failed_start(env, "relay")  # it said "both" of the relay alone too
+    assert entry["message"] == "nothing to run: the relay is disabled (relay.enabled = false)"
 
 
 def test_settings_a_sidecar_cannot_read_are_said_in_json(

@@ -1,0 +1,159 @@
+"""`outboxctl` as an operator meets it: which outbox it reads, how it fails, what it prints."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+import outbox
+from outbox import State
+from relay.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _no_sidecar_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Only what a test sets: not the developer's own OUTBOX_* settings."""
+    for name in ("OUTBOX_DATABASE_URL", "OUTBOX_DATABASE__DSN", "OUTBOX_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "secrets").mkdir()
+    monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path / "secrets"))  # empty
+
+
+@pytest.fixture
+def silent_database() -> Iterator[int]:
+    """A port that takes connections and never answers: a failover, a route that drops."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # the kernel completes the handshakes; nobody reads
+        yield int(listener.getsockname()[1])
+
+
+def test_the_schema_setting_counts_whatever_gives_the_dsn(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --dsn (or OUTBOX_DATABASE_URL), OUTBOX_DATABASE__SCHEMA_NAME was dropped unsaid, and
+    `status` read the `outbox` schema: another outbox than the sidecar's."""
+    monkeypatch.setenv("OUTBOX_DATABASE__SCHEMA_NAME", "elsewhere")
+    assert main(["status", "--dsn", pg_dsn]) == 1
+    assert "schema 'elsewhere' holds no outbox" in capsys.readouterr().err
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", pg_dsn)
+    assert main(["migrate", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["schema"] == "elsewhere"
+
+
+def test_a_schema_setting_that_cannot_be_read_is_said_not_replaced(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE__SCHEMA_NAME", "not an identifier")
+    with pytest.raises(SystemExit, match="pass --schema"):
+        main(["status", "--dsn", pg_dsn])
+    monkeypatch.setenv("OUTBOX_DATABASE__SCHEMA_NAME", "outbox")
+    assert main(["status", "--dsn", pg_dsn]) == 0
+
+
+def test_the_checker_takes_the_database_url_as_the_other_commands_do(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its --help said --dsn defaults to OUTBOX_DATABASE_URL; it failed "database: Field
+    required", or with OUTBOX_DATABASE__DSN set as well, worked on that other database."""
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", pg_dsn)
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://postgres@127.0.0.1:1/elsewhere")
+    assert main(["checker", "--once", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["due"] == 0
+
+
+@pytest.mark.parametrize("command", [["status"], ["records"], ["schema-version"], ["migrate"]])
+def test_a_database_that_never_answers_fails_at_the_connect_timeout_naming_it(
+    silent_database: int,
+    command: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """They waited for ever: at 3 a.m., `outboxctl status` printed nothing and never ended."""
+    monkeypatch.setenv("OUTBOX_DATABASE__CONNECT_TIMEOUT_S", "1")
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    dsn = f"postgresql://postgres@127.0.0.1:{silent_database}/app"
+    result: list[int] = []
+    worker = threading.Thread(
+        target=lambda: result.append(main([*command, "--dsn", dsn, "--schema", "outbox"])),
+        daemon=True,  # a hang stays there, not in pytest
+    )
+    started = time.monotonic()
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), f"outboxctl {command[0]} waited past 30 s"
+    assert result == [1]
+    assert time.monotonic() - started < 15
+    assert f"cannot connect to 127.0.0.1:{silent_database}/app" in capsys.readouterr().err
+
+
+def test_settings_errors_are_one_line_naming_the_setting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["config"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "database: Field required" in err
+    assert "OUTBOX_DATABASE__DSN" in err
+    assert "pydantic.dev" not in err
+    assert "SidecarSettings" not in err
+
+
+@pytest.mark.parametrize("command", [["status"], ["records"]])
+def test_a_schema_without_an_outbox_is_said_not_a_sql_error(
+    pg_dsn: str, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*command, "--dsn", pg_dsn, "--schema", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert "run `outboxctl migrate --schema nope`" in err
+    assert "LINE 1" not in err
+
+
+def test_status_lists_every_state_and_writes_iso_times(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A state with no record was left out (states["parked"]: KeyError), and times were
+    written as Python's str(), with a space."""
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, "t", "v")
+    assert main(["status", "--dsn", pg_dsn, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["states"] == {s.value: int(s is State.COMMITTED) for s in State}
+    assert "T" in status["oldest_undelivered"]
+    assert main(["status", "--dsn", pg_dsn]) == 0
+    out = capsys.readouterr().out
+    assert "  parked" in out
+    assert "{" not in out  # a table, not a Python dict
+
+
+def test_a_reader_gone_is_no_traceback() -> None:
+    """`outboxctl grants ... | head -1` ended in a BrokenPipeError's traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay.cli", "grants", "--schema", "outbox", "--writer-role",
+         "w", "--relay-role", "r", "--reconciler-role", "c"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    proc.stdout.close()  # gone before anything was written
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert b"Traceback" not in err
+
+
+def test_grants_refuses_an_empty_role_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """It printed GRANT ... TO "", which Postgres refuses."""
+    with pytest.raises(SystemExit) as exited:
+        main(["grants", "--writer-role", "", "--relay-role", "r", "--reconciler-role", "c"])
+    assert exited.value.code == 2
+    assert "must not be empty" in capsys.readouterr().err
