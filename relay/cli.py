@@ -174,6 +174,8 @@ def _cmd_records(args: argparse.Namespace) -> int:
         )
     if not found:
         print("no records")
+    elif len(found) == args.limit:
+        print(f"(the oldest {args.limit}; --limit for more)")
     return 0
 
 

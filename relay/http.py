@@ -44,6 +44,10 @@ class ProbeServer:
                 else:
                     self._send(404, {"error": "not found"})
 
+            def do_HEAD(self) -> None:  # a load balancer's check: GET's status, no body
+                self.head_only = True
+                self.do_GET()
+
             def _send(self, code: int, body: dict[str, Any]) -> None:
                 self._send_raw(code, "application/json", json.dumps(body, default=str).encode())
 
@@ -52,7 +56,8 @@ class ProbeServer:
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                if not getattr(self, "head_only", False):
+                    self.wfile.write(body)
 
             def log_message(self, format: str, *args: Any) -> None:
                 logger.debug("probe %s", format % args)

@@ -211,6 +211,8 @@ def build_session(settings: ReconcileSettings) -> tuple[SparkSession, bool]:
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ
     if not submitted or not SparkConf().contains(CODEGEN_CACHE_ENTRIES[0]):
         builder = builder.config(*CODEGEN_CACHE_ENTRIES)
+    if not submitted:  # `outboxctl reconcile` in a terminal: progress bars buried its report
+        builder = builder.config("spark.ui.showConsoleProgress", "false")
     return builder.getOrCreate(), True
 
 

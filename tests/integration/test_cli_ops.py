@@ -157,3 +157,14 @@ def test_grants_refuses_an_empty_role_name(capsys: pytest.CaptureFixture[str]) -
         main(["grants", "--writer-role", "", "--relay-role", "r", "--reconciler-role", "c"])
     assert exited.value.code == 2
     assert "must not be empty" in capsys.readouterr().err
+
+
+def test_records_says_when_the_limit_cut_the_list(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish_many(conn, [outbox.Record("t", str(i)) for i in range(3)])
+    assert main(["records", "--dsn", pg_dsn, "--limit", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "(the oldest 2; --limit for more)"
+    assert main(["records", "--dsn", pg_dsn, "--limit", "3"]) == 0
+    assert "--limit for more" not in capsys.readouterr().out

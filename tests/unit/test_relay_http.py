@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import urllib.error
 import urllib.request
 
 import pytest
@@ -37,5 +38,28 @@ def test_probes_answer_on_the_host_given(host: str, url_host: str) -> None:
     try:
         with urllib.request.urlopen(f"http://{url_host}:{server.port}/healthz", timeout=5) as r:
             assert (r.status, json.loads(r.read())) == (200, {"relay": True})
+    finally:
+        server.stop()
+
+
+def test_head_answers_as_get_without_a_body() -> None:
+    """A load balancer's HEAD check got 501 Unsupported method."""
+    server = ProbeServer(
+        "127.0.0.1", 0, alive={"relay": lambda: True}, ready={"relay": lambda: {"ready": False}}
+    )
+    server.start()
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        head = urllib.request.Request(f"{base}/healthz", method="HEAD")
+        with urllib.request.urlopen(head, timeout=5) as r:
+            assert (r.status, r.read()) == (200, b"")
+            assert int(r.headers["Content-Length"]) > 0  # what a GET would carry
+        ready = urllib.request.Request(f"{base}/readyz", method="HEAD")
+        with pytest.raises(urllib.error.HTTPError) as not_ready:
+            urllib.request.urlopen(ready, timeout=5)
+        assert not_ready.value.code == 503
+        not_ready.value.close()
+        with urllib.request.urlopen(f"{base}/healthz", timeout=5) as r:  # GET keeps its body
+            assert json.loads(r.read()) == {"relay": True}
     finally:
         server.stop()
