@@ -157,11 +157,13 @@ def _cmd_records(args: argparse.Namespace) -> int:
                 producer_group=args.producer_group,
                 tx_id=args.tx_id,
                 topic=args.topic,
-                limit=args.limit,
+                # one more than asked, to say whether the list was cut (a bad limit as given)
+                limit=args.limit + 1 if args.limit >= 1 else args.limit,
             )
     except ValueError as exc:  # bad input: nothing was asked
         print(f"outboxctl records: {exc}", file=sys.stderr)
         return 2
+    cut, found = len(found) > args.limit, found[: args.limit]
     if args.json:
         print(json.dumps([r.as_dict() for r in found], default=_json_default))
         return 0
@@ -174,7 +176,7 @@ def _cmd_records(args: argparse.Namespace) -> int:
         )
     if not found:
         print("no records")
-    elif len(found) == args.limit:
+    elif cut:
         print(f"(the oldest {args.limit}; --limit for more)")
     return 0
 
