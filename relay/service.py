@@ -152,6 +152,7 @@ class Relay:
         self.outbox: str | None = None  # "<database>/<schema>", named in its op markers
         self._counted: Exception | None = None  # a shard's failure raised as the round's
         self._last_heartbeat = 0.0
+        self._leases_renewed_at = 0.0  # the last heartbeat that went through
         # A setting that cannot work, found by a heartbeat between rounds: the waits end, and
         # the next round's heartbeat (still due) stops the relay. Only logged, it ran on.
         self._refused: RelayConfigError | None = None
@@ -375,7 +376,7 @@ class Relay:
         # before, a shard gained was renewed for ever with no worker). Before the heartbeat
         # counts as done: refused between rounds, the next round's heartbeat is still due.
         self._check_marker_topic_id()
-        self._last_heartbeat = time.monotonic()
+        self._last_heartbeat = self._leases_renewed_at = time.monotonic()
 
     def trim_archive(self, limit: int = 10_000, budget_s: float | None = None) -> int:
         """Delete archived rows past delivered_retention, `limit` rows per transaction (short
@@ -946,6 +947,15 @@ class Relay:
             self._thread.is_alive() and time.monotonic() - self.last_round_at < limit
         )
 
+    def held_shards(self) -> list[int]:
+        """The shards of this relay's workers while their leases are renewed: none once a lease
+        duration passed without a heartbeat (the database unreachable), when another relay may
+        hold them. /readyz and the owned gauge listed them still, through the whole outage."""
+        renewed_for = time.monotonic() - self._leases_renewed_at
+        if renewed_for >= self.settings.relay.lease_duration.total_seconds():
+            return []
+        return sorted(self.workers)
+
     def ready(self) -> dict[str, Any]:
         """What /readyz reports; `ready` needs the database, the broker, and the relay's
         setup (its topics made and its settings checked) done: until then it delivers nothing."""
@@ -956,7 +966,7 @@ class Relay:
             "database": database,
             "broker": broker,
             "set_up": self._set_up,
-            "shards": sorted(self.workers),
+            "shards": self.held_shards(),
             "relay_id": self.relay_id,
         }
 
@@ -965,6 +975,7 @@ class Relay:
         others: dashboards and alerts take the max): counting the backlog reads all of it, and
         every pod of a deployment counted it every refresh. The horizon gauges (cheap), from
         every relay. On a connection kept for this: a new one each refresh was churn."""
+        metrics.SHARDS_OWNED.set(len(self.held_shards()))  # first: without the database too
         conn = self._gauge_conn
         if conn is None or conn.closed or conn.broken:
             conn = self._gauge_conn = self._connect(autocommit=True)

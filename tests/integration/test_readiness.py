@@ -1,8 +1,9 @@
-"""/readyz's database check keeps one connection between probes, against the real Postgres."""
+"""/readyz: its database check keeps one connection between probes; the shards it lists are held."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -120,3 +121,21 @@ def test_a_relays_readiness_probes_reuse_a_connection(
     assert made == [{"autocommit": True}]
     relay.stop(timeout=10)
     assert not relay.ready()["database"]  # stopped: the probe's connection is closed
+
+
+def test_shards_whose_lease_ran_out_unrenewed_are_not_reported_held(
+    relay_factory: Callable[..., Relay],
+) -> None:
+    """Through a database outage /readyz listed the shards and the owned gauge said 1, long
+    after the leases had run out and another relay could hold them."""
+    from prometheus_client import REGISTRY
+
+    relay = relay_factory(lease_duration="PT2S", heartbeat_interval="PT0.5S")
+    relay.run_once()
+    assert relay.ready()["shards"] == [0]
+    time.sleep(2.1)  # a lease duration with no heartbeat: what an unreachable database makes
+    assert relay.ready()["shards"] == []
+    relay.refresh_gauges()
+    assert REGISTRY.get_sample_value("outbox_relay_shards_owned") == 0
+    relay.run_once()  # renewed
+    assert relay.ready()["shards"] == [0]
