@@ -225,7 +225,7 @@ def _cmd_findings(args: argparse.Namespace) -> int:
 def _role(name: str) -> str:
     """A role name as `grants` quotes it: Postgres refuses an empty one, and a NUL."""
     if not name or "\x00" in name:
-        raise argparse.ArgumentTypeError("a role name must not be empty")
+        raise argparse.ArgumentTypeError("a role name must not be empty or hold a NUL")
     return name
 
 
