@@ -19,6 +19,7 @@ in being read is not taken for a missing one.
 from __future__ import annotations
 
 import getpass
+import glob
 import json
 import os
 import re
@@ -231,6 +232,23 @@ class ReconcileSettings(BaseModel):
     @classmethod
     def _parses(cls, v: SecretStr) -> SecretStr:
         return check_dsn_setting(v, "dsn")
+
+    @field_validator("jars")
+    @classmethod
+    def _expand(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        """A local path with a glob (the reconcile image's OUTBOX_SPARK_JARS=/opt/.../*.jar) as
+        the jars it matches, sorted; one matching nothing is refused by name, not left to fail
+        as a missing Kafka source at the first micro-batch. URIs (hdfs:, local:) go as given."""
+        out: list[str] = []
+        for jar in v:
+            if "://" in jar or ":" in jar.split("/", 1)[0] or not glob.has_magic(jar):
+                out.append(jar)
+                continue
+            found = sorted(glob.glob(jar))
+            if not found:
+                raise ValueError(f"jars: {jar!r} matches no file")
+            out.extend(found)
+        return tuple(out)
 
     @field_validator("schema_name")
     @classmethod

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,12 @@ from prometheus_client.metrics import MetricWrapperBase
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "outbox-sidecar"
+# The reconciliation's required values; the topics last (refusal tests leave them out)
+RECONCILE = (
+    "reconcile.existingSecret=orders-reconciler",
+    "reconcile.bootstrapServers=kafka:9092",
+    "reconcile.topics=orders.created",
+)
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +49,14 @@ def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {d["kind"]: d for d in docs}
 
 
-@pytest.mark.parametrize("extra", [(), ("--set", "prometheusRule.enabled=true")])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),
+        ("--set", "prometheusRule.enabled=true"),
+        ("--set", "reconcile.enabled=true", *(a for s in RECONCILE for a in ("--set", s))),
+    ],
+)
 def test_lint(helm: str, extra: tuple[str, ...]) -> None:
     lint = subprocess.run(
         [helm, "lint", "--strict", str(CHART), "--set", "existingSecret=s", *extra],
@@ -335,6 +350,16 @@ def test_the_dashboard_is_off_by_default(helm: str) -> None:
             ("existingSecret=s", 'config=[database]\nschema_name = "billing"'),
             "config: database.schema_name is set from migrations.schema",
         ),
+        *[
+            (("existingSecret=s", "reconcile.enabled=true", *RECONCILE[:-1], *more), message)
+            for more, message in [
+                ((), "reconcile: give the delivered topics as reconcile.topics or"),
+                (("reconcile.topics=a", "reconcile.topicPattern=b"), "(one of them)"),
+                (("reconcile.topics=a", "reconcile.mode=daily"), "reconcile.mode must be"),
+                (("reconcile.topics=a", "reconcile.existingSecret="), "reconcile.existingSecret:"),
+                (("reconcile.topics=a", "reconcile.bootstrapServers="), "reconcile.bootstrap"),
+            ]
+        ],
     ],
 )
 def test_bad_values_are_refused_with_what_is_wrong(
@@ -346,3 +371,85 @@ def test_bad_values_are_refused_with_what_is_wrong(
     )
     assert out.returncode != 0
     assert message in out.stderr
+
+
+def reconcile_docs(helm: str, *sets: str) -> dict[str, dict[str, Any]]:
+    docs = render(helm, "existingSecret=s", "reconcile.enabled=true", *RECONCILE, *sets)
+    return {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+
+
+def job_settings(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """What the real job makes of the container's arguments (its DSN as the Secret gives it)."""
+    from spark.job import build_parser, settings_from_args
+
+    assert container["command"] == ["outboxctl", "reconcile"]
+    (url,) = [e for e in container["env"] if e["name"] == "OUTBOX_DATABASE_URL"]
+    assert url["valueFrom"]["secretKeyRef"] == {"name": "orders-reconciler", "key": "dsn"}
+    assert not any("postgres" in a for a in container["args"])  # no DSN on the command line
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://reconciler@db/app")
+    monkeypatch.delenv("OUTBOX_SPARK_JARS", raising=False)
+    return settings_from_args(build_parser().parse_args(container["args"]))
+
+
+def test_the_reconciliation_runs_as_one_writer_of_its_checkpoint_with_args_the_job_takes(
+    helm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = reconcile_docs(helm, "reconcile.kafkaOptions.security\\.protocol=SSL")
+    deployment = docs["Deployment/orders-outbox-sidecar-reconcile"]
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}  # never two at once
+    pod = deployment["spec"]["template"]
+    relays = docs["Deployment/orders-outbox-sidecar"]["spec"]["selector"]["matchLabels"]
+    assert not relays.items() <= pod["metadata"]["labels"].items()  # not one of the relays
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    settings = job_settings(container, monkeypatch)
+    assert settings.topics == ("orders.created",)
+    assert settings.checkpoint == "/var/lib/outbox/checkpoint"
+    assert (settings.once, settings.trigger) == (False, timedelta(seconds=10))
+    assert settings.kafka_options == {"security.protocol": "SSL"}
+    assert settings.schema_name == "outbox"  # the sidecar's (migrations.schema)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    claim = docs["PersistentVolumeClaim/orders-outbox-sidecar-reconcile-checkpoint"]
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    checkpoint = volumes[mounts["/var/lib/outbox/checkpoint"]]["persistentVolumeClaim"]
+    assert checkpoint["claimName"] == claim["metadata"]["name"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "emptyDir" in volumes[mounts["/tmp"]]  # Spark's local directory, writable
+
+
+def test_a_scheduled_reconciliation_runs_once_at_a_time_on_a_claim_given(
+    helm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = reconcile_docs(
+        helm, "reconcile.mode=schedule", "reconcile.checkpoint.existingClaim=mine",
+        "reconcile.topics=", "reconcile.topicPattern=orders[.].*",
+    )  # fmt: skip
+    assert not [k for k in docs if k.startswith("PersistentVolumeClaim/")]
+    cron = docs["CronJob/orders-outbox-sidecar-reconcile"]["spec"]
+    assert cron["concurrencyPolicy"] == "Forbid"
+    pod = cron["jobTemplate"]["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    settings = job_settings(container, monkeypatch)
+    assert settings.once
+    assert settings.topic_pattern == "orders[.].*"
+    (checkpoint,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert checkpoint["persistentVolumeClaim"]["claimName"] == "mine"
+
+
+def test_the_reconcile_image_resolves_the_connector_of_the_pinned_pyspark() -> None:
+    """The connector must match the Spark it runs in (constraints.txt pins PySpark)."""
+    dockerfile = (ROOT / "helm" / "Dockerfile").read_text()
+    pinned = re.search(r"^pyspark==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M)
+    assert pinned is not None
+    assert f"-Dspark.version={pinned.group(1)}" in dockerfile
+    assert "'kafka-outbox-sidecar[spark]'" in dockerfile
+    assert "OUTBOX_SPARK_JARS=/opt/outbox/jars/*.jar" in dockerfile
+
+
+def test_no_reconciliation_by_default(helm: str) -> None:
+    docs = render(helm, "existingSecret=s")
+    assert not [d for d in docs if "reconcile" in d["metadata"]["name"]]

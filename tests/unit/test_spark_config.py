@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -216,6 +217,20 @@ def test_settings_render_the_kafka_source() -> None:
 def test_settings_refuse_what_cannot_work(change: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ReconcileSettings(**{**BASE, **change})
+
+
+def test_a_jar_glob_is_the_jars_it_matches(tmp_path: Path) -> None:
+    """The reconcile image sets OUTBOX_SPARK_JARS=/opt/outbox/jars/*.jar; URIs go as given."""
+    for name in ("b.jar", "a.jar", "notes.txt"):
+        (tmp_path / name).touch()
+    settings = ReconcileSettings(
+        **{**BASE, "jars": (f"{tmp_path}/*.jar", "local:/opt/x/*.jar", "hdfs://nn/j/*.jar")}
+    )
+    assert settings.jars == (
+        f"{tmp_path}/a.jar", f"{tmp_path}/b.jar", "local:/opt/x/*.jar", "hdfs://nn/j/*.jar",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"jars: '.*/\*\.zip' matches no file"):
+        ReconcileSettings(**{**BASE, "jars": (f"{tmp_path}/*.zip",)})
 
 
 def test_an_audit_needs_no_checkpoint() -> None:

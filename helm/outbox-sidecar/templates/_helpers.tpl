@@ -94,3 +94,103 @@ schema, the sidecar reading another). */}}
 - name: outbox-secrets
   secret: {secretName: {{ include "outbox-sidecar.secretName" . }}}
 {{- end -}}
+
+
+{{/* The reconciliation's pod (reconcile.yaml), for its Deployment or its CronJob: called with
+(dict "root" . "claim" <the checkpoint's claim>). */}}
+{{- define "outbox-sidecar.reconcilePod" -}}
+{{- $r := .root.Values.reconcile -}}
+{{- $root := .root -}}
+metadata:
+  # not the relays' selector labels: their Deployment and PodDisruptionBudget would count it
+  labels:
+    app.kubernetes.io/name: {{ include "outbox-sidecar.name" $root }}-reconcile
+    app.kubernetes.io/instance: {{ $root.Release.Name }}
+  {{- with $root.Values.podAnnotations }}
+  annotations:
+    {{- range $name, $value := . }}
+    {{ $name }}: {{ $value | quote }}
+    {{- end }}
+  {{- end }}
+spec:
+  {{- if eq $r.mode "schedule" }}
+  restartPolicy: Never
+  {{- end }}
+  enableServiceLinks: false
+  securityContext: {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets: {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: reconcile
+      image: {{ printf "%s:%s" $r.image.repository (default $root.Chart.AppVersion $r.image.tag) }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      # the DSN from the Secret, never on the command line (ps shows it)
+      command: [outboxctl, reconcile]
+      args:
+        - --schema
+        - {{ $root.Values.migrations.schema | quote }}
+        - --bootstrap
+        - {{ required "reconcile.bootstrapServers: the Kafka bootstrap servers" $r.bootstrapServers | quote }}
+        {{- if $r.topics }}
+        - --topics
+        - {{ $r.topics | quote }}
+        {{- else }}
+        - --topic-pattern
+        - {{ $r.topicPattern | quote }}
+        {{- end }}
+        - --marker-topic
+        - {{ $r.markerTopic | quote }}
+        - --dead-letter-topic
+        - {{ $r.deadLetterTopic | quote }}
+        {{- range $key, $value := $r.kafkaOptions }}
+        - --kafka-option
+        - {{ printf "%s=%v" $key $value | quote }}
+        {{- end }}
+        - --deadline
+        - {{ $r.deadline | quote }}
+        - --horizon
+        - {{ $r.horizon | quote }}
+        - --master
+        - {{ $r.master | quote }}
+        - --checkpoint
+        - /var/lib/outbox/checkpoint
+        {{- if eq $r.mode "schedule" }}
+        - --once
+        {{- else }}
+        - --trigger
+        - {{ $r.trigger | quote }}
+        {{- end }}
+        {{- range $r.extraArgs }}
+        - {{ . | quote }}
+        {{- end }}
+      env:
+        - name: OUTBOX_DATABASE_URL
+          valueFrom:
+            secretKeyRef:
+              name: {{ required "reconcile.existingSecret: a Secret with the key dsn (the reconciler's role)" $r.existingSecret }}
+              key: dsn
+        - name: HOME  # Spark and Java write under it; the root filesystem is read-only
+          value: /tmp
+        - name: PYSPARK_SUBMIT_ARGS  # the driver's heap, set before its JVM starts
+          value: {{ printf "--driver-memory %s pyspark-shell" $r.driverMemory | quote }}
+      resources: {{- toYaml $r.resources | nindent 8 }}
+      securityContext: {{- toYaml $root.Values.securityContext | nindent 8 }}
+      volumeMounts:
+        - {name: checkpoint, mountPath: /var/lib/outbox/checkpoint}
+        - {name: tmp, mountPath: /tmp}  # Spark's local directory (shuffles, spills)
+  volumes:
+    - name: checkpoint
+      persistentVolumeClaim: {claimName: {{ .claim }}}
+    - name: tmp
+      emptyDir: {}
+  {{- with $root.Values.nodeSelector }}
+  nodeSelector: {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $root.Values.tolerations }}
+  tolerations: {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $root.Values.affinity }}
+  affinity: {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
