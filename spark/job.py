@@ -76,6 +76,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import LongType, StructField, StructType
 
 from relay import _failpoints
+from relay.cli_database import database_settings
 from relay.signals import StopOnSignals
 from spark import _sql, sink, transform
 from spark._errors import ReconcileConfigError, ReconcileError, ReconcileQueryError
@@ -1156,8 +1157,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reconcile the outbox ledger, the op markers and the delivered topics.",
     )
     db = p.add_argument_group("ledger and findings (Postgres)")
-    db.add_argument("--dsn", help="libpq connection string (default: $OUTBOX_DATABASE_URL)")
-    db.add_argument("--schema", default="outbox", help="schema of the outbox tables")
+    db.add_argument(
+        "--dsn",
+        help="libpq connection string (default: $OUTBOX_DATABASE_URL, else the sidecar's)",
+    )
+    db.add_argument(
+        "--schema", help="schema of the outbox tables (default: the sidecar's, else outbox)"
+    )
     db.add_argument("--jdbc-url", help="JDBC URL for Spark's reads (default: from --dsn)")
     db.add_argument(
         "--findings-retention",
@@ -1226,12 +1232,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
     """The settings of parsed arguments; raises ReconcileConfigError when they cannot work."""
-    dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
+    # As every `outboxctl` command finds them: in the sidecar's container as it is, too.
+    dsn, schema = args.dsn or os.environ.get("OUTBOX_DATABASE_URL"), args.schema
+    if not dsn or schema is None:
+        database, why = database_settings()
+        if database is None:
+            raise ReconcileConfigError(
+                f"the sidecar's database settings cannot be read ({why}): pass --dsn and --schema"
+            )
+        dsn = dsn or (database.dsn.get_secret_value() if database.dsn is not None else None)
+        schema = database.schema_name if schema is None else schema
     if not dsn:
-        raise ReconcileConfigError("no database: pass --dsn or set OUTBOX_DATABASE_URL")
+        raise ReconcileConfigError(
+            "no database: pass --dsn, set OUTBOX_DATABASE_URL, or give the sidecar's setting "
+            "(OUTBOX_DATABASE__DSN)"
+        )
     values: dict[str, Any] = {
         "dsn": dsn,
-        "schema_name": args.schema,
+        "schema_name": schema,
         "jdbc_url": args.jdbc_url,
         "bootstrap_servers": args.bootstrap,
         "kafka_options": dict(args.kafka_option),

@@ -219,6 +219,31 @@ def test_settings_refuse_what_cannot_work(change: dict[str, object], message: st
         ReconcileSettings(**{**BASE, **change})
 
 
+def test_the_job_finds_its_database_where_the_sidecar_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`outboxctl reconcile` took --dsn or OUTBOX_DATABASE_URL only ("no database" in the
+    sidecar's container, where every other command worked), and `outbox` as the schema."""
+    from spark.job import build_parser, settings_from_args
+
+    for name in ("OUTBOX_DATABASE_URL", "OUTBOX_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
+    (tmp_path / "outbox_database__dsn").write_text("postgresql://relay@db/orders")
+    monkeypatch.setenv("OUTBOX_DATABASE__SCHEMA_NAME", "billing")
+    argv = ["--bootstrap", "k:9092", "--topics", "a", "--checkpoint", "/cp"]
+    settings = settings_from_args(build_parser().parse_args(argv))
+    assert settings.dsn.get_secret_value() == "postgresql://relay@db/orders"
+    assert settings.schema_name == "billing"
+    given = settings_from_args(
+        build_parser().parse_args([*argv, "--dsn", "postgresql://r@h/x", "--schema", "s"])
+    )
+    assert (given.dsn.get_secret_value(), given.schema_name) == ("postgresql://r@h/x", "s")
+    (tmp_path / "outbox_database__dsn").unlink()
+    with pytest.raises(spark.ReconcileConfigError, match="no database"):
+        settings_from_args(build_parser().parse_args(argv))
+
+
 def test_a_jar_glob_is_the_jars_it_matches(tmp_path: Path) -> None:
     """The reconcile image sets OUTBOX_SPARK_JARS=/opt/outbox/jars/*.jar; URIs go as given."""
     for name in ("b.jar", "a.jar", "notes.txt"):
