@@ -76,7 +76,6 @@ from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import LongType, StructField, StructType
 
 from relay import _failpoints
-from relay.cli_database import database_settings
 from relay.signals import StopOnSignals
 from spark import _sql, sink, transform
 from spark._errors import ReconcileConfigError, ReconcileError, ReconcileQueryError
@@ -1235,13 +1234,20 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
     # As every `outboxctl` command finds them: in the sidecar's container as it is, too.
     dsn, schema = args.dsn or os.environ.get("OUTBOX_DATABASE_URL"), args.schema
     if not dsn or schema is None:
-        database, why = database_settings()
-        if database is None:
+        try:  # not in the zip that spark-submit ships (spark, outbox, relay: no checker)
+            from relay.cli_database import database_settings
+        except ImportError:
+            database, why = None, ""
+        else:
+            database, why = database_settings()
+        if why:
             raise ReconcileConfigError(
                 f"the sidecar's database settings cannot be read ({why}): pass --dsn and --schema"
             )
-        dsn = dsn or (database.dsn.get_secret_value() if database.dsn is not None else None)
-        schema = database.schema_name if schema is None else schema
+        if database is not None:
+            dsn = dsn or (database.dsn.get_secret_value() if database.dsn is not None else None)
+            schema = database.schema_name if schema is None else schema
+    schema = "outbox" if schema is None else schema
     if not dsn:
         raise ReconcileConfigError(
             "no database: pass --dsn, set OUTBOX_DATABASE_URL, or give the sidecar's setting "
