@@ -418,6 +418,9 @@ def test_the_reconciliation_runs_as_one_writer_of_its_checkpoint_with_args_the_j
     assert checkpoint["claimName"] == claim["metadata"]["name"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert "emptyDir" in volumes[mounts["/tmp"]]  # Spark's local directory, writable
+    # Spark 4 writes artifacts/ under the working directory: `/` failed every query's start
+    assert mounts[container["workingDir"]] == "tmp"
+    assert pod["spec"]["terminationGracePeriodSeconds"] > 60  # stop() joins its ticker 60 s
 
 
 def test_a_scheduled_reconciliation_runs_once_at_a_time_on_a_claim_given(

@@ -116,6 +116,8 @@ spec:
   {{- if eq $r.mode "schedule" }}
   restartPolicy: Never
   {{- end }}
+  # stop() lets a judgement finish and joins the idle ticker (up to 60 s)
+  terminationGracePeriodSeconds: {{ $r.terminationGracePeriodSeconds }}
   enableServiceLinks: false
   securityContext: {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
   {{- with $root.Values.imagePullSecrets }}
@@ -127,6 +129,9 @@ spec:
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
       # the DSN from the Secret, never on the command line (ps shows it)
       command: [outboxctl, reconcile]
+      # Spark 4 makes artifacts/ under the working directory: `/` is read-only, and every
+      # query failed to start ("Failed to create a temp directory (under artifacts)")
+      workingDir: /tmp
       args:
         - --schema
         - {{ $root.Values.migrations.schema | quote }}
