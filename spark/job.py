@@ -1234,20 +1234,18 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
     # As every `outboxctl` command finds them: in the sidecar's container as it is, too.
     dsn, schema = args.dsn or os.environ.get("OUTBOX_DATABASE_URL"), args.schema
     if not dsn or schema is None:
-        try:  # not in the zip that spark-submit ships (spark, outbox, relay: no checker)
+        try:  # not in the zip spark-submit ships (spark, outbox, relay: relay.config needs checker)
             from relay.cli_database import database_settings
-        except ImportError:
-            database, why = None, ""
+        except ImportError as exc:  # not `outbox` unsaid: that may be another outbox
+            database, why = None, f"the sidecar's package is not whole here: {exc}"
         else:
             database, why = database_settings()
-        if why:
+        if database is None:
             raise ReconcileConfigError(
                 f"the sidecar's database settings cannot be read ({why}): pass --dsn and --schema"
             )
-        if database is not None:
-            dsn = dsn or (database.dsn.get_secret_value() if database.dsn is not None else None)
-            schema = database.schema_name if schema is None else schema
-    schema = "outbox" if schema is None else schema
+        dsn = dsn or (database.dsn.get_secret_value() if database.dsn is not None else None)
+        schema = database.schema_name if schema is None else schema
     if not dsn:
         raise ReconcileConfigError(
             "no database: pass --dsn, set OUTBOX_DATABASE_URL, or give the sidecar's setting "

@@ -244,6 +244,23 @@ def test_the_job_finds_its_database_where_the_sidecar_does(
         settings_from_args(build_parser().parse_args(argv))
 
 
+def test_without_the_sidecars_whole_package_the_job_asks_for_dsn_and_schema(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """spark-submit's zip holds spark, outbox and relay; relay.config needs checker. The
+    settings were skipped unsaid then, and the schema was `outbox`: maybe another outbox."""
+    from spark.job import build_parser, settings_from_args
+
+    monkeypatch.setitem(sys.modules, "relay.cli_database", None)  # importing it fails
+    argv = ["--bootstrap", "k:9092", "--topics", "a", "--checkpoint", "/cp"]
+    with pytest.raises(spark.ReconcileConfigError, match="pass --dsn and --schema"):
+        settings_from_args(build_parser().parse_args([*argv, "--dsn", "postgresql://r@h/x"]))
+    given = settings_from_args(
+        build_parser().parse_args([*argv, "--dsn", "postgresql://r@h/x", "--schema", "s"])
+    )
+    assert given.schema_name == "s"
+
+
 def test_a_jar_glob_is_the_jars_it_matches(tmp_path: Path) -> None:
     """The reconcile image sets OUTBOX_SPARK_JARS=/opt/outbox/jars/*.jar; URIs go as given."""
     for name in ("b.jar", "a.jar", "notes.txt"):
