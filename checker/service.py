@@ -248,12 +248,13 @@ class Checker:
             self._conn = self._connect()
         return self._conn
 
-    def _connect(self) -> psycopg.Connection[Any]:
+    def _connect(self, **options: Any) -> psycopg.Connection[Any]:
         return psycopg.connect(
             self._dsn,
             autocommit=True,
             connect_timeout=max(1, int(self._connect_timeout_s)),
             application_name=f"outbox-checker {self.checker_id}"[:63],
+            **options,
         )
 
     def _now(self) -> datetime:

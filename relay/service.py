@@ -165,7 +165,8 @@ class Relay:
         self._holder_warned: tuple[int, str] | None = None  # (pid, xid) last logged
         self._gauge_conn: psycopg.Connection[Any] | None = None  # refresh_gauges' own
         self._db_probe = DatabaseProbe(
-            lambda: self._connect(autocommit=True), wait_s=self.settings.database.connect_timeout_s
+            lambda **tcp: self._connect(autocommit=True, **tcp),
+            wait_s=self.settings.database.connect_timeout_s,
         )
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
         # is stamped (see _stamp)
@@ -325,6 +326,7 @@ class Relay:
                 )
 
     def heartbeat(self) -> None:
+        asked_at = time.monotonic()  # the leases run from about then, not from this end
         try:
             changes = self.leases.heartbeat(self.conn)
         except ShardCountMismatch as exc:
@@ -376,7 +378,8 @@ class Relay:
         # before, a shard gained was renewed for ever with no worker). Before the heartbeat
         # counts as done: refused between rounds, the next round's heartbeat is still due.
         self._check_marker_topic_id()
-        self._last_heartbeat = self._leases_renewed_at = time.monotonic()
+        self._last_heartbeat = time.monotonic()
+        self._leases_renewed_at = asked_at
 
     def trim_archive(self, limit: int = 10_000, budget_s: float | None = None) -> int:
         """Delete archived rows past delivered_retention, `limit` rows per transaction (short

@@ -60,6 +60,8 @@ ORDER BY inserted.id;
 -- new snapshot, with %(lock)s false) is exact. An id refused here takes no lock: a refused
 -- caller that goes on with its transaction (an "already published" retry caught) held it to
 -- the end, and every later writer of the id waited for that instead of being refused at once.
+-- One case keeps it still: two writers of a free id at once, the second refused only by the
+-- check after the lock; it holds the lock to its end (an xact lock cannot be let go sooner).
 SELECT used.elsewhere, used.other_kind, used.isolation,
        CASE WHEN %(lock)s AND NOT used.elsewhere AND NOT used.other_kind
                  AND used.isolation IN ('read committed', 'read uncommitted')

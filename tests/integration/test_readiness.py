@@ -23,9 +23,11 @@ class CountedConnect:
         self.dsn = dsn
         self.made = 0
 
-    def __call__(self) -> psycopg.Connection[Any]:
+    def __call__(self, **options: Any) -> psycopg.Connection[Any]:
         self.made += 1
-        return psycopg.connect(self.dsn, autocommit=True, connect_timeout=2, application_name=APP)
+        return psycopg.connect(
+            self.dsn, autocommit=True, connect_timeout=2, application_name=APP, **options
+        )
 
 
 def backends(dsn: str, app: str = APP) -> list[int]:
@@ -46,6 +48,23 @@ def test_probes_share_one_connection(pg_dsn: str) -> None:
         assert [probe.reachable() for _ in range(5)] == [True] * 5
         assert connect.made == 1
         assert len(backends(pg_dsn)) == 1
+    finally:
+        probe.close()
+
+
+def test_a_kept_connection_gives_up_on_a_peer_gone_unsaid(pg_dsn: str) -> None:
+    """connect_timeout bounds the connect only: after a failover that drops the old address, a
+    kept connection's SELECT 1 waited in recv() for ~15 minutes, and every probe behind it
+    said the database was down. libpq's TCP options end it within about the wait."""
+    probe = DatabaseProbe(CountedConnect(pg_dsn), wait_s=3)
+    try:
+        assert probe.reachable()
+        conn = probe._conn
+        assert conn is not None
+        options = {o.keyword.decode(): o.val for o in conn.pgconn.info}
+        assert options["tcp_user_timeout"] == b"3000"
+        assert options["keepalives"] == b"1"
+        assert options["keepalives_idle"] == b"3"
     finally:
         probe.close()
 
@@ -78,10 +97,10 @@ def test_a_probe_behind_a_stuck_one_answers_false_at_its_wait(pg_dsn: str) -> No
     entered, release = threading.Event(), threading.Event()
     connect = CountedConnect(pg_dsn)
 
-    def stuck_connect() -> psycopg.Connection[Any]:
+    def stuck_connect(**options: Any) -> psycopg.Connection[Any]:
         entered.set()
         release.wait(30)  # as a connect to a host that does not answer
-        return connect()
+        return connect(**options)
 
     probe = DatabaseProbe(stuck_connect, wait_s=0.2)
     first = threading.Thread(target=probe.reachable, daemon=True)
@@ -118,7 +137,9 @@ def test_a_relays_readiness_probes_reuse_a_connection(
 
     relay._connect = counted  # type: ignore[method-assign]
     assert [relay.ready()["database"] for _ in range(4)] == [True] * 4
-    assert made == [{"autocommit": True}]
+    assert len(made) == 1  # one connection for the four probes
+    assert made[0]["autocommit"] is True
+    assert made[0]["tcp_user_timeout"] == 10_000  # the connect timeout, 10 s by default
     relay.stop(timeout=10)
     assert not relay.ready()["database"]  # stopped: the probe's connection is closed
 
