@@ -69,9 +69,15 @@ def connect(args: argparse.Namespace, **kwargs: Any) -> psycopg.Connection[Any]:
     try:
         return psycopg.connect(dsn, **kwargs)
     except psycopg.OperationalError as exc:
-        where = "{}:{}/{}".format(
-            given.get("host") or os.environ.get("PGHOST") or "localhost",
-            given.get("port") or os.environ.get("PGPORT") or 5432,
-            given.get("dbname") or os.environ.get("PGDATABASE") or "(default)",
-        )
-        raise psycopg.OperationalError(f"cannot connect to {where}: {exc}") from exc
+        raise psycopg.OperationalError(f"cannot connect to {_where(given)}: {exc}") from exc
+
+
+def _where(given: dict[str, Any]) -> str:
+    """host:port/dbname as the DSN or libpq's environment says, a service by its name; what
+    neither says is said so, not guessed (libpq's default may be a Unix socket)."""
+    if given.get("service") or os.environ.get("PGSERVICE"):
+        return f"service {given.get('service') or os.environ.get('PGSERVICE')}"
+    host = given.get("host") or os.environ.get("PGHOST") or "the default host"
+    port = given.get("port") or os.environ.get("PGPORT") or "the default port"
+    dbname = given.get("dbname") or os.environ.get("PGDATABASE") or "the default database"
+    return f"{host}:{port}/{dbname}"

@@ -98,6 +98,14 @@ def test_a_database_that_never_answers_fails_at_the_connect_timeout_naming_it(
     assert f"cannot connect to 127.0.0.1:{silent_database}/app" in capsys.readouterr().err
 
 
+def test_a_connection_failure_names_a_service_not_a_guessed_host(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It said "cannot connect to localhost:5432/(default)" of `service=nosuch`."""
+    assert main(["status", "--dsn", "service=nosuch", "--schema", "outbox"]) == 1
+    assert "cannot connect to service nosuch" in capsys.readouterr().err
+
+
 def test_settings_errors_are_one_line_naming_the_setting(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -57,7 +57,8 @@ def test_installed_off_the_main_thread_installs_nothing() -> None:
         except BaseException as exc:  # reported by the test's thread below
             failed.append(exc)
 
-    worker = threading.Thread(target=run)
+    worker = threading.Thread(target=run, daemon=True)
     worker.start()
     worker.join(5)
+    assert not worker.is_alive()
     assert failed == []
