@@ -47,9 +47,9 @@ class DatabaseProbe:
     def close(self) -> None:
         """Under the lock: libpq frees the connection, which a probe in flight still used. A
         probe stuck past `wait_s` keeps it; the process is ending then."""
+        self._closed = True  # first: a probe after this one says False even then
         if self._lock.acquire(timeout=self._wait_s):
             try:
-                self._closed = True
                 self._drop()
             finally:
                 self._lock.release()
