@@ -12,7 +12,9 @@ its own can run beside this one (the chaos soak's, `python -m scripts.soak`).
 `up` is idempotent: what exists is reused and what runs is left running, so a second call returns in
 seconds. Only the standard library is used, so this runs before the project's virtualenv exists.
 
-Ports (loopback only) move with OUTBOX_PG_PORT, OUTBOX_KAFKA_PORT, OUTBOX_KAFKA_CONTROLLER_PORT.
+Ports (loopback only) move with OUTBOX_PG_PORT, OUTBOX_KAFKA_PORT, OUTBOX_KAFKA_CONTROLLER_PORT and
+OUTBOX_KAFKA_SASL_PORT (default: the Kafka port + 2): a second listener of the broker that takes
+SASL PLAIN logins, so that the relay's and the Spark job's Kafka secrets are tested for real.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ HOST = "127.0.0.1"
 PG_PORT = int(os.environ.get("OUTBOX_PG_PORT", "55432"))
 KAFKA_PORT = int(os.environ.get("OUTBOX_KAFKA_PORT", "59092"))
 CONTROLLER_PORT = int(os.environ.get("OUTBOX_KAFKA_CONTROLLER_PORT", "59093"))
+KAFKA_SASL_PORT = int(os.environ.get("OUTBOX_KAFKA_SASL_PORT") or KAFKA_PORT + 2)
+# The SASL listener's one login: a loopback test broker's, not a secret.
+SASL_USER, SASL_PASSWORD = "outbox-test", "outbox-test-secret"
 
 PG_DIR = LOCAL / "postgres"
 PG_DATA = PG_DIR / "data"
@@ -266,11 +271,19 @@ def kafka_properties() -> str:
             "process.roles=broker,controller",
             "node.id=1",
             f"controller.quorum.voters=1@{HOST}:{CONTROLLER_PORT}",
-            f"listeners=PLAINTEXT://{HOST}:{KAFKA_PORT},CONTROLLER://{HOST}:{CONTROLLER_PORT}",
-            f"advertised.listeners=PLAINTEXT://{HOST}:{KAFKA_PORT}",
+            f"listeners=PLAINTEXT://{HOST}:{KAFKA_PORT},CONTROLLER://{HOST}:{CONTROLLER_PORT},"
+            f"SASL_PLAINTEXT://{HOST}:{KAFKA_SASL_PORT}",
+            f"advertised.listeners=PLAINTEXT://{HOST}:{KAFKA_PORT},"
+            f"SASL_PLAINTEXT://{HOST}:{KAFKA_SASL_PORT}",
             "controller.listener.names=CONTROLLER",
             "inter.broker.listener.name=PLAINTEXT",
-            "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,"
+            "SASL_PLAINTEXT:SASL_PLAINTEXT",
+            # clients log in as SASL_USER there; no authorizer, so a login may do anything
+            "sasl.enabled.mechanisms=PLAIN",
+            "listener.name.sasl_plaintext.plain.sasl.jaas.config="
+            "org.apache.kafka.common.security.plain.PlainLoginModule required "
+            f'user_{SASL_USER}="{SASL_PASSWORD}";',
             f"log.dirs={KAFKA_DATA}",
             "num.partitions=1",
             # One broker: internal topics at replication factor 1, or transactions never start.
@@ -345,16 +358,22 @@ def java_cmd(main: str, *args: str, heap: str = "256m") -> list[str]:
 
 
 def kafka_up() -> None:
+    props = KAFKA_DIR / "server.properties"
     if kafka_pid() and kafka_answers():
-        log(f"kafka already running on {HOST}:{KAFKA_PORT}")
-        return
+        if props.exists() and props.read_text() == kafka_properties():
+            log(f"kafka already running on {HOST}:{KAFKA_PORT}")
+            return
+        # started by an older checkout (e.g. before the SASL listener): the tests need these
+        log("kafka runs with other settings than this checkout's: restarting it")
+        kafka_down()
     if port_open(KAFKA_PORT):
         fail(f"port {KAFKA_PORT} is taken by another process; set OUTBOX_KAFKA_PORT")
     if not shutil.which("java"):
         fail("Java 17+ is needed to run the Kafka broker")
     kafka_jars()
+    if port_open(KAFKA_SASL_PORT):
+        fail(f"port {KAFKA_SASL_PORT} is taken by another process; set OUTBOX_KAFKA_SASL_PORT")
     KAFKA_LOGS.mkdir(parents=True, exist_ok=True)
-    props = KAFKA_DIR / "server.properties"
     props.write_text(kafka_properties())
     (KAFKA_DIR / "log4j2.properties").write_text(LOG4J2.format(logs=KAFKA_LOGS))
     if not (KAFKA_DATA / "meta.properties").exists():
@@ -462,6 +481,8 @@ def env_lines() -> list[str]:
     return [
         f"OUTBOX_TEST_PG_DSN=postgresql://postgres@{HOST}:{PG_PORT}/postgres",
         f"OUTBOX_TEST_KAFKA_BOOTSTRAP={HOST}:{KAFKA_PORT}",
+        # the SASL listener and its login, as a URL: user:password@host:port
+        f"OUTBOX_TEST_KAFKA_SASL=sasl://{SASL_USER}:{SASL_PASSWORD}@{HOST}:{KAFKA_SASL_PORT}",
         f"OUTBOX_SPARK_JARS={jars}",
     ]
 
@@ -481,7 +502,10 @@ def status() -> int:
     pg = bool(bindir) and pg_running() and pg_ready(bindir)  # type: ignore[arg-type]
     kafka = kafka_pid() is not None and kafka_answers()
     print(f"postgres  {'up' if pg else 'down':4}  {HOST}:{PG_PORT}  log {PG_LOG}")
-    print(f"kafka     {'up' if kafka else 'down':4}  {HOST}:{KAFKA_PORT}  logs {KAFKA_LOGS}")
+    print(
+        f"kafka     {'up' if kafka else 'down':4}  {HOST}:{KAFKA_PORT} (SASL PLAIN "
+        f"{KAFKA_SASL_PORT})  logs {KAFKA_LOGS}"
+    )
     return 0 if pg and kafka else 1
 
 

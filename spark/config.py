@@ -34,6 +34,7 @@ from outbox._core import OutboxConfig
 from outbox._dsn import check_dsn_setting, parse_dsn
 from outbox._errors import InvalidConfigError
 from spark._errors import ReconcileConfigError
+from spark.kafka_properties import BOOTSTRAP, refused_option
 
 FINDING_KINDS = ("missing", "duplicate", "orphan", "marker_mismatch", "out_of_order")
 
@@ -178,6 +179,7 @@ class ReconcileSettings(BaseModel):
     bootstrap_servers: str = Field(min_length=1)
     kafka_options: dict[str, str] = Field(
         default_factory=dict,
+        repr=False,  # sasl.jaas.config and ssl.*.password hold secrets
         description="Further Kafka consumer properties (security.protocol, sasl.*, ssl.*).",
     )
     topics: tuple[str, ...] = Field(default=(), description="Delivered topics, by name.")
@@ -232,6 +234,18 @@ class ReconcileSettings(BaseModel):
     @classmethod
     def _parses(cls, v: SecretStr) -> SecretStr:
         return check_dsn_setting(v, "dsn")
+
+    @field_validator("kafka_options")
+    @classmethod
+    def _consumer_properties(cls, v: dict[str, str]) -> dict[str, str]:
+        """Refused here by name, not by Spark when the query starts (or never: a property
+        under 'kafka.' twice was ignored unsaid)."""
+        if BOOTSTRAP in v:
+            raise ValueError(f"{BOOTSTRAP}: give the Kafka bootstrap servers with --bootstrap")
+        problems = [why for key, value in v.items() if (why := refused_option(key, value))]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return v
 
     @field_validator("jars")
     @classmethod

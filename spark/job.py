@@ -89,6 +89,8 @@ from spark.config import (
     spark_interval,
     trigger_end,
 )
+from spark.kafka_properties import BOOTSTRAP
+from spark.kafka_properties import load as load_kafka_properties
 from spark.latency import OpenWindows, close, merge_rows
 from spark.vanished import VanishedPartitions
 
@@ -1172,7 +1174,9 @@ def build_parser() -> argparse.ArgumentParser:
         "them (30d)",
     )
     k = p.add_argument_group("Kafka")
-    k.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers")
+    k.add_argument(
+        "--bootstrap", help="Kafka bootstrap servers (default: the --kafka-config file's)"
+    )
     topics = k.add_mutually_exclusive_group(required=True)
     topics.add_argument("--topics", help="delivered topics, comma-separated")
     topics.add_argument("--topic-pattern", help="delivered topics, a Java regex")
@@ -1194,7 +1198,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_key_value,
         default=[],
         metavar="KEY=VALUE",
-        help="a Kafka consumer property, e.g. security.protocol=SASL_SSL (repeatable)",
+        help="a Kafka consumer property, e.g. security.protocol=SASL_SSL (repeatable; over "
+        "the --kafka-config file's)",
+    )
+    k.add_argument(
+        "--kafka-config",
+        metavar="FILE",
+        help="a Kafka client properties file, as Kafka's tools take (--consumer.config): "
+        "secrets such as sasl.jaas.config stay off the command line",
     )
     j = p.add_argument_group("judging")
     j.add_argument("--deadline", type=_duration, default="60s", help="time to appear (60s)")
@@ -1251,12 +1262,21 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
             "no database: pass --dsn, set OUTBOX_DATABASE_URL, or give the sidecar's setting "
             "(OUTBOX_DATABASE__DSN)"
         )
+    # the file, then --kafka-option over it, as Kafka's tools do with --consumer-property
+    kafka_options = load_kafka_properties(args.kafka_config) if args.kafka_config else {}
+    kafka_options.update(args.kafka_option)
+    bootstrap = args.bootstrap or kafka_options.get(BOOTSTRAP)
+    kafka_options.pop(BOOTSTRAP, None)
+    if not bootstrap:
+        raise ReconcileConfigError(
+            "no Kafka bootstrap servers: pass --bootstrap (or bootstrap.servers in --kafka-config)"
+        )
     values: dict[str, Any] = {
         "dsn": dsn,
         "schema_name": schema,
         "jdbc_url": args.jdbc_url,
-        "bootstrap_servers": args.bootstrap,
-        "kafka_options": dict(args.kafka_option),
+        "bootstrap_servers": bootstrap,
+        "kafka_options": kafka_options,
         "topics": tuple(t.strip() for t in args.topics.split(",") if t.strip())
         if args.topics
         else (),

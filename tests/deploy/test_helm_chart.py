@@ -55,6 +55,11 @@ def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         (),
         ("--set", "prometheusRule.enabled=true"),
         ("--set", "reconcile.enabled=true", *(a for s in RECONCILE for a in ("--set", s))),
+        tuple(
+            a
+            for s in [*RECONCILE, "reconcile.enabled=true", "reconcile.kafkaConfigSecret.name=k"]
+            for a in ("--set", s)
+        ),
     ],
 )
 def test_lint(helm: str, extra: tuple[str, ...]) -> None:
@@ -441,6 +446,38 @@ def test_a_scheduled_reconciliation_runs_once_at_a_time_on_a_claim_given(
     assert settings.topic_pattern == "orders[.].*"
     (checkpoint,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
     assert checkpoint["persistentVolumeClaim"]["claimName"] == "mine"
+
+
+def test_kafka_secrets_reach_the_reconciliation_in_a_mounted_properties_file(
+    helm: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A SASL login could not be given (kafkaOptions are on the command line): a Secret's
+    properties file is mounted and named by --kafka-config, bootstrap servers from it too."""
+    docs = reconcile_docs(
+        helm, "reconcile.bootstrapServers=", "reconcile.kafkaConfigSecret.name=orders-kafka"
+    )
+    pod = docs["Deployment/orders-outbox-sidecar-reconcile"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "kafka-config"]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "kafka-config"]
+    assert volume["secret"]["secretName"] == "orders-kafka"
+    assert "items" not in volume["secret"]  # its truststore beside the file
+    args = container["args"]
+    path = Path(args[args.index("--kafka-config") + 1])
+    assert path.parent == Path(mount["mountPath"])
+    assert path.name == "consumer.properties"
+    assert "--bootstrap" not in args  # the file's bootstrap.servers
+    (tmp_path / path.name).write_text(
+        "bootstrap.servers=kafka-1:9093\nsecurity.protocol=SASL_SSL\nsasl.mechanism=PLAIN\n"
+    )
+    args[args.index("--kafka-config") + 1] = str(tmp_path / path.name)
+    settings = job_settings(container, monkeypatch)
+    assert settings.bootstrap_servers == "kafka-1:9093"
+    assert settings.kafka_options["security.protocol"] == "SASL_SSL"
+    with_both = reconcile_docs(helm, "reconcile.kafkaConfigSecret.name=orders-kafka")
+    pod = with_both["Deployment/orders-outbox-sidecar-reconcile"]["spec"]["template"]["spec"]
+    assert "kafka:9092" in pod["containers"][0]["args"]  # bootstrapServers over the file's
 
 
 def test_the_reconcile_image_resolves_the_connector_of_the_pinned_pyspark() -> None:

@@ -135,8 +135,14 @@ spec:
       args:
         - --schema
         - {{ $root.Values.migrations.schema | quote }}
+        {{- if or $r.bootstrapServers (not $r.kafkaConfigSecret.name) }}
         - --bootstrap
         - {{ required "reconcile.bootstrapServers: the Kafka bootstrap servers" $r.bootstrapServers | quote }}
+        {{- end }}
+        {{- with $r.kafkaConfigSecret.name }}
+        - --kafka-config
+        - {{ printf "/etc/outbox/kafka/%s" $r.kafkaConfigSecret.key | quote }}
+        {{- end }}
         {{- if $r.topics }}
         - --topics
         - {{ $r.topics | quote }}
@@ -184,11 +190,19 @@ spec:
       volumeMounts:
         - {name: checkpoint, mountPath: /var/lib/outbox/checkpoint}
         - {name: tmp, mountPath: /tmp}  # Spark's local directory (shuffles, spills)
+        {{- if $r.kafkaConfigSecret.name }}
+        - {name: kafka-config, mountPath: /etc/outbox/kafka, readOnly: true}
+        {{- end }}
   volumes:
     - name: checkpoint
       persistentVolumeClaim: {claimName: {{ .claim }}}
     - name: tmp
       emptyDir: {}
+    {{- with $r.kafkaConfigSecret.name }}
+    - name: kafka-config
+      # every key: a truststore or keystore beside the properties file that names it
+      secret: {secretName: {{ . | quote }}, defaultMode: 0440}
+    {{- end }}
   {{- with $root.Values.nodeSelector }}
   nodeSelector: {{- toYaml . | nindent 4 }}
   {{- end }}

@@ -1,0 +1,102 @@
+"""Kafka secrets for real: the sidecar logs in to the broker's SASL PLAIN listener with a
+password from its secrets directory (where the chart mounts a Secret), and a wrong one is said."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from relay.config import SidecarSettings
+from tests.fixtures.kafka import SaslListener, consume_all
+from tests.integration.test_relay_crashes import FAST, publish, undelivered, wait_for
+from tests.integration.test_relay_process import free_port, get
+
+pytestmark = pytest.mark.integration
+
+
+def sidecar(
+    settings: SidecarSettings, sasl: SaslListener, password: str, tmp_path: Path, port: int
+) -> tuple[dict[str, str], Path]:
+    """`outboxctl relay`'s environment: the login in settings, its password in a file only."""
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "outbox_kafka__sasl_password").write_text(password)
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE__DSN": settings.database.dsn.get_secret_value(),
+        "OUTBOX_RELAY": settings.relay.model_dump_json(),
+        "OUTBOX_KAFKA__BOOTSTRAP_SERVERS": sasl.bootstrap,
+        "OUTBOX_KAFKA__SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+        "OUTBOX_KAFKA__SASL_MECHANISM": "PLAIN",
+        "OUTBOX_KAFKA__SASL_USERNAME": sasl.username,
+        "OUTBOX_SECRETS_DIR": str(secrets),
+        "OUTBOX_CHECKER__ENABLED": "false",
+        "OUTBOX_HTTP__HOST": "127.0.0.1",
+        "OUTBOX_HTTP__PORT": str(port),
+        "OUTBOX_LOG_FORMAT": "text",
+    }
+    return env, tmp_path / "sidecar.log"
+
+
+def run(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "relay.cli", "relay"], env=env, stdout=out, stderr=out
+        )
+
+
+def test_the_sidecar_delivers_through_a_sasl_login_with_its_password_in_a_file(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    kafka_sasl: SaslListener,
+    relay_settings: Callable[..., SidecarSettings],
+    topic_factory: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    topic, port = topic_factory(), free_port()
+    sent = publish(pg_dsn, topic, transactions=2, per_tx=3)
+    env, log = sidecar(relay_settings(**FAST), kafka_sasl, kafka_sasl.password, tmp_path, port)
+    shown = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "config"], env=env, capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert kafka_sasl.username in shown.stdout
+    assert kafka_sasl.password not in shown.stdout
+    proc = run(env, log)
+    try:
+        wait_for(lambda: undelivered(pg_dsn) == 0, 60, f"delivery: {log.read_text()[-3000:]}")
+        wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "the relay to be ready")
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    got = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert sorted(m.value() for m in got) == sorted(sent)
+    assert all(dict(m.headers() or [])["outbox-tx-id"] for m in got)
+    assert kafka_sasl.password not in log.read_text()
+
+
+def test_a_wrong_password_is_said_and_nothing_is_delivered(
+    pg_dsn: str,
+    kafka_sasl: SaslListener,
+    relay_settings: Callable[..., SidecarSettings],
+    topic_factory: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    topic, port = topic_factory(), free_port()
+    publish(pg_dsn, topic, transactions=1, per_tx=2)
+    env, log = sidecar(relay_settings(**FAST), kafka_sasl, "not-the-password", tmp_path, port)
+    proc = run(env, log)
+    try:
+        wait_for(lambda: "Authentication failed" in log.read_text(), 60, "the login's refusal")
+        status, body = get(port, "/readyz")
+        assert status == 503, body
+        assert undelivered(pg_dsn) == 2
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert "not-the-password" not in log.read_text()

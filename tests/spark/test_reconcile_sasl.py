@@ -1,0 +1,71 @@
+"""The reconciliation reads Kafka through a SASL login given in a properties file
+(`--kafka-config`): the secret never on its command line, and a wrong one said."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+import outbox
+from relay.config import SidecarSettings
+from spark import ReconcileQueryError
+from tests.fixtures.kafka import SaslListener
+from tests.spark.test_reconcile_integration import publish, reconcile
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def properties(tmp_path: Path, sasl: SaslListener, password: str | None = None) -> str:
+    path = tmp_path / "consumer.properties"
+    path.write_text(
+        f"bootstrap.servers={sasl.bootstrap}\n"
+        "security.protocol=SASL_PLAINTEXT\n"
+        "sasl.mechanism=PLAIN\n"
+        f"sasl.jaas.config={sasl.jaas_config(password)}\n",
+        encoding="iso-8859-1",
+    )
+    return str(path)
+
+
+def test_the_job_reads_through_a_sasl_login_from_its_properties_file(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_sasl: SaslListener,
+    relay_settings: Callable[..., SidecarSettings],
+    relay_factory: Callable[..., Any],
+    topic_factory: Callable[..., str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    orders, markers = topic_factory(), topic_factory()
+    publish(pg_dsn, [outbox.Record(orders, {"i": i}, key=f"k{i}") for i in range(4)])
+    # a relay logged in the same way delivers them, keeping the ledger rows
+    settings = relay_settings(op_marker_topic=markers, delivered_retention="PT1H")
+    sasl = {k.replace(".", "_"): v for k, v in kafka_sasl.librdkafka().items()}
+    relay = relay_factory(settings.model_copy(update={"kafka": type(settings.kafka)(**sasl)}))
+    delivered, until = 0, time.monotonic() + 60
+    while delivered < 4:
+        assert time.monotonic() < until, f"the relay delivered {delivered} of 4"
+        delivered += relay.run_once().delivered
+    time.sleep(2.5)  # past the deadline: judged now
+    argv = [
+        "--dsn", pg_dsn, "--topics", orders, "--marker-topic", markers, "--deadline", "2s",
+        "--checkpoint", str(tmp_path / "checkpoint"), "--once",
+    ]  # fmt: skip
+    report = reconcile(capsys, [*argv, "--kafka-config", properties(tmp_path, kafka_sasl)])
+    assert (report["copies"], report["markers"]) == (4, 4)
+    assert report["found"] == dict.fromkeys(report["found"], 0)
+
+    from spark.job import main
+
+    wrong = properties(tmp_path, kafka_sasl, password="not-the-password")
+    with pytest.raises(ReconcileQueryError) as failed:
+        main([*argv, "--checkpoint", str(tmp_path / "other"), "--kafka-config", wrong])
+    said = f"{failed.value} {failed.value.__cause__}"
+    assert "Authentication failed" in said, said
+    assert "not-the-password" not in said
