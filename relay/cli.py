@@ -25,7 +25,7 @@ from checker import cli as checker_cli
 from outbox import OutboxError, SchemaError, State, migrate
 from outbox import sql as outbox_sql
 from outbox._describe import describe
-from outbox.migrations import check_applied, current_version, latest_version
+from outbox.migrations import current_version, latest_version, schema_problem
 from relay import logs, sidecar
 from relay.cli_database import command_dsn, command_schema, connect
 from relay.config import SettingsUnreadable, SidecarSettings, load_settings
@@ -53,13 +53,12 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema_version(args: argparse.Namespace) -> int:
-    problem = None
+    """Exit 0 when this build's relay and checker can run on the schema: at this library's
+    version or newer (migrations only add; a gate that wanted the exact number blocked the
+    older pods of a rolling upgrade once the newer ones had migrated)."""
     with connect(args) as conn:
         at = current_version(conn, args.schema)
-        try:
-            check_applied(conn, args.schema)
-        except SchemaError as exc:  # the right number, other migrations
-            problem = str(exc)
+        problem = schema_problem(conn, args.schema)
     latest = latest_version()
     if args.json:
         print(
@@ -69,10 +68,11 @@ def _cmd_schema_version(args: argparse.Namespace) -> int:
         print(
             f"schema {args.schema}: at {at if at is not None else 'nothing (not migrated)'}, "
             f"library knows {latest}"
+            + (" (newer: this build runs on it)" if problem is None and at != latest else "")
         )
         if problem:
             print(problem)
-    return 0 if at == latest and problem is None else 1
+    return 0 if problem is None else 1
 
 
 def _cmd_grants(args: argparse.Namespace) -> int:

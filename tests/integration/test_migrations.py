@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -171,6 +172,25 @@ def test_a_newer_schema_than_the_library_is_refused(empty_db: str) -> None:
         conn.execute("INSERT INTO outbox.schema_migration (version, name) VALUES (999, 'future')")
     with pytest.raises(outbox.SchemaError, match=r"\[999\].*upgrade the library"):
         outbox.migrate(empty_db)
+
+
+def test_schema_version_passes_a_newer_schema_this_build_runs_on(
+    empty_db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A gate on `outboxctl schema-version` blocked the older pods of a rolling upgrade once
+    the newer ones had migrated, although they run on it (migrations only add)."""
+    assert cli_main(["schema-version", "--dsn", empty_db, "--schema", "outbox"]) == 1
+    assert "not migrated" in capsys.readouterr().out
+    outbox.migrate(empty_db)
+    assert cli_main(["schema-version", "--dsn", empty_db, "--schema", "outbox"]) == 0
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox.schema_migration (version, name) VALUES (999, 'future')")
+    capsys.readouterr()
+    assert cli_main(["schema-version", "--dsn", empty_db, "--schema", "outbox", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["version"], report["latest"], report["problem"]) == (999, latest_version(), None)
+    assert cli_main(["schema-version", "--dsn", empty_db, "--schema", "outbox"]) == 0
+    assert "(newer: this build runs on it)" in capsys.readouterr().out
 
 
 def test_a_migration_applied_under_another_name_is_refused(
