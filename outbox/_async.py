@@ -5,17 +5,20 @@ Each method behaves exactly as its namesake in `outbox._sync.Outbox`; the docstr
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus as PgTxStatus
 
 from outbox import _core
 from outbox._callbacks import call_back
 from outbox._core import OutboxConfig, State, Transition, Written
-from outbox._errors import OutboxUsageError, TransactionStateError
+from outbox._errors import TransactionStateError
 from outbox._local import (
     LocalTransactionResult,
     left_idle,
@@ -28,6 +31,7 @@ from outbox._session import (
     async_statement_cursor,
     database_errors,
     in_pipeline,
+    not_a_connection,
     quiet,
     require_not_aborted,
     require_transaction,
@@ -45,30 +49,52 @@ async def _run(
 ) -> Any:
     conn = target.connection if isinstance(target, psycopg.AsyncCursor) else target
     if not isinstance(conn, psycopg.AsyncConnection):
-        raise OutboxUsageError(
-            f"expected a psycopg AsyncConnection or AsyncCursor, got {type(target).__name__}: "
-            "use Outbox for sync connections"
-        )
+        raise not_a_connection(target, asynchronous=True)
     query, params = next(op)
     params = quiet(conn, params)
+    if in_pipeline(conn):  # see _sync._run
+        async with conn.pipeline() as pipeline:
+            await pipeline.sync()
     if in_transaction:
-        if conn.autocommit and in_pipeline(conn):
-            with database_errors():
-                async with conn.pipeline() as pipeline:
-                    await pipeline.sync()
         require_transaction(conn)
     else:  # commit/rollback: in the caller's transaction, or on their own
         require_not_aborted(conn)
-    with database_errors():
-        async with async_statement_cursor(target) as cur:
-            while True:
-                await cur.execute(query, params)
-                rows = await cur.fetchall()  # see _sync._run
-                try:
-                    query, params = op.send(rows)
-                    params = quiet(conn, params)
-                except StopIteration as done:
-                    return done.value
+    try:
+        with database_errors():
+            async with async_statement_cursor(target) as cur:
+                while True:
+                    await cur.execute(query, params)
+                    rows = await cur.fetchall()  # see _sync._run
+                    try:
+                        query, params = op.send(rows)
+                        params = quiet(conn, params)
+                    except StopIteration as done:
+                        return done.value
+    except asyncio.CancelledError:
+        await _abort_after_cancel(conn)
+        raise
+
+
+# Any error aborts the transaction; this one also says why in the server's log.
+_ABORT = (
+    "DO $$BEGIN RAISE EXCEPTION 'outbox: a cancelled call aborted this transaction: "
+    "roll it back'; END$$"
+)
+
+
+async def _abort_after_cancel(conn: psycopg.AsyncConnection[Any]) -> None:
+    """A call cancelled (asyncio.timeout, task.cancel()) whose statement the server had run
+    before the cancel reached it ends with the caller's transaction healthy and the records
+    in it: psycopg cancels, reads the reply, and raises CancelledError all the same. A caller
+    that went on, or retried in the same transaction, committed records the call said were
+    not written, twice on a retry. Aborting the transaction makes a cancelled call mean one
+    thing whatever its timing: nothing of it commits. Already aborted (the server cancelled
+    the statement), or outside a transaction (autocommit), there is nothing to do; pipeline
+    mode is left alone (its status is ACTIVE until a Sync)."""
+    if conn.closed or conn.info.transaction_status != PgTxStatus.INTRANS:
+        return
+    with contextlib.suppress(psycopg.Error):  # the error is the point: aborted now
+        await asyncio.shield(conn.execute(_ABORT))
 
 
 class AsyncOutbox:
@@ -178,14 +204,15 @@ class AsyncOutbox:
         """As `Outbox.send_in_transaction`; `local_transaction` may be sync (run in a worker
         thread, so that it does not stall the event loop) or async."""
         require_idle(conn, psycopg.AsyncConnection)
-        async with conn.transaction():
-            written = await self.prepare_many(
-                conn,
-                records,
-                tx_id=tx_id,
-                producer_group=producer_group,
-                check_immunity=check_immunity,
-            )
+        with database_errors():  # its BEGIN and COMMIT fail as ours
+            async with conn.transaction():
+                written = await self.prepare_many(
+                    conn,
+                    records,
+                    tx_id=tx_id,
+                    producer_group=producer_group,
+                    check_immunity=check_immunity,
+                )
         status = parse_status(await call_back(local_transaction, written))
         state = State.PREPARED
         try:

@@ -7,6 +7,7 @@ validation happens before the first yield: a rejected call sends no SQL at all.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ Query = tuple[bytes, dict[str, Any]]
 Operation = Generator[Query, Rows, Any]
 
 _WAKEUP_SUFFIX = "_wakeup"
+
 # Postgres identifiers hold 63 bytes, and the NOTIFY channel is the schema's name plus the suffix:
 # a longer name migrated, then every publish failed ("channel name too long").
 MAX_SCHEMA_NAME = 63 - len(_WAKEUP_SUFFIX)
@@ -149,6 +151,13 @@ class Transition:
     ids: tuple[int, ...]
 
 
+def _ascii_json(obj: Any) -> str:
+    """The headers' JSON, ASCII only (\\u escapes), whatever `set_json_dumps` an application
+    installed: psycopg sends JSON as UTF-8 bytes in any client encoding, so an orjson-style
+    dumps stored a header name like 'café' as 'cafÃ©' on a LATIN1 connection."""
+    return json.dumps(obj, ensure_ascii=True)
+
+
 def insert(
     cfg: OutboxConfig,
     records: Sequence[Record],
@@ -208,7 +217,7 @@ def insert(
                 "topic": one.topic,
                 "key": one.key,
                 "value": one.value,
-                "headers": Jsonb(one.headers),
+                "headers": Jsonb(one.headers, dumps=_ascii_json),
                 "partition": one.partition,
             },
         )
@@ -220,7 +229,7 @@ def insert(
                 "topics": [e.topic for e in encoded],
                 "keys": [e.key for e in encoded],
                 "values": [e.value for e in encoded],
-                "headers": [Jsonb(e.headers) for e in encoded],
+                "headers": [Jsonb(e.headers, dumps=_ascii_json) for e in encoded],
                 "partitions": [e.partition for e in encoded],
             },
         )

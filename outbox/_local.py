@@ -79,6 +79,8 @@ def require_idle(
             f"{type(conn).__name__}"
             + (f": use {other} for it" if "Connection" in type(conn).__name__ else "")
         )
+    if conn.closed:  # its status is UNKNOWN, which read as "a transaction is open"
+        raise OutboxUsageError("send_in_transaction: the connection is closed")
     if conn.info.transaction_status != PgTxStatus.IDLE:
         raise OutboxUsageError(
             "send_in_transaction needs a connection with no transaction open: the prepared "

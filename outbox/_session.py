@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg.abc import Buffer
+from psycopg.adapt import Loader
 from psycopg.pq import PipelineStatus
 from psycopg.pq import TransactionStatus as PgTxStatus
 from psycopg.rows import tuple_row
@@ -44,6 +46,26 @@ def require_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[
         )
 
 
+def not_a_connection(target: object, *, asynchronous: bool) -> OutboxUsageError:
+    """What to give instead of `target`, which is not a connection or cursor of the kind."""
+    kinds = "AsyncConnection or AsyncCursor" if asynchronous else "Connection or Cursor"
+    name = type(target).__name__
+    hint = ""
+    if isinstance(target, (psycopg.Connection, psycopg.Cursor)):
+        hint = ": use Outbox for sync connections"
+    elif isinstance(target, (psycopg.AsyncConnection, psycopg.AsyncCursor)):
+        hint = ": use AsyncOutbox for async connections"
+    elif "Pool" in name:  # psycopg_pool's, without importing it
+        hint = (
+            ": take a connection from the pool, `async with pool.connection() as conn:`"
+            if asynchronous
+            else ": take a connection from the pool, `with pool.connection() as conn:`"
+        )
+    elif isinstance(target, str):
+        hint = ": connect first (the outbox writes in your transaction, on your connection)"
+    return OutboxUsageError(f"expected a psycopg {kinds}, got {name}{hint}")
+
+
 def in_pipeline(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
     """In pipeline mode, statements queued make the transaction status ACTIVE until a Sync."""
     return conn.pgconn.pipeline_status != PipelineStatus.OFF
@@ -60,8 +82,8 @@ def statement_cursor(
     conn = target.connection if isinstance(target, psycopg.Cursor) else target
     kind = type(target) if isinstance(target, psycopg.Cursor) else conn.cursor_factory
     if issubclass(kind, psycopg.ClientCursor):
-        return psycopg.ClientCursor(conn, row_factory=tuple_row)
-    return psycopg.Cursor(conn, row_factory=tuple_row)
+        return _own_text(psycopg.ClientCursor(conn, row_factory=tuple_row))
+    return _own_text(psycopg.Cursor(conn, row_factory=tuple_row))
 
 
 def async_statement_cursor(
@@ -71,8 +93,27 @@ def async_statement_cursor(
     conn = target.connection if isinstance(target, psycopg.AsyncCursor) else target
     kind = type(target) if isinstance(target, psycopg.AsyncCursor) else conn.cursor_factory
     if issubclass(kind, psycopg.AsyncClientCursor):
-        return psycopg.AsyncClientCursor(conn, row_factory=tuple_row)
-    return psycopg.AsyncCursor(conn, row_factory=tuple_row)
+        return _own_text(psycopg.AsyncClientCursor(conn, row_factory=tuple_row))
+    return _own_text(psycopg.AsyncCursor(conn, row_factory=tuple_row))
+
+
+class _TextAsStr(Loader):
+    """The outbox's text results (tx ids, states, settings) as str: on a SQL_ASCII database
+    psycopg gives text as bytes, and the outbox refused every caller-given tx id (b'READ
+    COMMITTED' is not 'READ COMMITTED') and returned tx ids commit() refused. Also keeps
+    text loaders an application registered globally out of the outbox's reads."""
+
+    def load(self, data: Buffer) -> str:
+        return bytes(data).decode("utf-8")
+
+
+_C = TypeVar("_C", psycopg.Cursor[Any], psycopg.AsyncCursor[Any])
+
+
+def _own_text(cur: _C) -> _C:
+    for name in ("text", "varchar"):
+        cur.adapters.register_loader(name, _TextAsStr)
+    return cur
 
 
 @contextmanager
@@ -88,7 +129,20 @@ def database_errors() -> Iterator[None]:
         # A retry loop that catches these in the application's own statements catches them
         # here by their own class, not only as a database error.
         kind = TransactionConflict if exc.sqlstate in _CONFLICTS else OutboxDatabaseError
-        raise kind(f"the database failed: {exc}", sqlstate=exc.sqlstate) from exc
+        raise kind(f"the database failed: {exc}{_hint(exc)}", sqlstate=exc.sqlstate) from exc
+
+
+def _hint(exc: psycopg.Error) -> str:
+    """What of the record a database refusal points at, where the database's words do not."""
+    untranslatable = exc.sqlstate == "22P05" or (  # a LATIN1 database and a '€'
+        exc.sqlstate == "0A000" and "conversion between" in str(exc)  # SQL_ASCII, any non-ASCII
+    )
+    if untranslatable:
+        return (
+            " (a header name or tx id holds a character the database's encoding cannot "
+            "store: use ASCII there, or a UTF8 database)"
+        )
+    return ""
 
 
 # serialization_failure, deadlock_detected

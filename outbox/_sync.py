@@ -24,6 +24,7 @@ from outbox._records import Headers, Record, check_immunity_interval, require_re
 from outbox._session import (
     database_errors,
     in_pipeline,
+    not_a_connection,
     quiet,
     require_not_aborted,
     require_transaction,
@@ -40,20 +41,16 @@ ConnectionOrCursor = psycopg.Connection[Any] | psycopg.Cursor[Any]
 def _run(target: ConnectionOrCursor, op: _core.Operation, *, in_transaction: bool) -> Any:
     conn = target.connection if isinstance(target, psycopg.Cursor) else target
     if not isinstance(conn, psycopg.Connection):
-        raise OutboxUsageError(
-            f"expected a psycopg Connection or Cursor, got {type(target).__name__}"
-            + (
-                ": use AsyncOutbox for async connections"
-                if "Async" in type(target).__name__
-                else ""
-            )
-        )
+        raise not_a_connection(target, asynchronous=False)
     query, params = next(op)  # validation runs here, before anything is sent
     params = quiet(conn, params)
+    if in_pipeline(conn):
+        # Until a Sync the status says ACTIVE, not whether a block is open; and the caller's
+        # statements queued before ours fail here as the caller's own psycopg errors, not as
+        # the outbox's (a mistyped table of theirs was "the outbox tables are missing").
+        with conn.pipeline() as pipeline:
+            pipeline.sync()
     if in_transaction:
-        if conn.autocommit and in_pipeline(conn):
-            with database_errors(), conn.pipeline() as pipeline:
-                pipeline.sync()  # until then the status says ACTIVE, not whether a block is open
         require_transaction(conn)
     else:  # commit/rollback: in the caller's transaction, or on their own
         require_not_aborted(conn)
@@ -219,7 +216,7 @@ class Outbox:
                 "AsyncOutbox.send_in_transaction (nothing was written)"
             )
         require_idle(conn, psycopg.Connection)
-        with conn.transaction():
+        with database_errors(), conn.transaction():  # its BEGIN and COMMIT fail as ours
             written = self.prepare_many(
                 conn,
                 records,

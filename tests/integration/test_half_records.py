@@ -392,6 +392,37 @@ def test_send_in_transaction_needs_a_connection_without_an_open_transaction(pg_d
             outbox.send_in_transaction(conn, [Record("t", "a")], lambda w: "COMMIT")
 
 
+def test_send_in_transaction_fails_as_the_outbox_on_a_dropped_or_closed_connection(
+    pg_dsn: str,
+) -> None:
+    """Its own BEGIN failed as a bare psycopg error (the README: every error is an
+    OutboxError), and a closed connection was said to have "a transaction open"."""
+    box = outbox.Outbox()
+
+    def drop(pid: int) -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+    conn = psycopg.connect(pg_dsn, autocommit=True)
+    drop(conn.info.backend_pid)  # a failover, idle_session_timeout
+    with pytest.raises(outbox.OutboxDatabaseError, match="the database failed: terminating"):
+        box.send_in_transaction(conn, [Record("t", b"v")], lambda _: "COMMIT")
+    with pytest.raises(outbox.OutboxUsageError, match="the connection is closed"):
+        box.send_in_transaction(conn, [Record("t", b"v")], lambda _: "COMMIT")
+
+    async def main() -> None:
+        send = outbox.AsyncOutbox().send_in_transaction
+        aconn = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True)
+        drop(aconn.info.backend_pid)
+        with pytest.raises(outbox.OutboxDatabaseError):
+            await send(aconn, [Record("t", b"v")], lambda _: "COMMIT")
+        await aconn.close()
+        with pytest.raises(outbox.OutboxUsageError, match="the connection is closed"):
+            await send(aconn, [Record("t", b"v")], lambda _: "COMMIT")
+
+    asyncio.run(main())
+
+
 def test_send_in_transaction_refuses_what_is_not_its_kind_of_connection_by_name(
     pg_dsn: str,
 ) -> None:

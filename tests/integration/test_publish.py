@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import threading
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row, namedtuple_row, scalar_row
 
 import outbox
 from outbox import Outbox, Record
 from outbox._session import statement_cursor
+from tests.fixtures.services import Services
 
 
 def rows(dsn: str, schema: str = "outbox") -> list[tuple[Any, ...]]:
@@ -287,6 +292,27 @@ def test_autocommit_in_pipeline_mode_needs_a_transaction_too(pg_dsn: str) -> Non
     assert [(r[0], r[5]) for r in rows(pg_dsn)] == [(kept, b"in a transaction")]
 
 
+def test_in_pipeline_mode_the_callers_failed_statement_fails_as_its_own(pg_dsn: str) -> None:
+    """Its error surfaced at the outbox's statement and was reported as the outbox's: a
+    mistyped table of the caller's was "the outbox tables are missing: run outboxctl
+    migrate", a duplicate order "the database failed" (not the UniqueViolation it is)."""
+    with psycopg.connect(pg_dsn) as conn, conn.pipeline():
+        conn.execute("INSERT INTO no_such_orders VALUES (1)")  # queued, not yet answered
+        with pytest.raises(psycopg.errors.UndefinedTable, match="no_such_orders"):
+            outbox.publish(conn, "t", "v")
+        conn.rollback()
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as conn, conn.pipeline():
+            await conn.execute("INSERT INTO no_such_orders VALUES (1)")
+            with pytest.raises(psycopg.errors.UndefinedTable, match="no_such_orders"):
+                await outbox.AsyncOutbox().publish(conn, "t", "v")
+            await conn.rollback()
+
+    asyncio.run(main())
+    assert rows(pg_dsn) == []
+
+
 def test_a_given_tx_id_of_the_outboxs_own_form_is_refused(pg_dsn: str) -> None:
     """Given here, `xid:N` could be the id transaction N gets later, unchecked: two database
     transactions under one tx id."""
@@ -542,3 +568,113 @@ def test_sync_api_refuses_an_async_connection(pg_dsn: str) -> None:
                 outbox.publish(conn, "t", "v")  # type: ignore[arg-type]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_header_names_survive_a_global_json_dumps_on_a_latin1_connection(
+    pg_dsn: str, batch: bool
+) -> None:
+    """psycopg sends JSON as UTF-8 in any client encoding: with an application's dumps that
+    keeps non-ASCII (orjson's way), 'café' was stored as 'cafÃ©' from a LATIN1 connection."""
+    import json
+
+    from psycopg.types.json import set_json_dumps
+
+    set_json_dumps(lambda obj: json.dumps(obj, ensure_ascii=False))
+    try:
+        with psycopg.connect(pg_dsn) as conn:
+            conn.execute("SET client_encoding TO LATIN1")
+            with conn.transaction():
+                records = [Record("t", b"v", headers={"café": "x"}), Record("t", b"w")]
+                written = Outbox().publish_many(conn, records if batch else records[:1])
+    finally:
+        set_json_dumps(json.dumps)
+    with psycopg.connect(pg_dsn, client_encoding="UTF8") as conn:
+        row = conn.execute(
+            "SELECT headers FROM outbox.outbox_record WHERE id = %s", (written.ids[0],)
+        ).fetchone()
+    assert row is not None
+    assert row[0][0][0] == "café"
+
+
+@pytest.fixture
+def database_in(services: Services) -> Iterator[Callable[[str], str]]:
+    """Makes migrated databases in a legacy encoding (on SQL_ASCII psycopg reads text as
+    bytes); drops them after the test."""
+    made: list[str] = []
+
+    def make(encoding: str) -> str:
+        name = f"outbox_{encoding.lower()}_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(services.pg_dsn, autocommit=True) as admin:
+            admin.execute(
+                f"CREATE DATABASE {name} ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C'"
+                " TEMPLATE template0"
+            )
+        made.append(name)
+        dsn = make_conninfo(services.pg_dsn, dbname=name)
+        outbox.migrate(dsn)
+        return dsn
+
+    yield make
+    with psycopg.connect(services.pg_dsn, autocommit=True) as admin:
+        for name in made:
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_the_outbox_works_on_a_sql_ascii_database(database_in: Callable[[str], str]) -> None:
+    """Its own text results came back as bytes: every caller-given tx id was refused, the
+    tx ids it returned were refused by commit(), and send_in_transaction never ended its
+    records."""
+    box = Outbox(producer_group="legacy")
+    with psycopg.connect(database_in("SQL_ASCII")) as conn:
+        with conn.transaction():
+            given = box.publish_many(conn, [Record("t", b"a")], tx_id="order-1")
+        with conn.transaction():
+            half = box.prepare(conn, "t", b"p")
+        with conn.transaction():
+            assert box.commit(conn, half.tx_id).changed
+        with conn.transaction():
+            assert not box.commit(conn, half.tx_id).changed  # a repeat stays harmless
+        sent = box.send_in_transaction(conn, [Record("t", b"s")], lambda _: "COMMIT")
+    assert (given.tx_id, type(half.tx_id)) == ("order-1", str)
+    assert sent.state is outbox.State.COMMITTED
+
+
+def test_what_is_not_a_connection_is_named_with_what_to_give(pg_dsn: str) -> None:
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    sync_box, async_box = Outbox(), outbox.AsyncOutbox()
+    pool = ConnectionPool(pg_dsn, open=False)
+    for given, said in [
+        (pg_dsn, "got str: connect first"),
+        (pool, "got ConnectionPool: take a connection from the pool, `with pool.connection()"),
+    ]:
+        with pytest.raises(outbox.OutboxUsageError, match=re.escape(said)):
+            sync_box.publish(given, "t", "v")  # type: ignore[arg-type]
+
+    async def main() -> None:
+        apool = AsyncConnectionPool(pg_dsn, open=False)
+        with psycopg.connect(pg_dsn) as conn:
+            with pytest.raises(outbox.OutboxUsageError, match="got Connection: use Outbox for"):
+                await async_box.publish(conn, "t", "v")  # type: ignore[arg-type]
+            with pytest.raises(outbox.OutboxUsageError, match="got str: connect first"):
+                await async_box.publish(pg_dsn, "t", "v")  # type: ignore[arg-type]
+            with pytest.raises(outbox.OutboxUsageError, match=r"`async with pool\.connection\(\)"):
+                await async_box.publish(apool, "t", "v")  # type: ignore[arg-type]
+        async with await psycopg.AsyncConnection.connect(pg_dsn) as aconn:
+            with pytest.raises(outbox.OutboxUsageError, match="got AsyncConnection: use Async"):
+                sync_box.publish(aconn, "t", "v")  # type: ignore[arg-type]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("encoding", ["LATIN1", "SQL_ASCII"])
+def test_a_header_name_the_databases_encoding_cannot_store_is_named(
+    database_in: Callable[[str], str], encoding: str
+) -> None:
+    with psycopg.connect(database_in(encoding)) as conn:
+        with pytest.raises(outbox.OutboxDatabaseError, match="a header name or tx id holds a"):
+            outbox.publish(conn, "t", b"v", headers={"\u20acuro": "x"})
+        conn.rollback()
+        with conn.transaction():  # what it can store goes
+            outbox.publish(conn, "t", b"v", headers={"euro": "x"})

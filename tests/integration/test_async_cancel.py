@@ -1,0 +1,141 @@
+"""An `AsyncOutbox` call cancelled (asyncio.timeout, task.cancel()) commits nothing of itself,
+whether the cancel reached the server before its statement ran or after."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.pq import TransactionStatus
+
+import outbox
+from outbox import AsyncOutbox, Record
+
+pytestmark = pytest.mark.integration
+GROUP = "cancel"
+
+
+class SlowReplies:
+    """A TCP proxy to Postgres that holds the server's replies back while `delay` is set: a
+    slow network, or a busy server, after the statement has run."""
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, held: bool
+    ) -> None:
+        try:
+            while data := await reader.read(65536):
+                if held and self.delay:
+                    await asyncio.sleep(self.delay)
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    @asynccontextmanager
+    async def serving(self, dsn: str) -> AsyncIterator[str]:
+        """A DSN through the proxy."""
+        given = conninfo_to_dict(dsn)
+        host, port = str(given.get("host") or "127.0.0.1"), int(given.get("port") or 5432)
+        pipes: set[asyncio.Task[None]] = set()
+
+        async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+            server_r, server_w = await asyncio.open_connection(host, port)
+            for task in (
+                asyncio.create_task(self._pipe(client_r, server_w, False)),
+                asyncio.create_task(self._pipe(server_r, client_w, True)),
+            ):
+                pipes.add(task)
+                task.add_done_callback(pipes.discard)
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        proxied = conninfo_to_dict(dsn) | {
+            "host": "127.0.0.1",
+            "port": server.sockets[0].getsockname()[1],
+        }
+        try:
+            yield make_conninfo(**proxied)
+        finally:
+            server.close()
+            for task in list(pipes):
+                task.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
+
+
+async def count(dsn: str) -> int:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT count(*) FROM outbox.outbox_record WHERE producer_group = %s", (GROUP,)
+        )
+        row = await cur.fetchone()
+    return int(row[0]) if row else -1
+
+
+def test_a_publish_timed_out_after_the_server_ran_it_commits_nothing(pg_dsn: str) -> None:
+    """The cancel comes when the INSERT is done and its reply on the way: psycopg raised
+    CancelledError with the transaction healthy and the records in it, and a caller who went
+    on, or retried in the same transaction, committed them (twice on a retry)."""
+    records = [Record("orders", {"n": i}, key=str(i)) for i in range(50)]
+    box = AsyncOutbox(producer_group=GROUP)
+
+    async def main() -> tuple[TransactionStatus, str]:
+        proxy = SlowReplies()
+        async with proxy.serving(pg_dsn) as dsn, await psycopg.AsyncConnection.connect(dsn) as conn:
+            async with conn.transaction():
+                await conn.execute("SELECT 1")  # the business rows
+                proxy.delay = 1.0
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.3):
+                        await box.publish_many(conn, records)
+                proxy.delay = 0.0
+                status = conn.info.transaction_status
+                with pytest.raises(outbox.OutboxUsageError) as retry:
+                    await box.publish_many(conn, records)  # a retry in the same transaction
+            async with conn.transaction():  # the connection goes on
+                await box.publish(conn, "orders", "after", key="a")
+        return status, str(retry.value)
+
+    status, retried = asyncio.run(main())
+    assert status == TransactionStatus.INERROR
+    assert "roll it back" in retried
+    assert asyncio.run(count(pg_dsn)) == 1  # only the one published after
+
+
+def test_a_publish_cancelled_while_the_server_waits_commits_nothing(pg_dsn: str) -> None:
+    """The other timing, for the same outcome: the server cancels the statement (waiting for
+    a tx id's lock another transaction holds)."""
+    box = AsyncOutbox(producer_group=GROUP)
+
+    async def main() -> TransactionStatus:
+        async with (
+            await psycopg.AsyncConnection.connect(pg_dsn) as holder,
+            await psycopg.AsyncConnection.connect(pg_dsn) as conn,
+            await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as watcher,
+        ):
+            # not autocommit: the holder's transaction keeps the tx id's lock until rolled back
+            await box.publish(holder, "orders", "first", key="k", tx_id="order-7")
+            async with conn.transaction():
+                task = asyncio.create_task(
+                    box.publish(conn, "orders", "second", key="k", tx_id="order-7")
+                )
+                waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s"
+                pid = (conn.info.backend_pid,)
+                while await (await watcher.execute(waiting, pid)).fetchone() != (True,):
+                    await asyncio.sleep(0.02)  # until the server waits for the lock
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                status = conn.info.transaction_status
+            await holder.rollback()
+        return status
+
+    assert asyncio.run(main()) == TransactionStatus.INERROR
+    assert asyncio.run(count(pg_dsn)) == 0
