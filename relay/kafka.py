@@ -429,6 +429,7 @@ class Topics:
             ) from None
         self._ttl = ttl.total_seconds()
         self._known: dict[str, tuple[float, int]] = {}  # topic -> (checked at, partitions)
+        self._denied: set[str] = set()  # topics the broker's ACLs hid at the last look
 
     def ensure(
         self, name: str, partitions: int, config: dict[str, str], *, await_leaders: bool = True
@@ -493,13 +494,24 @@ class Topics:
         if cached and not refresh and now - cached[0] < self._ttl:
             return cached[1]
         topic = self._admin.list_topics(name, timeout=10).topics.get(name)
+        denied = False
         if topic is not None and topic.error is not None:
             if topic.error.code() not in _TOPIC_MISSING:
                 raise KafkaException(topic.error)
+            denied = topic.error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
             topic = None
         count = 0 if topic is None else len(topic.partitions)
         self._known[name] = (now, count)
+        if denied:
+            self._denied.add(name)
+        else:
+            self._denied.discard(name)
         return count
+
+    def denied(self, name: str) -> bool:
+        """Whether the last look at `name` was refused by the broker's ACLs (partitions() said
+        0): the topic may well exist, and the reason must not say it does not."""
+        return name in self._denied
 
     def topic_id(self, name: str, *, timeout_s: float = 10.0) -> str | None:
         """The topic's id: a topic deleted and made again under its name has another. None

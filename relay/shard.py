@@ -1526,7 +1526,12 @@ class ShardWorker:
                 # (once a round a topic) before a record is parked for it.
                 refreshed.add(row.topic)
                 partitions = self.topics.partitions(row.topic, refresh=True)
-            if partitions == 0:
+            if partitions == 0 and self.topics.denied(row.topic):
+                poison[row.id] = (
+                    f"refused by the broker: Topic authorization failed for {row.topic!r}: the "
+                    "relay's principal needs DESCRIBE and WRITE on it"
+                )
+            elif partitions == 0:
                 poison[row.id] = f"topic {row.topic!r} does not exist"
             elif row.partition is not None and row.partition >= partitions:
                 poison[row.id] = (

@@ -279,7 +279,12 @@ def kafka_properties() -> str:
             "inter.broker.listener.name=PLAINTEXT",
             "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,"
             "SASL_PLAINTEXT:SASL_PLAINTEXT",
-            # clients log in as SASL_USER there; no authorizer, so a login may do anything
+            # clients log in as SASL_USER there, held to the ACLs a test sets (none: all
+            # allowed); the PLAINTEXT listener's clients and the controller are ANONYMOUS,
+            # super users, so tests and the other listener never meet an ACL
+            "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "super.users=User:ANONYMOUS",
+            "allow.everyone.if.no.acl.found=true",
             "sasl.enabled.mechanisms=PLAIN",
             "listener.name.sasl_plaintext.plain.sasl.jaas.config="
             "org.apache.kafka.common.security.plain.PlainLoginModule required "
