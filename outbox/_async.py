@@ -89,8 +89,8 @@ async def _abort_after_cancel(conn: psycopg.AsyncConnection[Any]) -> None:
     that went on, or retried in the same transaction, committed records the call said were
     not written, twice on a retry. Aborting the transaction makes a cancelled call mean one
     thing whatever its timing: nothing of it commits. Already aborted (the server cancelled
-    the statement), or outside a transaction (autocommit), there is nothing to do; pipeline
-    mode is left alone (its status is ACTIVE until a Sync)."""
+    the statement), or outside a transaction (autocommit), there is nothing to do. In
+    pipeline mode the statement below is queued like any other (checked by hand only)."""
     if conn.closed or conn.info.transaction_status != PgTxStatus.INTRANS:
         return
     with contextlib.suppress(psycopg.Error):  # the error is the point: aborted now

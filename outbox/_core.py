@@ -45,7 +45,6 @@ Query = tuple[bytes, dict[str, Any]]
 Operation = Generator[Query, Rows, Any]
 
 _WAKEUP_SUFFIX = "_wakeup"
-
 # Postgres identifiers hold 63 bytes, and the NOTIFY channel is the schema's name plus the suffix:
 # a longer name migrated, then every publish failed ("channel name too long").
 MAX_SCHEMA_NAME = 63 - len(_WAKEUP_SUFFIX)

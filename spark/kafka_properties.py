@@ -23,7 +23,7 @@ REFUSED = {
     "interceptor.classes": "Spark's Kafka source refuses interceptors",
     "group.id": "Spark gives each of the job's sources a group of its own",
 }
-# Set by the job's own arguments; a file that names them must agree.
+# bootstrap.servers: --bootstrap, else the file's; isolation.level: the job's, read_committed.
 BOOTSTRAP = "bootstrap.servers"
 ISOLATION = "isolation.level"
 
