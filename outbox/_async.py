@@ -6,7 +6,6 @@ Each method behaves exactly as its namesake in `outbox._sync.Outbox`; the docstr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
@@ -76,6 +75,7 @@ async def _run(
 
 
 # Any error aborts the transaction; this one also says why in the server's log.
+ABORT_WAIT_S = 5.0  # psycopg waits as long for a cancelled statement's end
 _ABORT = (
     "DO $$BEGIN RAISE EXCEPTION 'outbox: a cancelled call aborted this transaction: "
     "roll it back'; END$$"
@@ -93,8 +93,18 @@ async def _abort_after_cancel(conn: psycopg.AsyncConnection[Any]) -> None:
     pipeline mode the statement below is queued like any other (checked by hand only)."""
     if conn.closed or conn.info.transaction_status != PgTxStatus.INTRANS:
         return
-    with contextlib.suppress(psycopg.Error):  # the error is the point: aborted now
-        await asyncio.shield(conn.execute(_ABORT))
+    abort = asyncio.ensure_future(conn.execute(_ABORT))
+    # its error is the point; retrieved here too when a second cancel leaves it unawaited
+    abort.add_done_callback(lambda done: done.cancelled() or done.exception())
+    try:
+        await asyncio.wait_for(asyncio.shield(abort), ABORT_WAIT_S)
+    except psycopg.Error:
+        pass  # aborted now
+    except TimeoutError:
+        # No answer (a server or network gone quiet): as psycopg does when its own cancel
+        # gets none, the connection is closed, which ends the transaction on the server. A
+        # wait without a bound kept asyncio.timeout's TimeoutError from ever coming out.
+        conn.pgconn.finish()
 
 
 class AsyncOutbox:

@@ -13,8 +13,10 @@ its own can run beside this one (the chaos soak's, `python -m scripts.soak`).
 seconds. Only the standard library is used, so this runs before the project's virtualenv exists.
 
 Ports (loopback only) move with OUTBOX_PG_PORT, OUTBOX_KAFKA_PORT, OUTBOX_KAFKA_CONTROLLER_PORT and
-OUTBOX_KAFKA_SASL_PORT (default: the Kafka port + 2): a second listener of the broker that takes
-SASL PLAIN logins, so that the relay's and the Spark job's Kafka secrets are tested for real.
+OUTBOX_KAFKA_SASL_PORT (default: the Kafka port + 2) and OUTBOX_KAFKA_SSL_PORT (+ 3): listeners
+of the broker that take SASL PLAIN logins, in clear and over TLS (a self-signed certificate made
+with the JDK's keytool), so that the relay's and the Spark job's Kafka secrets and TLS settings
+are tested for real.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ PG_PORT = int(os.environ.get("OUTBOX_PG_PORT", "55432"))
 KAFKA_PORT = int(os.environ.get("OUTBOX_KAFKA_PORT", "59092"))
 CONTROLLER_PORT = int(os.environ.get("OUTBOX_KAFKA_CONTROLLER_PORT", "59093"))
 KAFKA_SASL_PORT = int(os.environ.get("OUTBOX_KAFKA_SASL_PORT") or KAFKA_PORT + 2)
+KAFKA_SSL_PORT = int(os.environ.get("OUTBOX_KAFKA_SSL_PORT") or KAFKA_PORT + 3)
 # The SASL listener's one login: a loopback test broker's, not a secret.
 SASL_USER, SASL_PASSWORD = "outbox-test", "outbox-test-secret"
 
@@ -50,6 +53,10 @@ KAFKA_LIBS = KAFKA_DIR / "libs"
 KAFKA_DATA = KAFKA_DIR / "data"
 KAFKA_LOGS = KAFKA_DIR / "logs"
 KAFKA_PID = KAFKA_DIR / "kafka.pid"
+KAFKA_TLS = KAFKA_DIR / "tls"
+KAFKA_KEYSTORE = KAFKA_TLS / "broker.p12"
+KAFKA_CA = KAFKA_TLS / "ca.pem"  # the broker's self-signed certificate: what clients trust
+KEYSTORE_PASSWORD = "outbox-test-keystore"  # noqa: S105 (a loopback test broker's, not a secret)
 SPARK_JARS = LOCAL / "spark-jars"
 JVM_POMS = ROOT / "scripts" / "jvm"
 
@@ -265,6 +272,26 @@ def kafka_jars() -> None:
     stamp.write_text(pom.read_text())
 
 
+def kafka_tls() -> None:
+    """The SASL_SSL listener's key and certificate (for 127.0.0.1 and localhost, ten years),
+    made once with keytool: the JDK the broker needs has it, openssl may be missing."""
+    if KAFKA_KEYSTORE.exists() and KAFKA_CA.exists():
+        return
+    shutil.rmtree(KAFKA_TLS, ignore_errors=True)
+    KAFKA_TLS.mkdir(parents=True)
+    store = ["-keystore", str(KAFKA_KEYSTORE), "-storepass", KEYSTORE_PASSWORD]
+    run(
+        ["keytool", "-genkeypair", "-alias", "broker", "-keyalg", "RSA", "-keysize", "2048",
+         "-validity", "3650", "-dname", "CN=localhost", "-ext", "SAN=ip:127.0.0.1,dns:localhost",
+         "-storetype", "PKCS12", "-keypass", KEYSTORE_PASSWORD, *store],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    run(
+        ["keytool", "-exportcert", "-alias", "broker", "-rfc", "-file", str(KAFKA_CA), *store],
+        stdout=subprocess.DEVNULL,
+    )
+
+
 def kafka_properties() -> str:
     return "\n".join(
         [
@@ -272,13 +299,17 @@ def kafka_properties() -> str:
             "node.id=1",
             f"controller.quorum.voters=1@{HOST}:{CONTROLLER_PORT}",
             f"listeners=PLAINTEXT://{HOST}:{KAFKA_PORT},CONTROLLER://{HOST}:{CONTROLLER_PORT},"
-            f"SASL_PLAINTEXT://{HOST}:{KAFKA_SASL_PORT}",
+            f"SASL_PLAINTEXT://{HOST}:{KAFKA_SASL_PORT},SASL_SSL://{HOST}:{KAFKA_SSL_PORT}",
             f"advertised.listeners=PLAINTEXT://{HOST}:{KAFKA_PORT},"
-            f"SASL_PLAINTEXT://{HOST}:{KAFKA_SASL_PORT}",
+            f"SASL_PLAINTEXT://{HOST}:{KAFKA_SASL_PORT},SASL_SSL://{HOST}:{KAFKA_SSL_PORT}",
             "controller.listener.names=CONTROLLER",
             "inter.broker.listener.name=PLAINTEXT",
             "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,"
-            "SASL_PLAINTEXT:SASL_PLAINTEXT",
+            "SASL_PLAINTEXT:SASL_PLAINTEXT,SASL_SSL:SASL_SSL",
+            f"ssl.keystore.location={KAFKA_KEYSTORE}",
+            "ssl.keystore.type=PKCS12",
+            f"ssl.keystore.password={KEYSTORE_PASSWORD}",
+            f"ssl.key.password={KEYSTORE_PASSWORD}",
             # clients log in as SASL_USER there, held to the ACLs a test sets (none: all
             # allowed); the PLAINTEXT listener's clients and the controller are ANONYMOUS,
             # super users, so tests and the other listener never meet an ACL
@@ -286,9 +317,12 @@ def kafka_properties() -> str:
             "super.users=User:ANONYMOUS",
             "allow.everyone.if.no.acl.found=true",
             "sasl.enabled.mechanisms=PLAIN",
-            "listener.name.sasl_plaintext.plain.sasl.jaas.config="
-            "org.apache.kafka.common.security.plain.PlainLoginModule required "
-            f'user_{SASL_USER}="{SASL_PASSWORD}";',
+            *(
+                f"listener.name.{listener}.plain.sasl.jaas.config="
+                "org.apache.kafka.common.security.plain.PlainLoginModule required "
+                f'user_{SASL_USER}="{SASL_PASSWORD}";'
+                for listener in ("sasl_plaintext", "sasl_ssl")
+            ),
             f"log.dirs={KAFKA_DATA}",
             "num.partitions=1",
             # One broker: internal topics at replication factor 1, or transactions never start.
@@ -376,8 +410,10 @@ def kafka_up() -> None:
     if not shutil.which("java"):
         fail("Java 17+ is needed to run the Kafka broker")
     kafka_jars()
-    if port_open(KAFKA_SASL_PORT):
-        fail(f"port {KAFKA_SASL_PORT} is taken by another process; set OUTBOX_KAFKA_SASL_PORT")
+    for port, setting in ((KAFKA_SASL_PORT, "SASL_PORT"), (KAFKA_SSL_PORT, "SSL_PORT")):
+        if port_open(port):
+            fail(f"port {port} is taken by another process; set OUTBOX_KAFKA_{setting}")
+    kafka_tls()
     KAFKA_LOGS.mkdir(parents=True, exist_ok=True)
     props.write_text(kafka_properties())
     (KAFKA_DIR / "log4j2.properties").write_text(LOG4J2.format(logs=KAFKA_LOGS))
@@ -488,6 +524,9 @@ def env_lines() -> list[str]:
         f"OUTBOX_TEST_KAFKA_BOOTSTRAP={HOST}:{KAFKA_PORT}",
         # the SASL listener and its login, as a URL: user:password@host:port
         f"OUTBOX_TEST_KAFKA_SASL=sasl://{SASL_USER}:{SASL_PASSWORD}@{HOST}:{KAFKA_SASL_PORT}",
+        # the same login over TLS, and the certificate to trust
+        f"OUTBOX_TEST_KAFKA_SASL_SSL=sasl://{SASL_USER}:{SASL_PASSWORD}@{HOST}:{KAFKA_SSL_PORT}"
+        f"?ca={KAFKA_CA}",
         f"OUTBOX_SPARK_JARS={jars}",
     ]
 
@@ -509,7 +548,7 @@ def status() -> int:
     print(f"postgres  {'up' if pg else 'down':4}  {HOST}:{PG_PORT}  log {PG_LOG}")
     print(
         f"kafka     {'up' if kafka else 'down':4}  {HOST}:{KAFKA_PORT} (SASL PLAIN "
-        f"{KAFKA_SASL_PORT})  logs {KAFKA_LOGS}"
+        f"{KAFKA_SASL_PORT}, over TLS {KAFKA_SSL_PORT})  logs {KAFKA_LOGS}"
     )
     return 0 if pg and kafka else 1
 

@@ -13,15 +13,14 @@ from pathlib import Path
 
 from spark._errors import ReconcileConfigError
 
-# Spark's Kafka source refuses these (it deserializes, offsets and commits itself), and a
-# group id shared by the job's several sources would make them take each other's partitions.
+# Spark's Kafka source refuses these: it deserializes, keeps offsets and commits itself.
+# (group.id passes: Spark only warns, and a cluster's ACLs may require one.)
 REFUSED = {
     "auto.offset.reset": "the job starts from its checkpoint, else the earliest offsets",
     "enable.auto.commit": "Spark keeps the offsets in its checkpoint",
     "key.deserializer": "Spark reads keys as bytes",
     "value.deserializer": "Spark reads values as bytes",
     "interceptor.classes": "Spark's Kafka source refuses interceptors",
-    "group.id": "Spark gives each of the job's sources a group of its own",
 }
 # bootstrap.servers: --bootstrap, else the file's; isolation.level: the job's, read_committed.
 BOOTSTRAP = "bootstrap.servers"
@@ -60,6 +59,8 @@ def load(path: str) -> dict[str, str]:
             properties: Mapping[str, str] = javaproperties.load(fp)
     except OSError as exc:
         raise ReconcileConfigError(f"--kafka-config {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:  # a bad \u escape; the message shows the escape, not the value
-        raise ReconcileConfigError(f"--kafka-config {path}: {exc}") from None
+    except ValueError:  # a bad \u escape: its text may be part of a password, not shown
+        raise ReconcileConfigError(
+            f"--kafka-config {path}: a \\u escape is malformed (write \\u and four hex digits)"
+        ) from None
     return dict(properties)

@@ -64,6 +64,9 @@ class Settings:
             "OUTBOX_PG_PORT": str(self.pg_port),
             "OUTBOX_KAFKA_PORT": str(self.kafka_port),
             "OUTBOX_KAFKA_CONTROLLER_PORT": str(self.controller_port),
+            # its SASL listeners beside its broker's port, whatever the caller exported
+            "OUTBOX_KAFKA_SASL_PORT": str(self.kafka_port + 2),
+            "OUTBOX_KAFKA_SSL_PORT": str(self.kafka_port + 3),
         }
 
     def relay_env(self, relay_id: str) -> dict[str, str]:

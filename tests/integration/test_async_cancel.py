@@ -4,8 +4,11 @@ whether the cancel reached the server before its statement ran or after."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import psycopg
 import pytest
@@ -25,6 +28,7 @@ class SlowReplies:
 
     def __init__(self) -> None:
         self.delay = 0.0
+        self.then_silent = False  # after the reply held back, none more: a network gone quiet
 
     async def _pipe(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, held: bool
@@ -33,6 +37,8 @@ class SlowReplies:
             while data := await reader.read(65536):
                 if held and self.delay:
                     await asyncio.sleep(self.delay)
+                    if self.then_silent:
+                        self.delay = 3600.0
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
@@ -138,4 +144,73 @@ def test_a_publish_cancelled_while_the_server_waits_commits_nothing(pg_dsn: str)
         return status
 
     assert asyncio.run(main()) == TransactionStatus.INERROR
+    assert asyncio.run(count(pg_dsn)) == 0
+
+
+def test_a_timeout_still_ends_the_call_when_the_server_goes_quiet_after_the_cancel(
+    pg_dsn: str,
+) -> None:
+    """The abort after a cancel is one more round trip: with no answer to it the call waited
+    for ever, and asyncio.timeout's TimeoutError never came out. It gives up as psycopg does
+    for its own cancel (5 s), closing the connection, which ends the transaction."""
+    box = AsyncOutbox(producer_group=GROUP)
+
+    async def bounded(conn: psycopg.AsyncConnection[Any]) -> None:
+        async with asyncio.timeout(0.3):
+            await box.publish(conn, "orders", "v", key="k")
+
+    async def main() -> tuple[float, bool, list[BaseException | None]]:
+        proxy = SlowReplies()
+        async with proxy.serving(pg_dsn) as dsn:
+            conn = await psycopg.AsyncConnection.connect(dsn)
+            await conn.execute("BEGIN")
+            proxy.delay, proxy.then_silent = 1.0, True
+            started = asyncio.get_running_loop().time()
+            # the test's own bound (30 s): the call waited for ever before
+            outcome = await asyncio.wait_for(
+                asyncio.gather(bounded(conn), return_exceptions=True), 30
+            )
+            took = asyncio.get_running_loop().time() - started
+            closed = conn.closed
+            await conn.close()
+        return took, closed, outcome
+
+    took, closed, outcome = asyncio.run(main())
+    assert [type(e) for e in outcome] == [TimeoutError]
+    assert took < 15, took
+    assert closed
+    assert asyncio.run(count(pg_dsn)) == 0
+
+
+def test_a_second_cancel_during_the_abort_leaves_no_unretrieved_error(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    box = AsyncOutbox(producer_group=GROUP)
+
+    async def main() -> None:
+        proxy = SlowReplies()
+        async with proxy.serving(pg_dsn) as dsn, await psycopg.AsyncConnection.connect(dsn) as conn:
+            await conn.execute("BEGIN")
+            proxy.delay = 0.5
+            task = asyncio.create_task(box.publish(conn, "orders", "v", key="k"))
+            await asyncio.sleep(0.2)
+            task.cancel()  # lands while the INSERT's reply is held back
+            async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as watch:
+                last = "SELECT query FROM pg_stat_activity WHERE pid = %s"
+                pid = (conn.info.backend_pid,)
+                while not str(
+                    (await (await watch.execute(last, pid)).fetchone() or [""])[0]
+                ).startswith("DO $$BEGIN RAISE"):
+                    await asyncio.sleep(0.02)  # until the server has run the abort
+            task.cancel()  # its reply is held back: the task waits for it
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            proxy.delay = 0.0
+            await asyncio.sleep(1.0)  # the abort ends on its own
+            await conn.rollback()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
     assert asyncio.run(count(pg_dsn)) == 0

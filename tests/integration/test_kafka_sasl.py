@@ -1,5 +1,6 @@
-"""Kafka secrets for real: the sidecar logs in to the broker's SASL PLAIN listener with a
-password from its secrets directory (where the chart mounts a Secret), and a wrong one is said."""
+"""Kafka secrets for real: the sidecar logs in to the broker's SASL PLAIN listeners (in clear
+and over TLS) with a password from its secrets directory (where the chart mounts a Secret); a
+wrong password, or a certificate it does not trust, is said."""
 
 from __future__ import annotations
 
@@ -19,10 +20,24 @@ from tests.integration.test_relay_process import free_port, get
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(params=["sasl_plaintext", "sasl_ssl"])
+def listener(request: pytest.FixtureRequest) -> SaslListener:
+    name = "kafka_sasl" if request.param == "sasl_plaintext" else "kafka_sasl_ssl"
+    found: SaslListener = request.getfixturevalue(name)
+    return found
+
+
 def sidecar(
-    settings: SidecarSettings, sasl: SaslListener, password: str, tmp_path: Path, port: int
+    settings: SidecarSettings,
+    sasl: SaslListener,
+    password: str,
+    tmp_path: Path,
+    port: int,
+    *,
+    trust: bool = True,
 ) -> tuple[dict[str, str], Path]:
-    """`outboxctl relay`'s environment: the login in settings, its password in a file only."""
+    """`outboxctl relay`'s environment: the login in settings, its password in a file only;
+    over TLS, the broker's certificate trusted unless `trust` is false (the system's CAs)."""
     secrets = tmp_path / "secrets"
     secrets.mkdir()
     (secrets / "outbox_kafka__sasl_password").write_text(password)
@@ -31,7 +46,7 @@ def sidecar(
         "OUTBOX_DATABASE__DSN": settings.database.dsn.get_secret_value(),
         "OUTBOX_RELAY": settings.relay.model_dump_json(),
         "OUTBOX_KAFKA__BOOTSTRAP_SERVERS": sasl.bootstrap,
-        "OUTBOX_KAFKA__SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+        "OUTBOX_KAFKA__SECURITY_PROTOCOL": sasl.librdkafka()["security.protocol"],
         "OUTBOX_KAFKA__SASL_MECHANISM": "PLAIN",
         "OUTBOX_KAFKA__SASL_USERNAME": sasl.username,
         "OUTBOX_SECRETS_DIR": str(secrets),
@@ -40,6 +55,8 @@ def sidecar(
         "OUTBOX_HTTP__PORT": str(port),
         "OUTBOX_LOG_FORMAT": "text",
     }
+    if sasl.ca_location and trust:
+        env["OUTBOX_KAFKA__SSL_CA_LOCATION"] = sasl.ca_location
     return env, tmp_path / "sidecar.log"
 
 
@@ -53,20 +70,20 @@ def run(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
 def test_the_sidecar_delivers_through_a_sasl_login_with_its_password_in_a_file(
     pg_dsn: str,
     kafka_bootstrap: str,
-    kafka_sasl: SaslListener,
+    listener: SaslListener,
     relay_settings: Callable[..., SidecarSettings],
     topic_factory: Callable[..., str],
     tmp_path: Path,
 ) -> None:
     topic, port = topic_factory(), free_port()
     sent = publish(pg_dsn, topic, transactions=2, per_tx=3)
-    env, log = sidecar(relay_settings(**FAST), kafka_sasl, kafka_sasl.password, tmp_path, port)
+    env, log = sidecar(relay_settings(**FAST), listener, listener.password, tmp_path, port)
     shown = subprocess.run(
         [sys.executable, "-m", "relay.cli", "config"], env=env, capture_output=True, text=True
     )
     assert shown.returncode == 0, shown.stderr
-    assert kafka_sasl.username in shown.stdout
-    assert kafka_sasl.password not in shown.stdout
+    assert listener.username in shown.stdout
+    assert listener.password not in shown.stdout
     proc = run(env, log)
     try:
         wait_for(lambda: undelivered(pg_dsn) == 0, 60, f"delivery: {log.read_text()[-3000:]}")
@@ -77,7 +94,7 @@ def test_the_sidecar_delivers_through_a_sasl_login_with_its_password_in_a_file(
     got = consume_all(kafka_bootstrap, topic, "read_committed")
     assert sorted(m.value() for m in got) == sorted(sent)
     assert all(dict(m.headers() or [])["outbox-tx-id"] for m in got)
-    assert kafka_sasl.password not in log.read_text()
+    assert listener.password not in log.read_text()
 
 
 def test_a_wrong_password_is_said_and_nothing_is_delivered(
@@ -100,3 +117,28 @@ def test_a_wrong_password_is_said_and_nothing_is_delivered(
         proc.terminate()
         proc.wait(30)
     assert "not-the-password" not in log.read_text()
+
+
+def test_a_broker_certificate_the_sidecar_does_not_trust_is_said(
+    pg_dsn: str,
+    kafka_sasl_ssl: SaslListener,
+    relay_settings: Callable[..., SidecarSettings],
+    topic_factory: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    """Without ssl.ca_location the system's CAs are asked, which never signed the test
+    broker's certificate: the relay is not ready, says why, and delivers nothing."""
+    topic, port = topic_factory(), free_port()
+    publish(pg_dsn, topic, transactions=1, per_tx=1)
+    settings = relay_settings(**FAST)
+    env, log = sidecar(
+        settings, kafka_sasl_ssl, kafka_sasl_ssl.password, tmp_path, port, trust=False
+    )
+    proc = run(env, log)
+    try:
+        wait_for(lambda: "certificate verify failed" in log.read_text(), 60, "the TLS refusal")
+        assert get(port, "/readyz")[0] == 503
+        assert undelivered(pg_dsn) == 1
+    finally:
+        proc.terminate()
+        proc.wait(30)
