@@ -5,6 +5,7 @@ wrong password, or a certificate it does not trust, is said."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -55,8 +56,9 @@ def sidecar(
         "OUTBOX_HTTP__PORT": str(port),
         "OUTBOX_LOG_FORMAT": "text",
     }
-    if sasl.ca_location and trust:
-        env["OUTBOX_KAFKA__SSL_CA_LOCATION"] = sasl.ca_location
+    if sasl.ca_location and trust:  # beside the password, as the chart's Secret holds it
+        shutil.copy(sasl.ca_location, secrets / "ca.pem")
+        env["OUTBOX_KAFKA__SSL_CA_LOCATION"] = str(secrets / "ca.pem")
     return env, tmp_path / "sidecar.log"
 
 
