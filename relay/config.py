@@ -180,6 +180,13 @@ class RelaySettings(BaseModel):
     transactional_id_prefix: str = Field(
         default="outbox-relay", min_length=1, description="transactional.id = <prefix>-<shard>."
     )
+    recovery_group_prefix: str = Field(
+        default="outbox-relay-recovery-",
+        min_length=1,
+        description="A recovery reads the op markers back in a consumer group named with this "
+        "prefix and a random suffix (it commits nothing); where ACLs name groups, grant READ "
+        "on the prefix.",
+    )
     op_marker_topic: str = "outbox.op-markers"
     op_marker_partitions: int = Field(default=4, ge=1)
     op_marker_retention: Duration = Field(

@@ -25,6 +25,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AclOperation,
     AdminClient,
     ConfigResource,
     NewTopic,
@@ -430,6 +431,7 @@ class Topics:
         self._ttl = ttl.total_seconds()
         self._known: dict[str, tuple[float, int]] = {}  # topic -> (checked at, partitions)
         self._denied: set[str] = set()  # topics the broker's ACLs hid at the last look
+        self._writable: dict[str, tuple[float, bool]] = {}  # topic -> (checked at, may write)
 
     def ensure(
         self, name: str, partitions: int, config: dict[str, str], *, await_leaders: bool = True
@@ -507,6 +509,29 @@ class Topics:
         else:
             self._denied.discard(name)
         return count
+
+    def writable(self, name: str, *, refresh: bool = False) -> bool:
+        """False when the broker's ACLs let the relay's principal see `name` but not write
+        to it. The client then fails the whole Kafka transaction as the topic joins it (every
+        report purged, the abort fatal), and one record for such a topic held its shard's
+        every other record back for as long as the ACL stayed: asked before, and parked.
+        True where it is not known (no authorizer answers, any error: produce says)."""
+        now = time.monotonic()
+        cached = self._writable.get(name)
+        if cached and not refresh and now - cached[0] < self._ttl:
+            return cached[1]
+        self._admin.poll(0)
+        may = True
+        try:
+            described = self._admin.describe_topics(
+                TopicCollection([name]), request_timeout=10, include_authorized_operations=True
+            )[name].result(15)
+            granted = described.authorized_operations
+            may = granted is None or bool({AclOperation.WRITE, AclOperation.ALL} & set(granted))
+        except KafkaException:
+            pass
+        self._writable[name] = (now, may)
+        return may
 
     def denied(self, name: str) -> bool:
         """Whether the last look at `name` was refused by the broker's ACLs (partitions() said

@@ -274,6 +274,11 @@ class Relay:
         topic = rs.op_marker_topic
         partitions = self.topics.partitions(topic, refresh=True)
         needed = min(rs.shards, rs.op_marker_partitions)  # shard % op_marker_partitions
+        if partitions == 0 and self.topics.denied(topic):
+            raise RelayConfigError(
+                f"the op-marker topic {topic} is hidden from the relay's principal (Topic "
+                "authorization failed): it needs DESCRIBE, READ and WRITE on it"
+            )
         if partitions < needed:
             raise RelayConfigError(
                 f"the op-marker topic {topic} has {partitions} partitions, and {rs.shards} "
@@ -543,6 +548,13 @@ class Relay:
         )
 
     def _marker_topic_deleted(self) -> RelayConfigError:
+        topic = self.settings.relay.op_marker_topic
+        if self.topics.denied(topic):
+            return RelayConfigError(
+                f"the op-marker topic {topic} is hidden from the relay's principal now (Topic "
+                "authorization failed): it needs DESCRIBE, READ and WRITE on it; restart the "
+                "relay once they are granted"
+            )
         return RelayConfigError(
             f"the op-marker topic {self.settings.relay.op_marker_topic} was deleted while the "
             "relay ran (or its principal may no longer see it: its ACLs), and the markers of "

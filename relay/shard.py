@@ -110,6 +110,20 @@ def _shipped_as(marker: Ended | OpMarker) -> str:
     return "committed" if marker.op is Op.DELIVERED else marker.op.value
 
 
+# A recovery's reading of the markers refused by the broker's ACLs.
+_READ_REFUSED = frozenset(
+    {KafkaError.GROUP_AUTHORIZATION_FAILED, KafkaError.TOPIC_AUTHORIZATION_FAILED}
+)
+
+
+def topic_refused(topic: str) -> str:
+    """The parking reason of a record whose topic the broker's ACLs keep the relay from."""
+    return (
+        f"refused by the broker: Topic authorization failed for {topic!r}: the relay's "
+        "principal needs DESCRIBE and WRITE on it"
+    )
+
+
 def _reason_kind(reason: str) -> str:
     """A parking reason as a metric label: a few fixed values, never a topic name or number."""
     for prefix, kind in _REASON_KINDS:
@@ -545,7 +559,7 @@ class ShardWorker:
             {
                 "logger": CLIENT_LOGGER,
                 **self.kafka_conf,
-                "group.id": f"outbox-relay-recovery-{uuid.uuid4().hex}",
+                "group.id": f"{self.settings.recovery_group_prefix}{uuid.uuid4().hex}",
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",
                 # never a silent jump past markers gone (see the log start check below)
@@ -613,6 +627,13 @@ class ShardWorker:
                 if error is not None:
                     if error.code() == KafkaError._PARTITION_EOF:
                         continue
+                    if error.code() in _READ_REFUSED:  # for every shard: stop, saying so
+                        raise MarkerTopicRefused(
+                            f"a recovery cannot read the op markers back ({error.str()}): the "
+                            f"relay's principal needs READ on {tp.topic} and READ on the "
+                            "consumer groups prefixed "
+                            f"{self.settings.recovery_group_prefix!r} (a PREFIXED group ACL)"
+                        )
                     raise KafkaException(error)
                 try:
                     found = decode_markers(msg.value() or b"", self.shard)
@@ -1040,6 +1061,7 @@ class ShardWorker:
             self._keep_marker_offset_recent(conn)
             return result
 
+        self._check_writable(ended)
         poison = self._preflight(committed)
         _failpoints.hit(_failpoints.BEFORE_PRODUCE)
         self.producer.begin()
@@ -1067,7 +1089,11 @@ class ShardWorker:
                     break
                 if exc.args[0].code() not in PERMANENT_RECORD_ERRORS:
                     raise
-                poison[row.id] = f"refused by the Kafka client: {exc.args[0].str()}"
+                poison[row.id] = (
+                    topic_refused(row.topic)
+                    if exc.args[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+                    else f"refused by the Kafka client: {exc.args[0].str()}"
+                )
         self._copy_form.clear()
         for row in ended if not doomed else ():
             if row.state in ("discarded", "parked"):
@@ -1169,7 +1195,11 @@ class ShardWorker:
             if error is None or error.code() not in PERMANENT_RECORD_ERRORS:
                 self.producer.abort()
                 raise KafkaException(error)
-            reason = f"refused by the broker: {error.str()}"
+            reason = (
+                topic_refused(row.topic)
+                if error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+                else f"refused by the broker: {error.str()}"
+            )
             if row.state != "committed" and error.code() in TOPIC_REFUSED_ERRORS:
                 unwritable = error  # the topic's fault, not the copy's: no smaller form
             elif row.state != "committed":  # its dead-letter copy
@@ -1515,6 +1545,7 @@ class ShardWorker:
         marker's form, made the relay delete records it never sent)."""
         poison: dict[int, str] = {}
         refreshed: set[str] = set()
+        asked_again: set[str] = set()
         for row in rows:
             if row.topic == self.settings.op_marker_topic:
                 poison[row.id] = f"the relay's op-marker topic {row.topic!r} takes only markers"
@@ -1526,11 +1557,9 @@ class ShardWorker:
                 # (once a round a topic) before a record is parked for it.
                 refreshed.add(row.topic)
                 partitions = self.topics.partitions(row.topic, refresh=True)
-            if partitions == 0 and self.topics.denied(row.topic):
-                poison[row.id] = (
-                    f"refused by the broker: Topic authorization failed for {row.topic!r}: the "
-                    "relay's principal needs DESCRIBE and WRITE on it"
-                )
+            hidden = partitions == 0 and self.topics.denied(row.topic)
+            if hidden or (partitions and not self._may_write(row.topic, asked_again)):
+                poison[row.id] = topic_refused(row.topic)
             elif partitions == 0:
                 poison[row.id] = f"topic {row.topic!r} does not exist"
             elif row.partition is not None and row.partition >= partitions:
@@ -1538,6 +1567,36 @@ class ShardWorker:
                     f"partition {row.partition} out of range: {row.topic!r} has {partitions}"
                 )
         return poison
+
+    def _check_writable(self, ended: list[Row]) -> None:
+        """The op-marker and dead-letter topics the broker's ACLs let the relay see but not
+        write to, found before the transaction: the client failed the whole transaction as
+        such a topic joined it, and the shard retried the same batch for as long as the ACL
+        stayed, saying only INVALID_TXN_STATE. Refused as a refusal at produce time is."""
+        markers = self.settings.op_marker_topic
+        if not self._may_write(markers, set()):
+            raise MarkerTopicRefused(
+                f"the op-marker topic {markers} refuses the relay's writes (Topic "
+                "authorization failed): the relay's principal needs WRITE on it"
+            )
+        copies = any(r.state in ("discarded", "parked") for r in ended)
+        if copies and not self._may_write(self.settings.dead_letter_topic, set()):
+            raise self._dead_letter_refused(
+                KafkaError(
+                    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+                    "Topic authorization failed: the relay's principal needs WRITE on it",
+                )
+            )
+
+    def _may_write(self, topic: str, asked_again: set[str]) -> bool:
+        """Whether the broker's ACLs let the relay write to `topic`; a cached no is asked
+        again (once a round a topic) before a record is parked for it."""
+        if self.topics.writable(topic):
+            return True
+        if topic in asked_again:
+            return False
+        asked_again.add(topic)
+        return self.topics.writable(topic, refresh=True)
 
     @staticmethod
     def _ended(row: Row, sent: Sent | None) -> Ended:

@@ -4,11 +4,14 @@ What the unit tests showed with the client's errors faked."""
 
 from __future__ import annotations
 
+import contextlib
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
+from confluent_kafka import KafkaException
 from confluent_kafka.admin import (
     AclBinding,
     AclBindingFilter,
@@ -23,43 +26,55 @@ import outbox
 from outbox import Record
 from relay.config import SidecarSettings
 from relay.service import Relay, RelayConfigError
+from relay.shard import DeadLetterUnwritable
 from tests.fixtures.kafka import TIMEOUT_S, SaslListener, consume_all
 from tests.integration.test_relay_delivery import markers, rows, values
 
 pytestmark = pytest.mark.integration
 
-Deny = Callable[[ResourceType, str, AclOperation], None]
 _BINDING_FIELDS = (
     "restype", "name", "resource_pattern_type", "principal", "host", "operation",
     "permission_type",
 )  # fmt: skip
 
 
-@pytest.fixture
-def deny(kafka_admin: AdminClient, kafka_sasl: SaslListener) -> Iterator[Deny]:
+class Acls:
     """Denies the SASL login one operation on a resource (names starting with `name` for a
-    transactional id); the ACLs are deleted after the test."""
-    made: list[AclBinding] = []
+    transactional id or a group), or with `allow=True` allows it. Once a resource has an
+    ACL, the login may do there only what one allows."""
 
-    def add(kind: ResourceType, name: str, operation: AclOperation) -> None:
-        pattern = (
-            ResourcePatternType.PREFIXED
-            if kind == ResourceType.TRANSACTIONAL_ID
-            else ResourcePatternType.LITERAL
-        )
-        binding = AclBinding(
-            kind, name, pattern, f"User:{kafka_sasl.username}", "*", operation,
-            AclPermissionType.DENY,
-        )  # fmt: skip
-        for future in kafka_admin.create_acls([binding]).values():
-            future.result(timeout=TIMEOUT_S)
-        made.append(binding)
+    def __init__(self, admin: AdminClient, principal: str) -> None:
+        self.admin, self.principal = admin, principal
+        self.made: list[AclBinding] = []
 
-    yield add
-    if made:
-        filters = [AclBindingFilter(*(getattr(b, f) for f in _BINDING_FIELDS)) for b in made]
-        for future in kafka_admin.delete_acls(filters).values():
+    def __call__(
+        self, kind: ResourceType, name: str, operation: AclOperation, allow: bool = False
+    ) -> None:
+        prefixed = kind in (ResourceType.TRANSACTIONAL_ID, ResourceType.GROUP)
+        pattern = ResourcePatternType.PREFIXED if prefixed else ResourcePatternType.LITERAL
+        permission = AclPermissionType.ALLOW if allow else AclPermissionType.DENY
+        binding = AclBinding(kind, name, pattern, self.principal, "*", operation, permission)
+        for future in self.admin.create_acls([binding]).values():
             future.result(timeout=TIMEOUT_S)
+        self.made.append(binding)
+
+    def clear(self) -> None:
+        """Deletes every ACL made."""
+        if self.made:
+            filters = [
+                AclBindingFilter(*(getattr(b, f) for f in _BINDING_FIELDS)) for b in self.made
+            ]
+            for future in self.admin.delete_acls(filters).values():
+                future.result(timeout=TIMEOUT_S)
+        self.made.clear()
+
+
+@pytest.fixture
+def deny(kafka_admin: AdminClient, kafka_sasl: SaslListener) -> Iterator[Acls]:
+    """ACLs for the SASL login, deleted after the test."""
+    acls = Acls(kafka_admin, f"User:{kafka_sasl.username}")
+    yield acls
+    acls.clear()
 
 
 @pytest.fixture
@@ -83,7 +98,7 @@ def test_a_topic_the_relay_may_not_write_parks_its_records_and_the_rest_go_on(
     kafka_bootstrap: str,
     topic_factory: Callable[..., str],
     sasl_relay: Callable[..., Relay],
-    deny: Deny,
+    deny: Acls,
 ) -> None:
     allowed, denied = topic_factory(), topic_factory()
     deny(ResourceType.TOPIC, denied, AclOperation.WRITE)
@@ -113,7 +128,7 @@ def test_a_topic_the_relay_may_not_write_parks_its_records_and_the_rest_go_on(
 
 
 def test_transactional_ids_the_relay_may_not_use_stop_it_saying_which_right(
-    pg_dsn: str, topic_factory: Callable[..., str], sasl_relay: Callable[..., Relay], deny: Deny
+    pg_dsn: str, topic_factory: Callable[..., str], sasl_relay: Callable[..., Relay], deny: Acls
 ) -> None:
     relay = sasl_relay()
     deny(
@@ -133,7 +148,7 @@ def test_an_op_marker_topic_the_relay_may_not_write_stops_it_saying_so(
     kafka_bootstrap: str,
     topic_factory: Callable[..., str],
     sasl_relay: Callable[..., Relay],
-    deny: Deny,
+    deny: Acls,
 ) -> None:
     topic = topic_factory()
     relay = sasl_relay()
@@ -145,3 +160,122 @@ def test_an_op_marker_topic_the_relay_may_not_write_stops_it_saying_so(
         relay.run_once()
     assert [r[1] for r in rows(pg_dsn)] == ["committed"]
     assert consume_all(kafka_bootstrap, topic, "read_committed") == []  # aborted
+
+
+def write_only_denied(deny: Acls, topic: str) -> None:
+    """WRITE taken away, the topic still seen: what an operator revoking WRITE alone gets."""
+    deny(ResourceType.TOPIC, topic, AclOperation.WRITE)
+    for operation in (AclOperation.DESCRIBE, AclOperation.READ):
+        deny(ResourceType.TOPIC, topic, operation, allow=True)
+
+
+def test_a_topic_the_relay_sees_but_may_not_write_parks_its_records_not_the_shard(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    sasl_relay: Callable[..., Relay],
+    deny: Acls,
+) -> None:
+    """The client failed the whole transaction as the topic joined it (every report purged,
+    the abort fatal): one such record held every record of its shard back, nothing parked,
+    probes green, for as long as the ACL stayed."""
+    allowed, denied = topic_factory(), topic_factory()
+    write_only_denied(deny, denied)
+    with psycopg.connect(pg_dsn) as conn:
+        for record in (
+            Record(allowed, "before", key="a"),
+            Record(denied, "not allowed", key="b"),
+            Record(allowed, "after", key="a"),
+        ):
+            with conn.transaction():
+                outbox.publish_many(conn, [record])
+    relay = sasl_relay()
+    first = relay.run_once()
+    assert (first.delivered, first.parked) == (2, 1)
+    assert values(consume_all(kafka_bootstrap, allowed, "read_committed")) == [b"before", b"after"]
+    (parked,) = [r for r in rows(pg_dsn) if r[1] == "parked"]
+    assert parked[2] == (
+        f"refused by the broker: Topic authorization failed for {denied!r}: the relay's "
+        "principal needs DESCRIBE and WRITE on it"
+    )
+
+
+def test_a_dead_letter_topic_it_may_not_write_holds_only_the_copies_back(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    sasl_relay: Callable[..., Relay],
+    deny: Acls,
+) -> None:
+    """The README's promise for a dead-letter topic that takes nothing (the rows needing a copy
+    wait; the rest goes on) held only for a bare DENY: with WRITE alone revoked every batch
+    failed, said as INVALID_TXN_STATE."""
+    topic = topic_factory()
+    relay = sasl_relay()
+    relay.run_once()  # made its topics
+    write_only_denied(deny, relay.settings.relay.dead_letter_topic)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish_many(conn, [Record("no.such.topic.acl", "poison", key="p")])
+    assert relay.run_once().parked == 1
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish_many(conn, [Record(topic, "goes on", key="k")])
+    with pytest.raises(DeadLetterUnwritable, match=r"takes no copies \(Topic authorization"):
+        relay.run_once()
+    (worker,) = relay.workers.values()
+    worker.retry_at = 0.0  # the shard's backoff: the test goes again at once
+    assert relay.run_once().delivered == 1  # the copy waits; the others go
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"goes on"]
+    (parked,) = [r for r in rows(pg_dsn) if r[1] == "parked"]
+    assert not parked[3]  # not ended: its copy and marker wait for the topic
+    deny.clear()  # WRITE given back: the copy goes at the next try, without a restart
+    worker.retry_at = worker._dead_letter_blocked_until = 0.0
+    assert relay.run_once().ended == 1
+    dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
+    assert [m.value() for m in dead] == [b"poison"]
+
+
+def test_an_op_marker_topic_it_sees_but_may_not_write_stops_it_saying_so(
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    sasl_relay: Callable[..., Relay],
+    deny: Acls,
+) -> None:
+    topic = topic_factory()
+    relay = sasl_relay()
+    relay.run_once()
+    write_only_denied(deny, relay.settings.relay.op_marker_topic)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "waits", key="k")
+    with pytest.raises(RelayConfigError, match=r"refuses the relay's writes .* needs WRITE on it"):
+        relay.run_once()
+    assert [r[1] for r in rows(pg_dsn)] == ["committed"]
+
+
+def test_a_recovery_the_acls_keep_from_reading_the_markers_stops_it_naming_them(
+    pg_dsn: str,
+    kafka_admin: AdminClient,
+    topic_factory: Callable[..., str],
+    sasl_relay: Callable[..., Relay],
+    deny: Acls,
+) -> None:
+    """Recovery reads the markers in a consumer group: without READ on it the shard failed
+    every round after its first failed batch, probes green, and nothing said which ACL."""
+    small = topic_factory(config={"max.message.bytes": "2000"})
+    prefix = f"review-recovery-{uuid.uuid4().hex[:8]}-"
+    deny(ResourceType.GROUP, prefix, AclOperation.READ)
+    relay = sasl_relay(recovery_group_prefix=prefix)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic_factory(), "before", key="a")
+    assert relay.run_once().delivered == 1  # a clean start reads no markers
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, small, "x" * 5000, key="big")  # the broker refuses it: aborted
+
+    def until_refused() -> None:
+        for _ in range(5):  # the refused batch, then the recovery before the next
+            with contextlib.suppress(KafkaException):
+                relay.run_once()
+            (worker,) = relay.workers.values()
+            worker.retry_at = 0.0
+
+    with pytest.raises(RelayConfigError, match=f"consumer groups prefixed '{prefix}'"):
+        until_refused()
