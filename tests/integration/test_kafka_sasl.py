@@ -21,13 +21,6 @@ from tests.integration.test_relay_process import free_port, get
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(params=["sasl_plaintext", "sasl_ssl"])
-def listener(request: pytest.FixtureRequest) -> SaslListener:
-    name = "kafka_sasl" if request.param == "sasl_plaintext" else "kafka_sasl_ssl"
-    found: SaslListener = request.getfixturevalue(name)
-    return found
-
-
 def sidecar(
     settings: SidecarSettings,
     sasl: SaslListener,
@@ -72,20 +65,21 @@ def run(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
 def test_the_sidecar_delivers_through_a_sasl_login_with_its_password_in_a_file(
     pg_dsn: str,
     kafka_bootstrap: str,
-    listener: SaslListener,
+    sasl_listener: SaslListener,
     relay_settings: Callable[..., SidecarSettings],
     topic_factory: Callable[..., str],
     tmp_path: Path,
 ) -> None:
     topic, port = topic_factory(), free_port()
     sent = publish(pg_dsn, topic, transactions=2, per_tx=3)
-    env, log = sidecar(relay_settings(**FAST), listener, listener.password, tmp_path, port)
+    login = sasl_listener
+    env, log = sidecar(relay_settings(**FAST), login, login.password, tmp_path, port)
     shown = subprocess.run(
         [sys.executable, "-m", "relay.cli", "config"], env=env, capture_output=True, text=True
     )
     assert shown.returncode == 0, shown.stderr
-    assert listener.username in shown.stdout
-    assert listener.password not in shown.stdout
+    assert sasl_listener.username in shown.stdout
+    assert sasl_listener.password not in shown.stdout
     proc = run(env, log)
     try:
         wait_for(lambda: undelivered(pg_dsn) == 0, 60, f"delivery: {log.read_text()[-3000:]}")
@@ -96,7 +90,7 @@ def test_the_sidecar_delivers_through_a_sasl_login_with_its_password_in_a_file(
     got = consume_all(kafka_bootstrap, topic, "read_committed")
     assert sorted(m.value() for m in got) == sorted(sent)
     assert all(dict(m.headers() or [])["outbox-tx-id"] for m in got)
-    assert listener.password not in log.read_text()
+    assert sasl_listener.password not in log.read_text()
 
 
 def test_a_wrong_password_is_said_and_nothing_is_delivered(

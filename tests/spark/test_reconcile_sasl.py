@@ -26,19 +26,10 @@ def properties(tmp_path: Path, sasl: SaslListener, password: str | None = None) 
     return str(path)
 
 
-@pytest.fixture(params=["sasl_plaintext", "sasl_ssl"])
-def listener(request: pytest.FixtureRequest) -> SaslListener:
-    """In clear, and over TLS with the broker's certificate as a PEM truststore (the chart's
-    Secret holds both, mounted beside each other)."""
-    name = "kafka_sasl" if request.param == "sasl_plaintext" else "kafka_sasl_ssl"
-    found: SaslListener = request.getfixturevalue(name)
-    return found
-
-
 def test_the_job_reads_through_a_sasl_login_from_its_properties_file(
     spark: SparkSession,
     pg_dsn: str,
-    listener: SaslListener,
+    sasl_listener: SaslListener,
     relay_settings: Callable[..., SidecarSettings],
     relay_factory: Callable[..., Any],
     topic_factory: Callable[..., str],
@@ -49,7 +40,7 @@ def test_the_job_reads_through_a_sasl_login_from_its_properties_file(
     publish(pg_dsn, [outbox.Record(orders, {"i": i}, key=f"k{i}") for i in range(4)])
     # a relay logged in the same way delivers them, keeping the ledger rows
     settings = relay_settings(op_marker_topic=markers, delivered_retention="PT1H")
-    sasl = {k.replace(".", "_"): v for k, v in listener.librdkafka().items()}
+    sasl = {k.replace(".", "_"): v for k, v in sasl_listener.librdkafka().items()}
     relay = relay_factory(settings.model_copy(update={"kafka": type(settings.kafka)(**sasl)}))
     delivered, until = 0, time.monotonic() + 60
     while delivered < 4:
@@ -60,13 +51,13 @@ def test_the_job_reads_through_a_sasl_login_from_its_properties_file(
         "--dsn", pg_dsn, "--topics", orders, "--marker-topic", markers, "--deadline", "2s",
         "--checkpoint", str(tmp_path / "checkpoint"), "--once",
     ]  # fmt: skip
-    report = reconcile(capsys, [*argv, "--kafka-config", properties(tmp_path, listener)])
+    report = reconcile(capsys, [*argv, "--kafka-config", properties(tmp_path, sasl_listener)])
     assert (report["copies"], report["markers"]) == (4, 4)
     assert report["found"] == dict.fromkeys(report["found"], 0)
 
     from spark.job import main
 
-    wrong = properties(tmp_path, listener, password="not-the-password")
+    wrong = properties(tmp_path, sasl_listener, password="not-the-password")
     with pytest.raises(ReconcileQueryError) as failed:
         main([*argv, "--checkpoint", str(tmp_path / "other"), "--kafka-config", wrong])
     said = f"{failed.value} {failed.value.__cause__}"
