@@ -582,7 +582,13 @@ class Topics:
         try:
             configs = self._admin.describe_configs([resource])[resource].result(10)
         except KafkaException as exc:
-            logger.warning("could not read the configuration of topic %s: %s", name, exc)
+            denied = exc.args[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+            logger.warning(
+                "could not read the configuration of topic %s, so it is not checked: %s%s",
+                name,
+                exc.args[0].str(),
+                " (the relay's principal needs DESCRIBE_CONFIGS on it)" if denied else "",
+            )
             return None
         return {key: entry.value for key, entry in configs.items() if entry.value is not None}
 

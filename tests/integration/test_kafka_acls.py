@@ -244,3 +244,22 @@ def test_a_recovery_the_acls_keep_from_reading_the_markers_stops_it_naming_them(
 
     with pytest.raises(RelayConfigError, match=f"consumer groups prefixed '{prefix}'"):
         until_refused()
+
+
+def test_an_op_marker_topic_whose_settings_it_may_not_read_is_said_with_the_acl(
+    sasl_relay: Callable[..., Relay],
+    deny: Acls,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without DESCRIBE_CONFIGS the start's check of the marker topic's retention and
+    cleanup policy is skipped; the warning now says so and which ACL it needs."""
+    relay = sasl_relay()
+    markers = relay.settings.relay.op_marker_topic
+    deny(ResourceType.TOPIC, markers, AclOperation.ALL, allow=True)
+    deny(ResourceType.TOPIC, markers, AclOperation.DESCRIBE_CONFIGS)
+    relay.run_once()  # sets up: makes the topic, then checks it
+    said = [r.getMessage() for r in caplog.records if "configuration of topic" in r.getMessage()]
+    assert said == [
+        f"could not read the configuration of topic {markers}, so it is not checked: Topic "
+        "authorization failed. (the relay's principal needs DESCRIBE_CONFIGS on it)"
+    ]
