@@ -182,6 +182,18 @@ def test_a_timeout_still_ends_the_call_when_the_server_goes_quiet_after_the_canc
     assert asyncio.run(count(pg_dsn)) == 0
 
 
+async def server_ran(watch: psycopg.AsyncConnection[Any], pid: int, statement: str) -> None:
+    """Until the backend `pid` has run a statement holding `statement` (its reply may still
+    be on the way); 30 s at most."""
+    last = "SELECT state, query FROM pg_stat_activity WHERE pid = %s"
+    async with asyncio.timeout(30):
+        while True:
+            state, query = await (await watch.execute(last, (pid,))).fetchone() or ("", "")
+            if state != "active" and statement in str(query):
+                return
+            await asyncio.sleep(0.02)
+
+
 def test_a_second_cancel_during_the_abort_leaves_no_unretrieved_error(
     pg_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -193,20 +205,15 @@ def test_a_second_cancel_during_the_abort_leaves_no_unretrieved_error(
             await conn.execute("BEGIN")
             proxy.delay = 0.5
             task = asyncio.create_task(box.publish(conn, "orders", "v", key="k"))
-            await asyncio.sleep(0.2)
-            task.cancel()  # lands while the INSERT's reply is held back
             async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as watch:
-                last = "SELECT query FROM pg_stat_activity WHERE pid = %s"
-                pid = (conn.info.backend_pid,)
-                while not str(
-                    (await (await watch.execute(last, pid)).fetchone() or [""])[0]
-                ).startswith("DO $$BEGIN RAISE"):
-                    await asyncio.sleep(0.02)  # until the server has run the abort
-            task.cancel()  # its reply is held back: the task waits for it
+                pid = conn.info.backend_pid
+                await server_ran(watch, pid, "INSERT INTO")
+                task.cancel()  # lands while the INSERT's reply is held back
+                await server_ran(watch, pid, "DO $$BEGIN RAISE")
+            task.cancel()  # the abort's reply is held back: the task waits for it
             with pytest.raises(asyncio.CancelledError):
                 await task
             proxy.delay = 0.0
-            await asyncio.sleep(1.0)  # the abort ends on its own
             await conn.rollback()
 
     with caplog.at_level(logging.ERROR, logger="asyncio"):

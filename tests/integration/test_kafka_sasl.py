@@ -78,11 +78,11 @@ def test_the_sidecar_delivers_through_a_sasl_login_with_its_password_in_a_file(
         [sys.executable, "-m", "relay.cli", "config"], env=env, capture_output=True, text=True
     )
     assert shown.returncode == 0, shown.stderr
-    assert sasl_listener.username in shown.stdout
-    assert sasl_listener.password not in shown.stdout
+    assert login.username in shown.stdout
+    assert login.password not in shown.stdout
     proc = run(env, log)
     try:
-        wait_for(lambda: undelivered(pg_dsn) == 0, 60, f"delivery: {log.read_text()[-3000:]}")
+        wait_for(lambda: undelivered(pg_dsn) == 0, 60, "delivery")
         wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "the relay to be ready")
     finally:
         proc.terminate()
@@ -90,51 +90,41 @@ def test_the_sidecar_delivers_through_a_sasl_login_with_its_password_in_a_file(
     got = consume_all(kafka_bootstrap, topic, "read_committed")
     assert sorted(m.value() for m in got) == sorted(sent)
     assert all(dict(m.headers() or [])["outbox-tx-id"] for m in got)
-    assert sasl_listener.password not in log.read_text()
+    assert login.password not in log.read_text()
 
 
-def test_a_wrong_password_is_said_and_nothing_is_delivered(
+@pytest.mark.parametrize(
+    ("listener", "wrong_password", "trust", "said"),
+    [
+        ("kafka_sasl", True, True, "Authentication failed"),
+        # without ssl.ca_location the system's CAs are asked: none signed the test broker's
+        ("kafka_sasl_ssl", False, False, "certificate verify failed"),
+    ],
+)
+def test_a_login_or_certificate_refused_is_said_and_nothing_is_delivered(
     pg_dsn: str,
-    kafka_sasl: SaslListener,
     relay_settings: Callable[..., SidecarSettings],
     topic_factory: Callable[..., str],
     tmp_path: Path,
+    request: pytest.FixtureRequest,
+    listener: str,
+    wrong_password: bool,
+    trust: bool,
+    said: str,
 ) -> None:
+    login: SaslListener = request.getfixturevalue(listener)
+    password = "not-the-password" if wrong_password else login.password
     topic, port = topic_factory(), free_port()
     publish(pg_dsn, topic, transactions=1, per_tx=2)
-    env, log = sidecar(relay_settings(**FAST), kafka_sasl, "not-the-password", tmp_path, port)
+    settings = relay_settings(**FAST)
+    env, log = sidecar(settings, login, password, tmp_path, port, trust=trust)
     proc = run(env, log)
     try:
-        wait_for(lambda: "Authentication failed" in log.read_text(), 60, "the login's refusal")
+        wait_for(lambda: said in log.read_text(), 60, said)
         status, body = get(port, "/readyz")
         assert status == 503, body
         assert undelivered(pg_dsn) == 2
     finally:
         proc.terminate()
         proc.wait(30)
-    assert "not-the-password" not in log.read_text()
-
-
-def test_a_broker_certificate_the_sidecar_does_not_trust_is_said(
-    pg_dsn: str,
-    kafka_sasl_ssl: SaslListener,
-    relay_settings: Callable[..., SidecarSettings],
-    topic_factory: Callable[..., str],
-    tmp_path: Path,
-) -> None:
-    """Without ssl.ca_location the system's CAs are asked, which never signed the test
-    broker's certificate: the relay is not ready, says why, and delivers nothing."""
-    topic, port = topic_factory(), free_port()
-    publish(pg_dsn, topic, transactions=1, per_tx=1)
-    settings = relay_settings(**FAST)
-    env, log = sidecar(
-        settings, kafka_sasl_ssl, kafka_sasl_ssl.password, tmp_path, port, trust=False
-    )
-    proc = run(env, log)
-    try:
-        wait_for(lambda: "certificate verify failed" in log.read_text(), 60, "the TLS refusal")
-        assert get(port, "/readyz")[0] == 503
-        assert undelivered(pg_dsn) == 1
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    assert password not in log.read_text()
