@@ -4,7 +4,8 @@ Usage: scripts/services up|down|status|env|spark-jars|helm|restart postgres|kafk
                         crash postgres|kafka
 
 `helm` prints the path of a Helm binary for the chart's tests: one on the PATH, else one built
-with `go install` into `.local/bin` (Helm is a Go module; the Go toolchain fetches it).
+with `go install` into `.local/bin` (Helm is a Go module; the Go toolchain fetches it). The
+chart's tests also start a Kubernetes API server, with `scripts/kube.py`; `down` stops it too.
 
 Everything lives under `.local/` (ignored by git): binaries' data, resolved jars, logs, pid files.
 OUTBOX_LOCAL_DIR moves it (relative to the repository's root), so that a second stack on ports of
@@ -561,6 +562,9 @@ def main(argv: list[str]) -> int:
             print(line)
         return 0
     if cmd == "down":
+        import kube  # scripts/kube.py: the chart tests' API server, if they started one
+
+        kube.down()
         kafka_down()
         postgres_down()
         return 0

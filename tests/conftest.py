@@ -10,6 +10,8 @@ pytest_plugins = [
     "tests.fixtures.kafka",
     "tests.fixtures.spark",
     "tests.fixtures.relay",
+    "tests.fixtures.helm",
+    "tests.fixtures.kube",
 ]
 
 _LAYERS = {"unit", "integration", "spark", "deploy"}

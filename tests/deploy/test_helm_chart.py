@@ -13,36 +13,16 @@ from typing import Any
 
 import promql_parser
 import pytest
-import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "outbox-sidecar"
+from tests.fixtures.helm import CHART, ROOT, app_chart, render
+
 # The reconciliation's required values; the topics last (refusal tests leave them out)
 RECONCILE = (
     "reconcile.existingSecret=orders-reconciler",
     "reconcile.bootstrapServers=kafka:9092",
     "reconcile.topics=orders.created",
 )
-
-
-@pytest.fixture(scope="session")
-def helm() -> str:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "services.py"), "helm"],
-        check=True,
-        text=True,
-        capture_output=True,
-    ).stdout
-    return out.strip().splitlines()[-1]
-
-
-def render(helm: str, *sets: str, chart: Path = CHART) -> list[dict[str, Any]]:
-    args = [a for s in sets for a in ("--set", s)]
-    out = subprocess.run(
-        [helm, "template", "orders", str(chart), *args], check=True, text=True, capture_output=True
-    ).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -175,26 +155,7 @@ def test_sidecar_mode_renders_no_deployment_and_an_app_chart_includes_the_contai
 ) -> None:
     kinds = by_kind(render(helm, "existingSecret=s", "mode=sidecar"))
     assert set(kinds) == {"ConfigMap", "Job"}
-    app = tmp_path / "app"
-    (app / "templates").mkdir(parents=True)
-    (app / "Chart.yaml").write_text(
-        "apiVersion: v2\nname: app\nversion: 1.0.0\ndependencies:\n"
-        f"  - name: outbox-sidecar\n    version: 0.1.0\n    alias: outbox\n"
-        f"    repository: file://{CHART}\n"
-    )
-    (app / "values.yaml").write_text("outbox:\n  mode: sidecar\n  existingSecret: app-outbox\n")
-    (app / "templates" / "deployment.yaml").write_text(
-        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: app}\nspec:\n"
-        "  selector: {matchLabels: {app: app}}\n  template:\n"
-        "    metadata: {labels: {app: app}}\n    spec:\n      containers:\n"
-        "        - {name: app, image: app:1}\n"
-        '        {{- include "outbox-sidecar.container" .Subcharts.outbox | nindent 8 }}\n'
-        "      volumes:\n"
-        '        {{- include "outbox-sidecar.volumes" .Subcharts.outbox | nindent 8 }}\n'
-    )
-    subprocess.run(
-        [helm, "dependency", "update", str(app)], check=True, capture_output=True, text=True
-    )
+    app = app_chart(helm, tmp_path)
     docs = [d for d in render(helm, chart=app) if d["kind"] == "Deployment"]
     (pod,) = [d["spec"]["template"]["spec"] for d in docs]
     assert [c["name"] for c in pod["containers"]] == ["app", "outbox-sidecar"]

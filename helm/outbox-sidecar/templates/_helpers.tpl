@@ -10,6 +10,21 @@
 {{- end -}}
 {{- end -}}
 
+{{/* The full name and .suffix, within .max characters, for kinds whose names Kubernetes holds
+shorter than 63 or turns into labels. Cut, the full name ends in a hash of itself, so that two
+long release names sharing a prefix (two regions of one service in one namespace) do not give
+the same name. */}}
+{{- define "outbox-sidecar.fit" -}}
+{{- $full := include "outbox-sidecar.fullname" .root -}}
+{{- $name := printf "%s-%s" $full .suffix -}}
+{{- if le (len $name) (int .max) -}}
+{{- $name -}}
+{{- else -}}
+{{- $keep := sub (sub (int .max) (len .suffix)) 10 | int -}}
+{{- printf "%s-%s-%s" ($full | trunc $keep | trimSuffix "-") (sha256sum $full | trunc 8) .suffix -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "outbox-sidecar.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "outbox-sidecar.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
