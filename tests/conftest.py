@@ -12,6 +12,7 @@ pytest_plugins = [
     "tests.fixtures.relay",
     "tests.fixtures.helm",
     "tests.fixtures.kube",
+    "tests.fixtures.images",
 ]
 
 _LAYERS = {"unit", "integration", "spark", "deploy"}

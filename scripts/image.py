@@ -1,0 +1,203 @@
+"""The container images of helm/Dockerfile, built and run here for the image tests.
+
+Usage: scripts/image.py build sidecar|reconcile   (prints ENGINE=, RUN_OPTIONS= and IMAGE=)
+
+With a Docker engine (a developer's laptop) `docker build` builds them as written. Without one
+(this machine, CI) podman builds them, from Debian's packages: its base images cannot be pulled
+(no registry of images is reachable), so stand-ins of the same names are made with debootstrap:
+Debian bookworm with Debian's Python 3.11 and pip for `python:3.11-slim` and
+`python:3.11-slim-bookworm` (the first is trixie now: its C library is newer), and bookworm with
+Debian's Maven and JDK 17 for `maven:3.9-eclipse-temurin-17`. Every step of the Dockerfile runs as
+written on them: the package's wheels resolved from constraints.txt, the `--no-index` install,
+Debian's Java for the reconciliation, the connector jars by Maven, the user, the entrypoint.
+What differs is the base's own Python build.
+
+The stand-ins live in a container storage of our own (`.local/images`), never the machine's,
+where they would shadow the real images. The machine's own CAs (/usr/local/share/ca-certificates)
+go into them, as a network that inspects TLS needs. podman runs with runc and cgroupfs, and lowered
+ulimits: the machine's sandbox may not raise them. Needs root (debootstrap, chroot).
+Only the standard library is used, as in services.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from services import LOCAL, ROOT, fail, log, run
+
+STORE = LOCAL / "images"
+DOCKERFILE = ROOT / "helm" / "Dockerfile"
+TARGETS = {"sidecar": "outbox-sidecar", "reconcile": "outbox-reconcile"}
+# The stand-ins: the names the Dockerfile's FROM lines give, and what each has of Debian's
+STAND_INS = {
+    "python": (
+        ("docker.io/library/python:3.11-slim", "docker.io/library/python:3.11-slim-bookworm"),
+        ("python3", "python3-pip", "python3-venv", "ca-certificates"),
+    ),
+    "maven": (
+        ("docker.io/library/maven:3.9-eclipse-temurin-17",),
+        ("maven", "openjdk-17-jdk-headless", "ca-certificates"),
+    ),
+}
+# ulimits the sandbox lets a container set (it may not raise them to podman's defaults)
+ULIMITS = ("--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096")
+
+
+def docker_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+
+
+def podman() -> list[str]:
+    return [
+        "podman",
+        f"--root={STORE / 'storage'}",
+        f"--runroot={STORE / 'run'}",
+        "--storage-driver=vfs",  # no overlay mounts needed
+        "--runtime=runc",
+        "--cgroup-manager=cgroupfs",
+    ]
+
+
+def engine() -> list[str]:
+    return ["docker"] if docker_answers() else podman()
+
+
+def install_tools() -> None:
+    missing = [
+        package
+        for tool, package in (
+            ("podman", "podman"),
+            ("runc", "runc"),
+            ("debootstrap", "debootstrap"),
+        )
+        if shutil.which(tool) is None
+    ]
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        fail(f"the image tests need root, and {' '.join(missing)} (apt-get install them)")
+    log(f"installing {' '.join(missing)} from Debian's packages")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    run(["apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL)
+    run(["apt-get", "install", "-y", "-q", *missing], env=env, stdout=subprocess.DEVNULL)
+
+
+def debian_mirror() -> str:
+    """The mirror this machine's apt takes Debian bookworm's main packages from (one-line or
+    deb822 sources; other repositories, such as a vendor's, are passed over)."""
+    listed = Path("/etc/apt/sources.list.d")
+    sources = [Path("/etc/apt/sources.list"), *listed.glob("*.list"), *listed.glob("*.sources")]
+    for source in sources:
+        if not source.is_file():
+            continue
+        text = source.read_text()
+        for line in text.splitlines():  # deb [options] URI suite components...
+            one_line = re.match(r"\s*deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+bookworm\s+.*\bmain\b", line)
+            if one_line:
+                return one_line.group(1)
+        for stanza in re.split(r"\n\s*\n", text):
+            fields = dict(re.findall(r"^(\w[\w-]*):\s*(.*)$", stanza, re.MULTILINE))
+            suites, components = fields.get("Suites", "").split(), fields.get("Components", "")
+            if "bookworm" in suites and "main" in components.split() and "URIs" in fields:
+                return fields["URIs"].split()[0]
+    fail("no Debian bookworm mirror found in /etc/apt/sources.list(.d)")
+    raise AssertionError  # unreachable: fail exits
+
+
+def has_image(name: str) -> bool:
+    return subprocess.run([*podman(), "image", "exists", name]).returncode == 0
+
+
+def stand_in(kind: str) -> None:
+    names, packages = STAND_INS[kind]
+    if all(has_image(name) for name in names):
+        return
+    rootfs = STORE / f"rootfs-{kind}"
+    shutil.rmtree(rootfs, ignore_errors=True)
+    log(f"making the stand-in for {names[0]} with debootstrap (a minute or two, once)")
+    run(
+        [
+            "debootstrap",
+            "--variant=minbase",
+            f"--include={','.join(packages)}",
+            "bookworm",
+            str(rootfs),
+            debian_mirror(),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    local_cas = Path("/usr/local/share/ca-certificates")
+    if local_cas.is_dir():
+        shutil.copytree(local_cas, rootfs / local_cas.relative_to("/"), dirs_exist_ok=True)
+    # the CA bundle, and Java's keystore when a JDK is in
+    run(["chroot", str(rootfs), "update-ca-certificates"], capture_output=True)
+    if kind == "python":
+        # as the official image has them: `python`, `pip`, and pip free to install as root
+        for name, target in (("python", "python3"), ("pip", "pip3")):
+            if not (rootfs / "usr/bin" / name).exists():
+                (rootfs / "usr/bin" / name).symlink_to(target)
+        (rootfs / "usr/lib/python3.11/EXTERNALLY-MANAGED").unlink(missing_ok=True)
+    tar = STORE / f"rootfs-{kind}.tar"
+    run(["tar", "-C", str(rootfs), "-cf", str(tar), "."])
+    shutil.rmtree(rootfs)
+    path = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    changes = ["--change", f"ENV {path}", "--change", "ENV LANG=C.UTF-8"]
+    run([*podman(), "import", *changes, str(tar), names[0]], stdout=subprocess.DEVNULL)
+    tar.unlink()
+    for name in names[1:]:
+        run([*podman(), "tag", names[0], name])
+
+
+def build(target: str) -> str:
+    image = f"localhost/{TARGETS[target]}:test"
+    command = engine()
+    if command[0] == "docker":
+        build_args: list[str] = []
+    else:
+        install_tools()
+        STORE.mkdir(parents=True, exist_ok=True)
+        stand_in("python")
+        if target == "reconcile":
+            stand_in("maven")
+        build_args = ["--isolation=chroot", "--network=host", "--pull=never", "--layers=false"]
+        build_args += ULIMITS
+    stage = ["--target", "reconcile"] if target == "reconcile" else []
+    log(f"building {image} from {DOCKERFILE.relative_to(ROOT)}")
+    STORE.mkdir(parents=True, exist_ok=True)
+    build_log = STORE / f"build-{target}.log"
+    with build_log.open("w") as out:
+        done = subprocess.run(
+            [*command, "build", *build_args, *stage, "-f", str(DOCKERFILE), "-t", image, str(ROOT)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    if done.returncode != 0:
+        tail = "\n".join(build_log.read_text(errors="replace").splitlines()[-30:])
+        fail(f"building {image} failed (log: {build_log}):\n{tail}")
+    return image
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[1] == "build" and argv[2] in TARGETS:
+        image = build(argv[2])
+        command = engine()
+        print(f"ENGINE={json.dumps(command)}")
+        # what `run` needs of this engine beyond a container's own options
+        print(f"RUN_OPTIONS={json.dumps([] if command[0] == 'docker' else list(ULIMITS))}")
+        print(f"IMAGE={image}")
+        return 0
+    print(__doc__)
+    return 0 if argv[1:] in ([], ["help"], ["-h"], ["--help"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
