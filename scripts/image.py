@@ -138,8 +138,12 @@ def stand_in(kind: str) -> None:
     local_cas = Path("/usr/local/share/ca-certificates")
     if local_cas.is_dir():
         shutil.copytree(local_cas, rootfs / local_cas.relative_to("/"), dirs_exist_ok=True)
-    # the CA bundle, and Java's keystore when a JDK is in
-    run(["chroot", str(rootfs), "update-ca-certificates"], capture_output=True)
+    # the CA bundle, and Java's keystore when a JDK is in (its hook runs Java: /proc needed)
+    run(["mount", "-t", "proc", "proc", str(rootfs / "proc")])
+    try:
+        run(["chroot", str(rootfs), "update-ca-certificates"], capture_output=True)
+    finally:
+        run(["umount", str(rootfs / "proc")])
     if kind == "python":
         # as the official image has them: `python`, `pip`, and pip free to install as root
         for name, target in (("python", "python3"), ("pip", "pip3")):
@@ -151,7 +155,7 @@ def stand_in(kind: str) -> None:
     shutil.rmtree(rootfs)
     path = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     changes = ["--change", f"ENV {path}", "--change", "ENV LANG=C.UTF-8"]
-    run([*podman(), "import", *changes, str(tar), names[0]], stdout=subprocess.DEVNULL)
+    run([*podman(), "import", *changes, str(tar), names[0]], capture_output=True)
     tar.unlink()
     for name in names[1:]:
         run([*podman(), "tag", names[0], name])
@@ -183,6 +187,8 @@ def build(target: str) -> str:
     if done.returncode != 0:
         tail = "\n".join(build_log.read_text(errors="replace").splitlines()[-30:])
         fail(f"building {image} failed (log: {build_log}):\n{tail}")
+    if command[0] != "docker":  # the image this one replaced: our storage's, not a user's
+        run([*command, "image", "prune", "--force"], capture_output=True)
     return image
 
 

@@ -1,9 +1,11 @@
-"""The sidecar's image, built from helm/Dockerfile (scripts/image.py), running the containers the
-chart renders (their command, arguments, environment, mounts, user and security context) against
-the real Postgres and Kafka: the migration hook's, then the sidecar's."""
+"""The images built from helm/Dockerfile (scripts/image.py), running the containers the chart
+renders (their command, arguments, environment, mounts, user and security context) against the
+real Postgres and Kafka: the migration hook's and the sidecar's, and the reconciliation's."""
 
 from __future__ import annotations
 
+import re
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 from psycopg import sql
 
 import outbox
+from relay.service import Relay
 from tests.fixtures.helm import render
 from tests.fixtures.images import Engine, mounted, until
 from tests.fixtures.kafka import consume_all
@@ -87,3 +90,55 @@ def test_the_charts_containers_migrate_and_deliver_from_the_image_and_stop_on_si
     assert "received SIGTERM" in running.output()
     with psycopg.connect(empty_database) as conn:  # shards handed back, not left to expire
         assert conn.execute("SELECT owner FROM outbox.shard_lease").fetchall() == [(None,)]
+
+
+def test_the_charts_scheduled_reconciliation_runs_once_from_its_image(
+    reconcile_image: tuple[Engine, str],
+    helm: str,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Callable[..., Relay],
+    tmp_path: Path,
+) -> None:
+    """The reconcile image's Python, Java and connector jars, with the chart's arguments, its
+    Secret's DSN, its read-only root and its two writable mounts (the checkpoint's claim and
+    the emptyDir at /tmp): one run over records the real relay delivered, none of them amiss."""
+    engine, image = reconcile_image
+    orders, markers, dead_letters = topic_factory(), topic_factory(), topic_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        for i in range(5):
+            outbox.publish(conn, orders, f"order {i}", key=f"k{i}")
+    relay = relay_factory(op_marker_topic=markers, delivered_retention="PT1H")
+    delivered, deadline = 0, time.monotonic() + 60
+    while delivered < 5:  # another test's transaction may hold the xid horizon a moment
+        assert time.monotonic() < deadline, f"the relay delivered {delivered} of 5"
+        delivered += relay.run_once().delivered
+
+    docs = render(
+        helm,
+        "existingSecret=orders-outbox",
+        "reconcile.enabled=true",
+        "reconcile.mode=schedule",
+        "reconcile.existingSecret=orders-reconciler",
+        f"reconcile.bootstrapServers={kafka_bootstrap}",
+        f"reconcile.topics={orders}",
+        f"reconcile.markerTopic={markers}",
+        f"reconcile.deadLetterTopic={dead_letters}",
+        "reconcile.deadline=1s",  # judged at once: Spark's start alone takes longer
+        "reconcile.master=local[1]",
+    )
+    (cron,) = [d for d in docs if d["kind"] == "CronJob"]
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    owner = pod["securityContext"]["fsGroup"]
+    volumes = {
+        "checkpoint": mounted(tmp_path / "checkpoint", owner=owner),
+        "tmp": mounted(tmp_path / "tmp", owner=owner),
+    }
+    run = engine.run(image, pod, container, volumes, {("orders-reconciler", "dsn"): pg_dsn})
+    assert run.wait() == 0, run.output()
+    said = run.output()
+    assert re.search(r"seen\s+5 copies on the topics, 5 op markers, 5 ledger rows", said), said
+    assert re.search(r"findings\s+0 ", said), said
+    assert any((tmp_path / "checkpoint").iterdir())  # the checkpoint, on the claim
