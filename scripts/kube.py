@@ -20,17 +20,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import ssl
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from services import HOST, LOCAL, fail, log, port_open, run, wait_until
+from services import HOST, LOCAL, fail, log, port_open, run, terminate, wait_until
 
 KUBE_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.3"
@@ -287,12 +285,7 @@ def down() -> None:
         pid = pid_of(name)
         if pid is None:
             continue
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and pid_of(name):
-            time.sleep(0.1)
-        if pid_of(name):
-            os.kill(pid, signal.SIGKILL)
+        terminate(pid, lambda: pid_of(name), 30)  # noqa: B023 (called before the next turn)
         (KUBE_DIR / f"{name}.pid").unlink(missing_ok=True)
         log(f"{name} stopped")
 

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,6 +105,16 @@ def wait_until(what: str, check, timeout: float, log_file: Path | None = None) -
     if log_file and log_file.exists():
         tail = "\n" + "\n".join(log_file.read_text(errors="replace").splitlines()[-30:])
     fail(f"{what} did not answer within {timeout:.0f}s{tail}")
+
+
+def terminate(pid: int, alive: Callable[[], object], timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if `alive()` still holds after `timeout_s`."""
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        time.sleep(0.1)
+    if alive():
+        os.kill(pid, signal.SIGKILL)
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
@@ -447,12 +458,7 @@ def kafka_down() -> None:
     pid = kafka_pid()
     if pid is None:
         return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and kafka_pid():
-        time.sleep(0.25)
-    if kafka_pid():
-        os.kill(pid, signal.SIGKILL)
+    terminate(pid, kafka_pid, 60)
     KAFKA_PID.unlink(missing_ok=True)
     log("kafka stopped")
 
