@@ -27,6 +27,7 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -92,25 +93,44 @@ def install_tools() -> None:
 
 
 def debian_mirror() -> str:
-    """The mirror this machine's apt takes Debian bookworm's main packages from (one-line or
-    deb822 sources; other repositories, such as a vendor's, are passed over)."""
+    """A Debian mirror with bookworm: OUTBOX_DEBIAN_MIRROR, else the first of this machine's
+    apt sources (one-line or deb822, `mirror+file:` lists read) whose bookworm Release file says
+    Origin: Debian. A vendor's repository, or Ubuntu's, is passed over; any Debian release on
+    the host will do, as long as its mirror has bookworm too."""
+    if os.environ.get("OUTBOX_DEBIAN_MIRROR"):
+        return os.environ["OUTBOX_DEBIAN_MIRROR"]
     listed = Path("/etc/apt/sources.list.d")
     sources = [Path("/etc/apt/sources.list"), *listed.glob("*.list"), *listed.glob("*.sources")]
+    uris: list[str] = []
     for source in sources:
-        if not source.is_file():
-            continue
-        text = source.read_text()
-        for line in text.splitlines():  # deb [options] URI suite components...
-            one_line = re.match(r"\s*deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+bookworm\s+.*\bmain\b", line)
-            if one_line:
-                return one_line.group(1)
-        for stanza in re.split(r"\n\s*\n", text):
-            fields = dict(re.findall(r"^(\w[\w-]*):\s*(.*)$", stanza, re.MULTILINE))
-            suites, components = fields.get("Suites", "").split(), fields.get("Components", "")
-            if "bookworm" in suites and "main" in components.split() and "URIs" in fields:
-                return fields["URIs"].split()[0]
-    fail("no Debian bookworm mirror found in /etc/apt/sources.list(.d)")
+        if source.is_file():
+            text = source.read_text()
+            uris += re.findall(r"^\s*deb\s+(?:\[[^]]*\]\s+)?(\S+)", text, re.MULTILINE)
+            for field in re.findall(r"^URIs:\s*(.+)$", text, re.MULTILINE):
+                uris += field.split()
+    for uri in dict.fromkeys(uris):  # in order, once each
+        for mirror in _mirror_list(uri):
+            if _has_debian_bookworm(mirror):
+                return mirror
+    fail("no Debian mirror with bookworm in this machine's apt sources: set OUTBOX_DEBIAN_MIRROR")
     raise AssertionError  # unreachable: fail exits
+
+
+def _mirror_list(uri: str) -> list[str]:
+    if uri.startswith("mirror+file:"):
+        listing = Path(uri.removeprefix("mirror+file:"))
+        return [line.split()[0] for line in listing.read_text().splitlines() if line.strip()]
+    return [uri] if uri.startswith(("http://", "https://")) else []
+
+
+def _has_debian_bookworm(mirror: str) -> bool:
+    release = f"{mirror.rstrip('/')}/dists/bookworm/Release"
+    try:
+        with urllib.request.urlopen(release, timeout=10) as reply:  # noqa: S310 (http(s) only)
+            head = reply.read(4096).decode(errors="replace")
+    except OSError:
+        return False
+    return bool(re.search(r"^Origin: Debian$", head, re.MULTILINE))
 
 
 def has_image(name: str) -> bool:
@@ -122,28 +142,36 @@ def stand_in(kind: str) -> None:
     if all(has_image(name) for name in names):
         return
     rootfs = STORE / f"rootfs-{kind}"
-    shutil.rmtree(rootfs, ignore_errors=True)
+    if rootfs.exists():  # an earlier run's, cut short
+        shutil.rmtree(rootfs)
     log(f"making the stand-in for {names[0]} with debootstrap (a minute or two, once)")
+    local_cas = Path("/usr/local/share/ca-certificates")
+    ca_dest = rootfs / local_cas.relative_to("/")
+    # In a mount namespace of their own: the /proc and /sys that debootstrap and Java's CA hook
+    # need are gone with it, however the build ends (a kill skips their own unmounting).
+    script = (
+        'debootstrap --variant=minbase --include="$1" bookworm "$2" "$3" >/dev/null'
+        ' && { [ ! -d "$4" ] || cp -r "$4/." "$5/"; }'
+        ' && mount -t proc proc "$2/proc"'
+        # the CA bundle, and Java's keystore when a JDK is in (its hook runs Java)
+        ' && chroot "$2" update-ca-certificates >/dev/null 2>&1'
+    )
     run(
         [
-            "debootstrap",
-            "--variant=minbase",
-            f"--include={','.join(packages)}",
-            "bookworm",
+            "unshare",
+            "--mount",
+            "--propagation=private",
+            "sh",
+            "-c",
+            script,
+            "stand-in",
+            ",".join(packages),
             str(rootfs),
             debian_mirror(),
-        ],
-        stdout=subprocess.DEVNULL,
+            str(local_cas),
+            str(ca_dest),
+        ]
     )
-    local_cas = Path("/usr/local/share/ca-certificates")
-    if local_cas.is_dir():
-        shutil.copytree(local_cas, rootfs / local_cas.relative_to("/"), dirs_exist_ok=True)
-    # the CA bundle, and Java's keystore when a JDK is in (its hook runs Java: /proc needed)
-    run(["mount", "-t", "proc", "proc", str(rootfs / "proc")])
-    try:
-        run(["chroot", str(rootfs), "update-ca-certificates"], capture_output=True)
-    finally:
-        run(["umount", str(rootfs / "proc")])
     if kind == "python":
         # as the official image has them: `python`, `pip`, and pip free to install as root
         for name, target in (("python", "python3"), ("pip", "pip3")):
@@ -151,7 +179,7 @@ def stand_in(kind: str) -> None:
                 (rootfs / "usr/bin" / name).symlink_to(target)
         (rootfs / "usr/lib/python3.11/EXTERNALLY-MANAGED").unlink(missing_ok=True)
     tar = STORE / f"rootfs-{kind}.tar"
-    run(["tar", "-C", str(rootfs), "-cf", str(tar), "."])
+    run(["tar", "--one-file-system", "-C", str(rootfs), "-cf", str(tar), "."])
     shutil.rmtree(rootfs)
     path = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     changes = ["--change", f"ENV {path}", "--change", "ENV LANG=C.UTF-8"]

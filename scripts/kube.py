@@ -73,13 +73,15 @@ def build() -> None:
         ).stdout
     )
     staging = f"v0.{KUBE_VERSION.split('.', 1)[1]}"  # v1.37.2 -> v0.37.2
+    kubernetes_mod = Path(info["GoMod"]).read_text().splitlines()
     replaces = [
         f"replace {line.split()[0]} => {line.split()[0]} {staging}"
-        for line in Path(info["GoMod"]).read_text().splitlines()
+        for line in kubernetes_mod
         if "=> ./staging/" in line
     ]
+    (go_directive,) = [line for line in kubernetes_mod if line.startswith("go ")]
     (BUILD_DIR / "go.mod").write_text(
-        "module outbox.local/kube\n\ngo 1.26.0\n\n"
+        f"module outbox.local/kube\n\n{go_directive}\n\n"
         f"require (\n\tk8s.io/kubernetes {KUBE_VERSION}\n"
         f"\tgo.etcd.io/etcd/server/v3 {ETCD_VERSION}\n)\n\n" + "\n".join(replaces) + "\n"
     )
@@ -112,9 +114,13 @@ def build() -> None:
 
 
 def pid_of(name: str) -> int | None:
+    """The pid of our `name` if it runs: a pid file outlives its process, and after a restart
+    of the machine its number may be another program's, which is not ours to stop."""
+    binary = {"kube-apiserver": APISERVER, "etcd": ETCD}[name]
     try:
         pid = int((KUBE_DIR / f"{name}.pid").read_text())
-        os.kill(pid, 0)
+        if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] != str(binary).encode():
+            return None
         return pid
     except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
         return None
@@ -212,6 +218,7 @@ def write_kubeconfig() -> None:
 
 def up() -> None:
     if pid_of("kube-apiserver") and pid_of("etcd") and api_ready():
+        install_crds()  # a start whose installing failed left the server without them
         log(f"kube-apiserver already running on {api_url()}")
         return
     down()
@@ -222,13 +229,13 @@ def up() -> None:
     ):
         if port_open(port):
             fail(f"port {port} is taken by another process; set {setting}")
-    if shutil.which("openssl") is None:
-        fail("kube: openssl is needed to make the service-account signing key")
     build()
     shutil.rmtree(KUBE_DIR / "etcd-data", ignore_errors=True)  # each start begins empty
     KUBE_DIR.mkdir(parents=True, exist_ok=True)
     sa_key = KUBE_DIR / "service-account.key"
     if not sa_key.exists():
+        if shutil.which("openssl") is None:
+            fail("kube: openssl is needed to make the service-account signing key")
         run(["openssl", "genrsa", "-out", str(sa_key), "2048"], capture_output=True)
     tokens = KUBE_DIR / "tokens.csv"
     tokens.write_text(f"{TOKEN},outbox-test,outbox-test,system:masters\n")

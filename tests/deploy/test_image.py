@@ -65,7 +65,7 @@ def test_the_charts_containers_migrate_and_deliver_from_the_image_and_stop_on_si
     job = docs["Job"]["spec"]["template"]["spec"]
     (migrate,) = job["containers"]
     migrating = engine.run(image, job, migrate, volumes)
-    assert migrating.wait() == 0, migrating.output()
+    assert migrating.wait(timeout_s=120) == 0, migrating.output()
 
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     (sidecar,) = pod["containers"]
@@ -86,7 +86,7 @@ def test_the_charts_containers_migrate_and_deliver_from_the_image_and_stop_on_si
     assert f'outbox_relay_records_delivered_total{{topic="{topic}"}} 3.0' in metrics
 
     running.stop(timeout_s=30)  # the image's STOPSIGNAL, SIGTERM, as a kubelet sends
-    assert running.wait() == 0, running.output()
+    assert running.wait(timeout_s=60) == 0, running.output()
     assert "received SIGTERM" in running.output()
     with psycopg.connect(empty_database) as conn:  # shards handed back, not left to expire
         assert conn.execute("SELECT owner FROM outbox.shard_lease").fetchall() == [(None,)]
@@ -137,7 +137,7 @@ def test_the_charts_scheduled_reconciliation_runs_once_from_its_image(
         "tmp": mounted(tmp_path / "tmp", owner=owner),
     }
     run = engine.run(image, pod, container, volumes, {("orders-reconciler", "dsn"): pg_dsn})
-    assert run.wait() == 0, run.output()
+    assert run.wait(timeout_s=300) == 0, run.output()
     said = run.output()
     assert re.search(r"seen\s+5 copies on the topics, 5 op markers, 5 ledger rows", said), said
     assert re.search(r"findings\s+0 ", said), said

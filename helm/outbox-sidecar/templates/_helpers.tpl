@@ -21,7 +21,8 @@ the same name. */}}
 {{- $name -}}
 {{- else -}}
 {{- $keep := sub (sub (int .max) (len .suffix)) 10 | int -}}
-{{- printf "%s-%s-%s" ($full | trunc $keep | trimSuffix "-") (sha256sum $full | trunc 8) .suffix -}}
+{{- /* a cut may end in a '-' or a '.' (Helm allows dotted release names): not before a '-' */ -}}
+{{- printf "%s-%s-%s" (regexReplaceAll "[-.]+$" ($full | trunc $keep) "") (sha256sum $full | trunc 8) .suffix -}}
 {{- end -}}
 {{- end -}}
 
