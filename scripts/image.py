@@ -201,7 +201,8 @@ def build(target: str) -> str:
         if target == "reconcile":
             stand_in("maven")
         build_args = ["--isolation=chroot", "--network=host", "--pull=never", "--layers=false"]
-        build_args += ULIMITS
+        # BuildKit finds it beside the Dockerfile by itself
+        build_args += [*ULIMITS, f"--ignorefile={DOCKERFILE}.dockerignore"]
     stage = ["--target", "reconcile"] if target == "reconcile" else []
     log(f"building {image} from {DOCKERFILE.relative_to(ROOT)}")
     STORE.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """A Kubernetes API server on loopback, for the chart's tests: etcd and kube-apiserver.
 
-Usage: scripts/kube.py up|down|status
+Usage: scripts/kube.py up|down|status|build
 
 Both are Go modules: built once with the Go toolchain into `.local/bin` (four to six minutes on
 2 cores, the Go proxy's modules cached after), then started on loopback with their data under
@@ -28,7 +28,17 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from services import HOST, LOCAL, fail, log, port_open, run, terminate, wait_until
+from services import (
+    HOST,
+    LOCAL,
+    build_lock,
+    fail,
+    log,
+    port_open,
+    run,
+    terminate,
+    wait_until,
+)
 
 KUBE_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.3"
@@ -59,8 +69,12 @@ def build() -> None:
     """kube-apiserver and etcd from their modules. k8s.io/kubernetes points its k8s.io/*
     modules at its own source tree (`replace => ./staging/...`), which its module download lacks:
     a build module of ours points them at their published versions instead."""
-    if APISERVER.exists() and ETCD.exists():
-        return
+    with build_lock("kube"):
+        if not (APISERVER.exists() and ETCD.exists()):
+            _build()
+
+
+def _build() -> None:
     log(f"building kube-apiserver {KUBE_VERSION} and etcd {ETCD_VERSION} (minutes, once)")
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "GOFLAGS": "-mod=mod"}
@@ -305,6 +319,9 @@ def main(argv: list[str]) -> int:
         return 0
     if cmd == "down":
         down()
+        return 0
+    if cmd == "build":  # only the binaries (make test starts it early, in the background)
+        build()
         return 0
     if cmd == "status":
         ok = bool(pid_of("kube-apiserver")) and api_ready()

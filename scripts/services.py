@@ -23,6 +23,7 @@ are tested for real.
 from __future__ import annotations
 
 import base64
+import fcntl
 import glob
 import os
 import pwd
@@ -33,7 +34,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -504,20 +506,31 @@ def spark_jars() -> list[Path]:
 HELM_VERSION = "v3.16.4"
 
 
+@contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Held while `name` is built into .local/bin: a second caller (the tests, while the build
+    `make test` starts in the background runs) waits for the first instead of building too."""
+    (LOCAL / "bin").mkdir(parents=True, exist_ok=True)
+    with (LOCAL / "bin" / f".{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def helm_bin() -> Path:
     on_path = shutil.which("helm")
     if on_path:
         return Path(on_path)
     built = LOCAL / "bin" / "helm"
-    if not built.exists():
-        go = shutil.which("go")
-        if go is None:
-            fail("helm: neither helm nor a Go toolchain (to build it) is on the PATH")
-        log(f"building helm {HELM_VERSION} with go install (a minute or two, once)")
-        run(
-            [go, "install", f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"],
-            env={**os.environ, "GOBIN": str(built.parent)},
-        )
+    with build_lock("helm"):
+        if not built.exists():
+            go = shutil.which("go")
+            if go is None:
+                fail("helm: neither helm nor a Go toolchain (to build it) is on the PATH")
+            log(f"building helm {HELM_VERSION} with go install (a minute or two, once)")
+            run(
+                [go, "install", f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"],
+                env={**os.environ, "GOBIN": str(built.parent)},
+            )
     return built
 
 
