@@ -13,8 +13,9 @@ test: prebuild install services-up
 # The chart tests' Go builds (helm; kube-apiserver and etcd, minutes on a fresh machine) run in
 # the background while the rest installs and starts; the tests wait for them (a lock each).
 prebuild:
-	@mkdir -p .local && ($(PYTHON) scripts/services.py helm && $(PYTHON) scripts/kube.py build) \
-		> .local/prebuild.log 2>&1 &
+	@mkdir -p .local
+	@$(PYTHON) scripts/kube.py build > .local/prebuild-kube.log 2>&1 &
+	@$(PYTHON) scripts/services.py helm > .local/prebuild-helm.log 2>&1 &
 
 # Unit tests only: no services needed.
 test-fast: install
