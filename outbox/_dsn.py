@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import SecretStr
 
 from outbox._errors import InvalidConfigError
@@ -48,6 +48,25 @@ def parse_dsn(dsn: str, what: str = "the DSN") -> dict[str, Any]:
             "password must be percent-encoded (%40, %2F)"
         )
     return params
+
+
+# libpq's parameters that hold a secret (sslkey, passfile and the like name files: shown)
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+# Shown first, in this order: where it connects, then as whom; the rest as libpq parsed them
+_LEADING_PARAMETERS = ("host", "hostaddr", "port", "dbname", "user")
+MASK = "**********"  # as pydantic shows a SecretStr
+
+
+def masked_dsn(dsn: str) -> str:
+    """`dsn` as a keyword string with its secrets masked: what `outboxctl config` shows, so the
+    host, database and user in effect can be checked without the password being printed."""
+    params = parse_dsn(dsn)
+    order = {name: i for i, name in enumerate(_LEADING_PARAMETERS)}
+    shown = {
+        name: MASK if name in _SECRET_PARAMETERS else value
+        for name, value in sorted(params.items(), key=lambda kv: order.get(kv[0], len(order)))
+    }
+    return make_conninfo("", **shown)
 
 
 def check_dsn_setting(value: SecretStr, name: str) -> SecretStr:

@@ -40,7 +40,7 @@ from pydantic_settings import (
 
 from checker.config import CheckerSettings
 from outbox._core import OutboxConfig
-from outbox._dsn import check_dsn_setting
+from outbox._dsn import MASK, check_dsn_setting, masked_dsn
 from outbox._errors import InvalidTopicError
 from outbox._records import check_topic
 from relay.durations import Duration
@@ -63,7 +63,6 @@ _warned_unknown: set[str] = set()
 logger = logging.getLogger(__name__)
 
 
-MASK = "**********"  # as pydantic shows a SecretStr
 # librdkafka properties that hold secrets: *.password, *.secret, PEM keys, OAUTHBEARER configs,
 # key passphrases (sasl.oauthbearer.assertion.private.key.passphrase)
 _SECRET_PROPERTY = re.compile(
@@ -150,6 +149,11 @@ class DatabaseSettings(BaseModel):
     @classmethod
     def _parses(cls, v: SecretStr) -> SecretStr:
         return check_dsn_setting(v, "database.dsn")
+
+    @field_serializer("dsn", when_used="json")
+    def _shown(self, v: SecretStr | None) -> str | None:
+        """Host, port, database and user shown (`outboxctl config`), the password masked."""
+        return None if v is None else masked_dsn(v.get_secret_value())
 
 
 class HttpSettings(BaseModel):

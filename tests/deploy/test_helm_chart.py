@@ -146,7 +146,9 @@ def test_the_rendered_config_and_secret_are_what_the_sidecar_reads(
     assert settings["relay"]["shards"] == 4
     assert settings["relay"]["batch_size"] == 250  # env wins over the file
     assert settings["http"]["port"] == int(env["OUTBOX_HTTP__PORT"])
-    assert settings["database"]["dsn"] == "**********"  # read from the Secret, masked
+    # read from the Secret, its password masked
+    dsn = "host=db port=5432 dbname=orders user=relay password=**********"
+    assert settings["database"]["dsn"] == dsn
     assert "pw@" not in shown
 
 

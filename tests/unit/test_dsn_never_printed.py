@@ -3,6 +3,8 @@ the token they stumble on (a password) or the whole URI, and every failing round
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -105,3 +107,28 @@ def test_the_reconciliation_refuses_it(dsn: str, reason: str) -> None:
         jdbc_target(dsn)
     assert reason in str(refused.value)
     assert "2x" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("dsn", "shown"),
+    [
+        (
+            "postgresql://app:p%40ss%2Fhunter2x@db.example:5432/orders?sslmode=require",
+            "host=db.example port=5432 dbname=orders user=app password=********** sslmode=require",
+        ),
+        (
+            "user=app sslpassword=hunter2x dbname=orders host=h1,h2 password='hunter2x y'",
+            "host=h1,h2 dbname=orders user=app password=********** sslpassword=**********",
+        ),
+        ("postgresql:///orders?host=%2Fvar%2Frun%2Fpg", "host=/var/run/pg dbname=orders"),
+    ],
+)
+def test_config_shows_where_the_dsn_connects_and_masks_its_secrets(
+    dsn: str, shown: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", dsn)
+    monkeypatch.setenv("OUTBOX_CHECKER__ENABLED", "false")
+    assert main(["config"]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed)["database"]["dsn"] == shown
+    assert "hunter2x" not in printed
