@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -178,6 +178,7 @@ class Checker:
         rng: random.Random | None = None,
         http: ClientFactory | None = None,
         connect_timeout_s: float = 10.0,
+        connect_options: Mapping[str, Any] | None = None,
         checker_id: str | None = None,
         follow_database_clock: bool | None = None,
     ) -> None:
@@ -187,6 +188,8 @@ class Checker:
         self.checker_id = checker_id or f"{socket.gethostname()}-{os.getpid()}"
         self._dsn = dsn
         self._connect_timeout_s = connect_timeout_s
+        # psycopg.connect's, beyond the DSN (DatabaseSettings.connect_options: a pooler's needs)
+        self._connect_options = dict(connect_options or {})
         self._db_probe = DatabaseProbe(self._connect, wait_s=connect_timeout_s)
         self._clock = clock or utc_now
         # Scheduled by the database's clock: created_at and the other checkers' leases are its
@@ -236,6 +239,7 @@ class Checker:
             settings.database.dsn.get_secret_value(),
             settings.database.schema_name,
             connect_timeout_s=settings.database.connect_timeout_s,
+            connect_options=settings.database.connect_options(),
             **kwargs,
         )
 
@@ -254,6 +258,7 @@ class Checker:
             autocommit=True,
             connect_timeout=max(1, int(self._connect_timeout_s)),
             application_name=f"outbox-checker {self.checker_id}"[:63],
+            **self._connect_options,
             **options,
         )
 

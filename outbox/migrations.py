@@ -57,7 +57,10 @@ def migrate(
     try:
         if isinstance(conninfo_or_conn, str):
             parse_dsn(conninfo_or_conn)
-            with psycopg.connect(conninfo_or_conn) as conn:
+            # a migration runs each statement once or a few times: preparing gains nothing,
+            # and through a pooler in transaction pooling it fails (the next client to get the
+            # server connection finds the statement there, or the next statement lacks it)
+            with psycopg.connect(conninfo_or_conn, prepare_threshold=None) as conn:
                 return _migrate(conn, schema)
         if not isinstance(conninfo_or_conn, psycopg.Connection):  # typed callers cannot; others
             kind = type(conninfo_or_conn).__name__  # type: ignore[unreachable]
@@ -135,6 +138,7 @@ def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
                     ident
                 ),
                 (m.version, m.name),
+                prepare=False,  # run once per migration; a 5th run was prepared (see above)
             )
     return MigrationReport(schema, tuple(m.version for m in pending), latest_version())
 

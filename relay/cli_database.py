@@ -66,6 +66,9 @@ def connect(args: argparse.Namespace, **kwargs: Any) -> psycopg.Connection[Any]:
         database, _ = database_settings()
         timeout = database.connect_timeout_s if database is not None else 10.0
         kwargs.setdefault("connect_timeout", max(1, math.ceil(timeout)))  # whole seconds
+    # A command runs each statement a few times at most: preparing gains nothing, and through a
+    # pooler in transaction pooling (DatabaseSettings.transaction_pooling) it fails.
+    kwargs.setdefault("prepare_threshold", None)
     try:
         return psycopg.connect(dsn, **kwargs)
     except psycopg.OperationalError as exc:

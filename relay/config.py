@@ -139,6 +139,16 @@ class DatabaseSettings(BaseModel):
     )
     schema_name: str = Field(default="outbox", description="Schema of the outbox tables.")
     connect_timeout_s: float = Field(default=10.0, gt=0)
+    transaction_pooling: bool = Field(
+        default=False,
+        description="The DSN goes through a pooler in transaction pooling (PgBouncer's "
+        "pool_mode=transaction): no prepared statements (another client's server connection "
+        "has them, or lacks ours) and no LISTEN (relay.listen_notify off: poll only).",
+    )
+
+    def connect_options(self) -> dict[str, Any]:
+        """psycopg.connect's options these settings ask for, beyond the DSN."""
+        return {"prepare_threshold": None} if self.transaction_pooling else {}
 
     @field_validator("schema_name")
     @classmethod
@@ -344,6 +354,23 @@ class SidecarSettings(_FromEverywhere):
     checker: CheckerSettings = CheckerSettings()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = "json"
+
+    @model_validator(mode="after")
+    def _poll_only_through_a_pooler(self) -> Self:
+        """A pooler in transaction pooling gives each transaction any server connection, so a
+        LISTEN hears nothing: the relay polls. Said, not silently dropped, when asked for."""
+        if self.database.transaction_pooling and self.relay.listen_notify:
+            if "listen_notify" in self.relay.model_fields_set:
+                raise ValueError(
+                    "relay.listen_notify = true cannot work with database.transaction_pooling: "
+                    "a LISTEN through a transaction pooler hears nothing; leave listen_notify "
+                    "unset (the relay polls, every relay.poll_interval)"
+                )
+            # frozen models: set during validation, as pydantic itself sets fields
+            object.__setattr__(
+                self, "relay", self.relay.model_copy(update={"listen_notify": False})
+            )
+        return self
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod

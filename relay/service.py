@@ -184,6 +184,7 @@ class Relay:
             # libpq takes whole seconds, and 0 means none: round up
             connect_timeout=max(1, math.ceil(self.settings.database.connect_timeout_s)),
             application_name=f"outbox-relay {self.relay_id}"[:63],
+            **self.settings.database.connect_options(),
             **kwargs,
         )
 

@@ -3,6 +3,10 @@
 Usage: scripts/services up|down|status|env|spark-jars|helm|restart postgres|kafka
                         crash postgres|kafka
 
+`up` also starts a PgBouncer in transaction pooling in front of that Postgres
+(OUTBOX_PGBOUNCER_PORT, default the Postgres port + 1), when it can be installed: the tests of
+the sidecar's `database.transaction_pooling` go through it.
+
 `helm` prints the path of a Helm binary for the chart's tests: one on the PATH, else one built
 with `go install` into `.local/bin` (Helm is a Go module; the Go toolchain fetches it). The
 chart's tests also start a Kubernetes API server, with `scripts/kube.py`; `down` stops it too.
@@ -42,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LOCAL = ROOT / (os.environ.get("OUTBOX_LOCAL_DIR") or ".local")  # empty: the default, not ROOT
 HOST = "127.0.0.1"
 PG_PORT = int(os.environ.get("OUTBOX_PG_PORT", "55432"))
+PGBOUNCER_PORT = int(os.environ.get("OUTBOX_PGBOUNCER_PORT") or PG_PORT + 1)
 KAFKA_PORT = int(os.environ.get("OUTBOX_KAFKA_PORT", "59092"))
 CONTROLLER_PORT = int(os.environ.get("OUTBOX_KAFKA_CONTROLLER_PORT", "59093"))
 KAFKA_SASL_PORT = int(os.environ.get("OUTBOX_KAFKA_SASL_PORT") or KAFKA_PORT + 2)
@@ -52,6 +57,10 @@ SASL_USER, SASL_PASSWORD = "outbox-test", "outbox-test-secret"
 PG_DIR = LOCAL / "postgres"
 PG_DATA = PG_DIR / "data"
 PG_LOG = PG_DIR / "postgres.log"
+PGBOUNCER_DIR = LOCAL / "pgbouncer"
+PGBOUNCER_INI = PGBOUNCER_DIR / "pgbouncer.ini"
+PGBOUNCER_LOG = PGBOUNCER_DIR / "pgbouncer.log"
+PGBOUNCER_PID = PGBOUNCER_DIR / "pgbouncer.pid"
 KAFKA_DIR = LOCAL / "kafka"
 KAFKA_LIBS = KAFKA_DIR / "libs"
 KAFKA_DATA = KAFKA_DIR / "data"
@@ -245,6 +254,110 @@ def postgres_down(mode: str = "fast") -> None:
         stderr=subprocess.DEVNULL,
     )
     log("postgres stopped" if mode == "fast" else f"postgres stopped ({mode})")
+
+
+# --- PgBouncer, in transaction pooling ----------------------------------------------------------
+# In front of the Postgres above, as many deployments put it: the relay's and checker's
+# `database.transaction_pooling` setting is tested through it. Optional: without it (no root to
+# install it), `up` says so and the tests that need it are skipped.
+
+
+def pgbouncer_bin() -> Path | None:
+    found = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+    return Path(found) if Path(found).exists() else None
+
+
+def install_pgbouncer() -> Path | None:
+    if found := pgbouncer_bin():
+        return found
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    if sudo and not shutil.which("sudo"):
+        log("PgBouncer is not installed and installing it needs root: its tests are skipped")
+        return None
+    log("PgBouncer is not installed: installing it from Debian's packages")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    installed = subprocess.run(
+        [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "pgbouncer"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if installed.returncode != 0:  # the package lists may be stale on a fresh machine
+        run([*sudo, "apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL)
+        run(
+            [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "pgbouncer"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
+    return pgbouncer_bin()
+
+
+def pgbouncer_config() -> str:
+    """Transaction pooling with a small pool, so that clients really share server connections
+    (what breaks prepared statements and LISTEN); any database, trusting the loopback's users
+    as the Postgres above does (PgBouncer still wants each user in its auth_file)."""
+    return f"""[databases]
+* = host={HOST} port={PG_PORT}
+
+[pgbouncer]
+listen_addr = {HOST}
+listen_port = {PGBOUNCER_PORT}
+unix_socket_dir =
+auth_type = trust
+auth_file = {PGBOUNCER_DIR / "users.txt"}
+pool_mode = transaction
+default_pool_size = 4
+max_client_conn = 200
+server_login_retry = 1
+ignore_startup_parameters = extra_float_digits
+logfile = {PGBOUNCER_LOG}
+pidfile = {PGBOUNCER_PID}
+"""
+
+
+def pgbouncer_pid() -> int | None:
+    """PgBouncer's pid, if its pid file names a running PgBouncer (not a stranger reusing it)."""
+    try:
+        pid = int(PGBOUNCER_PID.read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return None
+    return pid if b"pgbouncer" in cmdline and str(PGBOUNCER_INI).encode() in cmdline else None
+
+
+def pgbouncer_up() -> bool:
+    binary = install_pgbouncer()
+    if binary is None:
+        return False
+    if pgbouncer_pid() is not None and port_open(PGBOUNCER_PORT):
+        log(f"pgbouncer already running on {HOST}:{PGBOUNCER_PORT}")
+        return True
+    if port_open(PGBOUNCER_PORT):  # optional: said, and its tests are skipped
+        log(
+            f"port {PGBOUNCER_PORT} is taken by another process (set OUTBOX_PGBOUNCER_PORT): "
+            "pgbouncer not started, its tests are skipped"
+        )
+        return False
+    PGBOUNCER_DIR.mkdir(parents=True, exist_ok=True)
+    PGBOUNCER_INI.write_text(pgbouncer_config())
+    (PGBOUNCER_DIR / "users.txt").write_text('"postgres" ""\n')
+    prefix = pg_user_prefix()  # it refuses to run as root, as Postgres does
+    if prefix:
+        for path in (PGBOUNCER_DIR, *PGBOUNCER_DIR.iterdir()):
+            shutil.chown(path, "postgres", "postgres")
+    run([*prefix, str(binary), "-d", str(PGBOUNCER_INI)], stdout=subprocess.DEVNULL)
+    wait_until("pgbouncer", lambda: port_open(PGBOUNCER_PORT), 30, PGBOUNCER_LOG)
+    log(f"pgbouncer (transaction pooling) ready on {HOST}:{PGBOUNCER_PORT} (log: {PGBOUNCER_LOG})")
+    return True
+
+
+def pgbouncer_down() -> None:
+    pid = pgbouncer_pid()
+    if pid is None:
+        return
+    terminate(pid, lambda: pgbouncer_pid(), 10)
+    log("pgbouncer stopped")
 
 
 # --- Kafka ------------------------------------------------------------------------------------
@@ -548,11 +661,14 @@ def env_lines() -> list[str]:
         f"OUTBOX_TEST_KAFKA_SASL_SSL=sasl://{SASL_USER}:{SASL_PASSWORD}@{HOST}:{KAFKA_SSL_PORT}"
         f"?ca={KAFKA_CA}",
         f"OUTBOX_SPARK_JARS={jars}",
+        # a PgBouncer in transaction pooling before that Postgres, if one runs: host:port
+        *([f"OUTBOX_TEST_PGBOUNCER={HOST}:{PGBOUNCER_PORT}"] if pgbouncer_pid() else []),
     ]
 
 
 def up() -> None:
     postgres_up()
+    pgbouncer_up()
     kafka_up()
     jars = spark_jars()
     if jars:
@@ -566,6 +682,10 @@ def status() -> int:
     pg = bool(bindir) and pg_running() and pg_ready(bindir)  # type: ignore[arg-type]
     kafka = kafka_pid() is not None and kafka_answers()
     print(f"postgres  {'up' if pg else 'down':4}  {HOST}:{PG_PORT}  log {PG_LOG}")
+    bouncer = pgbouncer_pid() is not None and port_open(PGBOUNCER_PORT)
+    print(
+        f"pgbouncer {'up' if bouncer else 'down':4}  {HOST}:{PGBOUNCER_PORT}  log {PGBOUNCER_LOG}"
+    )
     print(
         f"kafka     {'up' if kafka else 'down':4}  {HOST}:{KAFKA_PORT} (SASL PLAIN "
         f"{KAFKA_SASL_PORT}, over TLS {KAFKA_SSL_PORT})  logs {KAFKA_LOGS}"
@@ -585,6 +705,7 @@ def main(argv: list[str]) -> int:
 
         kube.down()
         kafka_down()
+        pgbouncer_down()
         postgres_down()
         return 0
     if cmd == "status":

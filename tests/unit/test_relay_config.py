@@ -215,3 +215,35 @@ def test_a_relay_id_longer_than_its_wake_ups_may_carry_is_refused_by_name() -> N
     assert RelaySettings(relay_id="r" * 200).relay_id == "r" * 200
     with pytest.raises(ValidationError, match=r"relay_id\n.*at most 200 characters"):
         RelaySettings(relay_id="r" * 201)
+
+
+def test_transaction_pooling_turns_listen_off_and_prepared_statements_off(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://app@pgbouncer:6432/app")
+    plain = load_settings()
+    assert plain.relay.listen_notify is True
+    assert plain.database.connect_options() == {}
+    monkeypatch.setenv("OUTBOX_DATABASE__TRANSACTION_POOLING", "true")
+    pooled = load_settings()
+    assert pooled.relay.listen_notify is False  # a LISTEN through the pooler hears nothing
+    assert pooled.database.connect_options() == {"prepare_threshold": None}
+    assert '"listen_notify":false' in pooled.model_dump_json()  # as `outboxctl config` shows
+
+
+@pytest.mark.parametrize("where", ["environment", "file"])
+def test_listen_asked_for_through_a_transaction_pooler_is_refused_by_name(
+    where: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://app@pgbouncer:6432/app")
+    monkeypatch.setenv("OUTBOX_DATABASE__TRANSACTION_POOLING", "true")
+    config = None
+    if where == "environment":
+        monkeypatch.setenv("OUTBOX_RELAY__LISTEN_NOTIFY", "true")
+    else:
+        config = tmp_path / "sidecar.toml"
+        config.write_text("[relay]\nlisten_notify = true\n")
+    with pytest.raises(ValidationError, match="listen_notify = true cannot work with database"):
+        load_settings(config)
+    monkeypatch.setenv("OUTBOX_RELAY__LISTEN_NOTIFY", "false")  # said off: taken
+    assert load_settings(config).relay.listen_notify is False
