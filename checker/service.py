@@ -253,7 +253,7 @@ class Checker:
         return self._conn
 
     def _connect(self, **options: Any) -> psycopg.Connection[Any]:
-        return psycopg.connect(
+        conn = psycopg.connect(
             self._dsn,
             autocommit=True,
             connect_timeout=max(1, int(self._connect_timeout_s)),
@@ -261,6 +261,10 @@ class Checker:
             **self._connect_options,
             **options,
         )
+        # Its claims and verdicts are written for READ COMMITTED, whatever the database's
+        # default (each transaction block says its level: no session state)
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        return conn
 
     def _now(self) -> datetime:
         return self._clock() + self._skew

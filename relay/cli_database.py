@@ -70,9 +70,13 @@ def connect(args: argparse.Namespace, **kwargs: Any) -> psycopg.Connection[Any]:
     # pooler in transaction pooling (DatabaseSettings.transaction_pooling) it fails.
     kwargs.setdefault("prepare_threshold", None)
     try:
-        return psycopg.connect(dsn, **kwargs)
+        conn = psycopg.connect(dsn, **kwargs)
     except psycopg.OperationalError as exc:
         raise psycopg.OperationalError(f"cannot connect to {_where(given)}: {exc}") from exc
+    # as the relay and checker run: their statements are written for READ COMMITTED, whatever
+    # the database's default (each transaction block says its level)
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    return conn
 
 
 def _where(given: dict[str, Any]) -> str:

@@ -179,7 +179,7 @@ class Relay:
     # --- connections ------------------------------------------------------------------------
 
     def _connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
-        return psycopg.connect(
+        conn = psycopg.connect(
             self.settings.database.dsn.get_secret_value(),
             # libpq takes whole seconds, and 0 means none: round up
             connect_timeout=max(1, math.ceil(self.settings.database.connect_timeout_s)),
@@ -187,6 +187,11 @@ class Relay:
             **self.settings.database.connect_options(),
             **kwargs,
         )
+        # Claims, stamps and ends are written for READ COMMITTED. A database or role default of
+        # SERIALIZABLE failed them round after round ("could not serialize access"): nothing
+        # went out. Each transaction says its level (BEGIN ISOLATION LEVEL ...): no session state.
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        return conn
 
     @property
     def conn(self) -> psycopg.Connection[Any]:

@@ -1,0 +1,50 @@
+"""The relay and checker on a database whose defaults a DBA changed: they pin what they rely on.
+
+`ALTER DATABASE ... SET default_transaction_isolation = 'serializable'` (or 'repeatable read',
+or on the role) made every relay transaction run so. Its rounds then failed with "could not
+serialize access due to concurrent update", round after round: nothing went out.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from tests.fixtures.kafka import consume_all
+from tests.fixtures.relay import RelayProcess
+from tests.integration.test_relay_crashes import FAST, publish, undelivered, wait_for
+
+
+@pytest.mark.parametrize("isolation", ["serializable", "repeatable read"])
+def test_a_stricter_isolation_default_does_not_fail_the_relays_rounds(
+    isolation: str,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        database = conn.info.dbname
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET default_transaction_isolation = {}").format(
+                sql.Identifier(database), sql.Literal(isolation)
+            )
+        )
+    with psycopg.connect(pg_dsn) as conn:  # new sessions take it
+        assert conn.execute("SHOW default_transaction_isolation").fetchone() == (isolation,)
+    topic = topic_factory(partitions=3)
+    relay = relay_process(shards=4, batch_size=10, **FAST)
+    sent = []
+    for round_ in range(8):  # while the relay runs: its shards end batches side by side
+        sent += publish(pg_dsn, topic, transactions=60, per_tx=1, tag=f"r{round_}-")
+    wait_for(lambda: undelivered(pg_dsn) == 0, 90, "delivery", relay)
+    assert relay.terminate() == 0, relay.output()
+    said = relay.output()
+    assert "could not serialize" not in said
+    assert "did not end here" not in said
+    arrived = Counter(m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed"))
+    assert arrived == Counter(sent)
