@@ -62,6 +62,7 @@ from outbox._errors import (
 )
 from outbox._sync import Outbox
 from outbox.migrations import schema_problem
+from relay.dbconnect import own_transaction_mode
 from relay.dbprobe import DatabaseProbe
 
 if TYPE_CHECKING:
@@ -261,10 +262,7 @@ class Checker:
             **self._connect_options,
             **options,
         )
-        # Its claims and verdicts are written for READ COMMITTED, whatever the database's
-        # default (each transaction block says its level: no session state)
-        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-        return conn
+        return own_transaction_mode(conn)  # its claims and verdicts: in transaction blocks
 
     def _now(self) -> datetime:
         return self._clock() + self._skew

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from outbox._describe import describe
 from outbox._dsn import parse_dsn
 from relay.config import DatabaseLookupSettings, load_database_settings
+from relay.dbconnect import own_transaction_mode
 
 
 def database_settings() -> tuple[DatabaseLookupSettings | None, str]:
@@ -73,10 +74,7 @@ def connect(args: argparse.Namespace, **kwargs: Any) -> psycopg.Connection[Any]:
         conn = psycopg.connect(dsn, **kwargs)
     except psycopg.OperationalError as exc:
         raise psycopg.OperationalError(f"cannot connect to {_where(given)}: {exc}") from exc
-    # as the relay and checker run: their statements are written for READ COMMITTED, whatever
-    # the database's default (each transaction block says its level)
-    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-    return conn
+    return own_transaction_mode(conn)  # as the relay and checker run
 
 
 def _where(given: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ from outbox.migrations import schema_problem
 from relay import metrics
 from relay.background import BackgroundConnection
 from relay.config import MIN_OP_MARKER_MESSAGE_BYTES, SidecarSettings
+from relay.dbconnect import own_transaction_mode
 from relay.dbprobe import DatabaseProbe
 from relay.kafka import (
     DEAD_LETTER_TOPIC_CONFIG,
@@ -187,11 +188,7 @@ class Relay:
             **self.settings.database.connect_options(),
             **kwargs,
         )
-        # Claims, stamps and ends are written for READ COMMITTED. A database or role default of
-        # SERIALIZABLE failed them round after round ("could not serialize access"): nothing
-        # went out. Each transaction says its level (BEGIN ISOLATION LEVEL ...): no session state.
-        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-        return conn
+        return own_transaction_mode(conn)
 
     @property
     def conn(self) -> psycopg.Connection[Any]:

@@ -1,4 +1,4 @@
-"""The relay and checker on a database whose defaults a DBA changed: they pin what they rely on.
+"""The relay on a database whose defaults a DBA changed: it pins what it relies on (dbconnect.py).
 
 `ALTER DATABASE ... SET default_transaction_isolation = 'serializable'` (or 'repeatable read',
 or on the role) made every relay transaction run so. Its rounds then failed with "could not
@@ -46,5 +46,29 @@ def test_a_stricter_isolation_default_does_not_fail_the_relays_rounds(
     said = relay.output()
     assert "could not serialize" not in said
     assert "did not end here" not in said
+    arrived = Counter(m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed"))
+    assert arrived == Counter(sent)
+
+
+def test_a_read_only_database_default_does_not_stop_the_relay(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """default_transaction_read_only = on (a DBA's guard against stray writes): every relay
+    write failed, "cannot execute ... in a read-only transaction", round after round."""
+    topic = topic_factory()
+    sent = publish(pg_dsn, topic, transactions=30, per_tx=2)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(
+                sql.Identifier(conn.info.dbname)
+            )
+        )
+    relay = relay_process(shards=2, batch_size=10, **FAST)
+    wait_for(lambda: undelivered(pg_dsn) == 0, 60, "delivery", relay)
+    assert relay.terminate() == 0, relay.output()
+    assert "read-only transaction" not in relay.output()
     arrived = Counter(m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed"))
     assert arrived == Counter(sent)
