@@ -360,7 +360,7 @@ class SidecarSettings(_FromEverywhere):
         """A pooler in transaction pooling gives each transaction any server connection, so a
         LISTEN hears nothing: the relay polls. Said, not silently dropped, when asked for."""
         if self.database.transaction_pooling and self.relay.listen_notify:
-            if "listen_notify" in self.relay.model_fields_set:
+            if "listen_notify" in self.relay.model_fields_set and self.relay.enabled:
                 raise ValueError(
                     "relay.listen_notify = true cannot work with database.transaction_pooling: "
                     "a LISTEN through a transaction pooler hears nothing; leave listen_notify "

@@ -276,20 +276,12 @@ def install_pgbouncer() -> Path | None:
         return None
     log("PgBouncer is not installed: installing it from Debian's packages")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    installed = subprocess.run(
-        [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "pgbouncer"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    if installed.returncode != 0:  # the package lists may be stale on a fresh machine
-        run([*sudo, "apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL)
-        run(
-            [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "pgbouncer"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
+    install = [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "pgbouncer"]
+    quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    if subprocess.run(install, **quiet).returncode != 0:  # package lists stale on a new machine
+        subprocess.run([*sudo, "apt-get", "update", "-q"], **quiet)
+        if subprocess.run(install, **quiet).returncode != 0:  # optional: said, not fatal
+            log(f"installing PgBouncer failed (`{' '.join(install)}`): its tests are skipped")
     return pgbouncer_bin()
 
 
@@ -310,6 +302,9 @@ pool_mode = transaction
 default_pool_size = 4
 max_client_conn = 200
 server_login_retry = 1
+# How long a statement may wait for a server connection (default 120 s): while Postgres was
+# down, a relay's statement waited that long, past its shutdown grace (README, Behind PgBouncer)
+query_wait_timeout = 10
 ignore_startup_parameters = extra_float_digits
 logfile = {PGBOUNCER_LOG}
 pidfile = {PGBOUNCER_PID}
@@ -340,14 +335,30 @@ def pgbouncer_up() -> bool:
         )
         return False
     PGBOUNCER_DIR.mkdir(parents=True, exist_ok=True)
+    # Not ours (pgbouncer_pid said so): a pid file naming any live process, after a reboot
+    # reused its pid, made PgBouncer refuse to start ("another instance running?").
+    PGBOUNCER_PID.unlink(missing_ok=True)
     PGBOUNCER_INI.write_text(pgbouncer_config())
     (PGBOUNCER_DIR / "users.txt").write_text('"postgres" ""\n')
     prefix = pg_user_prefix()  # it refuses to run as root, as Postgres does
     if prefix:
         for path in (PGBOUNCER_DIR, *PGBOUNCER_DIR.iterdir()):
             shutil.chown(path, "postgres", "postgres")
-    run([*prefix, str(binary), "-d", str(PGBOUNCER_INI)], stdout=subprocess.DEVNULL)
-    wait_until("pgbouncer", lambda: port_open(PGBOUNCER_PORT), 30, PGBOUNCER_LOG)
+    started = subprocess.run(
+        [*prefix, str(binary), "-d", str(PGBOUNCER_INI)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while started.returncode == 0 and not port_open(PGBOUNCER_PORT):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if started.returncode != 0 or not port_open(PGBOUNCER_PORT):  # optional: said, not fatal
+        said = started.stderr.strip() or f"see {PGBOUNCER_LOG}"
+        log(f"pgbouncer did not start ({said}): its tests are skipped")
+        return False
     log(f"pgbouncer (transaction pooling) ready on {HOST}:{PGBOUNCER_PORT} (log: {PGBOUNCER_LOG})")
     return True
 
