@@ -209,6 +209,11 @@ class Row:
     commit_ts: datetime | None = None
     reason: str | None = None
 
+    @property
+    def size(self) -> int:
+        """Bytes of key and value, as relay.sql's claims count them for batch_max_bytes."""
+        return len(self.key or b"") + len(self.value or b"")
+
     @classmethod
     def from_db(cls, r: tuple[Any, ...], **rest: Any) -> Row:
         """From a query row whose first columns are those of relay.sql's record queries."""
@@ -251,6 +256,8 @@ class _Batch:
     ended: list[Row] = field(default_factory=list)
     held_back: int = 0  # transactions claimed that wait for another shard (see _claim)
     cut_short: bool = False  # claimed fewer than a batch's rows, and there were more
+    bytes_full: bool = False  # its keys and values reached batch_max_bytes
+    ended_full: bool = False  # rows to end (relay_unmarked) up to a batch's count or bytes
     unstamped_seen: UnstampedSeen | None = None
     # (commit time, xid8) of the last transaction taken before any held back: once this batch
     # is committed in Kafka, the shard's next claims start past it (ShardWorker._claimed_past)
@@ -259,6 +266,10 @@ class _Batch:
     @property
     def committed(self) -> list[Row]:
         return [r for tx in self.transactions for r in tx]
+
+    def full(self, batch_size: int) -> bool:
+        """A whole batch of records, by count or by bytes: more may be waiting."""
+        return self.bytes_full or sum(len(tx) for tx in self.transactions) >= batch_size
 
 
 @dataclass(frozen=True)
@@ -707,6 +718,7 @@ class ShardWorker:
                 **self.key_range,
                 "hold_back": hold_back,
                 "limit": limit or s.batch_size,
+                "max_bytes": s.batch_max_bytes,
                 # only those that may have rows here: a generic plan checks each row it reads
                 # against the whole array (Postgres hashes only a constant one)
                 "ending": pgarray.words(skip_xids + out.spanning),
@@ -743,7 +755,7 @@ class ShardWorker:
             batch.cut_short = sum(1 for r in rows if lo <= r[8] <= hi) >= limit
         earliest = self._earliest_elsewhere(conn, by_tx, skip_xids + out.all)
         waiting_keys: set[int] = set()  # keys of the transactions held back
-        count = 0
+        count = size = 0
         for xid, tx_rows in by_tx.items():
             commit_ts = tx_rows[0].commit_ts
             assert commit_ts is not None  # the claim gives every row its transaction's
@@ -760,9 +772,16 @@ class ShardWorker:
             if not batch.held_back:  # none before it is left behind
                 batch.claimed_through = (commit_ts, xid)
             count += len(tx_rows)
+            size += sum(r.size for r in tx_rows)
+            if size >= s.batch_max_bytes:
+                batch.bytes_full = True
+                break
             if count >= s.batch_size:
                 break
         batch.ended = [Row.from_db(r, state=r[9], reason=r[10]) for r in unmarked]
+        batch.ended_full = len(batch.ended) >= s.batch_size or (
+            sum(r.size for r in batch.ended) >= s.batch_max_bytes
+        )
         if seen is not None and unstamped is not None:
             horizon, left, lowest = seen.fetchone()  # type: ignore[misc]
             batch.unstamped_seen = UnstampedSeen(
@@ -812,6 +831,7 @@ class ShardWorker:
             {
                 **self.key_range,
                 "limit": self.settings.batch_size,
+                "max_bytes": self.settings.batch_max_bytes,
                 "ending": pgarray.integers(skip_ids),
             },
             binary=True,
@@ -999,7 +1019,7 @@ class ShardWorker:
         except Exception as exc:  # the claim is made again, on the relay's connection
             logger.info("shard %s: the claim made in the background failed: %s", self.shard, exc)
             return None
-        if len(batch.committed) < self.settings.batch_size:
+        if not batch.full(self.settings.batch_size):
             return None
         return batch
 
@@ -1051,7 +1071,10 @@ class ShardWorker:
         # Held back, but some went: those sent may be what the held-back ones wait for (when
         # this relay owns the other shard too, its round right after sends them).
         result = ShardRound(
-            full=len(committed) >= self.settings.batch_size
+            full=batch.full(self.settings.batch_size)
+            # rows to end up to a batch, all of them ended now (a dead-letter topic that
+            # refuses copies leaves some for later: no round at once for those)
+            or (batch.ended_full and len(ended) == len(batch.ended))
             or bool(batch.held_back and committed)
             or (batch.cut_short and not batch.held_back),  # held back: wait, not spin
             held_back=batch.held_back > 0,
@@ -1160,7 +1183,7 @@ class ShardWorker:
             if row.id not in sent:
                 mark(row, None)
         awaiting = len(sent)  # records and dead-letter copies without a report yet
-        if claim_next is not None and len(committed) >= self.settings.batch_size and not doomed:
+        if claim_next is not None and batch.full(self.settings.batch_size) and not doomed:
             claim_next()  # a drain: the next claim meanwhile (Kafka's reports and commit)
         if not awaiting:
             send_markers(batcher.take())

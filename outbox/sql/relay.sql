@@ -109,7 +109,8 @@ SET LOCAL plan_cache_mode TO DEFAULT;
 
 -- name: relay_claim
 -- The shard's next transactions in commit order, each complete: the shard's first `limit` rows
--- pick the transactions, and every committed row of those comes back, whatever its shard: the
+-- (fewer, where their keys and values reach `max_bytes`) pick the transactions, and every
+-- committed row of those comes back, whatever its shard: the
 -- stamped ones through the commit-order index, and the unstamped ones (another shard's relay has
 -- not stamped them yet, or this round did not stamp) by transaction id, each with its
 -- transaction's commit time, so that the caller sees which shards a transaction spans. The
@@ -138,34 +139,47 @@ WITH bound AS MATERIALIZED (
                              WHERE key_hash BETWEEN o.lo AND o.hi))
            ELSE %(hold_back)s::timestamptz END AS hold_back
 ),
+first AS (
+    -- The shard's first `limit` rows in commit order, with the bytes of their keys and values
+    -- (octet_length reads a TOASTed value's stored length, not the value).
+    (SELECT r.commit_ts, r.committed_xid, r.id,
+            coalesce(octet_length(r.key), 0) + coalesce(octet_length(r.value), 0) AS bytes
+     FROM {schema}.outbox_record AS r
+     WHERE r.state = 'committed' AND r.commit_ts IS NOT NULL
+       AND r.commit_ts < coalesce((SELECT hold_back FROM bound), 'infinity')
+       AND (r.commit_ts, r.committed_xid) > (%(after_ts)s::timestamptz, %(after_xid)s::xid8)
+       AND r.key_hash BETWEEN %(lo)s AND %(hi)s
+       AND r.committed_xid <> ALL(%(ending)s::xid8[])
+     ORDER BY r.commit_ts, r.committed_xid, r.id
+     LIMIT %(limit)s)
+    UNION ALL
+    SELECT u.commit_ts, u.committed_xid, u.id, u.bytes
+    FROM (
+        SELECT coalesce(pg_xact_commit_timestamp(r.committed_xid::xid), r.state_changed_at)
+                   AS commit_ts, r.committed_xid, r.id,
+               coalesce(octet_length(r.key), 0) + coalesce(octet_length(r.value), 0) AS bytes
+        FROM {schema}.outbox_record AS r
+        WHERE r.state = 'committed' AND r.commit_ts IS NULL
+          AND r.committed_xid >= %(stamped_below)s::xid8
+          AND r.committed_xid < (SELECT below FROM bound)
+          AND r.key_hash BETWEEN %(lo)s AND %(hi)s
+          AND r.committed_xid <> ALL(%(ending)s::xid8[])
+    ) AS u
+    WHERE u.commit_ts < coalesce((SELECT hold_back FROM bound), 'infinity')
+    ORDER BY 1, 2, 3
+    LIMIT %(limit)s
+),
 head AS (
+    -- Their transactions, from the rows up to the one whose bytes reach `max_bytes` (the first
+    -- row always): a batch is held in the relay's memory, and librdkafka holds a copy.
     SELECT DISTINCT h.commit_ts, h.committed_xid
     FROM (
-        (SELECT r.commit_ts, r.committed_xid, r.id
-         FROM {schema}.outbox_record AS r
-         WHERE r.state = 'committed' AND r.commit_ts IS NOT NULL
-           AND r.commit_ts < coalesce((SELECT hold_back FROM bound), 'infinity')
-           AND (r.commit_ts, r.committed_xid) > (%(after_ts)s::timestamptz, %(after_xid)s::xid8)
-           AND r.key_hash BETWEEN %(lo)s AND %(hi)s
-           AND r.committed_xid <> ALL(%(ending)s::xid8[])
-         ORDER BY r.commit_ts, r.committed_xid, r.id
-         LIMIT %(limit)s)
-        UNION ALL
-        SELECT u.commit_ts, u.committed_xid, u.id
-        FROM (
-            SELECT coalesce(pg_xact_commit_timestamp(r.committed_xid::xid), r.state_changed_at)
-                       AS commit_ts, r.committed_xid, r.id
-            FROM {schema}.outbox_record AS r
-            WHERE r.state = 'committed' AND r.commit_ts IS NULL
-              AND r.committed_xid >= %(stamped_below)s::xid8
-              AND r.committed_xid < (SELECT below FROM bound)
-              AND r.key_hash BETWEEN %(lo)s AND %(hi)s
-              AND r.committed_xid <> ALL(%(ending)s::xid8[])
-        ) AS u
-        WHERE u.commit_ts < coalesce((SELECT hold_back FROM bound), 'infinity')
-        ORDER BY 1, 2, 3
-        LIMIT %(limit)s
+        SELECT f.commit_ts, f.committed_xid,
+               sum(f.bytes) OVER (ORDER BY f.commit_ts, f.committed_xid, f.id
+                                  ROWS UNBOUNDED PRECEDING) - f.bytes AS bytes_before
+        FROM first AS f
     ) AS h
+    WHERE h.bytes_before < %(max_bytes)s
 )
 SELECT r.id, r.producer_group, r.tx_id, r.topic, r.key, r.value,
        nullif(r.headers, '[]'::jsonb), r.partition, r.key_hash,
@@ -225,15 +239,26 @@ SELECT set_config('lock_timeout', '0', true), pg_notify(%(channel)s, %(relay_id)
 
 -- name: relay_unmarked
 -- Rolled back, discarded and parked rows whose op marker (and dead-letter copy) is not out yet;
--- `ending`: those whose marker is committed and that are being ended meanwhile.
-SELECT id, producer_group, tx_id, topic, key, value, nullif(headers, '[]'::jsonb), partition,
-       key_hash, state, reason
-FROM {schema}.outbox_record
-WHERE ended_at IS NULL AND state IN ('rolled_back', 'discarded', 'parked')
-  AND key_hash BETWEEN %(lo)s AND %(hi)s
-  AND id <> ALL(%(ending)s::bigint[])
-ORDER BY id
-LIMIT %(limit)s;
+-- `ending`: those whose marker is committed and that are being ended meanwhile. Up to the row
+-- whose key and value reach `max_bytes` (the first always): parked ones are often the largest.
+SELECT id, producer_group, tx_id, topic, key, value, headers, partition, key_hash, state, reason
+FROM (
+    SELECT u.*, sum(u.bytes) OVER (ORDER BY u.id ROWS UNBOUNDED PRECEDING) - u.bytes
+                    AS bytes_before
+    FROM (
+        SELECT id, producer_group, tx_id, topic, key, value, nullif(headers, '[]'::jsonb)
+                   AS headers, partition, key_hash, state, reason,
+               coalesce(octet_length(key), 0) + coalesce(octet_length(value), 0) AS bytes
+        FROM {schema}.outbox_record
+        WHERE ended_at IS NULL AND state IN ('rolled_back', 'discarded', 'parked')
+          AND key_hash BETWEEN %(lo)s AND %(hi)s
+          AND id <> ALL(%(ending)s::bigint[])
+        ORDER BY id
+        LIMIT %(limit)s
+    ) AS u
+) AS w
+WHERE bytes_before < %(max_bytes)s
+ORDER BY id;
 
 -- name: relay_lock_lease
 -- Inside the transaction that removes delivered rows: still ours? FOR UPDATE makes a takeover

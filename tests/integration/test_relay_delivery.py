@@ -571,6 +571,41 @@ def drain(relay: Relay) -> int:
             return delivered
 
 
+def test_a_claim_stops_at_batch_max_bytes_and_a_larger_transaction_goes_whole(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """By count alone, 1,000 records of 300 KB took 636 MB of the relay's memory (the chart's
+    limit is 256Mi: killed, it claimed the same batch again, for ever)."""
+    topic = topic_factory(partitions=2)
+    kb3 = "x" * 2_990  # with its 10-byte key: 3,000 bytes
+    with psycopg.connect(pg_dsn) as conn:
+        for t in range(6):  # one record each
+            with conn.transaction():
+                outbox.publish(conn, topic, kb3, key=f"key-{t:04d}")
+        with conn.transaction():  # 15,000 bytes: more than a batch, never split
+            outbox.publish_many(conn, [Record(topic, kb3, key=f"big-{i:04d}") for i in range(5)])
+        with conn.transaction():  # parked together (no such topic); their copies one by one
+            outbox.publish_many(
+                conn, [Record("no.such.topic", kb3, key=f"lost-{i:03d}") for i in range(5)]
+            )
+    relay = relay_factory(batch_size=1000, batch_max_bytes=10_000)
+    # the first rows up to the one that reaches 10,000 bytes: 4 (9,000 before the 4th)
+    first = relay.run_once()
+    assert (first.delivered, first.full) == (4, True)
+    second = relay.run_once()  # 2 more, then the large transaction whole: 7 records
+    assert (second.delivered, second.full) == (7, True)
+    third = relay.run_once()
+    assert (third.delivered, third.parked) == (0, 5)
+    # their dead-letter copies, with their values, by bytes too: 9,000 before the 4th
+    fourth = relay.run_once()
+    assert (fourth.ended, fourth.full) == (4, True)  # the next round at once, not a poll later
+    assert relay.run_once().ended == 1
+    delivered = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert sorted(m.key() or b"" for m in delivered) == sorted(
+        [f"key-{t:04d}".encode() for t in range(6)] + [f"big-{i:04d}".encode() for i in range(5)]
+    )
+
+
 def test_a_record_the_broker_refuses_in_a_backlog_is_parked_alone(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
