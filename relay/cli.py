@@ -56,7 +56,7 @@ def _cmd_schema_version(args: argparse.Namespace) -> int:
     """Exit 0 when this build's relay and checker can run on the schema: at this library's
     version or newer (migrations only add; a gate that wanted the exact number blocked the
     older pods of a rolling upgrade once the newer ones had migrated)."""
-    with connect(args) as conn:
+    with connect(args, write=False) as conn:
         at = current_version(conn, args.schema)
         problem = schema_problem(conn, args.schema)
     latest = latest_version()
@@ -119,7 +119,7 @@ def _json_default(value: object) -> str:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    with connect(args) as conn:
+    with connect(args, write=False) as conn:
         _require_schema(conn, args.schema)
         status = outbox_status(conn, args.schema)
     # every state, 0 too: a script reading states["parked"] got a KeyError when none was
@@ -148,7 +148,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_records(args: argparse.Namespace) -> int:
     try:
-        with connect(args) as conn:
+        with connect(args, write=False) as conn:
             _require_schema(conn, args.schema)
             found = list_records(
                 conn,

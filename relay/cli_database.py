@@ -56,11 +56,14 @@ def command_dsn(args: argparse.Namespace) -> str:
     return database.dsn.get_secret_value()
 
 
-def connect(args: argparse.Namespace, **kwargs: Any) -> psycopg.Connection[Any]:
+def connect(
+    args: argparse.Namespace, *, write: bool = True, **kwargs: Any
+) -> psycopg.Connection[Any]:
     """A connection for the command, given up after the sidecar's connect timeout (10 s) unless
     the DSN or PGCONNECT_TIMEOUT sets one: without one, a database that took the connection
     and never answered (a failover, a dropped route) left `outboxctl status` hanging for ever.
-    A failure names the host and database, never the password."""
+    A failure names the host and database, never the password. `write=False`: a command that
+    only reads, which then runs on a standby too (dbconnect.own_transaction_mode)."""
     dsn = command_dsn(args)
     given = conninfo_to_dict(dsn)
     if "connect_timeout" not in given and not os.environ.get("PGCONNECT_TIMEOUT"):
@@ -74,7 +77,7 @@ def connect(args: argparse.Namespace, **kwargs: Any) -> psycopg.Connection[Any]:
         conn = psycopg.connect(dsn, **kwargs)
     except psycopg.OperationalError as exc:
         raise psycopg.OperationalError(f"cannot connect to {_where(given)}: {exc}") from exc
-    return own_transaction_mode(conn)  # as the relay and checker run
+    return own_transaction_mode(conn, write=write)  # as the relay and checker run
 
 
 def _where(given: dict[str, Any]) -> str:

@@ -208,11 +208,7 @@ class Row:
     committed_xid: str | None = None
     commit_ts: datetime | None = None
     reason: str | None = None
-
-    @property
-    def size(self) -> int:
-        """Bytes of key and value, as relay.sql's claims count them for batch_max_bytes."""
-        return len(self.key or b"") + len(self.value or b"")
+    size: int = 0  # bytes of key, value and headers (as text), as relay.sql's claims count them
 
     @classmethod
     def from_db(cls, r: tuple[Any, ...], **rest: Any) -> Row:
@@ -255,6 +251,7 @@ class _Batch:
     transactions: list[list[Row]] = field(default_factory=list)
     ended: list[Row] = field(default_factory=list)
     held_back: int = 0  # transactions claimed that wait for another shard (see _claim)
+    held_back_bytes: int = 0  # their rows' bytes (Row.size)
     cut_short: bool = False  # claimed fewer than a batch's rows, and there were more
     bytes_full: bool = False  # its keys and values reached batch_max_bytes
     ended_full: bool = False  # rows to end (relay_unmarked) up to a batch's count or bytes
@@ -401,6 +398,7 @@ class ShardWorker:
         # and a round that stamps claims from the first row; so does a shard after recovery.
         self._claimed_past: tuple[datetime, str] | None = None
         self._claim_limit = settings.batch_size  # rows of its own the next claim reads
+        self._claim_bytes = settings.batch_max_bytes  # and their bytes (_next_claim_bytes)
         self._marker_offset_moved_at = time.monotonic()
         if lease.marker_partition not in (None, self.marker_partition):
             raise RuntimeError(
@@ -693,6 +691,7 @@ class ShardWorker:
         after: tuple[datetime, str] | None = None,
         limit: int | None = None,
         out_elsewhere: OutElsewhere | None = None,
+        max_bytes: int | None = None,
     ) -> _Batch:
         """The next committed transactions in commit order, and the rows waiting for their op
         marker (rolled back, discarded, parked), leaving out `skip_xids` (transactions) and
@@ -718,7 +717,7 @@ class ShardWorker:
                 **self.key_range,
                 "hold_back": hold_back,
                 "limit": limit or s.batch_size,
-                "max_bytes": s.batch_max_bytes,
+                "max_bytes": max_bytes or s.batch_max_bytes,
                 # only those that may have rows here: a generic plan checks each row it reads
                 # against the whole array (Postgres hashes only a constant one)
                 "ending": pgarray.words(skip_xids + out.spanning),
@@ -748,7 +747,7 @@ class ShardWorker:
             )
         rows = claimed.fetchall()  # one call into the C loader, not one per row
         for r in rows:
-            row = Row.from_db(r, state="committed", committed_xid=r[9], commit_ts=r[10])
+            row = Row.from_db(r, state="committed", committed_xid=r[9], commit_ts=r[10], size=r[12])
             by_tx.setdefault(r[9], []).append(row)
         if limit is not None and limit < s.batch_size:
             lo, hi = self.key_range["lo"], self.key_range["hi"]
@@ -765,6 +764,7 @@ class ShardWorker:
             ):
                 waiting_keys |= keys
                 batch.held_back += 1
+                batch.held_back_bytes += sum(r.size for r in tx_rows)
                 continue
             for row in tx_rows:  # rows another shard's relay has not stamped: the same time
                 row.commit_ts = commit_ts
@@ -778,7 +778,7 @@ class ShardWorker:
                 break
             if count >= s.batch_size:
                 break
-        batch.ended = [Row.from_db(r, state=r[9], reason=r[10]) for r in unmarked]
+        batch.ended = [Row.from_db(r, state=r[9], reason=r[10], size=r[11]) for r in unmarked]
         batch.ended_full = len(batch.ended) >= s.batch_size or (
             sum(r.size for r in batch.ended) >= s.batch_max_bytes
         )
@@ -892,8 +892,10 @@ class ShardWorker:
                     self._claimed_past,
                     self._claim_limit,
                     self._out_elsewhere(),
+                    self._claim_bytes,
                 )
         self._claim_limit = self._next_claim_limit(batch)
+        self._claim_bytes = self._next_claim_bytes(batch)
         claim_next = None
         if claim_ahead and self.claimer is not None:
             claim_next = functools.partial(self._start_claim_ahead, hold_back, unstamped, batch)
@@ -984,6 +986,15 @@ class ShardWorker:
         if not batch.held_back:
             return size if self._claim_limit >= size // 2 else self._claim_limit * 2
         return max(min(MIN_CLAIM_LIMIT, size), min(size, 2 * len(batch.committed)))
+
+    def _next_claim_bytes(self, batch: _Batch) -> int:
+        """The next claim's batch_max_bytes. The claim counts the bytes of transactions it then
+        holds back (they wait for another shard): a large one that waited took the whole budget,
+        and the shard's other keys never reached the claim. So the next claim reads past what
+        this one held back, up to twice the budget (memory stays bounded; beyond that, as with
+        batch_size, the other keys wait with it)."""
+        budget = self.settings.batch_max_bytes
+        return budget + min(batch.held_back_bytes, budget)
 
     def _ending_skips(self) -> tuple[list[str], list[int]]:
         """What the next claim leaves out: the batch whose rows are being ended."""

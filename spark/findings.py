@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import psycopg
 from psycopg.rows import dict_row
 
 from outbox._core import OutboxConfig
 from spark import _sql
 from spark.config import FINDING_KINDS
-from spark.sink import CONNECT_TIMEOUT_S, schema_needed
+from spark.sink import connect, schema_needed
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ def read_findings(
         raise ValueError(f"limit must be at least 1, not {limit}")
     schema = OutboxConfig(schema_name=schema).schema_name
     params = {"kinds": _kinds(kinds), "since": since, "limit": limit}
-    with psycopg.connect(dsn, connect_timeout=CONNECT_TIMEOUT_S) as conn, schema_needed(schema):
+    with connect(dsn, write=False) as conn, schema_needed(schema):
         cur = conn.cursor(row_factory=dict_row)
         rows = cur.execute(_sql.query("read_findings", schema), params).fetchall()
     return [Finding(**row) for row in rows]
@@ -102,7 +101,7 @@ def read_windows(
 ) -> list[WindowSummary]:
     """The newest summary windows first, with their findings counted by kind."""
     schema = OutboxConfig(schema_name=schema).schema_name
-    with psycopg.connect(dsn, connect_timeout=CONNECT_TIMEOUT_S) as conn, schema_needed(schema):
+    with connect(dsn, write=False) as conn, schema_needed(schema):
         cur = conn.cursor(row_factory=dict_row)
         rows = cur.execute(
             _sql.query("read_windows", schema), {"limit": limit, "since": since}

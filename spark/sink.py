@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 
+from relay.dbconnect import own_transaction_mode
 from spark import _sql
 from spark._errors import ReconcileConfigError
 
@@ -26,8 +27,11 @@ PRUNE_BATCH = 10_000  # rows a transaction: ~0.1-0.3 s each
 PRUNE_MAX_ROWS = 200_000  # of each table a judgement: the rest waits for the next
 
 
-def connect(dsn: str) -> psycopg.Connection[Any]:
-    return psycopg.connect(dsn, connect_timeout=CONNECT_TIMEOUT_S)
+def connect(dsn: str, *, write: bool = True) -> psycopg.Connection[Any]:
+    """Its transactions READ COMMITTED (and READ WRITE to `write`), whatever the database's
+    defaults: under default_transaction_read_only the job's findings failed to be written."""
+    conn = psycopg.connect(dsn, connect_timeout=CONNECT_TIMEOUT_S)
+    return own_transaction_mode(conn, write=write)
 
 
 @contextmanager

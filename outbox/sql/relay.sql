@@ -140,10 +140,12 @@ WITH bound AS MATERIALIZED (
            ELSE %(hold_back)s::timestamptz END AS hold_back
 ),
 first AS (
-    -- The shard's first `limit` rows in commit order, with the bytes of their keys and values
-    -- (octet_length reads a TOASTed value's stored length, not the value).
+    -- The shard's first `limit` rows in commit order, with their bytes: keys and values (their
+    -- lengths: octet_length reads a TOASTed value's header, not the value) and the headers as
+    -- text (small as a rule; a compressible one's stored size would understate it).
     (SELECT r.commit_ts, r.committed_xid, r.id,
-            coalesce(octet_length(r.key), 0) + coalesce(octet_length(r.value), 0) AS bytes
+            coalesce(octet_length(r.key), 0) + coalesce(octet_length(r.value), 0)
+            + coalesce(octet_length(r.headers::text), 0) AS bytes
      FROM {schema}.outbox_record AS r
      WHERE r.state = 'committed' AND r.commit_ts IS NOT NULL
        AND r.commit_ts < coalesce((SELECT hold_back FROM bound), 'infinity')
@@ -157,7 +159,8 @@ first AS (
     FROM (
         SELECT coalesce(pg_xact_commit_timestamp(r.committed_xid::xid), r.state_changed_at)
                    AS commit_ts, r.committed_xid, r.id,
-               coalesce(octet_length(r.key), 0) + coalesce(octet_length(r.value), 0) AS bytes
+               coalesce(octet_length(r.key), 0) + coalesce(octet_length(r.value), 0)
+            + coalesce(octet_length(r.headers::text), 0) AS bytes
         FROM {schema}.outbox_record AS r
         WHERE r.state = 'committed' AND r.commit_ts IS NULL
           AND r.committed_xid >= %(stamped_below)s::xid8
@@ -183,7 +186,9 @@ head AS (
 )
 SELECT r.id, r.producer_group, r.tx_id, r.topic, r.key, r.value,
        nullif(r.headers, '[]'::jsonb), r.partition, r.key_hash,
-       r.committed_xid::text, r.commit_ts, r.committed_xid AS xid
+       r.committed_xid::text, r.commit_ts, r.committed_xid AS xid,
+       coalesce(octet_length(r.key), 0) + coalesce(octet_length(r.value), 0)
+           + coalesce(octet_length(r.headers::text), 0)  -- counted as `first` counts
 FROM head
 JOIN {schema}.outbox_record AS r
   ON r.commit_ts = head.commit_ts AND r.committed_xid = head.committed_xid
@@ -194,7 +199,9 @@ FROM head
 CROSS JOIN LATERAL (  -- lateral: a look-up per transaction, never a scan of all unstamped rows
     SELECT r.id, r.producer_group, r.tx_id, r.topic, r.key, r.value,
            nullif(r.headers, '[]'::jsonb), r.partition, r.key_hash,
-           r.committed_xid::text, head.commit_ts, r.committed_xid
+           r.committed_xid::text, head.commit_ts, r.committed_xid,
+           coalesce(octet_length(r.key), 0) + coalesce(octet_length(r.value), 0)
+               + coalesce(octet_length(r.headers::text), 0)
     FROM {schema}.outbox_record AS r
     WHERE r.committed_xid = head.committed_xid AND r.state = 'committed'
       AND r.commit_ts IS NULL
@@ -240,15 +247,18 @@ SELECT set_config('lock_timeout', '0', true), pg_notify(%(channel)s, %(relay_id)
 -- name: relay_unmarked
 -- Rolled back, discarded and parked rows whose op marker (and dead-letter copy) is not out yet;
 -- `ending`: those whose marker is committed and that are being ended meanwhile. Up to the row
--- whose key and value reach `max_bytes` (the first always): parked ones are often the largest.
-SELECT id, producer_group, tx_id, topic, key, value, headers, partition, key_hash, state, reason
+-- whose bytes (as relay_claim counts them) reach `max_bytes` (the first always): parked ones
+-- are often the largest.
+SELECT id, producer_group, tx_id, topic, key, value, headers, partition, key_hash, state, reason,
+       bytes
 FROM (
     SELECT u.*, sum(u.bytes) OVER (ORDER BY u.id ROWS UNBOUNDED PRECEDING) - u.bytes
                     AS bytes_before
     FROM (
         SELECT id, producer_group, tx_id, topic, key, value, nullif(headers, '[]'::jsonb)
                    AS headers, partition, key_hash, state, reason,
-               coalesce(octet_length(key), 0) + coalesce(octet_length(value), 0) AS bytes
+               coalesce(octet_length(key), 0) + coalesce(octet_length(value), 0)
+                   + coalesce(octet_length(headers::text), 0) AS bytes
         FROM {schema}.outbox_record
         WHERE ended_at IS NULL AND state IN ('rolled_back', 'discarded', 'parked')
           AND key_hash BETWEEN %(lo)s AND %(hi)s

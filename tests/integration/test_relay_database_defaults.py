@@ -1,4 +1,4 @@
-"""The relay on a database whose defaults a DBA changed: it pins what it relies on (dbconnect.py).
+"""The sidecar on a database whose defaults a DBA changed: it pins what it relies on (dbconnect.py).
 
 `ALTER DATABASE ... SET default_transaction_isolation = 'serializable'` (or 'repeatable read',
 or on the role) made every relay transaction run so. Its rounds then failed with "could not
@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 
 import psycopg
 import pytest
 from psycopg import sql
 
+import outbox
+from relay.cli import main
+from spark import sink
 from tests.fixtures.kafka import consume_all
 from tests.fixtures.relay import RelayProcess
 from tests.integration.test_relay_crashes import FAST, publish, undelivered, wait_for
@@ -72,3 +76,25 @@ def test_a_read_only_database_default_does_not_stop_the_relay(
     assert "read-only transaction" not in relay.output()
     arrived = Counter(m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed"))
     assert arrived == Counter(sent)
+
+
+def test_the_reconciliations_sink_and_outboxctl_write_under_a_read_only_default(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The sink wrote its findings in the database's default mode: "cannot execute CREATE
+    TABLE in a read-only transaction" (found by a review helper)."""
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        prepared = outbox.prepare(conn, "orders.created", "v", producer_group="g")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(
+                sql.Identifier(conn.info.dbname)
+            )
+        )
+    with sink.connect(pg_dsn) as conn:
+        sink.write_judgement(conn, "outbox", [], [], detected_in="test")
+        sink.prune(conn, "outbox", timedelta(days=1))
+    argv = ["resolve", "--dsn", pg_dsn, "--producer-group", "g", "--tx-id", prepared.tx_id]
+    assert main([*argv, "--commit", "--actor", "ops", "--reason", "checked by hand"]) == 0
+    assert main(["status", "--dsn", pg_dsn, "--json"]) == 0
+    assert '"committed": 1' in capsys.readouterr().out.splitlines()[-1]

@@ -577,7 +577,7 @@ def test_a_claim_stops_at_batch_max_bytes_and_a_larger_transaction_goes_whole(
     """By count alone, 1,000 records of 300 KB took 636 MB of the relay's memory (the chart's
     limit is 256Mi: killed, it claimed the same batch again, for ever)."""
     topic = topic_factory(partitions=2)
-    kb3 = "x" * 2_990  # with its 10-byte key: 3,000 bytes
+    kb3 = "x" * 2_988  # with its 10-byte key and no headers (`[]`): 3,000 bytes
     with psycopg.connect(pg_dsn) as conn:
         for t in range(6):  # one record each
             with conn.transaction():
@@ -604,6 +604,49 @@ def test_a_claim_stops_at_batch_max_bytes_and_a_larger_transaction_goes_whole(
     assert sorted(m.key() or b"" for m in delivered) == sorted(
         [f"key-{t:04d}".encode() for t in range(6)] + [f"big-{i:04d}".encode() for i in range(5)]
     )
+
+
+def test_headers_count_toward_batch_max_bytes(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Counted by key and value alone, records carrying their bytes in headers passed the
+    budget: 300 of 300 KB took the relay to 294 MB (found by a review helper)."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn:
+        for _ in range(6):  # ~4,000 bytes of headers each (base64, as stored), a 1-byte value
+            with conn.transaction():
+                outbox.publish(conn, topic, "v", headers={"blob": "y" * 3_000})
+    relay = relay_factory(batch_max_bytes=10_000)
+    first = relay.run_once()
+    assert (first.delivered, first.full) == (3, True)  # ~8,000 bytes before the 3rd
+    assert relay.run_once().delivered == 3
+
+
+def test_a_transaction_held_back_past_batch_max_bytes_does_not_hold_the_shards_other_keys(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Its rows counted in the claim's bytes: a large transaction waiting for another shard
+    took the whole budget, and the shard's other keys never reached the claim (found by a
+    review helper)."""
+    topic = topic_factory(partitions=2)
+    (a0, *others), (b0,) = keys_by_shard(pg_dsn, 2, 6)[0], keys_by_shard(pg_dsn, 2, 1)[1]
+    relay = relay_factory(shards=2, batch_max_bytes=10_000)
+    other = same_settings_other_id(relay_factory, relay, "other")
+    for r in (relay, other, relay, other):  # a shard each
+        r.heartbeat()
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():  # sent by shard 1 (its first record's), 15 KB in shard 0
+            outbox.publish(conn, topic, "home", key=b0)
+            for _ in range(3):
+                outbox.publish(conn, topic, "x" * 5000, key=a0)
+        for key in others:  # shard 0's own: nothing to wait for
+            with conn.transaction():
+                outbox.publish(conn, topic, "small", key=key)
+    shard0 = relay if 0 in relay.workers else other  # shard 1's relay does not run
+    first = shard0.run_once()
+    assert (first.delivered, first.held_back) == (0, True)  # the budget went to the waiting one
+    second = shard0.run_once()  # the claim reads past what it held back
+    assert (second.delivered, second.held_back) == (5, True)
 
 
 def test_a_record_the_broker_refuses_in_a_backlog_is_parked_alone(
