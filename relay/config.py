@@ -220,9 +220,9 @@ class RelaySettings(BaseModel):
     batch_max_bytes: int = Field(
         default=16 * 1024 * 1024,
         ge=1,
-        description="A claim stops taking transactions once their keys and values reach this "
-        "many bytes (a transaction whole, however large): the relay holds a batch in memory, "
-        "and librdkafka a copy. By count alone, 1,000 records of 300 KB took 636 MB.",
+        description="A claim stops taking transactions once their keys, values and headers "
+        "reach this many bytes (a transaction whole, however large): the relay holds a batch "
+        "in memory, and librdkafka a copy. By count alone, 1,000 records of 300 KB took 636 MB.",
     )
     linger: Duration = Field(
         default=timedelta(milliseconds=0),

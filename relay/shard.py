@@ -253,7 +253,7 @@ class _Batch:
     held_back: int = 0  # transactions claimed that wait for another shard (see _claim)
     held_back_bytes: int = 0  # their rows' bytes (Row.size)
     cut_short: bool = False  # claimed fewer than a batch's rows, and there were more
-    bytes_full: bool = False  # its keys and values reached batch_max_bytes
+    bytes_full: bool = False  # its records' bytes (Row.size) reached batch_max_bytes
     ended_full: bool = False  # rows to end (relay_unmarked) up to a batch's count or bytes
     unstamped_seen: UnstampedSeen | None = None
     # (commit time, xid8) of the last transaction taken before any held back: once this batch

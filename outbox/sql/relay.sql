@@ -109,15 +109,15 @@ SET LOCAL plan_cache_mode TO DEFAULT;
 
 -- name: relay_claim
 -- The shard's next transactions in commit order, each complete: the shard's first `limit` rows
--- (fewer, where their keys and values reach `max_bytes`) pick the transactions, and every
--- committed row of those comes back, whatever its shard: the
--- stamped ones through the commit-order index, and the unstamped ones (another shard's relay has
--- not stamped them yet, or this round did not stamp) by transaction id, each with its
--- transaction's commit time, so that the caller sees which shards a transaction spans. The
--- first rows are the stamped ones below the hold-back and, with `inline` (the usual round, which
--- stamps nothing), the unstamped rows of the shard from `stamped_below` up to the xid horizon,
--- with their commit time looked up: a stamp rewrote every row once more (a new row version, its
--- index entries, WAL), a third of the relay's time at a steady 7k records/s.
+-- (fewer, where their keys, values and headers reach `max_bytes`) pick the transactions, and every
+-- committed row of those comes back, whatever its shard: the stamped ones through the commit-order
+-- index, and the unstamped ones (another shard's relay has not stamped them yet, or this round did
+-- not stamp) by transaction id, each with its transaction's commit time, so that the caller sees
+-- which shards a transaction spans. The first rows are the stamped ones below the hold-back and,
+-- with `inline` (the usual round, which stamps nothing), the unstamped rows of the shard from
+-- `stamped_below` up to the xid horizon, with their commit time looked up: a stamp rewrote every
+-- row once more (a new row version, its index entries, WAL), a third of the relay's time at a
+-- steady 7k records/s.
 -- `after_ts`, `after_xid`: where the stamped rows start, past the transactions this shard's
 -- batches already took ('-infinity', 0: from the first). The index entries of rows ended stay
 -- until a vacuum, and every claim stepped over them all again: over a large backlog's drain a
