@@ -738,7 +738,7 @@ def main(argv: list[str]) -> int:
             kafka_kill()
         return 0
     if cmd == "spark-jars":  # only the jars, for machines whose services come from elsewhere
-        print(env_lines()[-1])
+        print(next(line for line in env_lines() if line.startswith("OUTBOX_SPARK_JARS=")))
         return 0
     if cmd == "helm":
         print(helm_bin())

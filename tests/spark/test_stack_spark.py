@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from confluent_kafka import Producer
 
 from tests.fixtures.kafka import TIMEOUT_S
+from tests.fixtures.services import Services, _script
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -51,3 +53,14 @@ def test_structured_streaming_reads_committed_records(
     assert query.exception() is None
     rows = spark.sql(f"SELECT value FROM {query.name}").collect()
     assert sorted(r.value for r in rows) == ["c1", "c2", "c3"]
+
+
+def test_the_services_script_gives_the_connector_jars(services: Services) -> None:
+    """What the spark_jars fixture reads when OUTBOX_SPARK_JARS is unset (CI): the script's
+    `spark-jars` printed the last of its lines, which became PgBouncer's address once a
+    PgBouncer ran, and every Spark test failed to set up."""
+    printed = _script("spark-jars")
+    assert list(printed) == ["OUTBOX_SPARK_JARS"]
+    jars = printed["OUTBOX_SPARK_JARS"].split(",")
+    assert any("spark-sql-kafka" in jar for jar in jars)
+    assert all(Path(jar).exists() for jar in jars)
