@@ -23,6 +23,16 @@ from tests.fixtures.relay import RelayProcess
 from tests.integration.test_relay_crashes import FAST, publish, undelivered, wait_for
 
 
+def set_database_default(dsn: str, setting: str, value: str) -> None:
+    """As a DBA sets it: for every new session of the test's database."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+                sql.Identifier(conn.info.dbname), sql.Identifier(setting), sql.Literal(value)
+            )
+        )
+
+
 @pytest.mark.parametrize("isolation", ["serializable", "repeatable read"])
 def test_a_stricter_isolation_default_does_not_fail_the_relays_rounds(
     isolation: str,
@@ -31,13 +41,7 @@ def test_a_stricter_isolation_default_does_not_fail_the_relays_rounds(
     topic_factory: Callable[..., str],
     relay_process: Callable[..., RelayProcess],
 ) -> None:
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        database = conn.info.dbname
-        conn.execute(
-            sql.SQL("ALTER DATABASE {} SET default_transaction_isolation = {}").format(
-                sql.Identifier(database), sql.Literal(isolation)
-            )
-        )
+    set_database_default(pg_dsn, "default_transaction_isolation", isolation)
     with psycopg.connect(pg_dsn) as conn:  # new sessions take it
         assert conn.execute("SHOW default_transaction_isolation").fetchone() == (isolation,)
     topic = topic_factory(partitions=3)
@@ -64,12 +68,7 @@ def test_a_read_only_database_default_does_not_stop_the_relay(
     write failed, "cannot execute ... in a read-only transaction", round after round."""
     topic = topic_factory()
     sent = publish(pg_dsn, topic, transactions=30, per_tx=2)
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(
-                sql.Identifier(conn.info.dbname)
-            )
-        )
+    set_database_default(pg_dsn, "default_transaction_read_only", "on")
     relay = relay_process(shards=2, batch_size=10, **FAST)
     wait_for(lambda: undelivered(pg_dsn) == 0, 60, "delivery", relay)
     assert relay.terminate() == 0, relay.output()
@@ -85,12 +84,7 @@ def test_the_reconciliations_sink_and_outboxctl_write_under_a_read_only_default(
     TABLE in a read-only transaction" (found by a review helper)."""
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         prepared = outbox.prepare(conn, "orders.created", "v", producer_group="g")
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(
-                sql.Identifier(conn.info.dbname)
-            )
-        )
+    set_database_default(pg_dsn, "default_transaction_read_only", "on")
     with sink.connect(pg_dsn) as conn:
         sink.write_judgement(conn, "outbox", [], [], detected_in="test")
         sink.prune(conn, "outbox", timedelta(days=1))
