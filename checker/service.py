@@ -62,7 +62,7 @@ from outbox._errors import (
 )
 from outbox._sync import Outbox
 from outbox.migrations import schema_problem
-from relay.dbconnect import own_transaction_mode
+from relay.dbconnect import dead_peer_options, own_transaction_mode
 from relay.dbprobe import DatabaseProbe
 
 if TYPE_CHECKING:
@@ -259,8 +259,11 @@ class Checker:
             autocommit=True,
             connect_timeout=max(1, int(self._connect_timeout_s)),
             application_name=f"outbox-checker {self.checker_id}"[:63],
-            **self._connect_options,
-            **options,
+            **{
+                **dead_peer_options(self._dsn, self._connect_timeout_s),
+                **self._connect_options,
+                **options,
+            },
         )
         return own_transaction_mode(conn)  # its claims and verdicts: in transaction blocks
 

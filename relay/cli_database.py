@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from outbox._describe import describe
 from outbox._dsn import parse_dsn
 from relay.config import DatabaseLookupSettings, load_database_settings
-from relay.dbconnect import own_transaction_mode
+from relay.dbconnect import dead_peer_options, own_transaction_mode
 
 
 def database_settings() -> tuple[DatabaseLookupSettings | None, str]:
@@ -62,14 +62,18 @@ def connect(
     """A connection for the command, given up after the sidecar's connect timeout (10 s) unless
     the DSN or PGCONNECT_TIMEOUT sets one: without one, a database that took the connection
     and never answered (a failover, a dropped route) left `outboxctl status` hanging for ever.
+    Its statements too, once the peer has answered nothing for that long (dead_peer_options).
     A failure names the host and database, never the password. `write=False`: a command that
     only reads, which then runs on a standby too (dbconnect.own_transaction_mode)."""
     dsn = command_dsn(args)
     given = conninfo_to_dict(dsn)
+    database, _ = database_settings()
+    timeout = database.connect_timeout_s if database is not None else 10.0
     if "connect_timeout" not in given and not os.environ.get("PGCONNECT_TIMEOUT"):
-        database, _ = database_settings()
-        timeout = database.connect_timeout_s if database is not None else 10.0
         kwargs.setdefault("connect_timeout", max(1, math.ceil(timeout)))  # whole seconds
+    # So is a statement on a connection whose peer then went silent (the same failover).
+    for name, value in dead_peer_options(dsn, timeout).items():
+        kwargs.setdefault(name, value)
     # A command runs each statement a few times at most: preparing gains nothing, and through a
     # pooler in transaction pooling (DatabaseSettings.transaction_pooling) it fails.
     kwargs.setdefault("prepare_threshold", None)

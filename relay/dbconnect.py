@@ -1,10 +1,33 @@
-"""How the sidecar's own connections begin their transactions, whatever the database's defaults."""
+"""How the sidecar's own connections give up on a peer gone silent, and begin their transactions
+whatever the database's defaults."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+
+def dead_peer_options(dsn: str, after_s: float) -> dict[str, int]:
+    """libpq's TCP options that end a connection whose peer has answered nothing for about
+    `after_s` (its data unacknowledged, or, idle, its keepalives), unless the DSN sets them.
+
+    A database host that failed, or one cut off by a partition or a moved address (a failover),
+    sends no reset: a statement on a connection to it waited for the kernel to give up, about
+    15 minutes on Linux, and the relay delivered nothing meanwhile, its probes green (they
+    connect anew, to the new primary). A slow statement is not cut: the server's kernel
+    acknowledges it and the keepalives while it runs."""
+    seconds = max(1, round(after_s))
+    options = {
+        "tcp_user_timeout": seconds * 1000,
+        "keepalives": 1,
+        "keepalives_idle": seconds,
+        "keepalives_interval": 1,
+        "keepalives_count": 3,
+    }
+    given = conninfo_to_dict(dsn)
+    return {name: value for name, value in options.items() if name not in given}
 
 
 def own_transaction_mode(

@@ -18,14 +18,14 @@ class DatabaseProbe:
     restart) fails once: the probe then tries a new one before it says the database is down.
 
     `connect` must return an autocommit connection (a probe must not leave a transaction open)
-    whose connect_timeout bounds a probe of a database that does not answer; it gets libpq's
-    TCP options that end a kept connection whose peer went away unsaid (a failover that drops
-    the old address), which otherwise held a probe in recv() for ~15 minutes. Probes that come
-    together (the kubelet's and a person's curl) share the connection, one at a time; one that
-    cannot get it within `wait_s` answers False rather than queue behind a stuck one. After
-    close(), False: the service it probed for has stopped."""
+    whose connect_timeout bounds a probe of a database that does not answer, and whose TCP
+    options (dbconnect.dead_peer_options) end a kept connection whose peer went away unsaid (a
+    failover that drops the old address): without them a probe waited in recv() ~15 minutes.
+    Probes that come together (the kubelet's and a person's curl) share the connection, one at
+    a time; one that cannot get it within `wait_s` answers False rather than queue behind a
+    stuck one. After close(), False: the service it probed for has stopped."""
 
-    def __init__(self, connect: Callable[..., psycopg.Connection[Any]], wait_s: float) -> None:
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], wait_s: float) -> None:
         self._connect = connect
         self._wait_s = wait_s
         self._conn: psycopg.Connection[Any] | None = None
@@ -62,20 +62,9 @@ class DatabaseProbe:
     def _select_one(self) -> bool:
         try:
             if self._conn is None or self._conn.closed or self._conn.broken:
-                self._conn = self._connect(**self._dead_peer_options())
+                self._conn = self._connect()
             self._conn.execute("SELECT 1")
             return True
         except psycopg.Error:
             self._drop()
             return False
-
-    def _dead_peer_options(self) -> dict[str, int]:
-        """Unanswered data or keepalives for about `wait_s`: the connection is given up."""
-        seconds = max(1, round(self._wait_s))
-        return {
-            "tcp_user_timeout": seconds * 1000,
-            "keepalives": 1,
-            "keepalives_idle": seconds,
-            "keepalives_interval": 1,
-            "keepalives_count": 3,
-        }

@@ -29,7 +29,7 @@ from outbox.migrations import schema_problem
 from relay import metrics
 from relay.background import BackgroundConnection
 from relay.config import MIN_OP_MARKER_MESSAGE_BYTES, SidecarSettings
-from relay.dbconnect import own_transaction_mode
+from relay.dbconnect import dead_peer_options, own_transaction_mode
 from relay.dbprobe import DatabaseProbe
 from relay.kafka import (
     DEAD_LETTER_TOPIC_CONFIG,
@@ -166,7 +166,7 @@ class Relay:
         self._holder_warned: tuple[int, str] | None = None  # (pid, xid) last logged
         self._gauge_conn: psycopg.Connection[Any] | None = None  # refresh_gauges' own
         self._db_probe = DatabaseProbe(
-            lambda **tcp: self._connect(autocommit=True, **tcp),
+            lambda: self._connect(autocommit=True),
             wait_s=self.settings.database.connect_timeout_s,
         )
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
@@ -180,13 +180,19 @@ class Relay:
     # --- connections ------------------------------------------------------------------------
 
     def _connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
-        conn = psycopg.connect(
-            self.settings.database.dsn.get_secret_value(),
-            # libpq takes whole seconds, and 0 means none: round up
-            connect_timeout=max(1, math.ceil(self.settings.database.connect_timeout_s)),
-            application_name=f"outbox-relay {self.relay_id}"[:63],
-            **self.settings.database.connect_options(),
+        database = self.settings.database
+        dsn = database.dsn.get_secret_value()
+        options = {
+            **dead_peer_options(dsn, database.connect_timeout_s),
+            **database.connect_options(),
             **kwargs,
+        }
+        conn = psycopg.connect(
+            dsn,
+            # libpq takes whole seconds, and 0 means none: round up
+            connect_timeout=max(1, math.ceil(database.connect_timeout_s)),
+            application_name=f"outbox-relay {self.relay_id}"[:63],
+            **options,
         )
         return own_transaction_mode(conn)
 

@@ -1,0 +1,79 @@
+"""Every connection the sidecar keeps gives up on a database gone silent (dead_peer_options).
+
+What it does against a real silent peer is in test_relay_failover.py (with iptables); here, that
+each kind of connection carries the options, and that the DSN's own values win.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+
+from checker import CheckerSettings
+from checker.service import Checker
+from relay import cli_database
+from relay.config import DatabaseSettings, SidecarSettings
+from relay.service import Relay
+from spark import sink
+
+
+def tcp_options(conn: psycopg.Connection[Any]) -> dict[str, str]:
+    wanted = {"tcp_user_timeout", "keepalives", "keepalives_idle", "keepalives_count"}
+    found = {o.keyword.decode(): (o.val or b"").decode() for o in conn.pgconn.info}
+    return {name: value for name, value in found.items() if name in wanted}
+
+
+EXPECTED = {"tcp_user_timeout": "4000", "keepalives": "1", "keepalives_idle": "4"}
+
+
+def test_the_relays_connections_give_up_after_the_connect_timeout(
+    pg_dsn: str,
+    relay_settings: Callable[..., SidecarSettings],
+    relay_factory: Callable[..., Relay],
+) -> None:
+    built = relay_settings(claim_ahead=True, listen_notify=True)
+    database = DatabaseSettings(dsn=pg_dsn, connect_timeout_s=4)
+    relay = relay_factory(built.model_copy(update={"database": database}))
+    relay.run_once()
+    assert relay.ready()["database"]
+    with relay._connect() as made:  # as the ender's, claimer's and LISTEN's are made
+        kept = {"rounds": relay.conn, "probe": relay._db_probe._conn, "others": made}
+        for name, conn in kept.items():
+            assert conn is not None, name
+            assert tcp_options(conn).items() >= EXPECTED.items(), name
+            assert tcp_options(conn)["keepalives_count"] == "3", name
+
+
+def test_the_checkers_outboxctls_and_the_reconciliations_connections_too(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checker = Checker(CheckerSettings(), pg_dsn, connect_timeout_s=4)
+    try:
+        assert tcp_options(checker._connection()).items() >= EXPECTED.items()
+    finally:
+        checker.stop()
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", pg_dsn)
+    monkeypatch.setenv("OUTBOX_DATABASE__CONNECT_TIMEOUT_S", "4")
+    with cli_database.connect(argparse.Namespace(dsn=None)) as conn:
+        assert tcp_options(conn).items() >= EXPECTED.items()
+    with sink.connect(pg_dsn) as conn:  # its own 10 s
+        assert tcp_options(conn)["tcp_user_timeout"] == "10000"
+
+
+def test_the_dsns_own_values_win(
+    pg_dsn: str,
+    relay_settings: Callable[..., SidecarSettings],
+    relay_factory: Callable[..., Relay],
+) -> None:
+    dsn = make_conninfo(pg_dsn, tcp_user_timeout=2500, keepalives_idle=60)
+    built = relay_settings()
+    relay = relay_factory(built.model_copy(update={"database": DatabaseSettings(dsn=dsn)}))
+    options = tcp_options(relay.conn)
+    assert options["tcp_user_timeout"] == "2500"
+    assert options["keepalives_idle"] == "60"
+    assert options["keepalives_count"] == "3"
