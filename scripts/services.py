@@ -262,27 +262,37 @@ def postgres_down(mode: str = "fast") -> None:
 # install it), `up` says so and the tests that need it are skipped.
 
 
-def pgbouncer_bin() -> Path | None:
-    found = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+def installed(binary: str) -> Path | None:
+    found = shutil.which(binary) or f"/usr/sbin/{binary}"  # sbin: off a non-root user's PATH
     return Path(found) if Path(found).exists() else None
 
 
-def install_pgbouncer() -> Path | None:
-    if found := pgbouncer_bin():
-        return found
+def debian_tool(package: str, binary: str, what: str) -> Path | None:
+    """`binary`, installed from Debian's package if missing; optional: without root or apt, a
+    line says so (the tests that need it are skipped) and None comes back."""
+    if path := installed(binary):
+        return path
     sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
     if sudo and not shutil.which("sudo"):
-        log("PgBouncer is not installed and installing it needs root: its tests are skipped")
+        log(f"{what} is not installed and installing it needs root: its tests are skipped")
         return None
-    log("PgBouncer is not installed: installing it from Debian's packages")
+    log(f"{what} is not installed: installing it from Debian's packages")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "pgbouncer"]
+    install = [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", package]
     quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     if subprocess.run(install, **quiet).returncode != 0:  # package lists stale on a new machine
         subprocess.run([*sudo, "apt-get", "update", "-q"], **quiet)
         if subprocess.run(install, **quiet).returncode != 0:  # optional: said, not fatal
-            log(f"installing PgBouncer failed (`{' '.join(install)}`): its tests are skipped")
-    return pgbouncer_bin()
+            log(f"installing {what} failed (`{' '.join(install)}`): its tests are skipped")
+    return installed(binary)
+
+
+def pgbouncer_bin() -> Path | None:
+    return installed("pgbouncer")
+
+
+def install_pgbouncer() -> Path | None:
+    return debian_tool("pgbouncer", "pgbouncer", "PgBouncer")
 
 
 def pgbouncer_config() -> str:
@@ -680,6 +690,9 @@ def env_lines() -> list[str]:
 def up() -> None:
     postgres_up()
     pgbouncer_up()
+    # The failover tests cut a Postgres off the network with it, as a failed node is.
+    if debian_tool("iptables", "iptables", "iptables"):
+        log("iptables ready (the failover tests drop a test Postgres's packets with it)")
     kafka_up()
     jars = spark_jars()
     if jars:

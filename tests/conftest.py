@@ -7,6 +7,7 @@ import pytest
 pytest_plugins = [
     "tests.fixtures.services",
     "tests.fixtures.postgres",
+    "tests.fixtures.pg_failover",
     "tests.fixtures.kafka",
     "tests.fixtures.spark",
     "tests.fixtures.relay",

@@ -1,0 +1,101 @@
+"""A database failover under the relay: the standby it fails over to is behind the primary.
+
+With asynchronous replication (the common setup: Patroni, CloudNativePG, most managed services)
+a promoted standby lacks the primary's last transactions. Among them are the relay's own: rows it
+delivered and removed there are back, undelivered, on the new primary. Their op markers are
+committed in Kafka, so the relay must end them from those markers, not send them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import outbox
+from relay.config import DatabaseSettings, SidecarSettings
+from tests.fixtures.kafka import consume_all
+from tests.fixtures.pg_failover import PgPair
+from tests.fixtures.relay import RelayProcess
+from tests.integration.test_relay_crashes import (
+    FAST,
+    assert_exactly_once,
+    publish,
+    undelivered,
+    wait_for,
+)
+
+
+def test_rows_a_promoted_standby_brings_back_are_ended_by_their_markers_not_sent_again(
+    pg_pair: PgPair,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_settings: Callable[..., SidecarSettings],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    primary, standby = pg_pair.primary, pg_pair.standby
+    outbox.migrate(primary.dsn)
+    topic = topic_factory(partitions=2)
+    # The relay is given both nodes, as a client of such a cluster is, and takes the writable one.
+    built = relay_settings(shards=2, **FAST)
+    settings = built.model_copy(update={"database": DatabaseSettings(dsn=pg_pair.dsn)})
+
+    # A first relay takes the shards and delivers: its leases and marker offsets reach the
+    # standby, as in any cluster that has run for a while.
+    first = relay_process(settings=settings)
+    sent = publish(primary.dsn, topic, transactions=5, per_tx=3, tag="a")
+    wait_for(lambda: undelivered(primary.dsn) == 0, 60, "the first records", first)
+    assert first.terminate() == 0, first.output()
+
+    # Records the standby receives; then replication stops (the standby falls behind).
+    behind = publish(primary.dsn, topic, transactions=5, per_tx=3, tag="b")
+    pg_pair.await_replayed()
+    pg_pair.cut_replication()
+    assert undelivered(standby.dsn) == len(behind)
+
+    # The relay delivers them from the primary: on the standby they stay undelivered. Then
+    # records the standby never gets (committed on the primary only: lost by the failover,
+    # as asynchronous replication loses them, but delivered already).
+    relay = relay_process(settings=settings)
+    wait_for(lambda: undelivered(primary.dsn) == 0, 60, "the records the standby has", relay)
+    lost = publish(primary.dsn, topic, transactions=3, per_tx=3, tag="c")
+    wait_for(lambda: undelivered(primary.dsn) == 0, 60, "the records the standby lacks", relay)
+    assert undelivered(standby.dsn) == len(behind)
+
+    pg_pair.fail_over()
+    # The relay reconnects to the promoted standby, and ends those rows from their markers.
+    wait_for(lambda: undelivered(standby.dsn) == 0, 90, "the rows brought back to end", relay)
+    after = publish(standby.dsn, topic, transactions=5, per_tx=3, tag="d")
+    wait_for(lambda: undelivered(standby.dsn) == 0, 60, "records after the failover", relay)
+    assert relay.terminate() == 0, relay.output()
+
+    assert_exactly_once(
+        consume_all(kafka_bootstrap, topic, "read_committed"), sent + behind + lost + after
+    )
+
+
+def test_a_primary_gone_silent_is_given_up_and_the_relay_goes_on_with_the_promoted_standby(
+    pg_pair: PgPair,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_settings: Callable[..., SidecarSettings],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """A host that failed, or a partition, answers nothing: no reset closes the relay's
+    connections to it, and a query on one waited for the kernel to give up on the peer
+    (about 15 minutes on Linux), delivering nothing meanwhile."""
+    primary, standby = pg_pair.primary, pg_pair.standby
+    outbox.migrate(primary.dsn)
+    topic = topic_factory(partitions=2)
+    built = relay_settings(shards=2, **FAST)
+    database = DatabaseSettings(dsn=pg_pair.dsn, connect_timeout_s=3)
+    relay = relay_process(settings=built.model_copy(update={"database": database}))
+    sent = publish(primary.dsn, topic, transactions=5, per_tx=3, tag="a")
+    wait_for(lambda: undelivered(primary.dsn) == 0, 60, "the first records", relay)
+    sent += publish(primary.dsn, topic, transactions=5, per_tx=3, tag="b")  # being delivered
+    pg_pair.await_replayed()
+
+    pg_pair.fail_over(unreachable=True)
+    sent += publish(standby.dsn, topic, transactions=5, per_tx=3, tag="c")
+    # The lease lapses (3 s) and the dead connections are given up (3 s unanswered).
+    wait_for(lambda: undelivered(standby.dsn) == 0, 45, "delivery from the new primary", relay)
+    assert relay.terminate() == 0, relay.output()
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), sent)
