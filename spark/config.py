@@ -112,6 +112,19 @@ _LIBPQ_ENVIRONMENT = {
     "application_name": "PGAPPNAME",
     "connect_timeout": "PGCONNECT_TIMEOUT",
     "options": "PGOPTIONS",
+    "target_session_attrs": "PGTARGETSESSIONATTRS",
+    "load_balance_hosts": "PGLOADBALANCEHOSTS",
+}
+
+# libpq's target_session_attrs as the JDBC driver's targetServerType says it (the driver tells
+# a primary by a writable session, as libpq's read-write does).
+_TARGET_SERVER_TYPE = {
+    "any": "any",
+    "read-write": "primary",
+    "primary": "primary",
+    "read-only": "secondary",
+    "standby": "secondary",
+    "prefer-standby": "preferSecondary",
 }
 
 
@@ -162,6 +175,18 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
         if params.get(libpq) is not None:
             props[jdbc] = str(params[libpq])
     props.setdefault("connectTimeout", "10")  # seconds, as libpq's connect_timeout
+    # With several hosts (a primary and its standbys), the node psycopg's side takes: else the
+    # ledger was read from whichever answered first, a standby behind the primary maybe.
+    attrs = params.get("target_session_attrs")
+    if attrs is not None:
+        if str(attrs) not in _TARGET_SERVER_TYPE:
+            raise ReconcileConfigError(
+                f"target_session_attrs {attrs!r} in --dsn is none of libpq's: "
+                f"{', '.join(_TARGET_SERVER_TYPE)}"
+            )
+        props["targetServerType"] = _TARGET_SERVER_TYPE[str(attrs)]
+    if params.get("load_balance_hosts") is not None:
+        props["loadBalanceHosts"] = str(params["load_balance_hosts"] == "random").lower()
     return url, props
 
 

@@ -181,6 +181,28 @@ def test_jdbc_target_takes_what_the_dsn_leaves_out_from_libpqs_environment(
         jdbc_target("service=reporting")
 
 
+def test_jdbc_target_takes_the_node_psycopg_takes_among_several(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Given a primary and its standby, the JDBC side read the ledger from whichever answered
+    first while psycopg's side wrote findings to the primary."""
+    monkeypatch.delenv("PGTARGETSESSIONATTRS", raising=False)
+    monkeypatch.delenv("PGLOADBALANCEHOSTS", raising=False)
+    dsn = "host=a,b port=5432 dbname=x target_session_attrs=read-write"
+    _, props = jdbc_target(dsn)
+    assert props["targetServerType"] == "primary"
+    _, props = jdbc_target("host=a,b dbname=x target_session_attrs=prefer-standby")
+    assert props["targetServerType"] == "preferSecondary"
+    _, props = jdbc_target("host=a,b dbname=x load_balance_hosts=random")
+    assert props["loadBalanceHosts"] == "true"
+    assert "targetServerType" not in props
+    monkeypatch.setenv("PGTARGETSESSIONATTRS", "standby")
+    _, props = jdbc_target("host=a,b dbname=x")
+    assert props["targetServerType"] == "secondary"
+    with pytest.raises(spark.ReconcileConfigError, match="target_session_attrs 'master'"):
+        jdbc_target("host=a,b dbname=x target_session_attrs=master")
+
+
 def test_jdbc_target_refuses_a_unix_socket() -> None:
     with pytest.raises(spark.ReconcileConfigError, match="Unix socket"):
         jdbc_target("host=/var/run/postgresql dbname=x")
