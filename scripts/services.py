@@ -256,10 +256,7 @@ def postgres_down(mode: str = "fast") -> None:
     log("postgres stopped" if mode == "fast" else f"postgres stopped ({mode})")
 
 
-# --- PgBouncer, in transaction pooling ----------------------------------------------------------
-# In front of the Postgres above, as many deployments put it: the relay's and checker's
-# `database.transaction_pooling` setting is tested through it. Optional: without it (no root to
-# install it), `up` says so and the tests that need it are skipped.
+# --- Tools from Debian's packages ------------------------------------------------------------
 
 
 def installed(binary: str) -> Path | None:
@@ -285,6 +282,12 @@ def debian_tool(package: str, binary: str, what: str) -> Path | None:
         if subprocess.run(install, **quiet).returncode != 0:  # optional: said, not fatal
             log(f"installing {what} failed (`{' '.join(install)}`): its tests are skipped")
     return installed(binary)
+
+
+# --- PgBouncer, in transaction pooling ----------------------------------------------------------
+# In front of the Postgres above, as many deployments put it: the relay's and checker's
+# `database.transaction_pooling` setting is tested through it. Optional: without it (no root to
+# install it), `up` says so and the tests that need it are skipped.
 
 
 def pgbouncer_bin() -> Path | None:
