@@ -2,6 +2,10 @@
 
 Usage: scripts/services up|down|status|env|spark-jars|helm|restart postgres|kafka
                         crash postgres|kafka
+                        partition postgres|kafka|heal postgres|kafka
+
+`partition` leaves the service running but unreachable, as a failed host or a network partition
+is (its port's packets dropped, with iptables, as root); `heal` ends it, and so does `up`.
 
 `up` also starts a PgBouncer in transaction pooling in front of that Postgres
 (OUTBOX_PGBOUNCER_PORT, default the Postgres port + 1), when it can be installed: the tests of
@@ -41,6 +45,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = ROOT / (os.environ.get("OUTBOX_LOCAL_DIR") or ".local")  # empty: the default, not ROOT
@@ -95,7 +100,7 @@ def log(msg: str) -> None:
     print(f"[services] {msg}", flush=True)
 
 
-def fail(msg: str) -> None:
+def fail(msg: str) -> NoReturn:
     print(f"[services] error: {msg}", file=sys.stderr, flush=True)
     sys.exit(1)
 
@@ -106,7 +111,9 @@ def port_open(port: int) -> bool:
         return s.connect_ex((HOST, port)) == 0
 
 
-def wait_until(what: str, check, timeout: float, log_file: Path | None = None) -> None:
+def wait_until(
+    what: str, check: Callable[[], object], timeout: float, log_file: Path | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
@@ -128,7 +135,7 @@ def terminate(pid: int, alive: Callable[[], object], timeout_s: float) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
+def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=True, text=True, **kw)
 
 
@@ -163,7 +170,7 @@ def install_postgres() -> Path:
     bindir = pg_bindir()
     if not bindir:
         fail("PostgreSQL was installed but no initdb was found under /usr/lib/postgresql")
-    return bindir  # type: ignore[return-value]
+    return bindir
 
 
 def pg_user_prefix() -> list[str]:
@@ -276,12 +283,71 @@ def debian_tool(package: str, binary: str, what: str) -> Path | None:
     log(f"{what} is not installed: installing it from Debian's packages")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     install = [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", package]
-    quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    quiet: dict[str, Any] = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     if subprocess.run(install, **quiet).returncode != 0:  # package lists stale on a new machine
         subprocess.run([*sudo, "apt-get", "update", "-q"], **quiet)
         if subprocess.run(install, **quiet).returncode != 0:  # optional: said, not fatal
             log(f"installing {what} failed (`{' '.join(install)}`): its tests are skipped")
     return installed(binary)
+
+
+# --- Network partitions (iptables) -----------------------------------------------------------
+# A host that failed, or a partition, answers nothing: no reset, no FIN, its peers' data goes
+# unacknowledged. Dropping a loopback port's packets, both ways, is that for whoever talks to it
+# (the failover tests' Postgres, the soak's stack). Root and iptables only: `up` installs it.
+
+PARTITION_TAG = "outbox-services-partition"  # ours to remove, whoever left them
+
+
+def partitions_possible() -> bool:
+    return _iptables() is not None
+
+
+def _iptables() -> Path | None:
+    """The legacy tables first, which kernels without nftables have, then whatever `iptables`
+    is; the first that can list its rules."""
+    for binary in ("iptables-legacy", "iptables"):
+        path = installed(binary)
+        if path and _quiet([str(path), "-w", "-L", "OUTPUT", "-n"]) == 0:
+            return path
+    return None
+
+
+def _quiet(cmd: list[str]) -> int:
+    return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+
+
+def _partition_rules(port: int) -> list[list[str]]:
+    return [
+        [
+            *("OUTPUT", "-p", "tcp", "-o", "lo", f"--{way}", str(port)),
+            *("-m", "comment", "--comment", PARTITION_TAG, "-j", "DROP"),
+        ]
+        for way in ("dport", "sport")
+    ]
+
+
+def partition(port: int) -> bool:
+    """Drop every packet to and from `port` until heal(port). False if it cannot (no root, no
+    iptables): nothing was changed."""
+    iptables = _iptables()
+    if iptables is None:
+        return False
+    for rule in _partition_rules(port):
+        if _quiet([str(iptables), "-w", "-I", *rule]) != 0:
+            heal(port)
+            return False
+    return True
+
+
+def heal(port: int) -> None:
+    """Remove the rules partition(port) added, however many times it was called."""
+    iptables = _iptables()
+    if iptables is None:
+        return
+    for rule in _partition_rules(port):
+        while _quiet([str(iptables), "-w", "-D", *rule]) == 0:
+            pass
 
 
 # --- PgBouncer, in transaction pooling ----------------------------------------------------------
@@ -691,6 +757,8 @@ def env_lines() -> list[str]:
 
 
 def up() -> None:
+    for port in (PG_PORT, KAFKA_PORT):  # a run stopped mid-partition left it cut off
+        heal(port)
     postgres_up()
     pgbouncer_up()
     # The failover tests cut a Postgres off the network with it, as a failed node is.
@@ -728,12 +796,14 @@ def main(argv: list[str]) -> int:
             print(line)
         return 0
     if cmd == "down":
-        import kube  # scripts/kube.py: the chart tests' API server, if they started one
+        import kube  # type: ignore[import-not-found]  # scripts/kube.py, the chart tests' API server
 
         kube.down()
         kafka_down()
         pgbouncer_down()
         postgres_down()
+        for port in (PG_PORT, KAFKA_PORT):  # a partition left behind would outlive them
+            heal(port)
         return 0
     if cmd == "status":
         return status()
@@ -752,6 +822,14 @@ def main(argv: list[str]) -> int:
             postgres_down("immediate")
         else:
             kafka_kill()
+        return 0
+    if cmd in ("partition", "heal") and len(argv) == 3 and argv[2] in ("postgres", "kafka"):
+        # For fault tests: the service runs on, unreachable (its clients' packets dropped).
+        port = PG_PORT if argv[2] == "postgres" else KAFKA_PORT
+        if cmd == "heal":
+            heal(port)
+        elif not partition(port):
+            fail("cannot drop packets here: it needs root and iptables (`up` installs it)")
         return 0
     if cmd == "spark-jars":  # only the jars, for machines whose services come from elsewhere
         print(next(line for line in env_lines() if line.startswith("OUTBOX_SPARK_JARS=")))

@@ -4,7 +4,8 @@ stack, at random gaps, seeded.
 Relay events: kill -9, SIGSTOP for longer than the lease then SIGCONT (the zombie a paused pod
 is, design.md property 5), SIGTERM, a start, a blackout (every relay killed, none for 20-45 s:
 a backlog builds, then drains). Stack events, one at a time, each at most `limits` times:
-broker restart and kill -9, Postgres restart and immediate-mode crash. Every loop is bounded in
+broker restart and kill -9, Postgres restart and immediate-mode crash, either one partitioned
+(running, its packets dropped: root and iptables only). Every loop is bounded in
 count and time; every process started here is stopped by `stop()` or `kill_all()`.
 """
 
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts import services as local_services
 from scripts.soak import stack
 from scripts.soak.settings import LEASE, OUTBOXCTL, Settings
 
@@ -36,8 +38,15 @@ STACK_EVENTS: dict[str, list[tuple[str, ...]]] = {
     "pg_restart": [("restart", "postgres")],
     "kafka_kill9": [("crash", "kafka"), ("up",)],
     "pg_crash": [("crash", "postgres"), ("up",)],
+    # Running but unreachable, as a failed host or a partition is: no reset, packets dropped.
+    # Longer than the sidecar's 10 s dead-peer wait (database.connect_timeout_s): its
+    # connections are given up and made anew; the broker's outlasts librdkafka's retries.
+    "pg_partition": [("partition", "postgres"), ("heal", "postgres")],
+    "kafka_partition": [("partition", "kafka"), ("heal", "kafka")],
 }
-DOWN_S = {"kafka_kill9": 5.0, "pg_crash": 3.0}
+DOWN_S = {"kafka_kill9": 5.0, "pg_crash": 3.0, "pg_partition": 15.0, "kafka_partition": 15.0}
+# They need root and iptables: elsewhere the soak goes on without them.
+PARTITIONS = ("pg_partition", "kafka_partition")
 
 
 @dataclass(frozen=True)
@@ -52,16 +61,20 @@ class Plan:
 
 PLAN = Plan(
     weights={"kill9": 3, "start": 3, "sigstop": 2, "sigterm": 2}
-    | {"kafka_restart": 1.2, "kafka_kill9": 0.4, "pg_restart": 1.2, "pg_crash": 0.6},
-    limits={"kafka_restart": 3, "kafka_kill9": 1, "pg_restart": 3, "pg_crash": 2},
+    | {"kafka_restart": 1.2, "kafka_kill9": 0.4, "pg_restart": 1.2, "pg_crash": 0.6}
+    | {"pg_partition": 0.6, "kafka_partition": 0.6},
+    limits={"kafka_restart": 3, "kafka_kill9": 1, "pg_restart": 3, "pg_crash": 2}
+    | {"pg_partition": 1, "kafka_partition": 1},
     gap_s=(8, 25),
     stack_gap_s=75,
 )
 # --harsh: blackouts of every relay, more broker kills and Postgres crashes, shorter gaps.
 HARSH = Plan(
     weights={"kill9": 2, "start": 3, "sigstop": 3, "sigterm": 1, "blackout": 1}
-    | {"kafka_restart": 0.5, "kafka_kill9": 1.2, "pg_restart": 0.5, "pg_crash": 1.5},
-    limits={"blackout": 3, "kafka_restart": 1, "kafka_kill9": 2, "pg_restart": 1, "pg_crash": 3},
+    | {"kafka_restart": 0.5, "kafka_kill9": 1.2, "pg_restart": 0.5, "pg_crash": 1.5}
+    | {"pg_partition": 1, "kafka_partition": 1},
+    limits={"blackout": 3, "kafka_restart": 1, "kafka_kill9": 2, "pg_restart": 1, "pg_crash": 3}
+    | {"pg_partition": 2, "kafka_partition": 2},
     gap_s=(6, 18),
     stack_gap_s=45,
 )
@@ -251,6 +264,9 @@ class Chaos:
         end = time.monotonic() + seconds
         next_event = time.monotonic() + self.rnd.uniform(10, 20)
         kinds = list(self.plan.weights)
+        if not local_services.partitions_possible():
+            kinds = [k for k in kinds if k not in PARTITIONS]
+            self.log("no partitions: they need root and iptables (scripts/services up installs it)")
         weights = [self.plan.weights[k] for k in kinds]
         for _ in range(int(seconds / TICK_S) + 1):
             if time.monotonic() >= end or self.events >= max_events:

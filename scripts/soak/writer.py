@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import psycopg
 
 from outbox import Outbox, Record
+from relay.dbconnect import dead_peer_options
 from scripts.soak.checks import WriterTx
 from scripts.soak.settings import KEYS, PRODUCER_GROUP, ROOT, Settings, topic_of
 
@@ -106,9 +107,14 @@ def run(name: str, dsn: str, seconds: float, rate: float, seed: int, log: TextIO
         next_at = max(next_at + 1 / rate, time.monotonic() - 1)  # no burst to catch up
         if conn is None:
             try:
-                # timeouts: no wait of the writer outlasts a restart of Postgres by much
+                # timeouts: no wait of the writer outlasts a restart of Postgres by much, nor
+                # a partition (an application's connections given the README's TCP options)
+                tcp: dict[str, Any] = dead_peer_options(dsn, 5)
                 conn = psycopg.connect(
-                    dsn, connect_timeout=3, options="-c statement_timeout=30s -c lock_timeout=30s"
+                    dsn,
+                    connect_timeout=3,
+                    options="-c statement_timeout=30s -c lock_timeout=30s",
+                    **tcp,
                 )
             except psycopg.Error as exc:
                 note(event="connect_failed", err=str(exc)[:200])

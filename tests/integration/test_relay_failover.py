@@ -73,6 +73,7 @@ def test_rows_a_promoted_standby_brings_back_are_ended_by_their_markers_not_sent
 
 
 def test_a_primary_gone_silent_is_given_up_and_the_relay_goes_on_with_the_promoted_standby(
+    can_partition: None,
     pg_pair: PgPair,
     kafka_bootstrap: str,
     topic_factory: Callable[..., str],
