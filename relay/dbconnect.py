@@ -3,6 +3,9 @@ whatever the database's defaults."""
 
 from __future__ import annotations
 
+import configparser
+import os
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -11,14 +14,17 @@ from psycopg.conninfo import conninfo_to_dict
 
 def dead_peer_options(dsn: str, after_s: float) -> dict[str, int]:
     """libpq's TCP options that end a connection whose peer has answered nothing for about
-    `after_s` (its data unacknowledged, or, idle, its keepalives), unless the DSN sets them.
+    `after_s` (its data unacknowledged, or, idle, its keepalives), unless the DSN or the
+    service file it names sets them.
 
     A database host that failed, or one cut off by a partition or a moved address (a failover),
     sends no reset: a statement on a connection to it waited for the kernel to give up, about
     15 minutes on Linux, and the relay delivered nothing meanwhile, its probes green (they
-    connect anew, to the new primary). A slow statement is not cut: the server's kernel
-    acknowledges it and the keepalives while it runs."""
-    seconds = max(1, round(after_s))
+    connect anew, to the new primary). A slow statement is not cut, nor a wait on a lock: the
+    server's kernel acknowledges the statement and the keepalives meanwhile. What is cut is a
+    stream the server stops reading for that long (a COPY into a table it waits to lock); the
+    sidecar sends none."""
+    seconds = min(max(1, round(after_s)), MAX_KEEPALIVE_S)
     options = {
         "tcp_user_timeout": seconds * 1000,
         "keepalives": 1,
@@ -27,7 +33,29 @@ def dead_peer_options(dsn: str, after_s: float) -> dict[str, int]:
         "keepalives_count": 3,
     }
     given = conninfo_to_dict(dsn)
-    return {name: value for name, value in options.items() if name not in given}
+    service = given.get("service") or os.environ.get("PGSERVICE")
+    taken = set(given) | (_service_keys(str(service)) if service else set())
+    return {name: value for name, value in options.items() if name not in taken}
+
+
+# The kernel's limit for TCP_KEEPIDLE: above it every connection failed ("setsockopt failed").
+MAX_KEEPALIVE_S = 32767
+
+
+def _service_keys(service: str) -> set[str]:
+    """The keys the libpq service file gives `service`: the user's file, else the system's
+    (libpq reads the first that has it)."""
+    user = os.environ.get("PGSERVICEFILE") or str(Path.home() / ".pg_service.conf")
+    system_dir = os.environ.get("PGSYSCONFDIR") or "/etc/postgresql-common"  # Debian's libpq
+    for path in (Path(user), Path(system_dir) / "pg_service.conf"):
+        parser = configparser.ConfigParser(interpolation=None, strict=False)
+        try:
+            parser.read(path, encoding="utf-8")
+        except (OSError, configparser.Error):
+            continue  # libpq says so when it connects
+        if parser.has_section(service):
+            return {key.strip() for key in parser.options(service)}
+    return set()
 
 
 def own_transaction_mode(

@@ -75,6 +75,7 @@ MIN_MARKER_RETENTION_MS = 24 * 3600 * 1000  # as relay.op_marker_retention's lea
 MARKER_TOPIC_CHECK_S = 10.0  # how often the op-marker topic's id is compared (heartbeat)
 HORIZON_WARN_S = 60.0  # a transaction holding the xid horizon this long is logged, once
 HAND_OVER_S = 3.0  # what a stop spends, at most, recording the shards' marker offsets
+HAND_BACK_CONNECT_S = 2  # a stop's connection to hand the shards back, if it needs a new one
 
 
 # Refusals to create a topic that asking again will not change.
@@ -183,18 +184,14 @@ class Relay:
         database = self.settings.database
         dsn = database.dsn.get_secret_value()
         options = {
+            # libpq takes whole seconds, and 0 means none: round up
+            "connect_timeout": max(1, math.ceil(database.connect_timeout_s)),
+            "application_name": f"outbox-relay {self.relay_id}"[:63],
             **dead_peer_options(dsn, database.connect_timeout_s),
             **database.connect_options(),
             **kwargs,
         }
-        conn = psycopg.connect(
-            dsn,
-            # libpq takes whole seconds, and 0 means none: round up
-            connect_timeout=max(1, math.ceil(database.connect_timeout_s)),
-            application_name=f"outbox-relay {self.relay_id}"[:63],
-            **options,
-        )
-        return own_transaction_mode(conn)
+        return own_transaction_mode(psycopg.connect(dsn, **options))
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -938,7 +935,7 @@ class Relay:
             self.claimer.close(timeout=0)
         self.ender.close(timeout=self.settings.relay.shutdown_grace.total_seconds())
         try:
-            self.leases.leave(self.conn)
+            self.leases.leave(self._hand_back_connection())
         except psycopg.Error as exc:
             logger.warning("could not hand the shards back (they expire instead): %s", exc)
         for conn in (self._conn, self._listen, self._gauge_conn):
@@ -946,6 +943,16 @@ class Relay:
                 conn.close()
         self._db_probe.close()
         logger.info("relay %s stopped", self.relay_id)
+
+    def _hand_back_connection(self) -> psycopg.Connection[Any]:
+        """The rounds' connection if it is whole, else a new one tried briefly. In a database
+        outage the leases expire by themselves; a new connection with the usual timeout made
+        a stop during a silent primary's outage wait for it again after the round it cut (19 s
+        in all with the default 10 s: with 15 s, the stop overran its 25 s grace)."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            conn = self._conn = self._connect(connect_timeout=HAND_BACK_CONNECT_S)
+        return conn
 
     # --- probes and gauges ------------------------------------------------------------------
 

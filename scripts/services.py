@@ -33,8 +33,10 @@ from __future__ import annotations
 import base64
 import fcntl
 import glob
+import hashlib
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import socket
@@ -296,7 +298,9 @@ def debian_tool(package: str, binary: str, what: str) -> Path | None:
 # unacknowledged. Dropping a loopback port's packets, both ways, is that for whoever talks to it
 # (the failover tests' Postgres, the soak's stack). Root and iptables only: `up` installs it.
 
-PARTITION_TAG = "outbox-services-partition"  # ours to remove, whoever left them
+# This stack's rules carry its tag, so that its `up` and `down` remove every one left behind (a
+# test killed mid-partition), and no other stack's (the soak's runs beside the tests').
+PARTITION_TAG = "outbox-partition-" + hashlib.sha256(str(LOCAL).encode()).hexdigest()[:12]
 
 
 def partitions_possible() -> bool:
@@ -340,14 +344,36 @@ def partition(port: int) -> bool:
     return True
 
 
-def heal(port: int) -> None:
-    """Remove the rules partition(port) added, however many times it was called."""
+def heal(port: int | None = None) -> None:
+    """Remove the rules partition(port) added, however many times it was called; without a
+    port, every rule of this stack's, whatever its port."""
     iptables = _iptables()
     if iptables is None:
         return
-    for rule in _partition_rules(port):
-        while _quiet([str(iptables), "-w", "-D", *rule]) == 0:
-            pass
+    if port is not None:
+        for rule in _partition_rules(port):
+            while _quiet([str(iptables), "-w", "-D", *rule]) == 0:
+                pass
+        return
+    listed = subprocess.run(
+        [str(iptables), "-w", "-S", "OUTPUT"], capture_output=True, text=True, check=False
+    ).stdout
+    for line in listed.splitlines():
+        words = shlex.split(line)
+        if PARTITION_TAG in words and words[:2] == ["-A", "OUTPUT"]:
+            _quiet([str(iptables), "-w", "-D", *words[1:]])
+
+
+def stop_failover_clusters() -> None:
+    """The failover tests' own primaries and standbys (tests/fixtures/pg_failover.py), left
+    running by a test run that was killed: stopped, and their data removed."""
+    bindir = pg_bindir()
+    for data in sorted(LOCAL.glob("failover/*/*/postmaster.pid")):
+        if bindir is not None:
+            pg_ctl = [*pg_user_prefix(), str(bindir / "pg_ctl"), "-D", str(data.parent)]
+            _quiet([*pg_ctl, "-m", "immediate", "-w", "stop"])
+    for run_dir in LOCAL.glob("failover/*"):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 # --- PgBouncer, in transaction pooling ----------------------------------------------------------
@@ -757,8 +783,8 @@ def env_lines() -> list[str]:
 
 
 def up() -> None:
-    for port in (PG_PORT, KAFKA_PORT):  # a run stopped mid-partition left it cut off
-        heal(port)
+    heal()  # a run stopped mid-partition left the stack, or a test's Postgres, cut off
+    stop_failover_clusters()
     postgres_up()
     pgbouncer_up()
     # The failover tests cut a Postgres off the network with it, as a failed node is.
@@ -802,8 +828,8 @@ def main(argv: list[str]) -> int:
         kafka_down()
         pgbouncer_down()
         postgres_down()
-        for port in (PG_PORT, KAFKA_PORT):  # a partition left behind would outlive them
-            heal(port)
+        heal()  # a partition left behind would outlive them
+        stop_failover_clusters()
         return 0
     if cmd == "status":
         return status()

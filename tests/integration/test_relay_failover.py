@@ -8,10 +8,12 @@ committed in Kafka, so the relay must end them from those markers, not send them
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import outbox
 from relay.config import DatabaseSettings, SidecarSettings
+from scripts import services as local_services
 from tests.fixtures.kafka import consume_all
 from tests.fixtures.pg_failover import PgPair
 from tests.fixtures.relay import RelayProcess
@@ -100,3 +102,26 @@ def test_a_primary_gone_silent_is_given_up_and_the_relay_goes_on_with_the_promot
     wait_for(lambda: undelivered(standby.dsn) == 0, 45, "delivery from the new primary", relay)
     assert relay.terminate() == 0, relay.output()
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), sent)
+
+
+def test_a_stop_while_the_primary_is_silent_keeps_within_its_grace(
+    can_partition: None,
+    pg_pair: PgPair,
+    kafka_bootstrap: str,
+    relay_settings: Callable[..., SidecarSettings],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """The round in flight is cut after connect_timeout_s; handing the shards back then made a
+    new connection, which waited as long again on the silent host: 2 x 6 s overran 10 s."""
+    outbox.migrate(pg_pair.primary.dsn)
+    built = relay_settings(shards=2, shutdown_grace="PT10S", **FAST)
+    database = DatabaseSettings(dsn=pg_pair.dsn, connect_timeout_s=6)
+    relay = relay_process(settings=built.model_copy(update={"database": database}))
+    wait_for(lambda: "recovered" in relay.output(), 60, "the relay's start", relay)
+    assert local_services.partition(pg_pair.primary.port)  # healed by the fixture
+    time.sleep(1)  # a round under way, its statement unanswered
+    started = time.monotonic()
+    relay.proc.terminate()
+    assert relay.proc.wait(30) == 0, relay.output()
+    assert time.monotonic() - started < 10
+    assert "could not hand the shards back" in relay.output()

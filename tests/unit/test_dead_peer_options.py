@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from relay.dbconnect import dead_peer_options
 
 
@@ -32,3 +36,30 @@ def test_what_the_dsn_sets_is_left_to_it() -> None:
         assert "tcp_user_timeout" not in options
         assert "keepalives_idle" not in options
         assert options["keepalives_count"] == 3
+
+
+def test_what_the_named_service_file_sets_is_left_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """libpq takes explicit options over a service file's: ours overrode an operator's
+    `tcp_user_timeout=0` in pg_service.conf."""
+    services = tmp_path / "pg_service.conf"
+    services.write_text(
+        "# the operator's\n[orders]\nhost=db\ntcp_user_timeout=0\nkeepalives_idle=300\n"
+        "[other]\nkeepalives_count=9\n"
+    )
+    monkeypatch.setenv("PGSERVICEFILE", str(services))
+    monkeypatch.delenv("PGSERVICE", raising=False)
+    options = dead_peer_options("service=orders dbname=app", 10)
+    assert set(options) == {"keepalives", "keepalives_interval", "keepalives_count"}
+    monkeypatch.setenv("PGSERVICE", "orders")  # named by the environment: the same
+    assert set(dead_peer_options("dbname=app", 10)) == set(options)
+    monkeypatch.setenv("PGSERVICE", "missing")  # libpq's error when it connects, not ours
+    assert len(dead_peer_options("dbname=app", 10)) == 5
+
+
+def test_a_wait_beyond_what_the_kernel_takes_is_capped() -> None:
+    """Above 32767 s, TCP_KEEPIDLE is refused: every connection failed."""
+    options = dead_peer_options("host=db", 100_000)
+    assert options["keepalives_idle"] == 32767
+    assert options["tcp_user_timeout"] == 32_767_000
