@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
+
+import pytest
 
 import outbox
 from relay.config import DatabaseSettings, SidecarSettings
@@ -26,19 +29,32 @@ from tests.integration.test_relay_crashes import (
 )
 
 
+@pytest.fixture
+def pair_settings(
+    pg_pair: PgPair, relay_settings: Callable[..., SidecarSettings]
+) -> Callable[..., SidecarSettings]:
+    """Relay settings on the pair, migrated: both nodes in the DSN, as a client of such a
+    cluster is given them; the relay takes the writable one."""
+    outbox.migrate(pg_pair.primary.dsn)
+
+    def build(connect_timeout_s: float = 10.0, **relay: Any) -> SidecarSettings:
+        built = relay_settings(shards=2, **FAST, **relay)
+        database = DatabaseSettings(dsn=pg_pair.dsn, connect_timeout_s=connect_timeout_s)
+        return built.model_copy(update={"database": database})
+
+    return build
+
+
 def test_rows_a_promoted_standby_brings_back_are_ended_by_their_markers_not_sent_again(
     pg_pair: PgPair,
+    pair_settings: Callable[..., SidecarSettings],
     kafka_bootstrap: str,
     topic_factory: Callable[..., str],
-    relay_settings: Callable[..., SidecarSettings],
     relay_process: Callable[..., RelayProcess],
 ) -> None:
     primary, standby = pg_pair.primary, pg_pair.standby
-    outbox.migrate(primary.dsn)
     topic = topic_factory(partitions=2)
-    # The relay is given both nodes, as a client of such a cluster is, and takes the writable one.
-    built = relay_settings(shards=2, **FAST)
-    settings = built.model_copy(update={"database": DatabaseSettings(dsn=pg_pair.dsn)})
+    settings = pair_settings()
 
     # A first relay takes the shards and delivers: its leases and marker offsets reach the
     # standby, as in any cluster that has run for a while.
@@ -77,20 +93,17 @@ def test_rows_a_promoted_standby_brings_back_are_ended_by_their_markers_not_sent
 def test_a_primary_gone_silent_is_given_up_and_the_relay_goes_on_with_the_promoted_standby(
     can_partition: None,
     pg_pair: PgPair,
+    pair_settings: Callable[..., SidecarSettings],
     kafka_bootstrap: str,
     topic_factory: Callable[..., str],
-    relay_settings: Callable[..., SidecarSettings],
     relay_process: Callable[..., RelayProcess],
 ) -> None:
     """A host that failed, or a partition, answers nothing: no reset closes the relay's
     connections to it, and a query on one waited for the kernel to give up on the peer
     (about 15 minutes on Linux), delivering nothing meanwhile."""
     primary, standby = pg_pair.primary, pg_pair.standby
-    outbox.migrate(primary.dsn)
     topic = topic_factory(partitions=2)
-    built = relay_settings(shards=2, **FAST)
-    database = DatabaseSettings(dsn=pg_pair.dsn, connect_timeout_s=3)
-    relay = relay_process(settings=built.model_copy(update={"database": database}))
+    relay = relay_process(settings=pair_settings(connect_timeout_s=3))
     sent = publish(primary.dsn, topic, transactions=5, per_tx=3, tag="a")
     wait_for(lambda: undelivered(primary.dsn) == 0, 60, "the first records", relay)
     sent += publish(primary.dsn, topic, transactions=5, per_tx=3, tag="b")  # being delivered
@@ -107,16 +120,13 @@ def test_a_primary_gone_silent_is_given_up_and_the_relay_goes_on_with_the_promot
 def test_a_stop_while_the_primary_is_silent_keeps_within_its_grace(
     can_partition: None,
     pg_pair: PgPair,
-    kafka_bootstrap: str,
-    relay_settings: Callable[..., SidecarSettings],
+    pair_settings: Callable[..., SidecarSettings],
     relay_process: Callable[..., RelayProcess],
 ) -> None:
     """The round in flight is cut after connect_timeout_s; handing the shards back then made a
     new connection, which waited as long again on the silent host: 2 x 6 s overran 10 s."""
-    outbox.migrate(pg_pair.primary.dsn)
-    built = relay_settings(shards=2, shutdown_grace="PT10S", **FAST)
-    database = DatabaseSettings(dsn=pg_pair.dsn, connect_timeout_s=6)
-    relay = relay_process(settings=built.model_copy(update={"database": database}))
+    settings = pair_settings(connect_timeout_s=6, shutdown_grace="PT10S")
+    relay = relay_process(settings=settings)
     wait_for(lambda: "recovered" in relay.output(), 60, "the relay's start", relay)
     assert local_services.partition(pg_pair.primary.port)  # healed by the fixture
     time.sleep(1)  # a round under way, its statement unanswered
