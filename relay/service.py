@@ -428,6 +428,7 @@ class Relay:
         trimmed = 0
         while True:
             with self.conn.transaction():
+                self.conn.execute(queries.query("relay_no_statement_timeout", self.schema))
                 cur = self.conn.execute(
                     queries.query(query, self.schema),
                     # seconds: days would be 23 or 25 hours across a DST change of the session

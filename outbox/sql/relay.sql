@@ -274,7 +274,11 @@ ORDER BY id;
 -- Inside the transaction that removes delivered rows: still ours? FOR UPDATE makes a takeover
 -- wait until this transaction ends, and the epoch tells if one happened before it. With where
 -- the shard's markers were recorded up to (recovery reads from there).
-SELECT marker_partition, marker_offset FROM {schema}.shard_lease
+-- statement_timeout 0 for the rest of the transaction (every shard write begins here), as the
+-- stamp and the claim set it: ending a batch of 1000 rows took over a role's 300 ms on a busy
+-- machine, and its rows went back to recovery, which ends as many in one transaction too.
+SELECT marker_partition, marker_offset, set_config('statement_timeout', '0', true)
+FROM {schema}.shard_lease
 WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s
 FOR UPDATE;
 
@@ -337,6 +341,11 @@ JOIN unnest(%(ids)s::bigint[], %(tx_ids)s::text[], %(producer_groups)s::text[],
 WHERE r.ended_at IS NULL
   AND (r.tx_id <> e.tx_id OR r.producer_group <> e.producer_group OR r.topic <> e.topic
        OR (e.key IS NOT NULL AND r.key IS DISTINCT FROM e.key));
+
+-- name: relay_no_statement_timeout
+-- For the rest of the transaction, as the stamp's and the claim's own: a trim's slice of 10,000
+-- rows ran under a role's or database's statement_timeout, and cancelled, it failed the round.
+SELECT set_config('statement_timeout', '0', true);
 
 -- name: relay_trim_archive
 -- Ended rows past the archive's retention, a bounded slice at a time (parked rows stay until
