@@ -11,6 +11,9 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+# The kernel's limit for TCP_KEEPIDLE: above it every connection failed ("setsockopt failed").
+MAX_KEEPALIVE_S = 32767
+
 
 def dead_peer_options(dsn: str, after_s: float) -> dict[str, int]:
     """libpq's TCP options that end a connection whose peer has answered nothing for about
@@ -36,10 +39,6 @@ def dead_peer_options(dsn: str, after_s: float) -> dict[str, int]:
     service = given.get("service") or os.environ.get("PGSERVICE")
     taken = set(given) | (_service_keys(str(service)) if service else set())
     return {name: value for name, value in options.items() if name not in taken}
-
-
-# The kernel's limit for TCP_KEEPIDLE: above it every connection failed ("setsockopt failed").
-MAX_KEEPALIVE_S = 32767
 
 
 def _service_keys(service: str) -> set[str]:
