@@ -21,6 +21,7 @@ from __future__ import annotations
 import getpass
 import glob
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -201,6 +202,11 @@ class ReconcileSettings(BaseModel):
     jdbc_url: str | None = Field(
         default=None, description="JDBC URL of the same database (default: built from dsn)."
     )
+    jdbc_read_timeout: timedelta = Field(
+        default=timedelta(minutes=5),
+        description="How long a JDBC read of the ledger may receive nothing before it is "
+        "given up, failing the micro-batch (the driver's socketTimeout).",
+    )
     bootstrap_servers: str = Field(min_length=1)
     kafka_options: dict[str, str] = Field(
         default_factory=dict,
@@ -294,7 +300,7 @@ class ReconcileSettings(BaseModel):
     def _identifier(cls, v: str) -> str:
         return OutboxConfig(schema_name=v).schema_name
 
-    @field_validator("deadline", "horizon", "summary_window", "trigger")
+    @field_validator("deadline", "horizon", "summary_window", "trigger", "jdbc_read_timeout")
     @classmethod
     def _positive(cls, v: timedelta) -> timedelta:
         if v <= timedelta(0):
@@ -353,6 +359,10 @@ class ReconcileSettings(BaseModel):
 
     def jdbc(self) -> tuple[str, dict[str, str]]:
         url, props = jdbc_target(self.dsn.get_secret_value())
+        # A database gone silent (failed, partitioned, failed over) sends no reset: without it
+        # a ledger read waited for ever, the job reporting nothing and its process alive. A
+        # socketTimeout in --jdbc-url wins (the driver takes the URL's over these).
+        props["socketTimeout"] = str(math.ceil(self.jdbc_read_timeout.total_seconds()))
         return (self.jdbc_url or url), props
 
 

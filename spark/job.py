@@ -1183,6 +1183,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     db.add_argument("--jdbc-url", help="JDBC URL for Spark's reads (default: from --dsn)")
     db.add_argument(
+        "--jdbc-read-timeout",
+        type=_duration,
+        default="5m",
+        help="give up a ledger read that receives nothing this long, failing the micro-batch: "
+        "a database gone silent held it for ever (5m)",
+    )
+    db.add_argument(
         "--findings-retention",
         type=_retention,
         default="30d",
@@ -1291,6 +1298,7 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
         "dsn": dsn,
         "schema_name": schema,
         "jdbc_url": args.jdbc_url,
+        "jdbc_read_timeout": _as_delta(args.jdbc_read_timeout),
         "bootstrap_servers": bootstrap,
         "kafka_options": kafka_options,
         "topics": tuple(t.strip() for t in args.topics.split(",") if t.strip())

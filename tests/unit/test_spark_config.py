@@ -208,6 +208,17 @@ def test_jdbc_target_refuses_a_unix_socket() -> None:
         jdbc_target("host=/var/run/postgresql dbname=x")
 
 
+def test_the_jdbc_reads_give_up_on_a_database_that_sends_nothing() -> None:
+    """The driver's socketTimeout, in whole seconds; 5 minutes unless said, for --jdbc-url's
+    reads too (a socketTimeout in that URL wins: tests/spark/test_jdbc_read_timeout.py)."""
+    assert ReconcileSettings(**BASE).jdbc()[1]["socketTimeout"] == "300"
+    given = ReconcileSettings(
+        **BASE, jdbc_url="jdbc:postgresql://db/app", jdbc_read_timeout=timedelta(seconds=2.5)
+    )
+    url, props = given.jdbc()
+    assert (url, props["socketTimeout"]) == ("jdbc:postgresql://db/app", "3")
+
+
 def test_settings_render_the_kafka_source() -> None:
     by_name = ReconcileSettings(**BASE, kafka_options={"security.protocol": "SASL_SSL"})
     options = by_name.kafka_source_options()
@@ -233,6 +244,7 @@ def test_settings_render_the_kafka_source() -> None:
         ({"audit_from": T, "audit_to": T}, "before --to"),
         ({"deadline": timedelta(minutes=10)}, "two deadlines"),
         ({"trigger": timedelta(0)}, "positive"),
+        ({"jdbc_read_timeout": timedelta(0)}, "positive"),
         ({"schema_name": "bad-name"}, "identifier"),
     ],
 )
@@ -392,6 +404,7 @@ def test_command_line_to_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     assert settings.dead_letter_topic == "outbox.dead-letter"  # --ignore-topic adds to it
     assert settings.kafka_options == {"security.protocol": "SSL"}
+    assert settings.jdbc_read_timeout == timedelta(minutes=5)
     args = build_parser().parse_args(
         ["--bootstrap", "k", "--topics", "a,b", "--from", "2026-01-01T00:00:00Z",
          "--to", "2026-01-02T00:00:00Z"]
@@ -400,6 +413,9 @@ def test_command_line_to_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert audit.audit
     assert (audit.topics, audit.checkpoint) == (("a", "b"), None)
     assert audit.findings_retention == timedelta(days=30)
+    args = build_parser().parse_args(["--bootstrap", "k", "--topics", "a", "--checkpoint", "cp",
+                                      "--jdbc-read-timeout", "90s"])  # fmt: skip
+    assert settings_from_args(args).jdbc_read_timeout == timedelta(seconds=90)
     for given, kept in (("none", None), ("2h", timedelta(hours=2))):
         args = build_parser().parse_args(
             ["--bootstrap", "k", "--topics", "a", "--once", "--checkpoint", "cp",

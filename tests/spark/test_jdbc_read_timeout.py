@@ -1,0 +1,77 @@
+"""The reconciliation's JDBC reads give up on a database that sends nothing for
+--jdbc-read-timeout (the driver's socketTimeout), with the real driver in Spark: a database gone
+silent held a ledger read for ever, the job alive and reporting nothing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import pytest
+
+from scripts import services as local_services
+from spark.config import ReconcileSettings
+from tests.fixtures.pg_failover import PgPair
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+# Answers after 2 s: in flight long enough to cut the node off under it.
+SLOW = "(SELECT 1 AS answered FROM pg_sleep(2)) AS slow"
+
+
+def _jdbc(dsn: str, timeout_s: float) -> tuple[str, dict[str, str]]:
+    return ReconcileSettings(
+        dsn=dsn,
+        bootstrap_servers="unused:9092",
+        topics=("unused",),
+        checkpoint="unused",
+        jdbc_read_timeout=timedelta(seconds=timeout_s),
+    ).jdbc()
+
+
+def test_a_read_that_receives_nothing_for_the_timeout_fails_unless_the_url_says_otherwise(
+    spark: SparkSession, pg_dsn: str
+) -> None:
+    """What the setting costs, said in the README: a statement that answers nothing for that
+    long is cut too. A socketTimeout in --jdbc-url wins over it."""
+    url, props = _jdbc(pg_dsn, 1)
+    with pytest.raises(Exception, match="Read timed out"):  # 1 s without a byte of the answer
+        spark.read.jdbc(url, SLOW, properties=props).collect()
+    (row,) = spark.read.jdbc(f"{url}?socketTimeout=0", SLOW, properties=props).collect()
+    assert row["answered"] == 1
+
+
+def test_a_read_from_a_database_gone_silent_is_given_up(
+    spark: SparkSession, pg_pair: PgPair, can_partition: None
+) -> None:
+    """The node drops off the network while the read waits for its answer: no reset comes, and
+    without the timeout the read waited for ever (the driver sets no keepalives)."""
+    url, props = _jdbc(pg_pair.primary.dsn, 4)
+    frame = spark.read.jdbc(url, SLOW, properties=props)  # its schema is read here, not slowly
+    failure: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            frame.collect()
+        except Exception as exc:
+            failure.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not pg_pair.primary.query(
+        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(2)%' "
+        "AND pid <> pg_backend_pid()"
+    ):
+        assert time.monotonic() < deadline, "the read never reached the server"
+        time.sleep(0.05)
+    silenced = time.monotonic()
+    assert local_services.partition(pg_pair.primary.port)  # healed by the fixture
+    reader.join(timeout=30)
+    assert not reader.is_alive(), "the read still waits on a database that answers nothing"
+    (error,) = failure
+    assert "Read timed out" in str(error)
+    assert time.monotonic() - silenced < 20  # the 4 s timeout, and Spark's failing the job
