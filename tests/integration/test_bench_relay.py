@@ -41,10 +41,14 @@ def test_a_small_run_reports_every_figure_for_the_batch_size_asked(kafka_bootstr
     for rate in ("b1_kafka_per_s", "b2_postgres_per_s", "relay_per_s", "relay_two_shards_per_s",
                  "relay_small_backlog_per_s", "relay_large_backlog_per_s"):  # fmt: skip
         assert report[rate] > 0, rate
-    expected = round(
-        report["relay_per_s"] / min(report["b1_kafka_per_s"], report["b2_postgres_per_s"]), 3
+    # The ratio is of the unrounded rates, to 3 decimals; the rates are reported whole: it lies
+    # within what those roundings allow (a fixed tolerance failed for rates of a few hundred).
+    relay, baseline = (
+        report["relay_per_s"],
+        min(report["b1_kafka_per_s"], report["b2_postgres_per_s"]),
     )
-    assert abs(report["ratio_relay_vs_min_b1_b2"] - expected) <= 0.002
+    lowest, highest = (relay - 0.5) / (baseline + 0.5), (relay + 0.5) / (baseline - 0.5)
+    assert lowest - 0.0005 <= report["ratio_relay_vs_min_b1_b2"] <= highest + 0.0005
     assert 0 < report["latency_p50_ms"] <= report["latency_p99_ms"]
     assert report["latency_rate_achieved_per_s"] > 0
     assert 0 < report["peak_rss_mb"] < 1000
