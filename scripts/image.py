@@ -2,6 +2,9 @@
 
 Usage: scripts/image.py build sidecar|reconcile   (prints ENGINE=, RUN_OPTIONS= and IMAGE=)
 
+An image already built from the same Dockerfile and context files (a digest in its label) is not
+built again; one build at a time (a lock), so the tests wait for the build `make test` starts.
+
 With a Docker engine (a developer's laptop) `docker build` builds them as written. Without one
 (this machine, CI) podman builds them, from Debian's packages: its base images cannot be pulled
 (no registry of images is reachable), so stand-ins of the same names are made with debootstrap:
@@ -21,6 +24,7 @@ Only the standard library is used, as in services.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -31,10 +35,12 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from services import LOCAL, ROOT, fail, log, run
+from services import LOCAL, ROOT, apt_get, build_lock, fail, log, run
 
 STORE = LOCAL / "images"
 DOCKERFILE = ROOT / "helm" / "Dockerfile"
+IGNORE_FILE = ROOT / "helm" / "Dockerfile.dockerignore"
+DIGEST_LABEL = "org.outbox.test.context"  # what the image was built from: see context_digest
 TARGETS = {"sidecar": "outbox-sidecar", "reconcile": "outbox-reconcile"}
 # The stand-ins: the names the Dockerfile's FROM lines give, and what each has of Debian's
 STAND_INS = {
@@ -87,9 +93,8 @@ def install_tools() -> None:
     if os.geteuid() != 0:
         fail(f"the image tests need root, and {' '.join(missing)} (apt-get install them)")
     log(f"installing {' '.join(missing)} from Debian's packages")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    run(["apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL)
-    run(["apt-get", "install", "-y", "-q", *missing], env=env, stdout=subprocess.DEVNULL)
+    apt_get([], "update", "-q")
+    apt_get([], "install", "-y", "-q", *missing)
 
 
 def debian_mirror() -> str:
@@ -189,9 +194,57 @@ def stand_in(kind: str) -> None:
         run([*podman(), "tag", names[0], name])
 
 
+def context_digest(target: str, root: Path = ROOT) -> str | None:
+    """A digest of what `target` is built from: the Dockerfile, its ignore file and every file
+    under the paths that file lets into the context. None when the ignore file is not the
+    allow-list this reads (its first pattern `*`): then the image is always built."""
+    dockerfile = root / DOCKERFILE.relative_to(ROOT)
+    ignore_file = root / IGNORE_FILE.relative_to(ROOT)
+    patterns = [
+        line.strip()
+        for line in ignore_file.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    if patterns[:1] != ["*"]:
+        return None
+    files = [dockerfile, ignore_file]
+    for pattern in patterns[1:]:
+        if pattern.startswith("!"):
+            for found in sorted(root.glob(pattern[1:])):
+                files += sorted(found.rglob("*")) if found.is_dir() else [found]
+    digest = hashlib.sha256(target.encode())
+    for path in files:
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(f"\0{path.relative_to(root)}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def built_from(command: list[str], image: str) -> str:
+    """The context digest `image` was labelled with: empty if none, or no such image."""
+    label = f'{{{{ index .Config.Labels "{DIGEST_LABEL}" }}}}'
+    found = subprocess.run(
+        [*command, "image", "inspect", "--format", label, image], capture_output=True, text=True
+    )
+    return found.stdout.strip() if found.returncode == 0 else ""
+
+
 def build(target: str) -> str:
+    """Build `target`'s image, unless one built from the same context is there: `make test`
+    builds both in the background while the other tests run, the image tests wait for it (the
+    lock) and find them built."""
+    with build_lock("images"):
+        return _build(target)
+
+
+def _build(target: str) -> str:
     image = f"localhost/{TARGETS[target]}:test"
     command = engine()
+    digest = context_digest(target)
+    if digest and built_from(command, image) == digest:
+        log(f"{image} is built from this context already")
+        return image
+    labels = ["--label", f"{DIGEST_LABEL}={digest}"] if digest else []
     if command[0] == "docker":
         build_args: list[str] = []
     else:
@@ -202,14 +255,15 @@ def build(target: str) -> str:
             stand_in("maven")
         build_args = ["--isolation=chroot", "--network=host", "--pull=never", "--layers=false"]
         # BuildKit finds it beside the Dockerfile by itself
-        build_args += [*ULIMITS, f"--ignorefile={DOCKERFILE}.dockerignore"]
+        build_args += [*ULIMITS, f"--ignorefile={IGNORE_FILE}"]
     stage = ["--target", "reconcile"] if target == "reconcile" else []
     log(f"building {image} from {DOCKERFILE.relative_to(ROOT)}")
     STORE.mkdir(parents=True, exist_ok=True)
     build_log = STORE / f"build-{target}.log"
+    build_command = [*command, "build", *build_args, *stage, *labels, "-f", str(DOCKERFILE)]
     with build_log.open("w") as out:
         done = subprocess.run(
-            [*command, "build", *build_args, *stage, "-f", str(DOCKERFILE), "-t", image, str(ROOT)],
+            [*build_command, "-t", image, str(ROOT)],
             stdout=out,
             stderr=subprocess.STDOUT,
         )

@@ -141,6 +141,20 @@ def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=True, text=True, **kw)
 
 
+def apt_get(
+    sudo: list[str], *args: str, check: bool = True, **kw: Any
+) -> subprocess.CompletedProcess[str]:
+    """apt-get, one at a time among our scripts: `make test` builds the images in the background
+    (scripts/image.py installs podman) while `up` installs, and dpkg refuses a second at once.
+    DPkg::Lock::Timeout waits for anyone else's (an unattended upgrade) instead of failing."""
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    command = [*sudo, "apt-get", "-o", "DPkg::Lock::Timeout=600", *args]
+    with build_lock("apt"):
+        return subprocess.run(
+            command, check=check, text=True, env=env, stdout=subprocess.DEVNULL, **kw
+        )
+
+
 # --- PostgreSQL -------------------------------------------------------------------------------
 
 
@@ -162,13 +176,8 @@ def install_postgres() -> Path:
     sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
     if sudo and not shutil.which("sudo"):
         fail("PostgreSQL is missing and installing it needs root: run `apt-get install postgresql`")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    run([*sudo, "apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL)
-    run(
-        [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "postgresql"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-    )
+    apt_get(sudo, "update", "-q")
+    apt_get(sudo, "install", "-y", "-q", "--no-install-recommends", "postgresql")
     bindir = pg_bindir()
     if not bindir:
         fail("PostgreSQL was installed but no initdb was found under /usr/lib/postgresql")
@@ -283,13 +292,12 @@ def debian_tool(package: str, binary: str, what: str) -> Path | None:
         log(f"{what} is not installed and installing it needs root: its tests are skipped")
         return None
     log(f"{what} is not installed: installing it from Debian's packages")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", package]
-    quiet: dict[str, Any] = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    if subprocess.run(install, **quiet).returncode != 0:  # package lists stale on a new machine
-        subprocess.run([*sudo, "apt-get", "update", "-q"], **quiet)
-        if subprocess.run(install, **quiet).returncode != 0:  # optional: said, not fatal
-            log(f"installing {what} failed (`{' '.join(install)}`): its tests are skipped")
+    install = ("install", "-y", "-q", "--no-install-recommends", package)
+    quiet: dict[str, Any] = {"check": False, "stderr": subprocess.DEVNULL}
+    if apt_get(sudo, *install, **quiet).returncode != 0:  # package lists stale on a new machine
+        apt_get(sudo, "update", "-q", **quiet)
+        if apt_get(sudo, *install, **quiet).returncode != 0:  # optional: said, not fatal
+            log(f"installing {what} failed (`apt-get {' '.join(install)}`): its tests are skipped")
     return installed(binary)
 
 
