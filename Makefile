@@ -1,4 +1,5 @@
-# One entry point for a fresh machine: `make test` installs, starts the real services, runs the suite.
+# One entry point for a fresh machine: `make test` installs, starts the real services, runs the suite
+# (the Spark tests beside the others, on a stack of their own: scripts/test_suite.py).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed
 test: prebuild install services-up
 	@($(IDLE) $(PY) scripts/image.py build sidecar && \
 	  $(IDLE) $(PY) scripts/image.py build reconcile) > .local/prebuild-images.log 2>&1 &
-	$(PY) -m pytest
+	$(PY) scripts/test_suite.py
 
 # What the chart's tests need, built in the background while the rest installs, starts and runs
 # (the chart's tests come last, and wait for them: a lock each): the Go builds (helm;
