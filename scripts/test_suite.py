@@ -78,19 +78,23 @@ def start_spark_tests(log: Path) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,  # our Ctrl-C reaches it through stop(), once
+            start_new_session=True,  # a Ctrl-C reaches it through interrupt() only
         )
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """Interrupt a pytest run as Ctrl-C would (its fixtures clean up), killed if it hangs."""
+def interrupt(process: subprocess.Popen[bytes]) -> None:
+    """SIGINT, as a Ctrl-C: pytest stops, its fixtures cleaning up (relays, clusters, rules)."""
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        process.send_signal(signal.SIGINT)
+
+
+def ended(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Wait for an interrupted pytest to clean up; killed if it has not ended by then."""
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def main() -> int:
@@ -103,14 +107,22 @@ def main() -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         say(f"the Spark tests cannot run: {exc}")
         spark = None
+    rest = subprocess.Popen(pytest("tests/unit", "tests/integration"), cwd=ROOT)
     try:
-        rest = subprocess.run(pytest("tests/unit", "tests/integration"), cwd=ROOT).returncode
+        rest_rc = rest.wait()
         if spark and spark.poll() is None:
             say("the unit and integration tests are done: waiting for the Spark tests")
         spark_rc = spark.wait() if spark else 1
-    except BaseException:
+    except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt):  # a Ctrl-C reached the foreground pytest too
+            interrupt(rest)
         if spark:
-            stop(spark)
+            interrupt(spark)
+        ended(rest, 120)
+        if spark:
+            # PySpark's own SIGINT handler cancels the running Spark job and the session goes
+            # on; killed, its JVM ends with it (stdin closed) and `down` below removes the rest.
+            ended(spark, 30)
         raise
     finally:
         try:
@@ -121,16 +133,22 @@ def main() -> int:
         say(f"the Spark tests' output, from {log}:")
         sys.stdout.write(log.read_text(errors="replace"))
     say(f"the unit, integration and Spark tests took {time.monotonic() - started:.0f} s")
-    deploy = subprocess.run(pytest("tests/deploy"), cwd=ROOT).returncode
-    failed = [
-        name
-        for name, rc in (("unit and integration", rest), ("Spark", spark_rc), ("chart", deploy))
-        if rc != 0
-    ]
+    deploy = subprocess.Popen(pytest("tests/deploy"), cwd=ROOT)
+    try:
+        deploy_rc = deploy.wait()
+    except KeyboardInterrupt:
+        ended(deploy, 120)
+        raise
+    results = {"unit and integration": rest_rc, "Spark": spark_rc, "chart": deploy_rc}
+    failed = [name for name, rc in results.items() if rc != 0]
     if failed:
         say(f"failed: the {', the '.join(failed)} tests")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        say("interrupted")
+        sys.exit(130)
