@@ -745,8 +745,9 @@ HELM_VERSION = "v3.16.4"
 
 @contextmanager
 def build_lock(name: str) -> Iterator[None]:
-    """Held while `name` is built into .local/bin: a second caller (the tests, while the build
-    `make test` starts in the background runs) waits for the first instead of building too."""
+    """Held while `name` is built (helm, the API server, the images) or installed (apt-get): a
+    second caller (the tests, while a build `make test` starts in the background runs) waits for
+    the first instead of doing it too."""
     (LOCAL / "bin").mkdir(parents=True, exist_ok=True)
     with (LOCAL / "bin" / f".{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

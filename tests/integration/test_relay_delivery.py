@@ -1860,6 +1860,12 @@ def test_an_end_that_postgres_ends_to_break_a_deadlock_is_made_again(
     """Another session (as another relay's stamp would) holds Y and then wants X while this
     relay's end holds X and wants Y: Postgres ends the end, which waited longer. It is made
     again at once, instead of the shard recovering from its op markers."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        # A waiter looks for a deadlock once, deadlock_timeout after it began to wait: the end's
+        # look must come after the other session's wait closed the cycle, or the other's own
+        # look, later, ends the other instead. By default a second apart, which a busy machine
+        # took between the two waits (the Spark tests ran beside).
+        conn.execute(f"ALTER DATABASE \"{conn.info.dbname}\" SET deadlock_timeout = '5s'")
     topic = topic_factory()
     r = relay_factory(heartbeat_interval="PT60S", lease_duration="PT180S")
     assert r.run_once(pipelined=True).delivered == 0
