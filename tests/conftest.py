@@ -21,8 +21,8 @@ _LAYERS = {"unit", "integration", "spark", "deploy"}
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test with its layer from its folder, so `pytest -m unit` runs the fast subset.
-    The tests on the API server run last: its Go build, which `make test` starts in the
-    background, is the last thing a fresh machine's run waits for (the images are built sooner)."""
+    The tests on the API server run last: on a fresh machine they wait for its Go build (started
+    in the background by `make test`), and the chart's other tests need not wait with them."""
     items.sort(key=lambda item: "kube" in getattr(item, "fixturenames", ()))
     tests_dir = Path(__file__).parent
     for item in items:
