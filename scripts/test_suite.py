@@ -19,7 +19,6 @@ Only the standard library is used.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -37,7 +36,6 @@ SPARK_STACK = {
 }
 SPARK_NICENESS = 5  # the integration tests' deadlines are the tighter ones
 STACK_TIMEOUT_S = 600  # a first `up` resolves the broker's and the connector's jars with Maven
-_ENV_LINE = re.compile(r"^(OUTBOX_[A-Z0-9_]+)=(.*)$")
 
 
 def say(message: str) -> None:
@@ -64,8 +62,8 @@ def spark_stack(command: str) -> dict[str, str]:
             f"services.py {command} of the Spark tests' stack failed (rc={done.returncode}):\n"
             f"{done.stdout}{done.stderr}"
         )
-    found = (_ENV_LINE.match(line) for line in done.stdout.splitlines())
-    return {**SPARK_STACK, **{m[1]: m[2] for m in found if m}}
+    said = (line.split("=", 1) for line in done.stdout.splitlines() if line.startswith("OUTBOX_"))
+    return {**SPARK_STACK, **dict(said)}
 
 
 def start_spark_tests(log: Path) -> subprocess.Popen[bytes]:

@@ -5,6 +5,8 @@ real Postgres and Kafka: the migration hook's and the sidecar's, and the reconci
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,7 +18,7 @@ from psycopg import sql
 
 import outbox
 from relay.service import Relay
-from tests.fixtures.helm import render
+from tests.fixtures.helm import ROOT, render
 from tests.fixtures.images import Engine, mounted, until
 from tests.fixtures.kafka import consume_all
 from tests.fixtures.postgres import _admin, _dsn_for
@@ -142,3 +144,22 @@ def test_the_charts_scheduled_reconciliation_runs_once_from_its_image(
     assert re.search(r"seen\s+5 copies on the topics, 5 op markers, 5 ledger rows", said), said
     assert re.search(r"findings\s+0 ", said), said
     assert any((tmp_path / "checkpoint").iterdir())  # the checkpoint, on the claim
+
+
+def test_an_image_built_from_the_same_context_is_not_built_again(
+    sidecar_image: tuple[Engine, str],
+) -> None:
+    """`make test` builds the images in the background and the image tests build them again:
+    the second build must find the first's image by its context digest, not rebuild it."""
+    engine, image = sidecar_image
+    before = engine("image", "inspect", "--format", "{{.Id}}", image).stdout.strip()
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "image.py"), "build", "sidecar"],
+        check=True,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
+    assert f"{image} is built from this context already" in again.stdout
+    assert f"IMAGE={image}" in again.stdout.splitlines()
+    assert engine("image", "inspect", "--format", "{{.Id}}", image).stdout.strip() == before
