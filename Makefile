@@ -1,17 +1,24 @@
-# One entry point for a fresh machine: `make test` installs, starts the real services, runs the suite
-# (the Spark tests beside the others, on a stack of their own: scripts/test_suite.py).
+# One entry point for a fresh machine: `make test` installs, starts the real services, runs the suite.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test prebuild test-fast bench soak install services-up services-down services-status lint typecheck clean
+.PHONY: run test test-parallel prebuild prebuild-images test-fast bench soak install services-up services-down services-status lint typecheck clean
 
-test: prebuild install services-up
+test: prebuild install services-up prebuild-images
+	$(PY) -m pytest
+
+# The same tests, the Spark tests beside the others on a stack of their own (scripts/test_suite.py):
+# ~24 min instead of ~34 on a fresh 2-core machine, but the machine is saturated, and two tests
+# with tight timing failed in five runs (one since fixed); `make test` stays serial until all hold.
+test-parallel: prebuild install services-up prebuild-images
+	$(PY) scripts/test_suite.py
+
+prebuild-images: install services-up
 	@($(IDLE) $(PY) scripts/image.py build sidecar && \
 	  $(IDLE) $(PY) scripts/image.py build reconcile) > .local/prebuild-images.log 2>&1 &
-	$(PY) scripts/test_suite.py
 
 # What the chart's tests need, built in the background while the rest installs, starts and runs
 # (the chart's tests come last, and wait for them: a lock each): the Go builds (helm;

@@ -1,5 +1,5 @@
-"""The whole test suite as `make test` runs it: the Spark tests beside the rest, on a stack of
-their own, then the chart's tests.
+"""The whole test suite as `make test-parallel` runs it: the Spark tests beside the rest, on a
+stack of their own, then the chart's tests. (`make test` runs it in one session, serially.)
 
 1. The unit and integration tests, on the stack `scripts/services.py up` started; their output
    is this script's. At the same time, the Spark tests, at a lower priority, on a second stack:
@@ -8,7 +8,7 @@ their own, then the chart's tests.
    other: a relay's xid horizon is the whole Postgres server's (a transaction of one session
    holds back the other's deliveries), and each session deletes the test topics that appeared on
    its broker while it ran. Their output is printed when the integration tests end.
-2. Then the chart's tests (tests/deploy), alone: they wait for the image and Go builds `make test`
+2. Then the chart's tests (tests/deploy), alone: they wait for the image and Go builds `make`
    starts in the background, and run the sidecar on the first stack.
 
 Every step runs even if one before it failed; the exit status is 0 only if all passed.

@@ -883,7 +883,7 @@ def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(
     with log.open("ab") as out:
         job = subprocess.Popen(argv, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT)
         try:
-            until = time.monotonic() + 120
+            until = time.monotonic() + 300  # a new JVM and Spark session on a busy machine
             while not read_findings(pg_dsn):
                 assert job.poll() is None, log.read_text(errors="replace")
                 assert time.monotonic() < until, "the restarted job reported nothing"
