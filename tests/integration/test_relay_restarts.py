@@ -87,7 +87,7 @@ def test_broker_and_postgres_restarts_under_load(
     writer.stop.set()
     writer.join(30)
 
-    wait_for(lambda: undelivered(pg_dsn) == 0, 120, "the relay to catch up")
+    wait_for(lambda: undelivered(pg_dsn) == 0, 120, "the relay to catch up", relay)
     assert relay.terminate() == 0, relay.output()
     expected = writer.committed()
     by_order = sorted(expected, key=lambda v: int(v[1:]))
