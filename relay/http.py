@@ -11,7 +11,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,19 @@ class ProbeServerUnavailable(OSError):
 
 
 class ProbeServer:
-    def __init__(self, host: str, port: int, alive: dict[str, Alive], ready: dict[str, Ready]):
+    """`registry`: what /metrics serves. `settings`: the names of the port's and the host's
+    settings, as the error for an address that cannot be listened on says them."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        alive: dict[str, Alive],
+        ready: dict[str, Ready],
+        *,
+        registry: CollectorRegistry = REGISTRY,
+        settings: tuple[str, str] = ("http.port", "http.host"),
+    ):
         self.alive = alive
         self.ready = ready
         probes = self
@@ -40,7 +52,7 @@ class ProbeServer:
                     ok = all(r.get("ready", False) for r in report.values())
                     self._send(200 if ok else 503, report)
                 elif path == "/metrics":
-                    self._send_raw(200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY))
+                    self._send_raw(200, CONTENT_TYPE_LATEST, generate_latest(registry))
                 else:
                     self._send(404, {"error": "not found"})
 
@@ -65,8 +77,10 @@ class ProbeServer:
         try:
             self._server = _server_for(host)((host, port), Handler)
         except OSError as exc:  # a port taken, an address not of this host: say which setting
+            port_setting, host_setting = settings
             raise ProbeServerUnavailable(
-                f"http.port {port} on http.host {host!r} cannot be listened on: {exc.strerror}"
+                f"{port_setting} {port} on {host_setting} {host!r} cannot be listened on: "
+                f"{exc.strerror}"
             ) from None
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]

@@ -59,7 +59,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -229,10 +229,12 @@ class ReconcileJob:
         settings: ReconcileSettings,
         spark: SparkSession,
         clock: Callable[[], datetime] = _utcnow,
+        on_report: Callable[[RunReport], None] | None = None,
     ) -> None:
         self.settings = settings
         self.spark = spark
         self._clock = clock
+        self._on_report = on_report  # every judgement's report, idle ones too (the metrics)
         self._lock = threading.Lock()  # one judgement at a time: micro-batches and idle ticks
         self._query: StreamingQuery | None = None
         self._ticker: threading.Thread | None = None
@@ -305,6 +307,29 @@ class ReconcileJob:
         ticker, self._ticker = self._ticker, None
         if ticker is not None and ticker is not threading.current_thread():
             ticker.join(timeout=60)
+
+    @property
+    def last_trigger_end(self) -> datetime | None:
+        """When the continuous query's last trigger ended (one ends every trigger interval,
+        with or without traffic); None before the first."""
+        query = self._query
+        progress = query.lastProgress if query is not None else None
+        if progress is None:
+            return None
+        try:
+            return trigger_end(progress.timestamp, progress.durationMs)
+        except ValueError:
+            return None
+
+    @property
+    def alive(self) -> bool:
+        """For a liveness probe: nothing failed, and the query runs unless it is not started
+        yet or being stopped. Asking the query is a call into the JVM: a JVM that does not
+        answer leaves the probe without an answer."""
+        if self._failure is not None:
+            return False
+        query = self._query
+        return query is None or self._stopping.is_set() or query.isActive
 
     @property
     def running(self) -> bool:
@@ -701,8 +726,16 @@ class ReconcileJob:
             seconds={"idle_check": round(seconds, 3)},
         )
         logger.debug("reconciliation: idle, nothing to judge: %s", report.format())
-        self.last_report = report
+        self._reported(report)
         return report
+
+    def _reported(self, report: RunReport) -> None:
+        self.last_report = report
+        if self._on_report is not None:
+            try:
+                self._on_report(report)
+            except Exception:  # what watches the job must not stop it
+                logger.exception("the report's listener failed")
 
     def _oldest_due(self, window: JudgeWindow) -> datetime | None:
         with sink.connect(self.settings.dsn.get_secret_value()) as conn:
@@ -995,7 +1028,7 @@ class ReconcileJob:
             logger.warning("reconciliation: %s", report.format())
         else:
             logger.info("reconciliation: %s", report.format())
-        self.last_report = report
+        self._reported(report)
         return report
 
     def _trim(self, newest: dict[int, int], window: JudgeWindow, current: int | None) -> None:
@@ -1138,6 +1171,16 @@ def _latency_rows(histogram: DataFrame) -> list[tuple[datetime, datetime, float,
 # --- command line ----------------------------------------------------------------------------
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number (0-65535): {text!r}")
+    return port
+
+
 def _duration(text: str) -> timedelta:
     try:
         return parse_duration(text)
@@ -1252,6 +1295,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="local jar paths, comma-separated (default: $OUTBOX_SPARK_JARS)",
     )
     r.add_argument("--shuffle-partitions", type=int, help="spark.sql.shuffle.partitions")
+    r.add_argument(
+        "--http-port",
+        type=_port,
+        help="serve /healthz, /readyz and /metrics (Prometheus) on this port (streaming only)",
+    )
+    r.add_argument(
+        "--http-host",
+        default="0.0.0.0",  # noqa: S104 - the probes come from the kubelet, outside the pod
+        help="the address --http-port listens on (0.0.0.0)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="the report as one JSON line")
     out.add_argument(
@@ -1350,9 +1403,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
     except ReconcileConfigError as exc:
         parser.error(str(exc))
-    spark, owned = build_session(settings)
-    try:
-        job = ReconcileJob(settings, spark)
+    if args.http_port is not None and (settings.once or settings.audit):
+        parser.error(
+            "--http-port serves a streaming job's probes and metrics: "
+            "not with --once or --from/--to"
+        )
+    with ExitStack() as cleanup:  # the session stopped, then the probes
+        made: list[ReconcileJob] = []  # the probes answer from before the job exists
+        on_report = None
+        if args.http_port is not None:
+            from relay.http import ProbeServerUnavailable
+            from spark.metrics import ReconcileMetrics, start_probes
+
+            metrics = ReconcileMetrics(settings)
+            on_report = metrics.observe
+            try:
+                probes = start_probes(
+                    args.http_host, args.http_port, metrics, lambda: made[0] if made else None
+                )
+            except ProbeServerUnavailable as exc:
+                raise ReconcileConfigError(str(exc)) from None
+            cleanup.callback(probes.stop)
+        spark, owned = build_session(settings)
+        if owned:
+            cleanup.callback(spark.stop)
+        job = ReconcileJob(settings, spark, on_report=on_report)
+        made.append(job)
         if settings.audit:
             report = job.audit()
         elif settings.once:
@@ -1367,9 +1443,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         print(json.dumps(report.as_dict()) if args.json else report.format(), flush=True)
         return EXIT_FINDINGS if args.fail_on_findings and report.found_total else 0
-    finally:
-        if owned:
-            spark.stop()
 
 
 if __name__ == "__main__":

@@ -40,6 +40,17 @@ def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             for s in [*RECONCILE, "reconcile.enabled=true", "reconcile.kafkaConfigSecret.name=k"]
             for a in ("--set", s)
         ),
+        tuple(
+            a
+            for s in [
+                *RECONCILE,
+                "reconcile.enabled=true",
+                "serviceMonitor.enabled=true",
+                "prometheusRule.enabled=true",
+                "grafanaDashboard.enabled=true",
+            ]
+            for a in ("--set", s)
+        ),
     ],
 )
 def test_lint(helm: str, extra: tuple[str, ...]) -> None:
@@ -170,12 +181,20 @@ def test_sidecar_mode_renders_no_deployment_and_an_app_chart_includes_the_contai
 
 
 def _exported_series() -> dict[str, set[str]]:
-    """Each series the sidecar exports (relay and checker), with its label names."""
+    """Each series the sidecar (relay and checker) and the reconciliation export, with its
+    label names."""
     import checker._metrics
     import relay.metrics
+    from spark.config import ReconcileSettings
+    from spark.metrics import ReconcileMetrics
 
+    reconcile = ReconcileMetrics(
+        ReconcileSettings(
+            dsn="postgresql://x", bootstrap_servers="k", topics=("t",), checkpoint="cp"
+        )
+    )
     series: dict[str, set[str]] = {}
-    for module in (relay.metrics, checker._metrics):
+    for module in (relay.metrics, checker._metrics, reconcile):
         for metric in vars(module).values():
             if not isinstance(metric, MetricWrapperBase):
                 continue
@@ -214,11 +233,15 @@ def test_alert_rules_are_off_by_default(helm: str) -> None:
     assert "PrometheusRule" not in kinds
 
 
+RECONCILE_ALERTS = {"OutboxReconcileFindings", "OutboxReconcileStalled"}
+
+
 @pytest.mark.parametrize("mode", ["standalone", "sidecar"])
 def test_alert_rules_use_only_series_and_labels_the_sidecar_exports(helm: str, mode: str) -> None:
-    """Each rule's expression parses as PromQL; every selector names a series the relay or the
-    checker exports and carries the configured matchers; it aggregates only by their labels.
-    A metric renamed in the code fails here, not silently in someone's Prometheus."""
+    """Each rule's expression parses as PromQL; every selector names a series the relay, the
+    checker or the reconciliation exports and carries the configured matchers; it aggregates
+    only by their labels. A metric renamed in the code fails here, not silently in someone's
+    Prometheus."""
     docs = by_kind(
         render(
             helm,
@@ -228,6 +251,9 @@ def test_alert_rules_use_only_series_and_labels_the_sidecar_exports(helm: str, m
             'prometheusRule.matchers=namespace="orders"',
             "prometheusRule.labels.release=prom",
             "prometheusRule.deliveryLagSeconds=120",
+            "prometheusRule.reconcileStalledSeconds=600",
+            "reconcile.enabled=true",
+            *RECONCILE,
         )
     )
     rule = docs["PrometheusRule"]
@@ -235,11 +261,28 @@ def test_alert_rules_use_only_series_and_labels_the_sidecar_exports(helm: str, m
     rules = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
     assert "OutboxDeliveryLagging" in rules
     assert rules["OutboxDeliveryLagging"]["expr"].endswith("> 120")
+    assert rules.keys() >= RECONCILE_ALERTS
+    assert rules["OutboxReconcileStalled"]["expr"].endswith("> 600")
     exported = _exported_series()
     for name, r in rules.items():
         _assert_exported(name, r["expr"], exported, ("namespace", "orders"))
         assert r["labels"]["severity"] == "warning"
         assert r["annotations"]["summary"]
+
+
+@pytest.mark.parametrize(
+    "sets", [(), ("reconcile.enabled=true", "reconcile.mode=schedule", *RECONCILE)]
+)
+def test_the_reconciliation_alerts_only_where_a_running_job_exports_its_metrics(
+    helm: str, sets: tuple[str, ...]
+) -> None:
+    """Without the reconciliation, or with a CronJob of --once runs (no metrics served), its
+    alerts would never fire, or the stall alert always would."""
+    docs = by_kind(render(helm, "existingSecret=s", "prometheusRule.enabled=true", *sets))
+    groups = docs["PrometheusRule"]["spec"]["groups"]
+    alerts = {r["alert"] for group in groups for r in group["rules"]}
+    assert "OutboxDeliveryLagging" in alerts
+    assert not alerts & RECONCILE_ALERTS
 
 
 def _assert_exported(
@@ -294,6 +337,7 @@ def test_the_dashboard_queries_only_series_and_labels_the_sidecar_exports(helm: 
             queried.append(expr)
     assert any("outbox_relay_oldest_undelivered_seconds" in q for q in queried)
     assert any("outbox_checker_checks_total" in q for q in queried)
+    assert any("outbox_reconcile_findings_total" in q for q in queried)
 
 
 def test_the_dashboard_is_off_by_default(helm: str) -> None:
@@ -389,6 +433,41 @@ def test_the_reconciliation_runs_as_one_writer_of_its_checkpoint_with_args_the_j
     # Spark 4 writes artifacts/ under the working directory: `/` failed every query's start
     assert mounts[container["workingDir"]] == "tmp"
     assert pod["spec"]["terminationGracePeriodSeconds"] > 60  # stop() joins its ticker 60 s
+    # its probes and metrics, on the port the job is told to serve them on
+    from spark.job import build_parser
+
+    (port,) = container["ports"]
+    assert build_parser().parse_args(container["args"]).http_port == port["containerPort"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["name"]}
+    assert not [
+        k for k in docs if k.startswith(("Service/", "ServiceMonitor/")) and "reconcile" in k
+    ]
+
+
+def test_a_service_monitor_scrapes_the_running_reconciliation_apart_from_the_relays(
+    helm: str,
+) -> None:
+    docs = reconcile_docs(helm, "serviceMonitor.enabled=true")
+    pod = docs["Deployment/orders-outbox-sidecar-reconcile"]["spec"]["template"]
+    service = docs["Service/orders-outbox-sidecar-reconcile"]
+    monitor = docs["ServiceMonitor/orders-outbox-sidecar-reconcile"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == pod["spec"]["containers"][0]["ports"][0]["name"]
+    assert monitor["spec"]["endpoints"][0]["port"] == port["name"]
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    # the relays' monitor and Service leave the job out, and the job's leave the relays out
+    relays = docs["ServiceMonitor/orders-outbox-sidecar"]["spec"]["selector"]["matchLabels"]
+    assert not relays.items() <= service["metadata"]["labels"].items()
+    relay_service = docs["Service/orders-outbox-sidecar"]
+    assert (
+        not monitor["spec"]["selector"]["matchLabels"].items()
+        <= relay_service["metadata"]["labels"].items()
+    )
 
 
 def test_a_scheduled_reconciliation_runs_once_at_a_time_on_a_claim_given(
@@ -406,6 +485,9 @@ def test_a_scheduled_reconciliation_runs_once_at_a_time_on_a_claim_given(
     (container,) = pod["containers"]
     settings = job_settings(container, monkeypatch)
     assert settings.once
+    # a run of minutes serves no probes or metrics (the job refuses --http-port with --once)
+    assert "--http-port" not in container["args"]
+    assert not {"ports", "livenessProbe", "readinessProbe"} & container.keys()
     assert settings.topic_pattern == "orders[.].*"
     (checkpoint,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
     assert checkpoint["persistentVolumeClaim"]["claimName"] == "mine"

@@ -19,11 +19,11 @@ from psycopg import sql
 import outbox
 from relay.service import Relay
 from tests.fixtures.helm import ROOT, render
+from tests.fixtures.http import free_port, get
 from tests.fixtures.images import Engine, mounted, until
 from tests.fixtures.kafka import consume_all
 from tests.fixtures.postgres import _admin, _dsn_for
 from tests.fixtures.services import Services
-from tests.integration.test_relay_process import free_port, get
 
 
 @pytest.fixture

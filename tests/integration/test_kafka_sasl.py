@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from relay.config import SidecarSettings
+from tests.fixtures.http import free_port, get
 from tests.fixtures.kafka import SaslListener, consume_all
 from tests.integration.test_relay_crashes import FAST, publish, undelivered, wait_for
-from tests.integration.test_relay_process import free_port, get
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -23,24 +21,9 @@ import outbox
 from relay import sidecar
 from relay.config import HttpSettings, SidecarSettings
 from relay.service import Relay, RelayRound
+from tests.fixtures.http import free_port, get
 from tests.fixtures.relay import RelayProcess
 from tests.integration.test_relay_crashes import FAST, undelivered, wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get(port: int, path: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:
-        return 0, b""
 
 
 def test_probes_metrics_and_graceful_shutdown(

@@ -27,11 +27,13 @@ import psycopg
 import pytest
 from confluent_kafka import KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
+from prometheus_client.parser import text_string_to_metric_families
 from psycopg.conninfo import make_conninfo
 
 import outbox
 from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, marker_entry, marker_messages
 from spark.findings import read_findings, read_windows
+from tests.fixtures.http import free_port, get
 from tests.fixtures.kafka import TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -849,7 +851,7 @@ def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(
 ) -> None:
     """A real job process, SIGKILLed after it stored a micro-batch and before it judged it:
     Spark did not commit the batch, so a restart replays it (the store batch is written again,
-    not twice) and reports what it holds, once."""
+    not twice) and reports what it holds, once: in the findings and in the metrics it serves."""
     orders, markers = topic_factory(), topic_factory()
     relay = RelayStandIn(pg_dsn, transactional_producer, markers)
     sent = datetime.now(UTC)
@@ -880,21 +882,39 @@ def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(
     assert not (checkpoint / "commits" / "0").exists()  # ...not committed
     assert read_findings(pg_dsn) == []  # ...not judged
 
+    port = free_port()
+    serving = [*argv, "--http-host", "127.0.0.1", "--http-port", str(port)]
     with log.open("ab") as out:
-        job = subprocess.Popen(argv, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT)
+        job = subprocess.Popen(serving, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT)
         try:
             until = time.monotonic() + 300  # a new JVM and Spark session on a busy machine
-            while not read_findings(pg_dsn):
+            while not read_findings(pg_dsn) or _missing_counted(port) < 1:
                 assert job.poll() is None, log.read_text(errors="replace")
                 assert time.monotonic() < until, "the restarted job reported nothing"
                 time.sleep(0.5)
+            assert get(port, "/healthz") == (200, b'{"reconcile": true}')
+            assert get(port, "/readyz")[0] == 200
             time.sleep(3)  # a few more triggers and idle judgements: nothing may come twice
+            assert _missing_counted(port) == 1
         finally:  # Ctrl-C then a SIGTERM at once (as `make run`'s stop does): a clean exit
             job.send_signal(signal.SIGINT)
             job.send_signal(signal.SIGTERM)
             assert job.wait(60) == 0, log.read_text(errors="replace")
     assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", dropped.id)]
     assert len(list((checkpoint / "observations").glob("batch-*"))) >= 1
+
+
+def _missing_counted(port: int) -> float:
+    """The job's outbox_reconcile_findings_total{kind="missing"}; 0 until it serves it."""
+    code, text = get(port, "/metrics")
+    if code != 200:
+        return 0
+    return next(
+        s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+        if s.name == "outbox_reconcile_findings_total" and s.labels == {"kind": "missing"}
+    )
 
 
 def test_run_forever_stops_when_asked_while_starting_or_running(

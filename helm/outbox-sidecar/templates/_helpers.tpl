@@ -33,9 +33,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "outbox-sidecar.labels" -}}
 {{ include "outbox-sidecar.selectorLabels" . }}
+{{ include "outbox-sidecar.chartLabels" . }}
+{{- end -}}
+
+{{- define "outbox-sidecar.chartLabels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- /* The reconciliation's pods, not the relays' selector labels: the relays' Deployment,
+PodDisruptionBudget and ServiceMonitor would count them. */ -}}
+{{- define "outbox-sidecar.reconcileSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "outbox-sidecar.name" . }}-reconcile
+app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "outbox-sidecar.image" -}}
@@ -118,10 +129,7 @@ schema, the sidecar reading another). */}}
 {{- $r := .root.Values.reconcile -}}
 {{- $root := .root -}}
 metadata:
-  # not the relays' selector labels: their Deployment and PodDisruptionBudget would count it
-  labels:
-    app.kubernetes.io/name: {{ include "outbox-sidecar.name" $root }}-reconcile
-    app.kubernetes.io/instance: {{ $root.Release.Name }}
+  labels: {{- include "outbox-sidecar.reconcileSelectorLabels" $root | nindent 4 }}
   {{- with $root.Values.podAnnotations }}
   annotations:
     {{- range $name, $value := . }}
@@ -187,6 +195,8 @@ spec:
         {{- else }}
         - --trigger
         - {{ $r.trigger | quote }}
+        - --http-port
+        - {{ $r.httpPort | quote }}
         {{- end }}
         {{- range $r.extraArgs }}
         - {{ . | quote }}
@@ -201,6 +211,22 @@ spec:
           value: /tmp
         - name: PYSPARK_SUBMIT_ARGS  # the driver's heap, set before its JVM starts
           value: {{ printf "--driver-memory %s pyspark-shell" $r.driverMemory | quote }}
+      {{- if eq $r.mode "continuous" }}
+      ports:
+        - {name: http, containerPort: {{ $r.httpPort }}}
+      # Alive while the JVM answers and the query runs (a query that failed ends the process
+      # anyway); not whether judgements keep up: a first micro-batch over a long backlog takes
+      # minutes, and a restart would only start it again. OutboxReconcileStalled says that.
+      livenessProbe:
+        httpGet: {path: /healthz, port: http}
+        periodSeconds: 10
+        timeoutSeconds: 5
+        failureThreshold: 6
+      readinessProbe:  # the query runs
+        httpGet: {path: /readyz, port: http}
+        periodSeconds: 10
+        timeoutSeconds: 5
+      {{- end }}
       resources: {{- toYaml $r.resources | nindent 8 }}
       securityContext: {{- toYaml $root.Values.securityContext | nindent 8 }}
       volumeMounts:

@@ -1,0 +1,167 @@
+"""A running job's Prometheus metrics and probes (`--http-port`): what it found, how far it
+has judged, whether it still judges. Imported only when asked for: a cluster's driver runs
+the job without prometheus_client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from relay.http import ProbeServer
+from spark.config import FINDING_KINDS, ReconcileSettings
+
+if TYPE_CHECKING:
+    from spark.job import ReconcileJob, RunReport
+
+# the summary window's columns, by the quantile label they are exported under
+_WINDOW_QUANTILES = {
+    "0.5": "latency_p50_ms",
+    "0.95": "latency_p95_ms",
+    "0.99": "latency_p99_ms",
+    "1": "latency_max_ms",
+}
+
+
+def _timestamp(value: datetime | None) -> float:
+    return value.timestamp() if value is not None else float("nan")
+
+
+class ReconcileMetrics:
+    """The job's metrics, in a registry of their own (a process may run several jobs: tests).
+
+    `observe(report)` takes every judgement's report (ReconcileJob's `on_report`); `watch(job)`
+    adds what is read from the running query when scraped.
+    """
+
+    def __init__(self, settings: ReconcileSettings) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.findings = Counter(
+            "outbox_reconcile_findings_total",
+            "Findings written for the first time, by kind (a finding found again is not counted).",
+            ["kind"],
+            registry=r,
+        )
+        for kind in FINDING_KINDS:  # at 0 from the start: increase() sees the first one
+            self.findings.labels(kind=kind)
+        self.judgements = Counter(
+            "outbox_reconcile_judgements_total",
+            "Judgements, by what made them: a micro-batch, an idle tick, the final one of --once.",
+            ["trigger"],
+            registry=r,
+        )
+        self.judgement_seconds = Histogram(
+            "outbox_reconcile_judgement_duration_seconds",
+            "Wall time of a judgement (idle ones included: they skip Spark).",
+            buckets=(0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self.copies = Counter(
+            "outbox_reconcile_copies_judged_total",
+            "Copies of records on the delivered topics that judgements looked at.",
+            registry=r,
+        )
+        self.markers = Counter(
+            "outbox_reconcile_markers_judged_total",
+            "Op markers that judgements looked at.",
+            registry=r,
+        )
+        self.judged_to = Gauge(
+            "outbox_reconcile_judged_to_timestamp_seconds",
+            "Records that became due up to this time (commit time plus the deadline) are judged.",
+            registry=r,
+        )
+        self.judged_to.set(float("nan"))  # not 1970 on a dashboard before the first
+        self.last_judgement = Gauge(
+            "outbox_reconcile_last_judgement_timestamp_seconds",
+            "When the last judgement ended; before the first, when the job started.",
+            registry=r,
+        )
+        self.last_judgement.set_to_current_time()  # a stall alert counts from the start
+        self.window_latency = Gauge(
+            "outbox_reconcile_window_latency_seconds",
+            "Commit to topic time in the newest closed summary window, by quantile (1: max).",
+            ["quantile"],
+            registry=r,
+        )
+        self.last_trigger = Gauge(
+            "outbox_reconcile_last_trigger_timestamp_seconds",
+            "When the streaming query's last trigger ended (one ends every trigger interval).",
+            registry=r,
+        )
+        # the job's own settings, for alert thresholds and dashboards that follow them
+        self.trigger_interval = Gauge(
+            "outbox_reconcile_trigger_interval_seconds",
+            "The job's --trigger.",
+            registry=r,
+        )
+        self.trigger_interval.set(settings.trigger.total_seconds())
+        self.deadline = Gauge(
+            "outbox_reconcile_deadline_seconds",
+            "The job's --deadline: a committed record not on its topic by then is missing.",
+            registry=r,
+        )
+        self.deadline.set(settings.deadline.total_seconds())
+
+    def observe(self, report: RunReport) -> None:
+        for kind, count in report.new.items():
+            self.findings.labels(kind=kind).inc(count)
+        self.judgements.labels(trigger=report.detected_in.split(" ", 1)[0]).inc()
+        self.judgement_seconds.observe(sum(report.seconds.values()))
+        self.copies.inc(report.copies)
+        self.markers.inc(report.markers)
+        self.judged_to.set(report.window.hi.timestamp())
+        self.last_judgement.set_to_current_time()
+        if report.windows:
+            newest = max(report.windows, key=lambda w: w["window_start"])
+            for quantile, column in _WINDOW_QUANTILES.items():
+                ms = newest.get(column)
+                if ms is not None:
+                    self.window_latency.labels(quantile=quantile).set(ms / 1000)
+
+    def watch(self, job: Callable[[], ReconcileJob | None]) -> None:
+        """Read the query's last trigger from the job `job()` returns (None: not made yet)."""
+
+        def last_trigger() -> float:
+            current = job()
+            return _timestamp(current.last_trigger_end if current is not None else None)
+
+        self.last_trigger.set_function(last_trigger)
+
+
+def start_probes(
+    host: str,
+    port: int,
+    metrics: ReconcileMetrics,
+    job: Callable[[], ReconcileJob | None],
+) -> ProbeServer:
+    """/healthz, /readyz and /metrics of a continuous job, served from before its Spark session
+    exists (that takes half a minute or more): alive while it starts, and then while its query
+    runs; ready once the query runs."""
+
+    def alive() -> bool:
+        current = job()
+        return current is None or current.alive
+
+    def ready() -> dict[str, Any]:
+        current = job()
+        if current is None or not current.running:
+            return {"ready": False}
+        last = current.last_trigger_end
+        return {"ready": True, "last_trigger": last.isoformat() if last is not None else None}
+
+    metrics.watch(job)
+    server = ProbeServer(
+        host,
+        port,
+        alive={"reconcile": alive},
+        ready={"reconcile": ready},
+        registry=metrics.registry,
+        settings=("--http-port", "--http-host"),
+    )
+    server.start()
+    return server
