@@ -31,6 +31,7 @@ from relay.background import BackgroundConnection
 from relay.config import MIN_OP_MARKER_MESSAGE_BYTES, SidecarSettings
 from relay.dbconnect import dead_peer_options, own_transaction_mode
 from relay.dbprobe import DatabaseProbe
+from relay.http import gather
 from relay.kafka import (
     DEAD_LETTER_TOPIC_CONFIG,
     Fenced,
@@ -991,8 +992,8 @@ class Relay:
     def ready(self) -> dict[str, Any]:
         """What /readyz reports; `ready` needs the database, the broker, and the relay's
         setup (its topics made and its settings checked) done: until then it delivers nothing."""
-        database = self._db_probe.reachable()
-        broker = self.topics.reachable()
+        reached = gather({"database": self._db_probe.reachable, "broker": self.topics.reachable})
+        database, broker = reached["database"], reached["broker"]
         return {
             "ready": database and broker and self._set_up,
             "database": database,

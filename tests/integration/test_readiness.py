@@ -145,3 +145,25 @@ def test_shards_whose_lease_ran_out_unrenewed_are_not_reported_held(
     assert REGISTRY.get_sample_value("outbox_relay_shards_owned") == 0
     relay.run_once()  # renewed
     assert relay.ready()["shards"] == [0]
+
+
+def test_a_relays_database_and_broker_are_probed_at_once(
+    relay_factory: Callable[..., Relay],
+) -> None:
+    """Each may wait a connect timeout in an outage; one after another they added up. The
+    database check here ends only once the broker's (the real one) has begun."""
+    relay = relay_factory()
+    broker_began = threading.Event()
+    database, broker = relay._db_probe.reachable, relay.topics.reachable
+
+    def database_after_broker() -> bool:
+        return broker_began.wait(30) and database()
+
+    def broker_noted() -> bool:
+        broker_began.set()
+        return broker()
+
+    relay._db_probe.reachable = database_after_broker  # type: ignore[method-assign]
+    relay.topics.reachable = broker_noted  # type: ignore[method-assign]
+    report = relay.ready()
+    assert (report["database"], report["broker"]) == (True, True)

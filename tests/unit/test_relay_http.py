@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 
-from relay.http import ProbeServer
+from relay.http import ProbeServer, gather
+from tests.fixtures.http import get
 
 
 def _ipv6_loopback() -> bool:
@@ -63,3 +66,47 @@ def test_head_answers_as_get_without_a_body() -> None:
             assert json.loads(r.read()) == {"relay": True}
     finally:
         server.stop()
+
+
+def test_the_components_readiness_checks_run_at_once_not_one_after_another() -> None:
+    """In an outage each check waits a connect timeout or two: one after another /readyz took
+    20-30 s, past a kubelet's probe timeout. Here the first check can only end once the second
+    has begun, which one after another it never would."""
+    second_began = threading.Event()
+
+    def first() -> dict[str, Any]:
+        return {"ready": second_began.wait(30)}
+
+    def second() -> dict[str, Any]:
+        second_began.set()
+        return {"ready": True}
+
+    server = ProbeServer("127.0.0.1", 0, alive={}, ready={"relay": first, "checker": second})
+    server.start()
+    try:
+        code, body = get(server.port, "/readyz")
+        assert (code, json.loads(body)) == (
+            200,
+            {"relay": {"ready": True}, "checker": {"ready": True}},  # in the components' order
+        )
+    finally:
+        server.stop()
+
+
+def test_gather_raises_a_checks_failure_after_all_have_ended() -> None:
+    failed, ended = threading.Event(), threading.Event()
+
+    def fails() -> bool:
+        failed.set()
+        raise RuntimeError("probe broke")
+
+    def slow() -> bool:  # ends only after the other failed
+        failed.wait(30)
+        ended.set()
+        return True
+
+    with pytest.raises(RuntimeError, match="probe broke"):
+        gather({"fails": fails, "slow": slow})
+    assert ended.is_set()
+    assert gather({"one": lambda: 1}) == {"one": 1}
+    assert gather({}) == {}
