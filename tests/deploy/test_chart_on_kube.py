@@ -64,6 +64,8 @@ LONGEST_RELEASE = "payments-ledger-reconciliation-production-eu-west-one"
         pytest.param(
             "a" * 45 + ".eu-west", (*EVERYTHING, "reconcile.mode=schedule"), id="dotted-release"
         ),
+        # the reconciliation's own Service (its metrics) from such a name
+        pytest.param("a" * 45 + ".eu-west", EVERYTHING, id="dotted-release-continuous"),
     ],
 )
 def test_the_api_server_admits_every_object_the_chart_renders(
