@@ -72,7 +72,8 @@ class ReconcileMetrics:
         )
         self.judged_to = Gauge(
             "outbox_reconcile_judged_to_timestamp_seconds",
-            "Records that became due up to this time (commit time plus the deadline) are judged.",
+            "Records of times before this (commits, markers, copies) are judged: the last "
+            "judgement's as-of time less the deadline.",
             registry=r,
         )
         self.judged_to.set(float("nan"))  # not 1970 on a dashboard before the first
