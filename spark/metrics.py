@@ -50,7 +50,7 @@ class ReconcileMetrics:
             self.findings.labels(kind=kind)
         self.judgements = Counter(
             "outbox_reconcile_judgements_total",
-            "Judgements, by what made them: a micro-batch, an idle tick, the final one of --once.",
+            "Judgements, by what made them: a micro-batch (batch) or an idle tick (tick).",
             ["trigger"],
             registry=r,
         )
