@@ -1863,8 +1863,8 @@ def test_an_end_that_postgres_ends_to_break_a_deadlock_is_made_again(
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         # A waiter looks for a deadlock once, deadlock_timeout after it began to wait: the end's
         # look must come after the other session's wait closed the cycle, or the other's own
-        # look, later, ends the other instead. By default a second apart, which a busy machine
-        # took between the two waits (the Spark tests ran beside).
+        # look, later, ends the other instead. The other asks for X as soon as the end waits
+        # (below), with 5 s for the end's look instead of the default second.
         conn.execute(f"ALTER DATABASE \"{conn.info.dbname}\" SET deadlock_timeout = '5s'")
     topic = topic_factory()
     r = relay_factory(heartbeat_interval="PT60S", lease_duration="PT180S")
@@ -1879,29 +1879,29 @@ def test_an_end_that_postgres_ends_to_break_a_deadlock_is_made_again(
     failed: list[BaseException] = []
     with psycopg.connect(pg_dsn, autocommit=True) as probe, psycopg.connect(pg_dsn) as other:
         other.execute("SELECT 1 FROM outbox.outbox_record WHERE id = %s FOR UPDATE", (y,))
+
+        def end_waits() -> bool:
+            (waiting,) = probe.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND query LIKE '%%DELETE FROM%%'"
+            ).fetchone()  # type: ignore[misc]
+            return bool(waiting)
+
+        def take_x_once_the_end_waits() -> None:
+            # Not after run_once returned: in a fresh-clone run it returned ~5 s after its end
+            # began to wait, the end's one look found no cycle yet, and the other was ended.
+            try:
+                wait_for(end_waits)
+                other.execute("SELECT 1 FROM outbox.outbox_record WHERE id = %s FOR UPDATE", (x,))
+            except BaseException as exc:
+                failed.append(exc)
+
+        taking = threading.Thread(target=take_x_once_the_end_waits)
+        taking.start()
         try:
             assert r.run_once(pipelined=True).delivered == 2  # their end waits for Y
-
-            def end_waits() -> bool:
-                (waiting,) = probe.execute(
-                    "SELECT count(*) FROM pg_stat_activity"
-                    " WHERE wait_event_type = 'Lock' AND query LIKE '%%DELETE FROM%%'"
-                ).fetchone()  # type: ignore[misc]
-                return bool(waiting)
-
-            wait_for(end_waits)
-
-            def take_x() -> None:
-                try:
-                    other.execute(
-                        "SELECT 1 FROM outbox.outbox_record WHERE id = %s FOR UPDATE", (x,)
-                    )
-                except BaseException as exc:
-                    failed.append(exc)
-
-            taking = threading.Thread(target=take_x)
-            taking.start()
-            taking.join(15)
+            taking.join(30)
+            assert not taking.is_alive()
         finally:
             other.rollback()
     assert failed == []  # the other session got X: Postgres ended the end

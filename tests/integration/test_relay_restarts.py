@@ -63,6 +63,17 @@ class Writer(threading.Thread):
             return [r[0].encode() for r in conn.execute("SELECT v FROM sent")]
 
 
+def delivered(dsn: str) -> int:
+    """Records the relay has ended: the writer's commits less the rows still committed (one
+    statement, one snapshot: each `sent` row commits with its record)."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT (SELECT count(*) FROM sent)"
+            " - (SELECT count(*) FROM outbox.outbox_record WHERE state = 'committed')"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
 def test_broker_and_postgres_restarts_under_load(
     restartable: None,
     pg_dsn: str,
@@ -76,10 +87,15 @@ def test_broker_and_postgres_restarts_under_load(
     relay = relay_process(**FAST)
     writer = Writer(pg_dsn, topic)
     writer.start()
-    wait_for(lambda: writer.commits >= 50, 30, "load before the broker restart")
+    # the relay delivering when each restart comes (the broker's came during its setup before)
+    wait_for(lambda: delivered(pg_dsn) >= 50, 60, "deliveries before the broker restart", relay)
     restart("kafka")
     mark = writer.commits
     wait_for(lambda: writer.commits >= mark + 50, 60, "load after the broker restart")
+    mark = delivered(pg_dsn)
+    wait_for(
+        lambda: delivered(pg_dsn) >= mark + 50, 120, "deliveries after the broker restart", relay
+    )
     restart("postgres")
     wait_for(lambda: writer.outages >= 1, 30, "the writer to feel the restart (its connection cut)")
     mark = writer.commits
