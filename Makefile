@@ -11,7 +11,7 @@ test: prebuild install services-up prebuild-images
 	$(PY) -m pytest
 
 # The same tests, the Spark tests beside the others on a stack of their own (scripts/test_suite.py):
-# ~24 min instead of ~34 on a fresh 2-core machine, but the machine is saturated, and two tests
+# ~24 min instead of ~28-30 on a fresh 2-core machine, but the machine is saturated, and two tests
 # with tight timing failed in five runs (one since fixed); `make test` stays serial until all hold.
 test-parallel: prebuild install services-up prebuild-images
 	$(PY) scripts/test_suite.py

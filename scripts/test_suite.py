@@ -8,8 +8,8 @@ stack of their own, then the chart's tests. (`make test` runs it in one session,
    other: a relay's xid horizon is the whole Postgres server's (a transaction of one session
    holds back the other's deliveries), and each session deletes the test topics that appeared on
    its broker while it ran. Their output is printed when the integration tests end.
-2. Then the chart's tests (tests/deploy), alone: they wait for the image and Go builds `make`
-   starts in the background, and run the sidecar on the first stack.
+2. Then the chart's tests (tests/deploy), alone: they wait for the image and Go builds `make
+   test-parallel` starts in the background, and run the sidecar on the first stack.
 
 Every step runs even if one before it failed; the exit status is 0 only if all passed.
 `.venv/bin/python -m pytest` still runs the whole suite in one session, one test at a time.
