@@ -229,9 +229,8 @@ class AsyncOutbox:
             if status is not TransactionStatus.UNKNOWN and left_idle(conn, written):
                 end = self.commit if status is TransactionStatus.COMMIT else self.rollback
                 async with conn.transaction():
-                    state = (
-                        await end(conn, written.tx_id, producer_group=written.producer_group)
-                    ).state
+                    ended = await end(conn, written.tx_id, producer_group=written.producer_group)
+                state = ended.state  # only once its COMMIT went through: else still prepared
         except TransactionStateError as exc:  # the checker or an operator ended it first
             state = settled_first(exc, written, status)
         except Exception:

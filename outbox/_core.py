@@ -118,6 +118,12 @@ def config_of(config: OutboxConfig | None, settings: dict[str, Any]) -> OutboxCo
     """Outbox(config) or Outbox(**settings): both at once would drop the settings unseen."""
     if config is None:
         return OutboxConfig(**settings)
+    if not isinstance(config, OutboxConfig):
+        # else accepted here, and the first call failed with a bare AttributeError
+        raise InvalidConfigError(
+            f"the first argument is an OutboxConfig, not {type(config).__name__}: give "
+            "settings by name (producer_group=..., schema_name=...)"
+        )
     if settings:
         raise InvalidConfigError(
             f"give an OutboxConfig or settings ({', '.join(sorted(settings))}), not both: "

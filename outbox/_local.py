@@ -49,22 +49,34 @@ class LocalTransactionResult:
         return False
 
 
+_COMMITTED_FAMILY = frozenset({State.COMMITTED, State.DELIVERED, State.PARKED})
+
+
 def settled_first(exc: TransactionStateError, written: Written, status: TransactionStatus) -> State:
     """The state the checker or an operator left the records in, when the local transaction's
-    own end found them no longer prepared. Raises `exc` when that state cannot be told (the
-    relay has removed the rows already, or they differ): the local work is done all the same,
-    and must not be repeated."""
-    states = exc.current_states if isinstance(exc, IllegalTransitionError) else ()
-    if len(set(states)) != 1:
+    own end found them no longer prepared; of records the relay ended differently (some
+    delivered, one parked), parked if any is, else committed. Raises `exc` when that state
+    cannot be told (the relay has removed the rows already): the local work is done all the
+    same, and must not be repeated."""
+    states = (
+        {State(s) for s in exc.current_states} if isinstance(exc, IllegalTransitionError) else set()
+    )
+    if len(states) == 1:
+        (state,) = states
+    elif states and states <= _COMMITTED_FAMILY:
+        # Committed first, then the relay delivered some and parked others (rows kept by
+        # delivered_retention): committed all the same, and a parked one wants an operator.
+        state = State.PARKED if State.PARKED in states else State.COMMITTED
+    else:
         raise exc
     logger.error(
         "tx %s (%s) was already %s when the local transaction answered %s",
         written.tx_id,
         written.producer_group,
-        states[0],
+        ", ".join(sorted(states)),
         status.value,
     )
-    return State(states[0])
+    return state
 
 
 def require_idle(

@@ -474,6 +474,39 @@ def test_send_in_transaction_keeps_records_prepared_when_the_end_cannot_be_writt
 
 
 @pytest.mark.parametrize("answer", [TransactionStatus.COMMIT, TransactionStatus.ROLLBACK])
+def test_an_end_whose_commit_fails_leaves_the_result_prepared_as_the_records_are(
+    pg_dsn: str, answer: TransactionStatus
+) -> None:
+    """The end's UPDATE went through and its COMMIT failed (here a deferred trigger; a
+    connection lost at COMMIT is the same to the caller): the result said committed or
+    rolled back, taken from the UPDATE, while the records stayed prepared."""
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute(
+            "CREATE FUNCTION refuse_end() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'the end cannot commit'; END $$"
+        )
+        admin.execute(
+            "CREATE CONSTRAINT TRIGGER refuse_end AFTER UPDATE ON outbox.outbox_record "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW "
+            "WHEN (NEW.state IN ('committed', 'rolled_back')) EXECUTE FUNCTION refuse_end()"
+        )
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        result = outbox.send_in_transaction(conn, [Record("t", "a")], lambda _: answer)
+    assert (result.status, result.state, result.conflict) == (answer, State.PREPARED, False)
+    assert states(pg_dsn, result.tx_id) == ["prepared"]
+
+    async def main() -> outbox.LocalTransactionResult:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            send = outbox.AsyncOutbox().send_in_transaction
+            return await send(conn, [Record("t", "a")], lambda _: answer)
+
+    result = asyncio.run(main())
+    assert (result.status, result.state, result.conflict) == (answer, State.PREPARED, False)
+    assert states(pg_dsn, result.tx_id) == ["prepared"]
+
+
+@pytest.mark.parametrize("answer", [TransactionStatus.COMMIT, TransactionStatus.ROLLBACK])
 def test_a_local_transaction_that_leaves_the_connection_in_a_transaction_leaves_them_prepared(
     pg_dsn: str, answer: TransactionStatus, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -543,6 +576,18 @@ def _settled_meanwhile(dsn: str, how: str) -> None:
         ).fetchone()[0]  # type: ignore[index]
         if how == "rolled back":
             outbox.rollback(other, tx_id)
+        elif how == "delivered and parked":  # by a relay that keeps delivered rows
+            outbox.commit(other, tx_id)
+            other.execute(
+                "UPDATE outbox.outbox_record SET state = 'parked', reason = 'poison'"
+                " WHERE id = (SELECT max(id) FROM outbox.outbox_record WHERE tx_id = %s)",
+                (tx_id,),
+            )
+            other.execute(
+                "UPDATE outbox.outbox_record SET state = 'delivered'"
+                " WHERE tx_id = %s AND state = 'committed'",
+                (tx_id,),
+            )
         else:  # committed, delivered, and the row removed by the relay
             other.execute("DELETE FROM outbox.outbox_record WHERE tx_id = %s", (tx_id,))
         other.commit()
@@ -565,6 +610,28 @@ def test_send_in_transaction_reports_what_the_checker_decided_first(pg_dsn: str)
         True,
     )
     assert states(pg_dsn, result.tx_id) == ["rolled_back"]
+
+
+def test_records_the_relay_ended_apart_after_the_checker_committed_are_reported_parked(
+    pg_dsn: str,
+) -> None:
+    """Committed by the checker, then one record delivered and one parked (kept by the relay's
+    delivered_retention), then the local work answered ROLLBACK: the mixed states raised
+    TransactionStateError, though the outcome (committed, against the answer) is known."""
+
+    def local_transaction(written: Written) -> TransactionStatus:
+        _settled_meanwhile(pg_dsn, "delivered and parked")
+        return TransactionStatus.ROLLBACK
+
+    with psycopg.connect(pg_dsn) as conn:
+        records = [Record("t", "a"), Record("t", "b")]
+        result = outbox.send_in_transaction(conn, records, local_transaction)
+    assert (result.status, result.state, result.conflict) == (
+        TransactionStatus.ROLLBACK,
+        State.PARKED,
+        True,
+    )
+    assert states(pg_dsn, result.tx_id) == ["delivered", "parked"]
 
 
 def test_async_send_in_transaction_raises_when_the_records_are_gone_already(pg_dsn: str) -> None:

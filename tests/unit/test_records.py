@@ -147,6 +147,17 @@ def test_a_schema_name_must_leave_room_for_its_notify_channel() -> None:
         outbox.OutboxConfig(schema_name=longest + "s")
 
 
+def test_a_first_argument_other_than_a_config_is_refused_when_built() -> None:
+    """Outbox("orders") was built, and its first publish failed with a bare AttributeError."""
+    for make in (outbox.Outbox, outbox.AsyncOutbox):
+        for wrong in ("orders", {"producer_group": "orders"}):
+            with pytest.raises(
+                outbox.InvalidConfigError,
+                match=rf"an OutboxConfig, not {type(wrong).__name__}: give settings by name",
+            ):
+                make(wrong)  # type: ignore[arg-type]
+
+
 def test_a_config_and_settings_together_are_refused_not_dropped() -> None:
     for make in (outbox.Outbox, outbox.AsyncOutbox):
         with pytest.raises(outbox.InvalidConfigError, match=r"\(producer_group\), not both"):
