@@ -230,7 +230,7 @@ class HttpCheckClient:
         self._target = (url.path or "/") + (f"?{url.query}" if url.query else "")
         self._url = str(url)
         secrets = [s.get_secret_value() for s in settings.secrets]
-        self._signer = Signer(secrets[0])
+        self._signer = Signer(secrets)
         # An answer must echo the id of the request it answers (fresh for every request), so a
         # replayed answer cannot match anyway; the replay cache is a second line, kept small so
         # that memory does not grow with the number of checks.

@@ -51,7 +51,11 @@ class EndpointSettings(BaseModel):
         "Redirects are never followed."
     )
     secrets: list[SecretStr] = Field(
-        min_length=1, description="Signing secrets (whsec_...), newest first, for rotation."
+        min_length=1,
+        description=(
+            "Signing secrets (whsec_...): each signs every request, and an answer signed with "
+            "any is accepted, so either side may take a new one first."
+        ),
     )
     connect_timeout: Duration = Field(
         default=timedelta(seconds=2), description="TCP connect and TLS handshake."

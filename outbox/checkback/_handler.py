@@ -81,7 +81,7 @@ class _HandlerBase:
         self._verifier = Verifier(
             secrets, tolerance_s=tolerance_s, replay_cache=replay_cache, now=now
         )
-        self._signer = Signer(secrets[0])
+        self._signer = Signer(secrets)
         self._now = now
         self.max_body_bytes = max_body_bytes
 

@@ -132,15 +132,30 @@ def _check_id(msg_id: str) -> None:
 
 
 class Signer:
-    """Signs with one secret: the newest one, so receivers can drop older ones after rotation."""
+    """Signs with every secret it is given, one ``v1`` entry each.
 
-    def __init__(self, secret: Secret) -> None:
-        self._key = decode_secret(secret)
+    A receiver that has any of them accepts the message, so while a secret rotates the two
+    sides may take the new one, and later drop the old one, in either order. Signed with the
+    newest alone, an answer from a side that had the new secret first failed at a side that
+    did not have it yet, and each such check counted towards ``max_checks``.
+    """
+
+    def __init__(self, secrets: Secret | Sequence[Secret], /) -> None:
+        if isinstance(secrets, str | bytes | SecretStr | SecretBytes):
+            given: list[Secret] = [secrets]
+        else:
+            given = list(secrets)
+        if not given:
+            raise InvalidConfigError("a Signer needs at least one secret")
+        self._keys = [decode_secret(s) for s in given]
 
     def sign(self, msg_id: str, timestamp: int, body: bytes) -> dict[str, str]:
         _check_id(msg_id)
-        sig = base64.b64encode(_signature(self._key, msg_id, timestamp, body)).decode("ascii")
-        return {HEADER_ID: msg_id, HEADER_TIMESTAMP: str(timestamp), HEADER_SIGNATURE: f"v1,{sig}"}
+        signatures = " ".join(
+            "v1," + base64.b64encode(_signature(key, msg_id, timestamp, body)).decode("ascii")
+            for key in self._keys
+        )
+        return {HEADER_ID: msg_id, HEADER_TIMESTAMP: str(timestamp), HEADER_SIGNATURE: signatures}
 
 
 class ReplayCache(Protocol):

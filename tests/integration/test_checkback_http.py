@@ -13,6 +13,8 @@ from email.message import Message
 
 import pytest
 
+from checker import HttpCheckClient
+from checker.config import EndpointSettings
 from outbox.checkback import (
     HEADER_ID,
     HEADER_SIGNATURE,
@@ -24,6 +26,7 @@ from outbox.checkback import (
     TransactionStatus,
     Verifier,
     build_request,
+    generate_secret,
     serve,
     verify_response,
 )
@@ -91,6 +94,24 @@ def test_good_request_gets_verifiable_answer(server: RunningServer, resolver: Re
     )
     assert answer.status is TransactionStatus.ROLLBACK
     assert resolver.asked == ["rb-7"]
+
+
+@pytest.mark.parametrize("rotated_first", ["application", "checker"])
+def test_either_side_may_take_a_new_secret_first(resolver: Resolver, rotated_first: str) -> None:
+    """The checker's client and the application's handler, each signing with every secret it
+    has: while only one side has the new secret, checks still get their answers."""
+    new = generate_secret()
+    both, old_only = [new, SECRET], [SECRET]
+    app, checker = (both, old_only) if rotated_first == "application" else (old_only, both)
+    with serve(CheckHandler(resolver, app)) as running:
+        client = HttpCheckClient(
+            EndpointSettings.model_validate({"url": running.url, "secrets": checker})
+        )
+        try:
+            answer = client.check(check_request("tx-rotating"))
+        finally:
+            client.close()
+    assert (answer.outcome, resolver.asked) == ("commit", ["tx-rotating"])
 
 
 def test_forged_request_is_401(server: RunningServer, resolver: Resolver) -> None:

@@ -34,6 +34,7 @@ from outbox.checkback import (
     asgi_app,
     build_request,
     build_response,
+    generate_secret,
     verify_response,
 )
 
@@ -124,15 +125,19 @@ def test_good_request_gets_a_signed_answer(
     assert result.headers[HEADER_TIMESTAMP] == str(int(T0))
 
 
-def test_request_signed_with_old_secret_is_answered_with_newest(
+def test_an_answer_is_signed_with_every_secret_so_a_checker_not_yet_rotated_accepts_it(
     handler: CheckHandler, clock: Clock
 ) -> None:
+    """The application took the new secret first ([NEW, OLD]); the checker still has [OLD].
+    Signed with the newest alone, its answer failed there, and every check counted towards
+    max_checks until the checker was rotated too."""
     headers, body = build_request(Signer(OLD), make_request(), now=clock)
     result = handler.handle(headers, body)
     assert result.status_code == 200
-    Verifier([NEW], now=clock).verify(result.headers, result.body)
+    Verifier([OLD], now=clock).verify(result.headers, result.body)
+    Verifier([NEW], now=clock).verify(result.headers, result.body)  # and one rotated already
     with pytest.raises(SignatureInvalid):
-        Verifier([OLD], now=clock).verify(result.headers, result.body)
+        Verifier([generate_secret()], now=clock).verify(result.headers, result.body)
 
 
 @pytest.mark.parametrize("outcome", ["ROLLBACK", TransactionStatus.UNKNOWN])

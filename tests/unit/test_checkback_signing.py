@@ -124,6 +124,18 @@ def test_rotation_accepts_old_secret_while_configured() -> None:
         Verifier([NEW], now=Clock(T0)).verify(headers, BODY)
 
 
+def test_a_signer_of_several_secrets_is_accepted_by_a_receiver_of_any_of_them() -> None:
+    """Either side of a check may take a new secret first, or drop the old one first."""
+    headers = Signer([NEW, OLD]).sign("msg_1", T0, BODY)
+    assert len(headers[HEADER_SIGNATURE].split(" ")) == 2
+    for receiver in ([OLD], [NEW], [NEW, OLD]):
+        Verifier(receiver, now=Clock(T0)).verify(headers, BODY)
+    with pytest.raises(SignatureInvalid, match="no signature matches"):
+        Verifier([generate_secret()], now=Clock(T0)).verify(headers, BODY)
+    with pytest.raises(outbox.InvalidConfigError, match="at least one secret"):
+        Signer([])
+
+
 def test_any_of_several_signatures_may_match() -> None:
     good = Signer(NEW).sign("msg_1", T0, BODY)
     forged = Signer(OLD).sign("msg_1", T0, BODY)[HEADER_SIGNATURE]
