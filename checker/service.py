@@ -36,7 +36,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
@@ -88,9 +87,14 @@ class _AnswerTrouble(Exception):
     """An answer of a batch cannot be applied as it is: the batch goes again, one by one."""
 
 
+# Rows another transaction holds: past lock_timeout, or in a deadlock Postgres broke by
+# ending the checker's wait (an application's transaction ending one tx, then wanting another).
+_HELD = (pg_errors.LockNotAvailable, pg_errors.DeadlockDetected)
+
+
 def _locked(exc: BaseException) -> bool:
-    """The library's database error for rows another transaction holds (lock_timeout)."""
-    return isinstance(exc.__cause__, pg_errors.LockNotAvailable)
+    """The library's database error for rows another transaction holds."""
+    return isinstance(exc.__cause__, _HELD)
 
 
 def utc_now() -> datetime:
@@ -320,6 +324,9 @@ class Checker:
         claims: list[Claim] = []
         probing: set[str] = set()
         with conn.transaction():
+            # A transaction of many records takes its time to lock (a role's or database's
+            # statement_timeout failed every round, the discards in it too), as the relay's claim
+            conn.execute(queries.query("checker_statement_timeout", self.schema), {"timeout": "0"})
             due, scan_full = _claim.lock_due(
                 conn,
                 self.schema,
@@ -588,7 +595,11 @@ class Checker:
         with conn.transaction():
             # An application ending the transaction itself holds its rows until it commits:
             # wait a little, not for as long as it likes.
-            conn.execute("SELECT set_config('lock_timeout', %s, true)", (APPLY_LOCK_TIMEOUT,))
+            conn.execute(
+                "SELECT set_config('lock_timeout', %s, true),"
+                " set_config('statement_timeout', '0', true)",  # as in the claim
+                (APPLY_LOCK_TIMEOUT,),
+            )
             for claim, outcome in decided:
                 if careful:
                     note, conflicted = self._apply_one(conn, claim, outcome)
@@ -600,17 +611,31 @@ class Checker:
                             raise _AnswerTrouble from exc
                         raise
                 applied.append((note, conflicted, claim.producer_group))
-            try:
-                with conn.transaction() if careful else nullcontext():
+            if careful:  # one at a time: rows held for one must not drop the others'
+                held = [i for i in later if not self._reschedule_one(conn, i)]
+                if held:  # due again when their lease ends
+                    note = (
+                        logger.info,
+                        ("%s unknown answers not rescheduled: their rows are held", len(held)),
+                    )
+                    applied.append((note, False, ""))
+            else:
+                try:
                     _claim.reschedule(conn, self.schema, later)
-            except pg_errors.LockNotAvailable as exc:  # due again when their lease ends
-                if not careful:
+                except _HELD as exc:
                     raise _AnswerTrouble from exc
-                note = (logger.info, ("unknown answers not rescheduled: rows locked",))
-                applied.append((note, False, ""))
             # not at the commit: its wake-up notification queues for a lock of its own
             conn.execute("SELECT set_config('lock_timeout', '0', true)")
         return applied
+
+    def _reschedule_one(self, conn: psycopg.Connection[Any], item: Reschedule) -> bool:
+        """One reschedule in a savepoint of its own; False if its rows are held."""
+        try:
+            with conn.transaction():
+                _claim.reschedule(conn, self.schema, [item])
+        except _HELD:
+            return False
+        return True
 
     def _apply_one(
         self, conn: psycopg.Connection[Any], claim: Claim, outcome: Outcome

@@ -34,6 +34,7 @@ from checker import (
     CheckRoundResult,
     HttpCheckClient,
     TransactionBusyError,
+    _claim,
     rearm,
     resolve,
 )
@@ -984,6 +985,94 @@ def test_rows_an_application_holds_delay_only_their_own_answer(
             conn.close()
         worker.join(timeout=30)
     assert one(pg_dsn, held[0])["state"] == "committed"
+
+
+def _checker_waits_on_a_lock(dsn: str) -> bool:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def test_rows_an_application_holds_keep_only_their_own_unknown_answer_unrecorded(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """Two UNKNOWN answers applied together, one transaction's rows held by its application:
+    the reschedules went in one statement, and the held rows made it drop the other's too (its
+    check never recorded, asked again uncounted when its lease ran out)."""
+    blocker, held, other = prepare(pg_dsn), prepare(pg_dsn), prepare(pg_dsn)
+    holding: list[psycopg.Connection[Any]] = []
+
+    def hold(tx_id: str) -> None:  # the application ends it itself, and keeps it open
+        conn = psycopg.connect(pg_dsn)
+        outbox.commit(conn, tx_id, producer_group=GROUP)
+        holding.append(conn)
+
+    def before_answer(request: CheckRequest) -> None:
+        if request.tx_id != other[0]:
+            hold(request.tx_id)
+        if request.tx_id != blocker[0]:
+            # answered while the checker waits for the blocker's rows (its COMMIT answer), so
+            # that both arrive in one batch of answers
+            wait_for(lambda: _checker_waits_on_a_lock(pg_dsn), 4)
+
+    endpoint.resolver.before_answer = before_answer
+    endpoint.resolver.answers = {blocker[0]: COMMIT}  # the others: UNKNOWN
+    due = max(blocker[1], held[1], other[1]) + 7 * S
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), Clock(due))
+    done: list[Any] = []
+    worker = threading.Thread(target=lambda: done.append(checker.run_once()), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    try:
+        assert done, "the checker waited for the application's locks"
+        recorded = one(pg_dsn, other[0])
+        assert (recorded["state"], recorded["check_count"]) == ("prepared", 1)
+        assert recorded["check_lease_until"] is None  # its outcome is recorded
+        assert one(pg_dsn, held[0])["check_lease_until"] is not None  # not: held
+    finally:
+        for conn in holding:
+            conn.commit()
+            conn.close()
+        worker.join(timeout=30)
+    assert one(pg_dsn, held[0])["state"] == "committed"
+
+
+def test_a_large_transaction_is_checked_under_a_databases_statement_timeout(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The claim counted a transaction's records once for each of its records (20k records:
+    400M rows read, 133 s here, the relays' xid horizon held back meanwhile), and a database's
+    statement_timeout cancelled it every round. The claim and the apply now run without it, as
+    the relay's claims do."""
+    big, created = prepare(pg_dsn, records=20_000)
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        database = admin.info.dbname
+        admin.execute(f"ALTER DATABASE {database} SET statement_timeout = '1s'")
+    timeouts: list[tuple[str, str]] = []
+
+    def noting_the_timeout(step: Callable[..., Any]) -> Callable[..., Any]:
+        def run(conn: psycopg.Connection[Any], *args: Any, **kwargs: Any) -> Any:
+            row = conn.execute("SHOW statement_timeout").fetchone()
+            timeouts.append((step.__name__, row[0] if row else ""))
+            return step(conn, *args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(_claim, "lock_due", noting_the_timeout(_claim.lock_due))
+    monkeypatch.setattr(_claim, "reschedule", noting_the_timeout(_claim.reschedule))
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}), Clock(created + 7 * S)
+    )
+    checker.run_once()  # the endpoint answers UNKNOWN
+    checked = one(pg_dsn, big)
+    assert (checked["check_count"], checked["check_lease_until"]) == (1, None)
+    assert timeouts == [("lock_due", "0"), ("reschedule", "0")]
 
 
 def test_partly_prepared_transaction_is_moved_out_of_the_way(
