@@ -1,6 +1,6 @@
 """Shard leases in Postgres: which relay delivers which shard, with heartbeats and expiry.
 
-Each relay heartbeats its membership and takes about ceil(shards / members) shards: free ones,
+Each relay heartbeats its membership and takes its share of the shards (`share`): free ones,
 or ones whose lease expired. Taking a shard bumps its epoch; every write a relay makes for a
 shard is conditioned on (owner, epoch), and its Kafka producer uses a transactional.id per
 shard, so a stale owner (paused, partitioned) is fenced by Postgres and by Kafka alike.
@@ -9,7 +9,6 @@ shard, so a stale owner (paused, partitioned) is fenced by Postgres and by Kafka
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -27,6 +26,15 @@ class Lease:
     epoch: int
     marker_partition: int | None
     marker_offset: int
+
+
+def share(shards: int, members: list[str], relay_id: str) -> int:
+    """How many shards `relay_id` holds among the live `members`: shards // members each, and
+    one more for the first shards % members of them by id, so that the shares add up to the
+    shards. ceil(shards / members) each left relays with none (4 shards, 3 relays: 2, 2, 0)."""
+    ranked = sorted(set(members) | {relay_id})
+    base, extra = divmod(shards, len(ranked))
+    return base + (1 if ranked.index(relay_id) < extra else 0)
 
 
 class ShardCountMismatch(Exception):
@@ -67,12 +75,16 @@ class LeaseManager:
             if row and row[0] and row[0] != self.shards:
                 raise ShardCountMismatch(row[0], self.shards)
             conn.execute(self._q("relay_ensure_shards"), {"shards": self.shards})
+        # Kept once the transaction commits: a commit that fails leaves what was held before,
+        # not leases gained that no worker would ever deliver (renewed for ever, probes green).
+        owned = dict(self.owned)
         with conn.transaction():
+            conn.execute(self._q("relay_lease_no_timeouts"))
             conn.execute(
                 self._q("relay_member_heartbeat"),
                 {"relay_id": self.relay_id, "ttl": self.duration},
             )
-            if self.owned:
+            if owned:
                 renewed = {
                     row[0]
                     for row in conn.execute(
@@ -80,31 +92,32 @@ class LeaseManager:
                         {
                             "owner": self.relay_id,
                             "duration": self.duration,
-                            "shards": list(self.owned),
-                            "epochs": [lease.epoch for lease in self.owned.values()],
+                            "shards": list(owned),
+                            "epochs": [lease.epoch for lease in owned.values()],
                         },
                     )
                 }
-                changes.lost = sorted(set(self.owned) - renewed)
+                changes.lost = sorted(set(owned) - renewed)
                 for shard in changes.lost:
-                    del self.owned[shard]
-            members = conn.execute(self._q("relay_members_alive")).fetchone()
-            fair = math.ceil(self.shards / max(1, members[0] if members else 1))
-            if len(self.owned) < fair:
+                    del owned[shard]
+            members = [row[0] for row in conn.execute(self._q("relay_members_alive"))]
+            fair = share(self.shards, members, self.relay_id)
+            if len(owned) < fair:
                 for shard, epoch, partition, offset in conn.execute(
                     self._q("relay_acquire"),
                     {
                         "owner": self.relay_id,
                         "duration": self.duration,
                         "shards": self.shards,
-                        "want": fair - len(self.owned),
+                        "want": fair - len(owned),
                     },
                 ):
                     lease = Lease(shard, epoch, partition, offset)
-                    self.owned[shard] = lease
+                    owned[shard] = lease
                     changes.gained.append(lease)
-            elif len(self.owned) > fair:
-                changes.to_release = sorted(self.owned)[fair:]
+            elif len(owned) > fair:
+                changes.to_release = sorted(owned)[fair:]
+        self.owned = owned
         for lease in changes.gained:
             logger.info("took shard %s (epoch %s)", lease.shard, lease.epoch)
         for shard in changes.lost:

@@ -354,7 +354,9 @@ class Relay:
                 "and start the relays with the new count"
             ) from None
         for shard in changes.lost:
-            self._drop_worker(shard)
+            lost = self.workers.get(shard)
+            if lost is not None:
+                self._drop_worker(lost)
         for shard in changes.to_release:
             worker = self.workers.pop(shard, None)
             if worker is not None:
@@ -455,11 +457,17 @@ class Relay:
             [xid for out in ending for xid in out.all],
         )
 
-    def _drop_worker(self, shard: int) -> None:
-        worker = self.workers.pop(shard, None)
-        if worker is not None:
-            worker.close()
-        self.leases.forget(shard)
+    def _drop_worker(self, worker: ShardWorker) -> None:
+        """Close a worker whose lease is lost, and forget that lease: not a newer one of its
+        shard. A heartbeat can find a shard lost and take it again (another relay took it
+        while this one was paused, and gave it back), and that new lease, forgotten, was never
+        renewed while its worker delivered."""
+        if self.workers.get(worker.shard) is worker:
+            del self.workers[worker.shard]
+        worker.close()
+        held = self.leases.owned.get(worker.shard)
+        if held is not None and held.epoch == worker.lease.epoch:
+            self.leases.forget(worker.shard)
 
     def run_once(self, *, pipelined: bool = False) -> RelayRound:
         """One round over the owned shards, all of it done when it returns. `pipelined` (the
@@ -524,7 +532,7 @@ class Relay:
             except LeaseLost as exc:  # a Fenced producer recovers: there it finds out which
                 logger.warning("shard %s fenced: %s", shard, exc)
                 metrics.ERRORS.labels("lease_lost").inc()
-                self._drop_worker(shard)
+                self._drop_worker(worker)
             except (psycopg.Error, RelayConfigError):
                 raise  # the connection all shards share, or a heartbeat's refusal: not one shard's
             except (ProducerMisconfigured, MarkersNotFound, MarkerTopicRefused) as exc:

@@ -408,8 +408,15 @@ VALUES (%(relay_id)s, now(), now() + %(ttl)s::interval)
 ON CONFLICT (relay_id) DO UPDATE
 SET heartbeat_at = excluded.heartbeat_at, expires_at = excluded.expires_at;
 
+-- name: relay_lease_no_timeouts
+-- For the rest of a heartbeat's transaction: its renewal waits for a lease row while this relay's
+-- own batch end holds it (an end of a large transaction takes seconds), and a role's or
+-- database's statement_timeout or lock_timeout failed the round, every shard then recovering.
+SELECT set_config('statement_timeout', '0', true), set_config('lock_timeout', '0', true);
+
 -- name: relay_members_alive
-SELECT count(*) FROM {schema}.relay_member WHERE expires_at > now();
+-- In the order every relay ranks them by, to split the shards among them the same way.
+SELECT relay_id FROM {schema}.relay_member WHERE expires_at > now() ORDER BY relay_id;
 
 -- name: relay_member_leave
 DELETE FROM {schema}.relay_member WHERE relay_id = %(relay_id)s;

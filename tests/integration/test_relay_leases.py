@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import psycopg
@@ -14,6 +14,7 @@ from psycopg import sql
 
 import outbox
 from relay.leases import LeaseManager
+from relay.service import Relay
 
 LEASE = timedelta(seconds=15)
 
@@ -56,3 +57,94 @@ def test_a_heartbeat_waiting_for_its_own_lease_row_holds_up_no_other_relay(
         ender.rollback()
         renewing.join(10)
         assert not renewing.is_alive()
+
+
+def test_a_renewal_waits_for_its_own_batch_end_past_a_roles_timeouts(
+    pg_dsn: str, schema: str
+) -> None:
+    """A role's (or database's) lock_timeout and statement_timeout cancelled a renewal that
+    waited for the relay's own batch end, and the whole round failed, every shard recovering."""
+    with psycopg.connect(pg_dsn) as a_conn, psycopg.connect(pg_dsn) as ender:
+        a = LeaseManager(schema, "relay-a", 1, LEASE)
+        a.heartbeat(a_conn)
+        a_conn.execute("SET lock_timeout = '300ms'")
+        a_conn.execute("SET statement_timeout = '300ms'")
+        a_conn.commit()
+        ender.execute(  # the relay's ender, ending a batch of shard 0
+            sql.SQL("SELECT 1 FROM {}.shard_lease WHERE shard = 0 FOR UPDATE").format(
+                sql.Identifier(schema)
+            )
+        )
+        failed: list[BaseException] = []
+
+        def heartbeat() -> None:
+            try:
+                a.heartbeat(a_conn)
+            except BaseException as exc:
+                failed.append(exc)
+
+        renewing = threading.Thread(target=heartbeat)
+        renewing.start()
+        renewing.join(1.5)  # the end takes its time; the renewal was cancelled at 0.3 s
+        ender.rollback()
+        renewing.join(10)
+    assert failed == []
+    assert list(a.owned) == [0]
+
+
+def test_a_shard_lost_and_taken_again_in_one_heartbeat_is_renewed_after(
+    pg_dsn: str, relay_factory: Callable[..., Relay]
+) -> None:
+    """Paused past its lease, a relay's shard went to another relay, which stopped (a rolling
+    deploy) before the first one's next heartbeat: that heartbeat found the shard lost and took
+    it again, and then forgot the new lease along with the old worker. Its new worker delivered
+    with a lease no heartbeat renewed, lost it again at its end, and so on."""
+    relay = relay_factory(shards=1)
+    relay.run_once()
+    schema = sql.Identifier(relay.schema)
+    first = relay.leases.owned[0].epoch
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for table, column in (("shard_lease", "lease_until"), ("relay_member", "expires_at")):
+            conn.execute(
+                sql.SQL("UPDATE {}.{} SET {} = now() - interval '1 second'").format(
+                    schema, sql.Identifier(table), sql.Identifier(column)
+                )
+            )
+        other = LeaseManager(relay.schema, "relay-other", 1, LEASE)
+        assert [lease.shard for lease in other.heartbeat(conn).gained] == [0]
+        other.leave(conn)
+
+    relay.heartbeat()
+    taken = relay.leases.owned.get(0)
+    assert taken is not None, "the lease taken again was forgotten"
+    assert taken.epoch == first + 2
+    assert relay.workers[0].lease.epoch == taken.epoch
+    relay.heartbeat()  # renews it
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            sql.SQL(
+                "SELECT owner, epoch, lease_until > now() + interval '5 seconds'"
+                " FROM {}.shard_lease"
+            ).format(schema)
+        ).fetchone()
+    assert row == (relay.relay_id, taken.epoch, True)
+
+
+def test_three_relays_share_four_shards_two_one_one(pg_dsn: str, schema: str) -> None:
+    """Each took up to ceil(4 / 3) = 2, and the third relay got none: 2, 2, 0."""
+    with (
+        psycopg.connect(pg_dsn) as a_conn,
+        psycopg.connect(pg_dsn) as b_conn,
+        psycopg.connect(pg_dsn) as c_conn,
+    ):
+        relays = [
+            (LeaseManager(schema, f"relay-{name}", 4, LEASE), conn)
+            for name, conn in (("a", a_conn), ("b", b_conn), ("c", c_conn))
+        ]
+        for _ in range(3):  # each relay heartbeats in turn, handing back what is over its share
+            for leases, conn in relays:
+                for shard in leases.heartbeat(conn).to_release:
+                    leases.release(conn, shard)
+        assert [len(leases.owned) for leases, _ in relays] == [2, 1, 1]
+        owned = [shard for leases, _ in relays for shard in leases.owned]
+        assert sorted(owned) == [0, 1, 2, 3]
