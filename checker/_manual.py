@@ -294,9 +294,9 @@ def resolve(
         rows = _lock(conn, schema, group, tx_id, "resolve")
         states = {r.state for r in rows}
         if states <= _ALREADY[status]:
-            return ManualResult(
-                group, tx_id, "resolve", to_state.value, to_state.value, (), False, None
-            )
+            # parked: committed, and refused by the broker for good (redrive's to send again)
+            was = State.PARKED.value if State.PARKED.value in states else to_state.value
+            return ManualResult(group, tx_id, "resolve", was, to_state.value, (), False, None)
         shipped = ""
         if State.PREPARED.value in states:  # the others (if any) are ended already
             from_state = State.PREPARED.value

@@ -129,7 +129,12 @@ def _print(args: argparse.Namespace, result: ManualResult) -> None:
         print(json.dumps(result.as_dict()))
         return
     where = f"tx {result.tx_id} of producer group {result.producer_group}"
-    if not result.changed:
+    if not result.changed and result.from_state == "parked":
+        print(
+            f"{where} is already committed, but parked (the broker refused it for good): "
+            "once its cause is fixed, `outboxctl redrive` sends it again"
+        )
+    elif not result.changed:
         print(f"{where} is already {result.to_state}: nothing to do")
     elif result.action == "rearm":
         counted = result.check_count

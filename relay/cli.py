@@ -31,7 +31,7 @@ from relay.cli_database import command_dsn, command_schema, connect
 from relay.config import SettingsUnreadable, SidecarSettings, load_settings
 from relay.http import ProbeServerUnavailable
 from relay.kafka import ProducerMisconfigured
-from relay.records import list_records
+from relay.records import list_records, shown
 from relay.status import outbox_status
 from spark.findings import read_findings
 
@@ -168,10 +168,10 @@ def _cmd_records(args: argparse.Namespace) -> int:
         print(json.dumps([r.as_dict() for r in found], default=_json_default))
         return 0
     for r in found:
-        reason = f"  {r.reason}" if r.reason else ""
+        reason = f"  {shown(r.reason)}" if r.reason else ""
         created = r.created_at.astimezone(UTC)  # not the session's zone, unnamed
         print(
-            f"{r.id:>10}  {r.state:11} {r.producer_group}/{r.tx_id}  {r.topic}  "
+            f"{r.id:>10}  {r.state:11} {r.producer_group}/{shown(r.tx_id)}  {r.topic}  "
             f"key {r.key_text()}  {r.value_bytes or 0} B  {created:%Y-%m-%d %H:%M:%SZ}{reason}"
         )
     if not found:

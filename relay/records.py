@@ -13,6 +13,13 @@ from outbox import sql as queries
 from outbox._core import State
 
 
+def shown(text: str) -> str:
+    """Text as it is when printable, else with its control characters escaped (``\\n``,
+    ``\\x1b``): a tx id or a reason, stored by any writer, could fake rows of a listing as a
+    key could."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 @dataclass(frozen=True)
 class RecordRow:
     id: int

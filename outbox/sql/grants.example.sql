@@ -15,7 +15,8 @@ GRANT SELECT (id, producer_group, tx_id, state, writer_xid) ON {schema}.outbox_r
 GRANT UPDATE (state, state_changed_at, next_check_at, committed_xid) ON {schema}.outbox_record TO {writer};
 
 GRANT SELECT, UPDATE, DELETE ON {schema}.outbox_record TO {relay};
-GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.shard_lease, {schema}.relay_member TO {relay};
+GRANT SELECT, INSERT, UPDATE ON {schema}.shard_lease TO {relay};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relay_member TO {relay};
 -- DELETE: the relay trims entries past its audit_retention.
 GRANT SELECT, INSERT, DELETE ON {schema}.audit_log TO {relay};
 GRANT SELECT ON {schema}.schema_migration TO {writer}, {relay};
@@ -27,4 +28,6 @@ GRANT SELECT (id, producer_group, tx_id, topic, key, state, commit_ts, committed
     ON {schema}.outbox_record TO {reconciler};
 GRANT SELECT ON {schema}.schema_migration TO {reconciler};
 GRANT SELECT, INSERT, DELETE ON {schema}.reconciliation_finding TO {reconciler};
+-- Read-only: `outboxctl findings`, run in the sidecar's container (where the alerts point).
+GRANT SELECT ON {schema}.reconciliation_finding, {schema}.reconciliation_window TO {relay};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.reconciliation_window TO {reconciler};

@@ -143,6 +143,20 @@ def parked(
     return written.producer_group, written.tx_id, first, second
 
 
+def test_resolve_commit_of_a_parked_transaction_points_to_redrive(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Parked records count as committed, and the answer was "already committed: nothing to
+    do", exit 0, to an operator trying to get them out."""
+    group, tx_id, _, _ = parked(pg_dsn)
+    argv = ["resolve", "--dsn", pg_dsn, "--producer-group", group, "--tx-id", tx_id, "--commit"]
+    assert main([*argv, "--actor", "dave", "--reason", "paid"]) == 0
+    out = capsys.readouterr().out
+    assert "already committed, but parked" in out
+    assert "`outboxctl redrive` sends it again" in out
+    assert state(pg_dsn, tx_id) == "parked"
+
+
 def test_redrive_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     group, tx_id, first, second = parked(pg_dsn)
     argv = ["redrive", "--dsn", pg_dsn, "--producer-group", group, "--tx-id", tx_id]

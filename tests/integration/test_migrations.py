@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
 import outbox
@@ -20,6 +21,7 @@ from outbox import sql as outbox_sql
 from outbox.migrations import check_applied, current_version, latest_version, schema_problem
 from relay.cli import main as cli_main
 from spark import _sql as spark_sql
+from spark.findings import read_findings, read_windows
 from tests.fixtures.services import Services
 
 CATALOG = {
@@ -245,6 +247,17 @@ def test_least_privilege_grants(pg_dsn: str, caplog: pytest.LogCaptureFixture) -
             sidecar.execute("DELETE FROM outbox.audit_log")  # its audit_retention
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 sidecar.execute("INSERT INTO outbox.outbox_record (producer_group) VALUES ('x')")
+            sidecar.rollback()
+            for forbidden in (
+                "DELETE FROM outbox.shard_lease",  # no component does: an operator empties it
+                "DELETE FROM outbox.reconciliation_finding",
+            ):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    sidecar.execute(forbidden)
+                sidecar.rollback()
+        # `outboxctl findings` in the sidecar's container, where the alert says to run it
+        assert read_findings(make_conninfo(pg_dsn, user=relay), "outbox") == []
+        assert read_windows(make_conninfo(pg_dsn, user=relay), "outbox") == []
         with psycopg.connect(pg_dsn, user=relay, autocommit=True) as sidecar:
             # the chart's hook runs with the sidecar's role on every upgrade: an up-to-date
             # schema needs no DDL (CREATE SCHEMA IF NOT EXISTS needs CREATE on the database)

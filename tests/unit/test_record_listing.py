@@ -1,4 +1,5 @@
-"""How `outboxctl records` shows a key: as text only when printing it cannot mislead."""
+"""How `outboxctl records` shows a key, a tx id and a reason: as they are only when printing
+them cannot mislead."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from relay.records import RecordRow
+from relay.records import RecordRow, shown
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -47,3 +48,19 @@ def row(key: bytes | None) -> RecordRow:
 )
 def test_a_key_is_text_when_printable_else_marked_base64(key: bytes | None, shown: str) -> None:
     assert row(key).key_text() == shown
+
+
+@pytest.mark.parametrize(
+    ("text", "printed"),
+    [
+        ("01a226bd-6d2c", "01a226bd-6d2c"),
+        ("zamówienie-7", "zamówienie-7"),
+        # any writer may store a tx id (or a broker's reason) of several lines
+        ("t\n    99  rolled_back", "t\\n    99  rolled_back"),
+        ("\x1b[2Jt", "\\x1b[2Jt"),
+    ],
+)
+def test_a_tx_id_or_reason_is_printed_with_its_control_characters_escaped(
+    text: str, printed: str
+) -> None:
+    assert shown(text) == printed
