@@ -108,6 +108,9 @@ EXIT_FINDINGS = 3  # with --fail-on-findings
 # setting: it counts only in a session this job creates (spark-submit's included); a session
 # made before the job (a notebook's) needs it set where it is made.
 CODEGEN_CACHE_ENTRIES = ("spark.sql.codegen.cache.maxEntries", "1000")
+# Files of the job's own under the checkpoint: where a running job judged to (and its open
+# summary windows), and where the last --once run did.
+_JUDGED_TO, _ONCE_JUDGED_TO = "judged_to", "once_judged_to"
 # The ledger window is read by this many JDBC connections at most (one per core of the job, no
 # more than this): one task took most of a judgement's ledger step, the cores idle. Each runs the
 # window's query for its share of ids, so more would only load the application's database.
@@ -266,6 +269,8 @@ class ReconcileJob:
         if self.settings.audit:
             raise ReconcileConfigError("an audit (--from/--to) runs with audit()")
         as_of = self._clock()  # availableNow reads up to the offsets of its start
+        window = JudgeWindow.streaming(as_of, self.settings.deadline, self.settings.horizon)
+        self._say_a_gap_since_the_last_run(window)
         self._run_as_of = as_of
         self._stopping.clear()
         try:
@@ -277,7 +282,9 @@ class ReconcileJob:
         finally:
             self._run_as_of = None
         with self._lock:
-            return self.judge(as_of, "final")
+            report = self.judge(as_of, "final")
+        self._write_checkpoint_file(_ONCE_JUDGED_TO, window.hi.isoformat())
+        return report
 
     def start(self) -> None:
         """Start the continuous query and the idle ticker; returns at once."""
@@ -743,25 +750,42 @@ class ReconcileJob:
                 conn, self.settings.schema_name, window.lo, window.hi, window.include_stuck
             )
 
-    def _judged_to_path(self) -> Any:
+    def _checkpoint_file(self, name: str) -> Any:
         jvm: Any = self.spark._jvm
-        return jvm.org.apache.hadoop.fs.Path(f"{self._checkpoint()}/judged_to")
+        return jvm.org.apache.hadoop.fs.Path(f"{self._checkpoint()}/{name}")
 
-    def _load_judged_to(self) -> tuple[datetime | None, OpenWindows | None, int | None]:
-        """Where an earlier run judged to, the summary windows it left open and the first store
-        batch it did not read (None: a checkpoint of a version before them; the first judgement
-        counts the open windows' copies again)."""
-        path = self._judged_to_path()
+    def _read_checkpoint_file(self, name: str) -> tuple[str, str] | None:
+        """A small file of the job's own beside Spark's checkpoint (its path, its text), or
+        None when there is none."""
+        path = self._checkpoint_file(name)
         fs = path.getFileSystem(self.spark._jsc.hadoopConfiguration())
         if not fs.exists(path):
-            return None, None, None
+            return None
         jvm: Any = self.spark._jvm
         stream = fs.open(path)
         try:
             text = jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
         finally:
             stream.close()
-        text = str(text).strip()
+        return str(path.toString()), str(text).strip()
+
+    def _write_checkpoint_file(self, name: str, text: str) -> None:
+        path = self._checkpoint_file(name)
+        fs = path.getFileSystem(self.spark._jsc.hadoopConfiguration())
+        out = fs.create(path, True)  # overwrite: a crash mid-write leaves it unparseable, ignored
+        try:
+            out.writeBytes(text)
+        finally:
+            out.close()
+
+    def _load_judged_to(self) -> tuple[datetime | None, OpenWindows | None, int | None]:
+        """Where an earlier run judged to, the summary windows it left open and the first store
+        batch it did not read (None: a checkpoint of a version before them; the first judgement
+        counts the open windows' copies again)."""
+        found = self._read_checkpoint_file(_JUDGED_TO)
+        if found is None:
+            return None, None, None
+        path, text = found
         try:
             if not text.startswith("{"):  # written by a version without open windows
                 return parse_time(text), None, None
@@ -774,22 +798,40 @@ class ReconcileJob:
                 None if unread_from is None else int(unread_from),
             )
         except (ValueError, KeyError, TypeError):
-            logger.warning("ignored %s: not a judged time (%r)", path.toString(), text[:200])
+            logger.warning("ignored %s: not a judged time (%r)", path, text[:200])
             return None, None, None
 
     def _save_judged_to(self, hi: datetime, open_windows: OpenWindows | None) -> None:
-        path = self._judged_to_path()
-        fs = path.getFileSystem(self.spark._jsc.hadoopConfiguration())
         saved = {
             "judged_to": hi.isoformat(),
             "open_windows": None if open_windows is None else open_windows.as_json(),
             "unread_from": self._unread_from,
         }
-        out = fs.create(path, True)  # overwrite: a crash mid-write leaves it unparseable, ignored
+        self._write_checkpoint_file(_JUDGED_TO, json.dumps(saved))
+
+    def _say_a_gap_since_the_last_run(self, window: JudgeWindow) -> None:
+        """A --once run judges its whole horizon, not on from the last run: runs further apart
+        than the horizon less two deadlines leave records due between them never judged."""
+        found = self._read_checkpoint_file(_ONCE_JUDGED_TO)
+        if found is None:
+            return
+        path, text = found
         try:
-            out.writeBytes(json.dumps(saved))
-        finally:
-            out.close()
+            last = parse_time(text)
+        except ValueError:
+            logger.warning("ignored %s: not a judged time (%r)", path, text[:200])
+            return
+        if last < window.lo:
+            logger.warning(
+                "records that became due from %s to %s are not judged: the last --once run "
+                "judged up to %s, and each run judges --horizon less two --deadline (%s) back "
+                "from its start; run them closer together, and audit that range with "
+                "--from/--to",
+                last.isoformat(),
+                window.lo.isoformat(),
+                last.isoformat(),
+                window.hi - window.lo,
+            )
 
     def _store_batches(self) -> dict[int, tuple[str, datetime]]:
         """The store's batch directories: batch id -> (path, when it was written)."""

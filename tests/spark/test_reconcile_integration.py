@@ -758,6 +758,34 @@ def test_a_row_ended_longer_than_the_horizon_after_its_kafka_commit_is_not_missi
     assert report.found_total == 0, read_findings(pg_dsn)
 
 
+def test_once_runs_further_apart_than_they_judge_say_the_range_left_unjudged(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each --once run judges its horizon less two deadlines back from its start, not on from
+    the last run: a CronJob run late (or scheduled too seldom) left records never judged,
+    unsaid."""
+    from spark.job import ReconcileJob
+
+    orders, markers = topic_factory(), topic_factory()
+    settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
+    judged = settings.horizon - 2 * settings.deadline
+    now = datetime.now(UTC)
+    starts = [now - 2 * judged, now - judged - settings.deadline, now]
+    for start, close_enough in zip(starts, (True, True, False), strict=True):
+        caplog.clear()
+        ReconcileJob(settings, spark, clock=lambda at=start: at).run_once()
+        gaps = [r.message for r in caplog.records if "are not judged" in r.message]
+        assert len(gaps) == (0 if close_enough else 1), gaps
+    (gap,) = gaps
+    last_end = now - judged - 2 * settings.deadline  # the second run's range's end
+    assert f"from {last_end.isoformat()} to {(now - judged - settings.deadline).isoformat()}" in gap
+
+
 def test_a_watched_topic_deleted_stops_neither_the_job_nor_its_restart(
     spark: SparkSession,
     pg_dsn: str,
