@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -947,6 +948,24 @@ def test_late_commit_after_rollback_changes_nothing(
     assert one(pg_dsn, tx_id)["state"] == "rolled_back"
 
 
+@contextmanager
+def _a_round_beside(checker: Checker, holding: list[psycopg.Connection[Any]]) -> Iterator[None]:
+    """One checker round on a thread of its own while the application keeps the transactions
+    in `holding` open (it must not wait for them); they commit when the block ends."""
+    done: list[Any] = []
+    worker = threading.Thread(target=lambda: done.append(checker.run_once()), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    try:
+        assert done, "the checker waited for the application's locks"
+        yield
+    finally:
+        for conn in holding:
+            conn.commit()
+            conn.close()
+        worker.join(timeout=30)
+
+
 def test_rows_an_application_holds_delay_only_their_own_answer(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
@@ -967,23 +986,13 @@ def test_rows_an_application_holds_delay_only_their_own_answer(
         settings({GROUP: endpoint_settings(endpoint.url)}), Clock(max(held[1], other[1]) + 7 * S)
     )
     locked = metric("outbox_checker_answers_not_applied_total", producer_group=GROUP, why="locked")
-    done: list[Any] = []
-    worker = threading.Thread(target=lambda: done.append(checker.run_once()), daemon=True)
-    worker.start()
-    worker.join(timeout=30)
-    try:
-        assert done, "the checker waited for the application's locks"
+    with _a_round_beside(checker, holding):
         assert one(pg_dsn, other[0])["state"] == "committed"  # applied
         assert one(pg_dsn, held[0])["state"] == "prepared"  # still the application's to end
         after = metric(
             "outbox_checker_answers_not_applied_total", producer_group=GROUP, why="locked"
         )
         assert after == locked + 1  # counted as locked, not as a refused row
-    finally:
-        for conn in holding:
-            conn.commit()
-            conn.close()
-        worker.join(timeout=30)
     assert one(pg_dsn, held[0])["state"] == "committed"
 
 
@@ -1022,21 +1031,11 @@ def test_rows_an_application_holds_keep_only_their_own_unknown_answer_unrecorded
     endpoint.resolver.answers = {blocker[0]: COMMIT}  # the others: UNKNOWN
     due = max(blocker[1], held[1], other[1]) + 7 * S
     checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), Clock(due))
-    done: list[Any] = []
-    worker = threading.Thread(target=lambda: done.append(checker.run_once()), daemon=True)
-    worker.start()
-    worker.join(timeout=30)
-    try:
-        assert done, "the checker waited for the application's locks"
+    with _a_round_beside(checker, holding):
         recorded = one(pg_dsn, other[0])
         assert (recorded["state"], recorded["check_count"]) == ("prepared", 1)
         assert recorded["check_lease_until"] is None  # its outcome is recorded
         assert one(pg_dsn, held[0])["check_lease_until"] is not None  # not: held
-    finally:
-        for conn in holding:
-            conn.commit()
-            conn.close()
-        worker.join(timeout=30)
     assert one(pg_dsn, held[0])["state"] == "committed"
 
 
