@@ -242,9 +242,9 @@ class ReconcileSettings(BaseModel):
     )
     findings_retention: timedelta | None = Field(
         default=timedelta(days=30),
-        description="Findings and summary windows written longer ago than this are deleted by "
-        "the job (None: kept for ever). Longer than the horizon, or a re-judged record "
-        "would be reported again.",
+        description="Findings not found again, and summary windows not written, for longer "
+        "than this are deleted by the job (None: kept for ever). Longer than the horizon, "
+        "or a re-judged record would be reported again.",
     )
     summary_window: timedelta = Field(default=timedelta(minutes=1))
     trigger: timedelta = Field(default=timedelta(seconds=10))

@@ -38,11 +38,12 @@ class Finding:
     detail: dict[str, Any]
     detected_at: datetime
     detected_in: str
+    last_seen_at: datetime  # by a judgement (hourly at most): the retention counts from it
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (times as ISO 8601 text)."""
         out = dict(self.__dict__)
-        for name in ("event_time", "detected_at"):
+        for name in ("event_time", "detected_at", "last_seen_at"):
             out[name] = out[name].isoformat()
         return out
 

@@ -20,7 +20,8 @@ Exactly once into the sink: a micro-batch writes its observations to `batch-<id>
 when Spark replays the batch after a restart) and findings are merged on their natural key, so
 neither a replay nor a repeated judgement writes a finding twice (`spark/sink.py`). State stays
 bounded: observations older than the horizon are deleted, ledger reads are bounded by time
-(`spark/queries.sql`); findings and summary windows older than --findings-retention are deleted.
+(`spark/queries.sql`); findings not found again and summary windows not written for longer
+than --findings-retention are deleted.
 
 On a cluster (the connector, its Kafka client and the JDBC driver as local jars; the driver's
 Python needs this project's dependencies -- psycopg, pydantic -- e.g. `pip install
@@ -260,6 +261,11 @@ class ReconcileJob:
         self._query_started: datetime | None = None  # continuous: the query's start
         self.last_report: RunReport | None = None
         self._pruned_at: float | None = None  # time.monotonic() of the last retention pass
+        # how stale a finding found again may be left: well inside a short retention too
+        retention = settings.findings_retention
+        self._seen_every: timedelta | None = (  # None: this role may not move it on
+            sink.SEEN_EVERY if retention is None else min(sink.SEEN_EVERY, retention / 2)
+        )
         self._vanished = VanishedPartitions()
 
     # --- running ----------------------------------------------------------------------------
@@ -933,6 +939,17 @@ class ReconcileJob:
         cached.append(ledger)
         return ledger, complete
 
+    def _seen_refused(self, why: str) -> None:
+        """Said once: the findings are written, and retention deletes them by first detection."""
+        self._seen_every = None
+        logger.warning(
+            "findings found again keep the time they were first found (%s): --findings-retention "
+            "then deletes a finding of a record still stuck, and the next judgement writes it as "
+            "new; grant this role UPDATE (last_seen_at) on reconciliation_finding (`outboxctl "
+            "grants`)",
+            why,
+        )
+
     def _prune_due(self) -> bool:
         return self.settings.findings_retention is not None and (
             self._pruned_at is None or time.monotonic() - self._pruned_at >= PRUNE_EVERY_S
@@ -1042,9 +1059,17 @@ class ReconcileJob:
                 closed, still_open = close(merged, window.hi, window.summaries_from)
                 windows = [w.summary() for w in closed]
                 with clock("sink"):
-                    new = sink.write_judgement(
-                        conn, settings.schema_name, findings, windows, detected_in=detected_in
+                    written = sink.write_judgement(
+                        conn,
+                        settings.schema_name,
+                        findings,
+                        windows,
+                        detected_in=detected_in,
+                        seen_every=self._seen_every,
                     )
+                    new = written.new
+                    if written.seen_refused is not None:
+                        self._seen_refused(written.seen_refused)
                     self._prune(conn)
             self._open_windows = still_open
             if settings.checkpoint is not None and not settings.audit:
@@ -1278,8 +1303,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--findings-retention",
         type=_retention,
         default="30d",
-        help="delete findings and summary windows written longer ago than this; 'none' keeps "
-        "them (30d)",
+        help="delete findings not found again, and summary windows not written, for longer "
+        "than this; 'none' keeps them (30d)",
     )
     k = p.add_argument_group("Kafka")
     k.add_argument(

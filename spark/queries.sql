@@ -49,14 +49,15 @@ SELECT least(
 SELECT min(ended_at) FROM {schema}.outbox_record WHERE ended_at IS NOT NULL AND state <> 'parked'
 
 -- name: prune_findings
--- The job's retention: findings written longer ago than it (by the detected_at index), `limit`
--- at a time: a table that grew for months is emptied in short transactions, not in one that
--- holds its row locks and its xid (the relay's horizon) for minutes. The retention comes in seconds:
--- an interval of days is counted in the session's calendar, an hour off across a DST change.
+-- The job's retention: findings no judgement has found for longer than it (by the last_seen_at
+-- index; a record stuck for months keeps its one finding), `limit` at a time: a table that grew
+-- for months is emptied in short transactions, not in one that holds its row locks and its xid
+-- (the relay's horizon) for minutes. The retention comes in seconds: an interval of days is
+-- counted in the session's calendar, an hour off across a DST change.
 DELETE FROM {schema}.reconciliation_finding
 WHERE id IN (SELECT id FROM {schema}.reconciliation_finding
-             WHERE detected_at < now() - make_interval(secs => %(retention_s)s)
-             ORDER BY detected_at, id LIMIT %(limit)s)
+             WHERE last_seen_at < now() - make_interval(secs => %(retention_s)s)
+             ORDER BY last_seen_at, id LIMIT %(limit)s)
 
 -- name: prune_windows
 -- By when a window was last written, not by its time: an audit of an old range writes old windows.
@@ -82,6 +83,14 @@ CREATE TEMPORARY TABLE reconciliation_finding_stage (
 -- name: copy_finding_stage
 COPY reconciliation_finding_stage (kind, topic, outbox_id, occurrence, producer_group, tx_id,
     kafka_partition, kafka_offset, event_time, detail) FROM STDIN
+
+-- name: touch_findings
+-- Findings found again (a record still stuck, a copy judged again inside the horizon): their
+-- last_seen_at moves on, once every `every_s` at most, not at every trigger for every one.
+UPDATE {schema}.reconciliation_finding AS f SET last_seen_at = now()
+FROM reconciliation_finding_stage AS s
+WHERE (f.kind, f.topic, f.outbox_id, f.occurrence) = (s.kind, s.topic, s.outbox_id, s.occurrence)
+  AND f.last_seen_at < now() - make_interval(secs => %(every_s)s)
 
 -- name: merge_findings
 -- A finding is a fact about a record: the first detection stays, repeats change nothing.
@@ -109,7 +118,7 @@ SET records = excluded.records,
 
 -- name: read_findings
 SELECT id, kind, topic, outbox_id, occurrence, producer_group, tx_id, kafka_partition,
-       kafka_offset, event_time, detail, detected_at, detected_in
+       kafka_offset, event_time, detail, detected_at, detected_in, last_seen_at
 FROM {schema}.reconciliation_finding
 WHERE (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
   AND (%(since)s::timestamptz IS NULL OR detected_at >= %(since)s::timestamptz)

@@ -25,6 +25,9 @@ from spark._errors import ReconcileConfigError
 CONNECT_TIMEOUT_S = 10
 PRUNE_BATCH = 10_000  # rows a transaction: ~0.1-0.3 s each
 PRUNE_MAX_ROWS = 200_000  # of each table a judgement: the rest waits for the next
+# How stale a finding's last_seen_at may grow while it is found again: the retention counts from
+# it. Hourly, not at every trigger: a backlog of stuck records is thousands of findings.
+SEEN_EVERY = timedelta(hours=1)
 
 
 def connect(dsn: str, *, write: bool = True) -> psycopg.Connection[Any]:
@@ -38,14 +41,28 @@ def connect(dsn: str, *, write: bool = True) -> psycopg.Connection[Any]:
 
 @contextmanager
 def schema_needed(schema: str) -> Iterator[None]:
-    """Say what to do when the sink tables are missing (a schema before migration 0002)."""
+    """Say what to do when the sink tables are missing (a schema before migration 0002), or
+    a column of theirs (a schema migrated by an older build)."""
     try:
         yield
+    except psycopg.errors.UndefinedColumn as exc:
+        raise ReconcileConfigError(
+            f"schema {schema!r} is older than this job: run `outboxctl migrate` first "
+            f"({exc.diag.message_primary})"
+        ) from exc
     except psycopg.errors.UndefinedTable as exc:
         raise ReconcileConfigError(
             f"schema {schema!r} has no reconciliation tables: run `outboxctl migrate` "
             f"(migration 0002) first ({exc.diag.message_primary})"
         ) from exc
+
+
+@dataclass(frozen=True)
+class Written:
+    new: Counter[str]  # findings of each kind written for the first time
+    # why the findings found again kept their last_seen_at (a role granted before migration 0008
+    # may not update it); None: moved on, or not asked to
+    seen_refused: str | None = None
 
 
 def write_judgement(
@@ -55,21 +72,33 @@ def write_judgement(
     windows: Iterable[Mapping[str, Any]],
     *,
     detected_in: str,
-) -> Counter[str]:
+    seen_every: timedelta | None = SEEN_EVERY,
+) -> Written:
     """Merge findings (rows in transform.FINDING_COLUMNS order) and upsert summary windows in one
-    transaction; return how many findings of each kind were new."""
+    transaction. Findings already there keep their first detection; their `last_seen_at` moves
+    on when older than `seen_every` (None: left as it is)."""
     new: Counter[str] = Counter()
+    refused = None
     with schema_needed(schema), conn.transaction(), conn.cursor() as cur:
         cur.execute(_sql.query("create_finding_stage", schema))
         with cur.copy(_sql.query("copy_finding_stage", schema)) as copy:
             for row in findings:
                 copy.write_row(row)
+        if seen_every is not None:
+            try:
+                with conn.transaction():  # a savepoint: the findings matter more
+                    cur.execute(
+                        _sql.query("touch_findings", schema),
+                        {"every_s": seen_every.total_seconds()},
+                    )
+            except psycopg.errors.InsufficientPrivilege as exc:
+                refused = exc.diag.message_primary or str(exc)
         cur.execute(_sql.query("merge_findings", schema), {"detected_in": detected_in})
         new.update(kind for (kind,) in cur.fetchall())
         rows = list(windows)
         if rows:
             cur.executemany(_sql.query("upsert_window", schema), rows)
-    return new
+    return Written(new, refused)
 
 
 @dataclass(frozen=True)
@@ -87,9 +116,9 @@ def prune(
     batch: int | None = None,
     max_rows: int | None = None,
 ) -> Pruned:
-    """Delete findings and summary windows written longer than `retention` ago, `batch` rows a
-    transaction (PRUNE_BATCH), at most about `max_rows` of each table a call (PRUNE_MAX_ROWS;
-    the rest at the next)."""
+    """Delete findings not found and summary windows not written for longer than `retention`,
+    `batch` rows a transaction (PRUNE_BATCH), at most about `max_rows` of each table a call
+    (PRUNE_MAX_ROWS; the rest at the next)."""
     batch = batch or PRUNE_BATCH
     max_rows = max_rows or PRUNE_MAX_ROWS
     deleted = {}

@@ -5,7 +5,7 @@
 --   record contents nor delete. (It can set `state`, so it is trusted with its own records.)
 -- {relay}: the sidecar (relay and checker). It reads, changes state, deletes, and keeps leases.
 -- {reconciler}: the Spark reconciliation. It reads the ledger (no record contents), writes its
---   findings and deletes them past its --findings-retention.
+--   findings and deletes them once not found again for its --findings-retention.
 
 GRANT USAGE ON SCHEMA {schema} TO {writer}, {relay};
 
@@ -28,6 +28,8 @@ GRANT SELECT (id, producer_group, tx_id, topic, key, state, commit_ts, committed
     ON {schema}.outbox_record TO {reconciler};
 GRANT SELECT ON {schema}.schema_migration TO {reconciler};
 GRANT SELECT, INSERT, DELETE ON {schema}.reconciliation_finding TO {reconciler};
+-- A finding found again is kept: its last_seen_at moves on (the retention counts from there).
+GRANT UPDATE (last_seen_at) ON {schema}.reconciliation_finding TO {reconciler};
 -- Read-only: `outboxctl findings`, run in the sidecar's container (where the alerts point).
 GRANT SELECT ON {schema}.reconciliation_finding, {schema}.reconciliation_window TO {relay};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.reconciliation_window TO {reconciler};

@@ -176,6 +176,8 @@ CREATE TABLE {schema}.reconciliation_finding (
     event_time      timestamptz NOT NULL,
     detail          jsonb       NOT NULL DEFAULT jsonb_build_object(),
     detected_at     timestamptz NOT NULL DEFAULT now(),
+    -- when a judgement last found it (moved on at most hourly): retention counts from here
+    last_seen_at    timestamptz NOT NULL DEFAULT now(),
     -- which run found it first: 'batch <n>', 'tick', 'final', 'audit'
     detected_in     text        NOT NULL,
     CONSTRAINT reconciliation_finding_kind_valid
@@ -188,6 +190,9 @@ CREATE TABLE {schema}.reconciliation_finding (
 -- `outboxctl findings`: the newest first, optionally of some kinds.
 CREATE INDEX reconciliation_finding_detected_idx
     ON {schema}.reconciliation_finding (detected_at, id);
+-- The job's retention: findings no judgement has found for that long.
+CREATE INDEX reconciliation_finding_seen_idx
+    ON {schema}.reconciliation_finding (last_seen_at, id);
 -- Counting findings per summary window.
 CREATE INDEX reconciliation_finding_event_idx
     ON {schema}.reconciliation_finding (event_time);

@@ -6,8 +6,9 @@ import asyncio
 import json
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -21,7 +22,9 @@ from outbox import sql as outbox_sql
 from outbox.migrations import check_applied, current_version, latest_version, schema_problem
 from relay.cli import main as cli_main
 from spark import _sql as spark_sql
+from spark import sink
 from spark.findings import read_findings, read_windows
+from spark.sink import Written
 from tests.fixtures.services import Services
 
 CATALOG = {
@@ -68,6 +71,21 @@ def test_schema_file_equals_all_migrations_applied(empty_db: str) -> None:
     assert from_file["columns"]  # the comparison below compares something
     normalise = lambda c: repr(c).replace("from_file", "S").replace("stepwise", "S")  # noqa: E731
     assert normalise(from_file) == normalise(stepwise)
+
+
+def test_the_reconciliation_on_a_schema_of_an_older_build_says_to_migrate(empty_db: str) -> None:
+    """A job upgraded before the schema met a missing column (last_seen_at, 0008) unexplained."""
+    from spark import ReconcileConfigError
+
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA outbox")
+        for migration in outbox_sql.migrations():
+            if migration.version < 8:
+                conn.execute(migration.sql_for("outbox"))
+        with pytest.raises(ReconcileConfigError, match="older than this job: run `outboxctl mig"):
+            _write_found_again(conn)
+    with pytest.raises(ReconcileConfigError, match="older than this job: run `outboxctl migrate`"):
+        read_findings(empty_db)
 
 
 def test_migrate_is_idempotent_and_versioned(empty_db: str) -> None:
@@ -283,6 +301,19 @@ def test_least_privilege_grants(pg_dsn: str, caplog: pytest.LogCaptureFixture) -
             spark_job.execute("DELETE FROM outbox.reconciliation_window")
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 spark_job.execute("DELETE FROM outbox.outbox_record")
+        with psycopg.connect(pg_dsn, user=reconciler, autocommit=True) as spark_job:
+            assert _write_found_again(spark_job) == sink.Written(Counter(missing=1))
+            assert _write_found_again(spark_job) == sink.Written(Counter())  # last_seen_at moved
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:  # as granted before 0008
+            admin.execute(
+                sql.SQL("REVOKE UPDATE ON outbox.reconciliation_finding FROM {}").format(
+                    sql.Identifier(reconciler)
+                )
+            )
+        with psycopg.connect(pg_dsn, user=reconciler, autocommit=True) as spark_job:
+            refused = _write_found_again(spark_job, outbox_id=2)
+            assert refused.new == Counter(missing=1)  # written all the same
+            assert "permission denied" in str(refused.seen_refused)
         with psycopg.connect(pg_dsn, autocommit=True) as admin:  # as granted before retention
             admin.execute(
                 sql.SQL("REVOKE DELETE ON outbox.reconciliation_finding FROM {}").format(
@@ -299,6 +330,14 @@ def test_least_privilege_grants(pg_dsn: str, caplog: pytest.LogCaptureFixture) -
             for role in roles:
                 admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
                 admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def _write_found_again(conn: psycopg.Connection[Any], outbox_id: int = 1) -> Written:
+    """A missing finding as a judgement writes it, its last_seen_at moved on however new."""
+    row = ("missing", "t", outbox_id, "", None, None, None, None, datetime.now(UTC), "{}")
+    return sink.write_judgement(
+        conn, "outbox", [row], [], detected_in="tick", seen_every=timedelta(0)
+    )
 
 
 def _prune_without_delete(conn: psycopg.Connection[Any], dsn: str) -> None:

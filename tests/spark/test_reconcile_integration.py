@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -178,13 +179,14 @@ def reconcile(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, 
 def write_aged(
     dsn: str, *, finding_id: int, detected: timedelta, window_at: datetime, updated: timedelta
 ) -> None:
-    """A finding detected and a summary window written `detected` / `updated` ago (in seconds,
-    whatever the session's time zone)."""
+    """A finding detected (and last found) and a summary window written `detected` / `updated`
+    ago (in seconds, whatever the session's time zone)."""
     with psycopg.connect(dsn) as conn:
         conn.execute(
             "INSERT INTO outbox.reconciliation_finding (kind, topic, outbox_id, event_time,"
-            " detected_at, detected_in)"
-            " VALUES ('missing', 'orders', %s, now(), now() - make_interval(secs => %s), 'tick')",
+            " detected_at, last_seen_at, detected_in)"
+            " SELECT 'missing', 'orders', %s, now(), at, at, 'tick'"
+            " FROM (SELECT now() - make_interval(secs => %s) AS at) AS aged",
             (finding_id, detected.total_seconds()),
         )
         conn.execute(
@@ -208,6 +210,48 @@ def test_retention_deletes_what_was_written_before_it(pg_dsn: str) -> None:
         conn.commit()
     assert [f.outbox_id for f in read_findings(pg_dsn)] == [2]
     assert [w.window_start for w in read_windows(pg_dsn)] == [long_ago + timedelta(minutes=1)]
+
+
+def found_again(outbox_id: int) -> tuple[Any, ...]:
+    """A missing finding as a judgement writes it (transform.FINDING_COLUMNS), as write_aged's."""
+    return ("missing", "orders", outbox_id, "", None, None, None, None, datetime.now(UTC), "{}")
+
+
+def test_a_finding_found_again_outlives_the_retention_and_is_not_new(pg_dsn: str) -> None:
+    """A record stuck for longer than the retention: its finding was deleted by when it was
+    first found, and the next judgement wrote it again, counted as new."""
+    from spark import sink
+
+    long_ago = datetime.now(UTC) - timedelta(days=90)
+    for n in (1, 2):
+        write_aged(pg_dsn, finding_id=n, detected=timedelta(days=31), updated=timedelta(0),
+                   window_at=long_ago + timedelta(minutes=n))  # fmt: skip
+    first = {f.outbox_id: f for f in read_findings(pg_dsn)}
+    with sink.connect(pg_dsn) as conn:
+        written = sink.write_judgement(conn, "outbox", [found_again(1)], [], detected_in="tick")
+        assert written == sink.Written(new=Counter())
+        again = {f.outbox_id: f for f in read_findings(pg_dsn)}
+        assert again[1].detected_at == first[1].detected_at  # when the trouble began
+        assert again[1].last_seen_at > datetime.now(UTC) - timedelta(minutes=1)
+        assert sink.prune(conn, "outbox", timedelta(days=30)).findings == 1
+        conn.commit()
+    assert [f.outbox_id for f in read_findings(pg_dsn)] == [1]  # 2 was not found again
+
+
+def test_a_finding_found_again_within_the_hour_is_not_written_again(pg_dsn: str) -> None:
+    """A backlog of stuck records is thousands of findings, found at every trigger."""
+    from spark import sink
+
+    with sink.connect(pg_dsn) as conn:
+        sink.write_judgement(conn, "outbox", [found_again(1)], [], detected_in="tick")
+        (seen,) = read_findings(pg_dsn)
+        written = sink.write_judgement(conn, "outbox", [found_again(1)], [], detected_in="tick")
+        assert written == sink.Written(new=Counter())
+        assert read_findings(pg_dsn)[0].last_seen_at == seen.last_seen_at
+        sink.write_judgement(
+            conn, "outbox", [found_again(1)], [], detected_in="tick", seen_every=timedelta(0)
+        )
+    assert read_findings(pg_dsn)[0].last_seen_at > seen.last_seen_at
 
 
 def days_across_a_dst_change(dsn: str) -> tuple[int, timedelta]:
