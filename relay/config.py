@@ -274,6 +274,18 @@ class RelaySettings(BaseModel):
             raise ValueError(str(exc)) from None
 
     @model_validator(mode="after")
+    def _dead_letters_apart_from_the_markers(self) -> Self:
+        # A recovery reads every message of the marker topic as markers: a dead-letter copy
+        # there failed every recovery's decoding, and one shaped as markers ended rows unsent.
+        if self.dead_letter_topic == self.op_marker_topic:
+            raise ValueError(
+                f"dead_letter_topic and op_marker_topic are both {self.op_marker_topic!r}: "
+                "recovery reads every message of the op-marker topic as op markers; give the "
+                "dead-letter copies a topic of their own"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _heartbeats_fit_the_lease(self) -> Self:
         # A lease renewed no sooner than it expires is taken by another relay between two
         # heartbeats, and taken back: epochs bump, producers are fenced, over and over.

@@ -129,6 +129,8 @@ def test_a_setting_refused_does_not_print_its_value(
         ({"op_marker_retention": "PT30M"}, r"op_marker_retention\n.*1 day"),  # recovery reads them
         ({"op_marker_topic": "bad topic name"}, r"op_marker_topic\n.*is invalid"),
         ({"dead_letter_topic": ".."}, r"dead_letter_topic\n.*not allowed"),
+        # recovery reads the marker topic's every message as markers: a copy ended rows unsent
+        ({"dead_letter_topic": "outbox.op-markers"}, "both 'outbox.op-markers'"),
         ({"kafka_transaction_timeout": "PT0.5S"}, "kafka_transaction_timeout"),  # librdkafka: 1 s
     ],
 )
