@@ -163,6 +163,53 @@ def test_the_rendered_config_and_secret_are_what_the_sidecar_reads(
     assert "pw@" not in shown
 
 
+def test_numbers_and_maps_of_a_values_file_reach_the_pods_as_written(
+    helm: str, tmp_path: Path
+) -> None:
+    """Helm reads a values file's numbers as floats: a million or more was rendered as
+    3.3554432e+07, which the sidecar's settings and Kafka's parser refuse, and a map as
+    map[linger.ms:5]."""
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        "existingSecret: s\n"
+        "env:\n"
+        "  OUTBOX_RELAY__BATCH_MAX_BYTES: 33554432\n"
+        "  OUTBOX_RELAY__CLAIM_AHEAD: false\n"
+        "  OUTBOX_KAFKA__EXTRA: {linger.ms: 5}\n"
+        "podAnnotations: {example.com/budget: 2000000}\n"
+        "reconcile:\n"
+        "  enabled: true\n"
+        "  kafkaOptions: {fetch.max.bytes: 52428800}\n"
+    )
+    docs = render(helm, *RECONCILE, values=values)
+    (relay,) = [d for d in docs if d["metadata"]["name"] == "orders-outbox-sidecar"
+                and d["kind"] == "Deployment"]  # fmt: skip
+    pod = relay["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["OUTBOX_RELAY__BATCH_MAX_BYTES"] == "33554432"
+    assert env["OUTBOX_RELAY__CLAIM_AHEAD"] == "false"
+    assert json.loads(env["OUTBOX_KAFKA__EXTRA"]) == {"linger.ms": 5}
+    assert pod["metadata"]["annotations"]["example.com/budget"] == "2000000"
+    from relay.config import RelaySettings
+
+    assert RelaySettings(batch_max_bytes=env["OUTBOX_RELAY__BATCH_MAX_BYTES"]).batch_max_bytes == (
+        33554432
+    )
+    (reconcile,) = [d for d in docs if d["metadata"]["name"].endswith("-reconcile")
+                    and d["kind"] == "Deployment"]  # fmt: skip
+    args = reconcile["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "fetch.max.bytes=52428800" in args
+
+
+def test_a_dashboard_without_labels_renders(helm: str) -> None:
+    """`--set grafanaDashboard.labels=null`, the way to drop the default label, broke the YAML."""
+    docs = render(helm, "existingSecret=s", "grafanaDashboard.enabled=true",
+                  "grafanaDashboard.labels=null")  # fmt: skip
+    (dashboard,) = [d for d in docs if d["metadata"]["name"].endswith("-dashboard")]
+    assert "grafana_dashboard" not in dashboard["metadata"]["labels"]
+
+
 def test_sidecar_mode_renders_no_deployment_and_an_app_chart_includes_the_container(
     helm: str, tmp_path: Path
 ) -> None:

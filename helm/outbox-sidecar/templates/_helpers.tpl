@@ -26,6 +26,13 @@ the same name. */}}
 {{- end -}}
 {{- end -}}
 
+{{- /* A value from values.yaml as text. Helm reads a values file's numbers as floats, which
+       `quote` and printf write as 3.3554432e+07 from a million on (refused as an integer, by
+       the sidecar's settings and Kafka's alike); JSON writes them whole, and a map as JSON. */}}
+{{- define "outbox-sidecar.text" -}}
+{{- if kindIs "string" . }}{{ . }}{{ else }}{{ toJson . }}{{ end }}
+{{- end }}
+
 {{- define "outbox-sidecar.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "outbox-sidecar.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -76,7 +83,7 @@ chart, to run one relay in each of its pods (add the volumes of outbox-sidecar.v
     {{- include "outbox-sidecar.checkEnv" . }}
     {{- range $name, $value := .Values.env }}
     - name: {{ $name }}
-      value: {{ $value | quote }}
+      value: {{ include "outbox-sidecar.text" $value | quote }}
     {{- end }}
   ports:
     - {name: http, containerPort: {{ .Values.httpPort }}}
@@ -133,7 +140,7 @@ metadata:
   {{- with $root.Values.podAnnotations }}
   annotations:
     {{- range $name, $value := . }}
-    {{ $name }}: {{ $value | quote }}
+    {{ $name }}: {{ include "outbox-sidecar.text" $value | quote }}
     {{- end }}
   {{- end }}
 spec:
@@ -180,7 +187,7 @@ spec:
         - {{ $r.deadLetterTopic | quote }}
         {{- range $key, $value := $r.kafkaOptions }}
         - --kafka-option
-        - {{ printf "%s=%v" $key $value | quote }}
+        - {{ printf "%s=%s" $key (include "outbox-sidecar.text" $value) | quote }}
         {{- end }}
         - --deadline
         - {{ $r.deadline | quote }}
