@@ -342,14 +342,19 @@ class ShardProducer:
         if self._call(self.producer.flush, self.timeout_s) > 0:
             raise OutcomeUnknown(f"queued records not sent in {self.timeout_s}s")
 
-    def reports(self, stalled: Callable[[list[Sent]], bool] | None = None) -> Iterator[Sent]:
+    def reports(
+        self,
+        stalled: Callable[[list[Sent]], bool] | None = None,
+        waiting: Callable[[], None] | None = None,
+    ) -> Iterator[Sent]:
         """Each record of this transaction as its delivery report arrives, until all have one.
 
         Records the caller sends while iterating are waited for too: a caller can send what
         depends on a report (an op marker needs its record's offset) without a second flush.
         `stalled` gets the records still waiting after REPORT_STALL_S without any report, and
         again after each such stretch: it may raise to give the transaction up, or return
-        True to stop waiting (those records then have no report).
+        True to stop waiting (those records then have no report). `waiting` is called every
+        ~0.1 s of the wait (the relay renews its leases from it).
         """
         done = 0
         last_report = time.monotonic()
@@ -367,6 +372,8 @@ class ShardProducer:
                 last_report = time.monotonic()
             # flush, not poll: a flush sends what is queued at once instead of after linger.ms
             self._call(self.producer.flush, 0.1)
+            if waiting is not None:
+                waiting()
 
     def commit(self) -> None:
         """Commit; retriable errors are retried within the timeout, then the outcome is unknown."""

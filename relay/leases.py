@@ -79,27 +79,9 @@ class LeaseManager:
         # not leases gained that no worker would ever deliver (renewed for ever, probes green).
         owned = dict(self.owned)
         with conn.transaction():
-            conn.execute(self._q("relay_lease_no_timeouts"))
-            conn.execute(
-                self._q("relay_member_heartbeat"),
-                {"relay_id": self.relay_id, "ttl": self.duration},
-            )
-            if owned:
-                renewed = {
-                    row[0]
-                    for row in conn.execute(
-                        self._q("relay_renew"),
-                        {
-                            "owner": self.relay_id,
-                            "duration": self.duration,
-                            "shards": list(owned),
-                            "epochs": [lease.epoch for lease in owned.values()],
-                        },
-                    )
-                }
-                changes.lost = sorted(set(owned) - renewed)
-                for shard in changes.lost:
-                    del owned[shard]
+            changes.lost = self._renew(conn, owned)
+            for shard in changes.lost:
+                del owned[shard]
             members = [row[0] for row in conn.execute(self._q("relay_members_alive"))]
             fair = share(self.shards, members, self.relay_id)
             if len(owned) < fair:
@@ -123,6 +105,37 @@ class LeaseManager:
         for shard in changes.lost:
             logger.warning("lost shard %s: its lease was taken over or expired", shard)
         return changes
+
+    def renew(self, conn: psycopg.Connection[Any]) -> list[int]:
+        """Renew our membership and leases only: no shard taken or handed back (a shard waiting
+        on Kafka cannot hand back the shard it ships). Returns the shards not renewed; what
+        we hold does not change: the next heartbeat finds them lost again and acts on it."""
+        owned = dict(self.owned)
+        with conn.transaction():
+            return self._renew(conn, owned)
+
+    def _renew(self, conn: psycopg.Connection[Any], owned: dict[int, Lease]) -> list[int]:
+        """In the caller's transaction: renew our membership and these leases (owner and epoch
+        ours still); the shards that were not renewed, sorted."""
+        conn.execute(self._q("relay_lease_no_timeouts"))
+        conn.execute(
+            self._q("relay_member_heartbeat"), {"relay_id": self.relay_id, "ttl": self.duration}
+        )
+        if not owned:
+            return []
+        renewed = {
+            row[0]
+            for row in conn.execute(
+                self._q("relay_renew"),
+                {
+                    "owner": self.relay_id,
+                    "duration": self.duration,
+                    "shards": list(owned),
+                    "epochs": [lease.epoch for lease in owned.values()],
+                },
+            )
+        }
+        return sorted(set(owned) - renewed)
 
     def release(self, conn: psycopg.Connection[Any], shard: int) -> None:
         lease = self.owned.pop(shard, None)

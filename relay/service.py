@@ -155,7 +155,8 @@ class Relay:
         self.outbox: str | None = None  # "<database>/<schema>", named in its op markers
         self._counted: Exception | None = None  # a shard's failure raised as the round's
         self._last_heartbeat = 0.0
-        self._leases_renewed_at = 0.0  # the last heartbeat that went through
+        self._last_renewal = 0.0  # of the leases alone, while a shard waits on Kafka
+        self._leases_renewed_at = 0.0  # the last heartbeat or renewal that went through
         # A setting that cannot work, found by a heartbeat between rounds: the waits end, and
         # the next round's heartbeat (still due) stops the relay. Only logged, it ran on.
         self._refused: RelayConfigError | None = None
@@ -522,6 +523,7 @@ class Relay:
                     self._keep_alive,
                     claim_ahead=pipelined,
                     unstamped=unstamped,
+                    while_shipping=self._renew_while_shipping,
                 )
                 result.add(delivered)
                 if delivered.unstamped_seen is not None:
@@ -672,8 +674,7 @@ class Relay:
         resets = self._stamp_resets
         count, held, horizon = stamp(with_hold_back=True)
         while count >= STAMP_SLICE:
-            if self._heartbeat_due():
-                self.heartbeat()
+            self._keep_alive()  # a backlog of millions is many slices: no stall
             count, held, horizon = stamp(with_hold_back=False)
         if held is None:
             with self.conn.transaction():
@@ -719,6 +720,27 @@ class Relay:
         if self._heartbeat_due():
             self.heartbeat()
             self.last_round_at = time.monotonic()  # a long round (a large stamp) is no stall
+
+    def _renew_while_shipping(self) -> None:
+        """While a shard waits for Kafka's reports (up to kafka_transaction_timeout), and before
+        its commit: renew the leases, and count it as progress. Only renew: a heartbeat may hand
+        back the shard being shipped. Without it, a batch slower than lease_duration let every
+        lease of this relay lapse; another relay took the shards and fenced the batch, and the
+        next owner met the same slow batch. A database that fails it fails no batch here."""
+        interval = self.settings.relay.heartbeat_interval.total_seconds()
+        asked_at = time.monotonic()
+        if asked_at - max(self._last_heartbeat, self._last_renewal) < interval:
+            return
+        self._last_renewal = asked_at
+        try:
+            lost = self.leases.renew(self.conn)
+        except psycopg.Error as exc:
+            logger.warning("leases not renewed while waiting for Kafka: %s", exc)
+            return
+        self._leases_renewed_at = asked_at
+        self.last_round_at = time.monotonic()  # reports come in, or the wait is bounded
+        if lost:
+            logger.info("shards %s were taken over while waiting for Kafka", lost)
 
     def _heartbeat_due(self) -> bool:
         interval = self.settings.relay.heartbeat_interval.total_seconds()
@@ -979,8 +1001,15 @@ class Relay:
     def stale_after_s(self) -> float:
         """No round finished for this long: stuck. A round's own allowance, plus the longest
         wait between rounds (a poll interval above the allowance failed the liveness probe of
-        a relay that was only waiting)."""
-        return ROUND_ALLOWANCE_S + self.settings.relay.poll_interval.total_seconds()
+        a relay that was only waiting), plus the longest Kafka call a round makes without
+        coming up for air (a commit waits up to kafka_transaction_timeout: raised to 5 min for
+        a large transaction, as its error says to, the probe killed the relay in its commit)."""
+        rs = self.settings.relay
+        return (
+            ROUND_ALLOWANCE_S
+            + rs.poll_interval.total_seconds()
+            + rs.kafka_transaction_timeout.total_seconds()
+        )
 
     def alive(self, stale_after_s: float | None = None) -> bool:
         limit = self.stale_after_s() if stale_after_s is None else stale_after_s

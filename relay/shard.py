@@ -866,12 +866,15 @@ class ShardWorker:
         *,
         claim_ahead: bool = False,
         unstamped: Unstamped | None = None,
+        while_shipping: Callable[[], None] | None = None,
     ) -> ShardRound:
         """One batch: claim (or take the claim made during the last batch), send, commit.
 
         `claim_ahead` (the relay's loop, in a drain): while a full batch waits for Kafka's reports
         and commit, the claimer claims the next one, which the next round takes if that batch
-        committed. `unstamped`: the usual round, which stamps nothing (see Unstamped)."""
+        committed. `unstamped`: the usual round, which stamps nothing (see Unstamped).
+        `while_shipping` is called while the batch waits for Kafka's reports, and before its commit;
+        `keep_alive` in a recovery's long reads."""
         if self._ending is not None and self._ending.changed and self._ending.changed.done():
             self.settle_quietly()  # if it failed, recovery now, not a batch claimed around it
         batch = self._take_claim_ahead()
@@ -900,7 +903,7 @@ class ShardWorker:
         if claim_ahead and self.claimer is not None:
             claim_next = functools.partial(self._start_claim_ahead, hold_back, unstamped, batch)
         try:
-            return self._ship(conn, batch, claim_next)
+            return self._ship(conn, batch, claim_next, while_shipping)
         except (KafkaException, OutcomeUnknown, Fenced, ProducerFailed) as exc:
             # Whatever Kafka said (a delivery report missing, a message timed out, a fencing
             # by the coordinator's abort), the cause is the transaction's length.
@@ -1073,8 +1076,10 @@ class ShardWorker:
         conn: psycopg.Connection[Any],
         batch: _Batch,
         claim_next: Callable[[], None] | None = None,
+        waiting: Callable[[], None] | None = None,
     ) -> ShardRound:
-        """`claim_next`: starts the next claim, called once a full batch is produced."""
+        """`claim_next`: starts the next claim, called once a full batch is produced. `waiting`:
+        called while Kafka's reports are waited for, and before the commit."""
         committed, ended = batch.committed, batch.ended
         if self._dead_letter_blocked_until > time.monotonic():
             # Not ended, they are read again next round; other keys' records go meanwhile.
@@ -1205,7 +1210,7 @@ class ShardWorker:
             # after the failure got none until the timeout, 60 s) is purged, and goes again.
             return doomed or self._look_up_waiting_topics(waiting)
 
-        for report in self.producer.reports(stalled):
+        for report in self.producer.reports(stalled, waiting):
             if report.tag is None:  # a marker message
                 if report.error is not None and report.error.code() not in _PURGED:
                     doomed = True
@@ -1227,7 +1232,7 @@ class ShardWorker:
             if error is not None and error.code() in _PURGED and refused:
                 continue  # dropped because another record failed: it goes again
             if error is None or error.code() not in PERMANENT_RECORD_ERRORS:
-                self.producer.abort()
+                self._abort()
                 raise KafkaException(error)
             reason = (
                 topic_refused(row.topic)
@@ -1250,7 +1255,7 @@ class ShardWorker:
             else:  # too large alone, or the topic refuses them all (authorisation, policy)
                 poison[row.id] = reason
         if unwritable is not None:
-            self.producer.abort()
+            self._abort()
             raise self._dead_letter_refused(unwritable)
         marker_error = next(
             (
@@ -1261,14 +1266,14 @@ class ShardWorker:
             None,
         )
         if marker_error is not None and not failed:  # the markers' own fault
-            self.producer.abort()
+            self._abort()
             self.needs_recovery = True
             raise self._markers_refused(marker_error)
         if doomed:
             # A record failed in flight: the transaction is lost. Abort, park, go again, with
             # a new producer: after a broker's refusal librdkafka bumps the producer epoch and
             # purges what the next transaction queues meanwhile.
-            self.producer.abort()
+            self._abort()
             self.needs_recovery = True
             if not failed:
                 raise KafkaException(KafkaError(KafkaError._STATE, "the transaction failed"))
@@ -1277,17 +1282,19 @@ class ShardWorker:
             result.parked = len(poison)
             return result
         if not markers:  # only poison: nothing to send
-            self.producer.abort()
+            self._abort()
             self._park(conn, poison)
             self._alone.difference_update(poison)
             result.parked = len(poison)
             return result
         if any(m.error is not None for m in marker_sends):  # purged, with nothing failed
-            self.producer.abort()
+            self._abort()
             raise KafkaException(KafkaError(KafkaError._STATE, "the op markers were not sent"))
         _failpoints.hit(_failpoints.AFTER_PRODUCE)
         self._settle_before_commit()
         started = time.perf_counter()
+        if waiting is not None:
+            waiting()  # the leases then last through a commit shorter than lease_duration
         try:
             self.producer.commit()
         except Exception:
@@ -1425,6 +1432,17 @@ class ShardWorker:
                 raise EndFailed(f"shard {self.shard}: ending a delivered batch: {exc}") from exc
             raise
         self._after_end(ending)
+
+    def _abort(self) -> None:
+        """Abort the batch's Kafka transaction. An abort that fails (a timeout, a fencing) is
+        logged, not raised: what the failed batch leaves to do (park its poison, send markers
+        alone) must not wait for an abort that may keep failing, every round aborted again.
+        The transaction cannot commit: recovery, next, fences it with the producer."""
+        try:
+            self.producer.abort()
+        except Exception as exc:
+            self.needs_recovery = True
+            logger.warning("shard %s: the abort failed (recovery fences it): %s", self.shard, exc)
 
     def _settle_before_commit(self) -> None:
         """At most one batch in doubt per shard: the last one's rows end before the next

@@ -688,6 +688,31 @@ def test_a_record_the_broker_refuses_in_a_backlog_is_parked_alone(
     assert "Message size too large" in parked[0][2]
 
 
+def test_a_record_the_broker_refuses_is_parked_though_every_abort_fails(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """An abort that failed (timed out, say) skipped what the failed batch left to do: the
+    refused record was never parked while aborts kept failing, and its batch was aborted again
+    every round."""
+    from relay.kafka import OutcomeUnknown
+
+    topic = topic_factory(config={"max.message.bytes": "2000"})
+    relay = relay_factory()
+    relay.run_once()
+    (worker,) = relay.workers.values()
+
+    def abort_fails() -> None:
+        raise OutcomeUnknown("abort failed: timed out (test)")
+
+    worker.producer.abort = abort_fails  # type: ignore[method-assign]
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "x" * 5000)
+    rounds = [relay.run_once() for _ in range(2)]  # refused in a batch, then alone
+    assert [r.parked for r in rounds] == [0, 1]
+    assert [r[1] for r in rows(pg_dsn)] == ["parked"]
+    assert relay.workers[0].needs_recovery  # its transaction is fenced before the next batch
+
+
 def test_records_that_fit_alone_are_not_parked_when_their_batch_is_refused(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
@@ -1565,15 +1590,89 @@ def test_a_shard_whose_worker_cannot_be_built_is_handed_back(
 
 def test_a_relay_waiting_a_long_poll_interval_is_alive(relay_factory: Any) -> None:
     """Liveness allowed 120 s without a finished round, whatever the poll interval: with one
-    above that, /healthz failed while the relay only waited for work."""
-    relay = relay_factory(poll_interval="PT150S", listen_notify=False)
-    assert relay.stale_after_s() == 120 + 150
+    above that, /healthz failed while the relay only waited for work. (And the longest Kafka
+    commit: it blocks up to kafka_transaction_timeout.)"""
+    relay = relay_factory(
+        poll_interval="PT150S", listen_notify=False, kafka_transaction_timeout="PT30S"
+    )
+    assert relay.stale_after_s() == 120 + 150 + 30
     relay.start()
     wait_for(lambda: relay.workers)  # its first round: then it waits up to 150 s
     relay.last_round_at = time.monotonic() - 150
     assert relay.alive()
-    relay.last_round_at -= 150
+    relay.last_round_at -= 160
     assert not relay.alive()
+
+
+class _ReportsHeldBack:
+    """A producer whose flush serves no delivery report for `seconds` once armed (a broker
+    slow to acknowledge): the relay's wait for reports runs as it does then."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.armed = False
+        self.until: float | None = None
+
+    def wrap(self, producer: Producer) -> Any:
+        held = self
+
+        class Proxy:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(producer, name)
+
+            def flush(self, timeout: float = -1) -> int:
+                if held.armed:
+                    if held.until is None:
+                        held.until = time.monotonic() + held.seconds
+                    if time.monotonic() < held.until:
+                        time.sleep(max(timeout, 0))
+                        return 1  # still queued
+                return producer.flush(timeout)
+
+        return Proxy()
+
+
+def test_a_batch_slower_than_the_lease_keeps_its_shards_and_counts_as_progress(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing renewed the leases while a shard waited for Kafka's reports and commit: a batch
+    slower than lease_duration let them lapse, another relay took the shards (and fenced the
+    batch), and liveness saw no round finish. Now the wait renews the leases, and only them."""
+    topic = topic_factory()
+    held = _ReportsHeldBack(seconds=4.5)
+    real = ShardProducer.producer
+    monkeypatch.setattr(ShardProducer, "producer", property(lambda p: held.wrap(real.fget(p))))
+    timing = {"lease_duration": "PT2S", "heartbeat_interval": "PT0.5S", "shards": 2}
+    slow = relay_factory(relay_id="pod-a", **timing)
+    slow.run_once()  # both shards, recovered
+    assert sorted(slow.workers) == [0, 1]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with conn.transaction():
+            outbox.publish(conn, topic, "slow to acknowledge", key="k")
+        held.armed = True
+        shipping = threading.Thread(target=slow.run_once)
+        shipping.start()
+        wait_for(lambda: held.until is not None)  # the batch waits for its reports
+        leases = "SELECT max(lease_until) FROM outbox.shard_lease"
+        (renewed_until,) = conn.execute(leases).fetchone()  # type: ignore[misc]
+        # past the leases as they stood: lapsed by now, unless renewed while the batch waits
+        wait_for(lambda: conn.execute("SELECT now() > %s", (renewed_until,)).fetchone()[0])  # type: ignore[index]
+    joining = relay_factory(relay_id="pod-0", **timing)  # first by id: its share is 1 of 2
+    joining.setup()
+    joining.heartbeat()
+    assert joining.workers == {}
+    assert held.until is not None
+    waiting_from = held.until - held.seconds
+    assert slow.last_round_at > waiting_from + 1  # the wait counted as progress
+    shipping.join(30)
+    assert not shipping.is_alive()
+    assert sorted(slow.workers) == [0, 1]
+    delivered = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert [m.value() for m in delivered] == [b"slow to acknowledge"]
 
 
 def test_recovery_skips_what_is_not_a_marker_on_the_marker_topic(
