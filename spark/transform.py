@@ -405,7 +405,11 @@ def classify_copies(
     kind = (
         F.when(orphan_reason.isNotNull(), F.lit("orphan"))
         .when(~F.col("canonical"), F.lit("duplicate"))
-        .when(known & (delivered_markers == 0), F.lit("marker_mismatch"))
+        # Known to the ledger or not: the relay writes a copy's marker in its Kafka
+        # transaction, after its report, so the marker is in the copy's context. Asked of known
+        # ids only, a copy whose row was deleted at once (delivered_retention 0, the default)
+        # was never checked for its marker.
+        .when(delivered_markers == 0, F.lit("marker_mismatch"))
     )
     occurrence = F.when(F.col("kind") == "marker_mismatch", F.lit(RECORD_WITHOUT_MARKER)).when(
         F.col("kind").isNotNull(),
