@@ -392,9 +392,9 @@ class ShardProducer:
                     continue
                 raise OutcomeUnknown(str(err)) from exc
 
-    def abort(self) -> None:
+    def abort(self, timeout_s: float | None = None) -> None:
         try:
-            self._call(self.producer.abort_transaction, self.timeout_s)
+            self._call(self.producer.abort_transaction, timeout_s or self.timeout_s)
         except KafkaException as exc:
             raise OutcomeUnknown(f"abort failed: {exc}") from exc
         self._began = float("inf")

@@ -53,6 +53,7 @@ from relay.shard import (
     OutElsewhere,
     ShardRound,
     ShardWorker,
+    ShuttingDown,
     Unstamped,
     UnstampedSeen,
 )
@@ -76,6 +77,9 @@ MIN_MARKER_RETENTION_MS = 24 * 3600 * 1000  # as relay.op_marker_retention's lea
 MARKER_TOPIC_CHECK_S = 10.0  # how often the op-marker topic's id is compared (heartbeat)
 HORIZON_WARN_S = 60.0  # a transaction holding the xid horizon this long is logged, once
 HAND_OVER_S = 3.0  # what a stop spends, at most, recording the shards' marker offsets
+# What a stop keeps of its grace for after the batch in flight: its abort, the hand-overs and
+# the hand-back. A batch still waiting for Kafka's reports then is aborted.
+STOP_RESERVE_S = 8.0
 HAND_BACK_CONNECT_S = 2  # a stop's connection to hand the shards back, if it needs a new one
 
 
@@ -156,6 +160,7 @@ class Relay:
         self._counted: Exception | None = None  # a shard's failure raised as the round's
         self._last_heartbeat = 0.0
         self._last_renewal = 0.0  # of the leases alone, while a shard waits on Kafka
+        self._stop_by = math.inf  # time.monotonic() by when a stop asked to be done
         self._leases_renewed_at = 0.0  # the last heartbeat or renewal that went through
         # A setting that cannot work, found by a heartbeat between rounds: the waits end, and
         # the next round's heartbeat (still due) stops the relay. Only logged, it ran on.
@@ -531,6 +536,9 @@ class Relay:
                 if not pipelined:
                     worker.settle()
                 worker.failures = 0
+            except ShuttingDown as exc:
+                logger.warning("shard %s: %s", shard, exc)
+                break  # the stop goes on: no other shard starts a batch
             except LeaseLost as exc:  # a Fenced producer recovers: there it finds out which
                 logger.warning("shard %s fenced: %s", shard, exc)
                 metrics.ERRORS.labels("lease_lost").inc()
@@ -727,8 +735,10 @@ class Relay:
         back the shard being shipped. Without it, a batch slower than lease_duration let every
         lease of this relay lapse; another relay took the shards and fenced the batch, and the
         next owner met the same slow batch. A database that fails it fails no batch here."""
-        interval = self.settings.relay.heartbeat_interval.total_seconds()
         asked_at = time.monotonic()
+        if self._stop.is_set() and asked_at >= self._stop_by - STOP_RESERVE_S:
+            raise ShuttingDown("the relay stops: the batch waiting for Kafka is aborted")
+        interval = self.settings.relay.heartbeat_interval.total_seconds()
         if asked_at - max(self._last_heartbeat, self._last_renewal) < interval:
             return
         self._last_renewal = asked_at
@@ -935,14 +945,14 @@ class Relay:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop after the round in flight; hand the shards back. Safe to call twice."""
+        """Stop after the round in flight (a batch still waiting for Kafka's reports when
+        little of the grace is left is aborted); hand the shards back. Safe to call twice."""
+        grace = (
+            timeout if timeout is not None else self.settings.relay.shutdown_grace.total_seconds()
+        )
+        self._stop_by = min(self._stop_by, time.monotonic() + grace)
         self._stop.set()
         if self._thread is not None:
-            grace = (
-                timeout
-                if timeout is not None
-                else self.settings.relay.shutdown_grace.total_seconds()
-            )
             self._thread.join(grace)
             if self._thread.is_alive():
                 logger.error("relay round still running after %ss; exiting anyway", grace)
@@ -965,7 +975,11 @@ class Relay:
                 usable = None
         if self.claimer is not None:  # claims only read: nothing waits for them any more
             self.claimer.close(timeout=0)
-        self.ender.close(timeout=self.settings.relay.shutdown_grace.total_seconds())
+        # what is left of the grace: given whole again, the stop overran it
+        left = min(
+            self.settings.relay.shutdown_grace.total_seconds(), self._stop_by - time.monotonic()
+        )
+        self.ender.close(timeout=max(1.0, left))
         try:
             self.leases.leave(self._hand_back_connection())
         except psycopg.Error as exc:

@@ -147,8 +147,17 @@ def _transaction_failed(exc: KafkaException) -> bool:
     return bool(exc.args[0].code() == KafkaError._STATE)
 
 
+STOP_ABORT_S = 2.0  # a stop's abort of the batch in flight: the broker times out the rest
+
+
 class LeaseLost(Exception):
     """The shard's lease changed hands: its rows are not ours to touch any more."""
+
+
+class ShuttingDown(Exception):
+    """The relay stops, and the batch in flight cannot finish within its grace: it is aborted
+    (its rows go again, from the next owner), not left open to pin its partitions' stable
+    offset until the broker's timeout."""
 
 
 class EndFailed(Exception):
@@ -1210,19 +1219,24 @@ class ShardWorker:
             # after the failure got none until the timeout, 60 s) is purged, and goes again.
             return doomed or self._look_up_waiting_topics(waiting)
 
-        for report in self.producer.reports(stalled, waiting):
-            if report.tag is None:  # a marker message
-                if report.error is not None and report.error.code() not in _PURGED:
+        try:
+            for report in self.producer.reports(stalled, waiting):
+                if report.tag is None:  # a marker message
+                    if report.error is not None and report.error.code() not in _PURGED:
+                        doomed = True
+                    continue
+                awaiting -= 1
+                if report.error is not None:
+                    failed.append(report)
                     doomed = True
-                continue
-            awaiting -= 1
-            if report.error is not None:
-                failed.append(report)
-                doomed = True
-            elif not doomed:
-                mark(report.tag, report)
-            if not awaiting:
-                send_markers(batcher.take())
+                elif not doomed:
+                    mark(report.tag, report)
+                if not awaiting:
+                    send_markers(batcher.take())
+        except ShuttingDown:
+            self.needs_recovery = True
+            self._abort(timeout_s=STOP_ABORT_S)
+            raise
         refused = any(
             r.error is not None and r.error.code() in PERMANENT_RECORD_ERRORS for r in failed
         )
@@ -1433,13 +1447,13 @@ class ShardWorker:
             raise
         self._after_end(ending)
 
-    def _abort(self) -> None:
+    def _abort(self, timeout_s: float | None = None) -> None:
         """Abort the batch's Kafka transaction. An abort that fails (a timeout, a fencing) is
         logged, not raised: what the failed batch leaves to do (park its poison, send markers
         alone) must not wait for an abort that may keep failing, every round aborted again.
         The transaction cannot commit: recovery, next, fences it with the producer."""
         try:
-            self.producer.abort()
+            self.producer.abort(timeout_s)
         except Exception as exc:
             self.needs_recovery = True
             logger.warning("shard %s: the abort failed (recovery fences it): %s", self.shard, exc)

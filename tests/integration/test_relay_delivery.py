@@ -35,7 +35,7 @@ from relay.kafka import Fenced, ShardProducer, TransactionTimedOut
 from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
 from relay.pipelined import pipelined_transaction
 from relay.service import Relay, RelayConfigError, RelayRound
-from relay.shard import DeadLetterUnwritable
+from relay.shard import STOP_ABORT_S, DeadLetterUnwritable
 from relay.status import outbox_status
 from tests.fixtures.kafka import consume_all, java_murmur2
 from tests.fixtures.postgres import GrantedRoles
@@ -701,7 +701,7 @@ def test_a_record_the_broker_refuses_is_parked_though_every_abort_fails(
     relay.run_once()
     (worker,) = relay.workers.values()
 
-    def abort_fails() -> None:
+    def abort_fails(timeout_s: float | None = None) -> None:
         raise OutcomeUnknown("abort failed: timed out (test)")
 
     worker.producer.abort = abort_fails  # type: ignore[method-assign]
@@ -1673,6 +1673,47 @@ def test_a_batch_slower_than_the_lease_keeps_its_shards_and_counts_as_progress(
     assert sorted(slow.workers) == [0, 1]
     delivered = consume_all(kafka_bootstrap, topic, "read_committed")
     assert [m.value() for m in delivered] == [b"slow to acknowledge"]
+
+
+def test_a_stop_aborts_a_batch_that_cannot_finish_within_the_grace(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop waited for the round in flight, whose wait for Kafka's reports may last the
+    transaction timeout: the process exited with its Kafka transaction open, every partition it
+    wrote stalled for read_committed consumers until the broker timed it out."""
+    topic = topic_factory()
+    held = _ReportsHeldBack(seconds=120)
+    real = ShardProducer.producer
+    monkeypatch.setattr(ShardProducer, "producer", property(lambda p: held.wrap(real.fget(p))))
+    relay = relay_factory(kafka_transaction_timeout="PT120S")
+    relay.run_once()
+    aborts: list[float | None] = []
+    abort = ShardProducer.abort
+
+    def counted(producer: ShardProducer, timeout_s: float | None = None) -> None:
+        aborts.append(timeout_s)
+        abort(producer, timeout_s)
+
+    monkeypatch.setattr(ShardProducer, "abort", counted)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "in flight at the stop")
+    held.armed = True
+    relay.start()
+    wait_for(lambda: held.until is not None)  # the batch waits for its reports
+    asked = time.monotonic()
+    relay.stop(service_module.STOP_RESERVE_S + 2)
+    assert not relay.running()
+    assert time.monotonic() - asked < service_module.STOP_RESERVE_S + 2
+    assert aborts == [STOP_ABORT_S]  # aborted within the grace, not left open
+    held.armed = False
+    heir = relay_factory()
+    assert heir.run_once().delivered == 1  # nothing pinned, nothing lost
+    delivered = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert [m.value() for m in delivered] == [b"in flight at the stop"]
 
 
 def test_recovery_skips_what_is_not_a_marker_on_the_marker_topic(
