@@ -14,26 +14,52 @@ logger = logging.getLogger(__name__)
 class StopOnSignals:
     """Sets `stop` on the first SIGTERM or SIGINT and ignores the ones after it.
 
-    A handler runs in the main thread between two bytecodes, even inside the first handler's
-    `stop.set()` while that holds the event's lock: a second handler then waited for that lock
-    for ever. `make run` hung so when Ctrl-C reached the sidecar just before the demo's SIGTERM.
-    The flag is set before anything that takes a lock."""
+    A handler runs in the main thread between two bytecodes, even while that thread holds the
+    event's lock: inside a first handler's `stop.set()`, or inside the main loop's own
+    `stop.wait()`, which holds it for a moment at each timeout. Setting the event from the
+    handler then waited for that lock for ever (`make run` hung so when Ctrl-C reached the
+    sidecar just before the demo's SIGTERM). So the handler only notes the signal, and a
+    thread of its own sets the event (within WATCH_S)."""
+
+    WATCH_S = 0.1
 
     def __init__(self, stop: threading.Event, doing: str) -> None:
         self._stop = stop
         self._doing = doing  # what the log line says follows, e.g. "shutting down"
-        self._received = False
+        self._received: int | None = None  # the first signal's number
+        self._watcher: threading.Thread | None = None
+        self._unwatch = threading.Event()
 
     def __call__(self, signum: int, _frame: object) -> None:
-        if self._received:
-            return
-        self._received = True
-        logger.info("received %s: %s", signal.Signals(signum).name, self._doing)
-        self._stop.set()
+        if self._received is None:  # an attribute stored: no lock taken, nothing to wait for
+            self._received = signum
+
+    def watch(self) -> None:
+        """Start the thread that sets `stop` once a signal came (install() does)."""
+        if self._watcher is None:
+            self._unwatch.clear()
+            self._watcher = threading.Thread(
+                target=self._watch, name="outbox-stop-signals", daemon=True
+            )
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._unwatch.wait(self.WATCH_S) and not self._stop.is_set():
+            if self._received is not None:
+                logger.info("received %s: %s", signal.Signals(self._received).name, self._doing)
+                self._stop.set()
+                return
+
+    def _unwatched(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            self._unwatch.set()
+            watcher.join()
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self)
         signal.signal(signal.SIGINT, self)
+        self.watch()
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -50,3 +76,4 @@ class StopOnSignals:
         finally:
             for sig, handler in before.items():  # None: not set from Python, the default then
                 signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+            self._unwatched()

@@ -1501,9 +1501,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif settings.once:
             report = job.run_once()
         else:
-            # The handler runs in the middle of the py4j call it interrupts: it only sets
-            # `stop` (a call into Spark from there broke that one); run_forever sees it within
-            # a second. A second signal inside the first one's set() is ignored, not deadlocked.
+            # The handler runs in the middle of the py4j call it interrupts: it only notes the
+            # signal (a call into Spark from there broke that one), a thread of its own sets
+            # `stop`, and run_forever sees it within a second.
             stop = threading.Event()
             with StopOnSignals(stop, "stopping the reconciliation").installed():
                 job.run_forever(until=stop)
