@@ -43,6 +43,10 @@ HORIZON_HOLDER_PID = Gauge(
     "Backend pid of that transaction; 0 when none, or when it is a prepared transaction.",
 )
 SHARDS_OWNED = Gauge("outbox_relay_shards_owned", "Shards this relay holds a lease on.")
+SHARDS = Gauge(
+    "outbox_relay_shards",
+    "Shards the outbox's records are split into (relay.shards): the relays' owned sum to it.",
+)
 STAMP_LOCK_WAITS = Counter(
     "outbox_relay_stamp_lock_waits",
     "Stamps made again after waiting too long for a row lock (another relay's end).",

@@ -1060,6 +1060,7 @@ class Relay:
         every pod of a deployment counted it every refresh. The horizon gauges (cheap), from
         every relay. On a connection kept for this: a new one each refresh was churn."""
         metrics.SHARDS_OWNED.set(len(self.held_shards()))  # first: without the database too
+        metrics.SHARDS.set(self.settings.relay.shards)
         conn = self._gauge_conn
         if conn is None or conn.closed or conn.broken:
             conn = self._gauge_conn = self._connect(autocommit=True)

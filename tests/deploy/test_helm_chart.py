@@ -310,11 +310,19 @@ def test_alert_rules_use_only_series_and_labels_the_sidecar_exports(helm: str, m
     assert rules["OutboxDeliveryLagging"]["expr"].endswith("> 120")
     assert rules.keys() >= RECONCILE_ALERTS
     assert rules["OutboxReconcileStalled"]["expr"].endswith("> 600")
+    assert "absent(outbox_relay_shards_owned" in rules["OutboxShardsUnowned"]["expr"]
     exported = _exported_series()
     for name, r in rules.items():
         _assert_exported(name, r["expr"], exported, ("namespace", "orders"))
         assert r["labels"]["severity"] == "warning"
         assert r["annotations"]["summary"]
+
+
+def test_a_release_without_relays_is_not_alerted_for_their_absence(helm: str) -> None:
+    docs = by_kind(render(helm, "existingSecret=s", "prometheusRule.enabled=true",
+                          "prometheusRule.relaysExpected=false"))  # fmt: skip
+    rules = {r["alert"]: r for g in docs["PrometheusRule"]["spec"]["groups"] for r in g["rules"]}
+    assert "absent(" not in rules["OutboxShardsUnowned"]["expr"]
 
 
 @pytest.mark.parametrize(

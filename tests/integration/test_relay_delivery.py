@@ -2405,6 +2405,8 @@ def test_one_relay_counts_the_backlog_for_the_gauges_on_a_connection_it_keeps(
         return REGISTRY.get_sample_value("outbox_relay_backlog_records")
 
     assert backlog(first) == 3
+    # what the relays' owned shards add up to, for the alert on shards without a relay
+    assert REGISTRY.get_sample_value("outbox_relay_shards") == first.settings.relay.shards
     pid = first._gauge_conn.info.backend_pid
     assert backlog(second) == 0  # the gauges are this process's: the second's say 0
     assert backlog(first) == 3
