@@ -77,6 +77,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import LongType, StructField, StructType
 
 from relay import _failpoints
+from relay.markers import outbox_name
 from relay.signals import StopOnSignals
 from spark import _sql, sink, transform
 from spark._errors import ReconcileConfigError, ReconcileError, ReconcileQueryError
@@ -240,6 +241,7 @@ class ReconcileJob:
         self._clock = clock
         self._on_report = on_report  # every judgement's report, idle ones too (the metrics)
         self._lock = threading.Lock()  # one judgement at a time: micro-batches and idle ticks
+        self._outbox: str | None = None  # "<database>/<schema>", as the relay's markers name it
         self._query: StreamingQuery | None = None
         self._ticker: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -495,7 +497,17 @@ class ReconcileJob:
             ignored_topics=(self.settings.dead_letter_topic, *self.settings.ignored_topics),
             topics=self.settings.topics,
             topic_pattern=self.settings.topic_pattern,
+            outbox=self._outbox_name(),
         )
+
+    def _outbox_name(self) -> str:
+        """This ledger's outbox as the relay names it in its markers (asked of the database
+        once: a pooler's database alias is not the name)."""
+        if self._outbox is None:
+            with sink.connect(self.settings.dsn.get_secret_value(), write=False) as conn:
+                row = conn.execute("SELECT current_database()").fetchone()
+            self._outbox = outbox_name(row[0] if row else "", self.settings.schema_name)
+        return self._outbox
 
     def _on_batch(self, batch: DataFrame, batch_id: int) -> None:
         """foreachBatch: store the batch's observations (replay-safe), then judge."""

@@ -112,6 +112,7 @@ MARKER_VALUE_SCHEMA = StructType(
         StructField("shard", IntegerType()),
         StructField("relay", StringType()),
         StructField("epoch", LongType()),
+        StructField("outbox", StringType()),  # "<database>/<schema>"; null: an older relay
         StructField("markers", ArrayType(MARKER_ENTRY_SCHEMA)),
         *_MARKER_ENTRY_FIELDS,
     ]
@@ -216,6 +217,7 @@ def observations(
     ignored_topics: tuple[str, ...] = (),
     topics: tuple[str, ...] = (),
     topic_pattern: str | None = None,
+    outbox: str | None = None,
 ) -> DataFrame:
     """Kafka source rows (KAFKA_SCHEMA) as observations (OBSERVATION_SCHEMA), in one pass.
 
@@ -223,15 +225,22 @@ def observations(
     an outbox id header. Anything else (records of other producers, malformed markers or markers
     without an op or a topic, records of `ignored_topics` such as the dead-letter topic, markers
     of records on topics the job does not read: `topics` / `topic_pattern`) is dropped. Kept,
-    those markers made every record of another topic a marker without its record.
+    those markers made every record of another topic a marker without its record. So are
+    the markers of another outbox than `outbox` ("<database>/<schema>", as their messages name
+    it) on a marker topic shared by mistake: its ids are not this ledger's.
     """
     is_marker = F.col("topic") == F.lit(marker_topic)
     message = F.from_json(F.when(is_marker, F.col("value").cast("string")), MARKER_VALUE_SCHEMA)
     version = F.coalesce(message["v"], F.lit(1))
+    foreign = F.lit(False)
+    if outbox is not None:
+        foreign = F.coalesce(message["outbox"] != F.lit(outbox), F.lit(False))
     # One row per copy, and per marker of a message: a copy's row carries a null entry; a
-    # message of a version not known here yields none (dropped, like a malformed one).
+    # message of a version not known here, or of another outbox, yields none (dropped, like a
+    # malformed one).
     entries = (
         F.when(~is_marker, F.array(F.lit(None).cast(MARKER_ENTRY_SCHEMA)))
+        .when(foreign, F.lit(None).cast(ArrayType(MARKER_ENTRY_SCHEMA)))
         .when(version == 2, message["markers"])
         .when(
             version == 1,
@@ -320,6 +329,16 @@ def _position(topic: str, partition: str, offset: str) -> Column:
     )
 
 
+def _arrived_late(rows: DataFrame) -> Column:
+    """Ranked by first (false before true), what an earlier judgement read (its verdicts
+    stand) comes before a late observation judged now, whatever their Kafka times. A zombie's
+    transaction that committed late, stamped long before, took the place of the copy judged
+    canonical already: then neither was reported as the duplicate."""
+    if LATE_JUDGED not in rows.columns:
+        return F.lit(False)
+    return F.coalesce(F.col(LATE_JUDGED), F.lit(False))
+
+
 def marker_facts(marker_rows: DataFrame) -> DataFrame:
     """Per outbox id: its delivered markers, the position the first claims, its commit time."""
     delivered = F.col("op") == Op.DELIVERED.value
@@ -327,7 +346,7 @@ def marker_facts(marker_rows: DataFrame) -> DataFrame:
         F.count(F.when(delivered, 1)).alias("delivered_markers"),
         F.min_by(
             F.when(delivered, _position("m_topic", "m_partition", "m_offset")),
-            F.when(delivered, F.struct("m_ts", "m_offset")),
+            F.when(delivered, F.struct(_arrived_late(marker_rows), "m_ts", "m_offset")),
         ).alias("marker_position"),
         F.min(F.when(delivered, F.col("commit_ts"))).alias("marker_commit_ts"),
         F.min(F.when(delivered, F.col("commit_xid"))).alias("marker_commit_xid"),
@@ -380,7 +399,9 @@ def classify_copies(
     )
     claimed = F.coalesce(ledger_position, F.col("marker_position"))
     # the same partitioning and order (frames may differ): Spark computes both in one pass
-    by_id = Window.partitionBy("outbox_id").orderBy("ts", "partition", "offset")
+    by_id = Window.partitionBy("outbox_id").orderBy(
+        _arrived_late(copy_rows), "ts", "partition", "offset"
+    )
     all_of_id = by_id.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     first_copy = F.row_number().over(by_id) == 1
     canonical = F.when(

@@ -62,9 +62,10 @@ class Kafka:
         op: Op = Op.DELIVERED,
         key: bytes | None = b"k",
         xid: int | None = None,
+        outbox: str | None = None,
     ) -> None:
         """One marker alone in a message, as the relay writes it."""
-        self.markers([(outbox_id, offset, commit, op, key)], at, xid=xid)
+        self.markers([(outbox_id, offset, commit, op, key)], at, xid=xid, outbox=outbox)
 
     def markers(
         self,
@@ -72,9 +73,10 @@ class Kafka:
         at: datetime,
         *,
         xid: int | None = None,
+        outbox: str | None = None,
     ) -> None:
         """Several markers in one message (version 2): (id, offset, commit, op, key) each."""
-        batcher = MarkerBatcher(shard=0, relay="relay-1", epoch=1, max_bytes=1 << 20)
+        batcher = MarkerBatcher(shard=0, relay="relay-1", epoch=1, max_bytes=1 << 20, outbox=outbox)
         for outbox_id, offset, commit, op, key in entries:
             batcher.add(
                 marker_entry(
@@ -450,6 +452,58 @@ def test_late_arrivals_no_judgement_read_are_judged(spark: SparkSession) -> None
     unmarked = {("marker_mismatch", 4, "record_without_marker")}
     assert found(flagged(obs, False), flagged(late, False)) == unmarked
     assert found(obs, late) == unmarked  # an audit's context: never judged
+
+
+def test_markers_of_another_outbox_on_a_shared_marker_topic_are_not_judged(
+    spark: SparkSession,
+) -> None:
+    """Another outbox's markers (its own ids) made this one's copy of the same id a duplicate,
+    and its other ids markers without their records."""
+    from spark.transform import LEDGER_SCHEMA, observations
+
+    kafka = Kafka()
+    kafka.marker(5, s(30), offset=9, commit=s(29), outbox="billing/outbox")  # not ours
+    kafka.marker(6, s(30), offset=10, commit=s(29), outbox="billing/outbox")
+    kafka.copy(5, 0, s(31))
+    kafka.marker(5, s(31), offset=0, commit=s(30), outbox="orders/outbox")
+    ledger = spark.createDataFrame([], LEDGER_SCHEMA)
+
+    def found(outbox: str | None) -> set[tuple[str, int, str]]:
+        obs = observations(kafka.frame(spark), marker_topic=MARKERS, outbox=outbox)
+        return set(findings_of(obs, ledger, STREAM_WINDOW))
+
+    assert found("orders/outbox") == set()
+    assert found(None) == {  # every marker taken as this outbox's
+        ("duplicate", 5, "0:0"),
+        ("marker_mismatch", 6, "marker_without_record"),
+    }
+
+
+def test_a_late_copy_stamped_before_the_one_judged_already_is_the_duplicate(
+    spark: SparkSession,
+) -> None:
+    """A zombie's transaction that committed late, with its own marker, both stamped long
+    before: they ranked first, the late copy became the canonical one, and the copy judged
+    canonical before was not judged again; neither was reported."""
+    from pyspark.sql import functions as F
+
+    from spark.transform import LATE_JUDGED, LEDGER_SCHEMA, judge, observations
+
+    kafka = Kafka()
+    kafka.copy(7, offset=1, at=s(-10))  # judged by the last judgement, in this one's context
+    kafka.marker(7, s(-10), offset=1, commit=s(-11))
+    kafka.copy(7, offset=2, at=s(-200))  # arrived since, stamped long before
+    kafka.marker(7, s(-200), offset=2, commit=s(-201))
+    rows = observations(kafka.frame(spark), marker_topic=MARKERS)
+    window = JudgeWindow.streaming(s(100), timedelta(seconds=20), timedelta(minutes=2))
+    obs = rows.where(F.col("ts") >= F.lit(window.store_low)).withColumn(LATE_JUDGED, F.lit(False))
+    late = rows.where(F.col("ts") < F.lit(window.store_low)).withColumn(LATE_JUDGED, F.lit(True))
+    judgement = judge(
+        obs, spark.createDataFrame([], LEDGER_SCHEMA), window, coverage_start=None,
+        summary_window=timedelta(minutes=1), late=late,
+    )  # fmt: skip
+    found = {(r.kind, r.outbox_id, r.occurrence) for r in judgement.findings.collect()}
+    assert found == {("duplicate", 7, "0:2")}
 
 
 def test_equal_commit_times_are_ordered_by_xid_as_the_relay_orders_them(

@@ -585,8 +585,10 @@ def test_the_dead_letter_topic_and_ignored_topics_are_all_left_out(
     )  # fmt: skip
     seen: dict[str, object] = {}
     monkeypatch.setattr(transform, "observations", lambda kafka, **kw: seen.update(kw))
+    monkeypatch.setattr(ReconcileJob, "_outbox_name", lambda job: "app/outbox")  # no database
     ReconcileJob(settings_from_args(args), spark=None)._observations(None)  # type: ignore[arg-type]
     assert seen["ignored_topics"] == ("orders.dlq", "audit", "replay")
+    assert seen["outbox"] == "app/outbox"  # another outbox's markers left out
     bare = settings_from_args(
         build_parser().parse_args(["--bootstrap", "k", "--topics", "a", "--checkpoint", "cp"])
     )
