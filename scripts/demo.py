@@ -7,7 +7,8 @@
    (send_in_transaction), and some payments answer UNKNOWN so the checker asks the shop's
    check endpoint, which answers from the shop's own table;
 4. a read_committed consumer prints a live progress line of what really arrived in Kafka.
-Ctrl-C stops everything cleanly.
+Ctrl-C stops everything cleanly: the producer, the sidecar (gracefully), and the local Postgres
+and Kafka if this run started them (left running if they ran before, for the tests, say).
 """
 
 from __future__ import annotations
@@ -38,14 +39,32 @@ TOPICS = ("demo.orders", "demo.payments")
 PROBE_PORT = 18080
 
 
+SERVICES = [sys.executable, str(ROOT / "scripts" / "services.py")]
+
+
+def services_running() -> bool:
+    """Postgres or Kafka runs already (an earlier run's, the tests'): left running after."""
+    out = subprocess.run([*SERVICES, "status"], text=True, capture_output=True).stdout
+    states = dict(line.split()[:2] for line in out.splitlines() if len(line.split()) >= 2)
+    return "up" in (states.get("postgres"), states.get("kafka"))
+
+
 def services() -> dict[str, str]:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "services.py"), "up"],
-        check=True,
-        text=True,
-        stdout=subprocess.PIPE,
-    ).stdout
-    return dict(line.split("=", 1) for line in out.splitlines() if line.startswith("OUTBOX_"))
+    """`services.py up`, its progress shown as it goes (on a fresh machine it installs for
+    minutes: a silent wait looked hung); the OUTBOX_ lines it ends with, as a dict. A failure
+    is said in a line, after the services' own error, not as a traceback."""
+    proc = subprocess.Popen([*SERVICES, "up"], text=True, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    env: dict[str, str] = {}
+    for line in proc.stdout:
+        if line.startswith("OUTBOX_"):
+            name, value = line.rstrip("\n").split("=", 1)
+            env[name] = value
+        else:
+            print(line, end="", flush=True)
+    if proc.wait() != 0:
+        raise SystemExit("make run: the local services did not start (their error is above)")
+    return env
 
 
 def demo_database(admin_dsn: str) -> str:
@@ -218,7 +237,18 @@ class HalfRecords:
 
 
 def main() -> int:
-    env = services()
+    started_here = not services_running()
+    try:
+        return demo(services())
+    finally:
+        if started_here:  # as the machine was before: what a run started, it stops
+            print("stopping the local Postgres and Kafka this run started")
+            subprocess.run([*SERVICES, "down"], stdout=subprocess.DEVNULL)
+        else:
+            print("the local Postgres and Kafka run on, as before (`scripts/services down`)")
+
+
+def demo(env: dict[str, str]) -> int:
     dsn = demo_database(env["OUTBOX_TEST_PG_DSN"])
     bootstrap = env["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
     topics(bootstrap)
@@ -281,4 +311,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # while the services start: theirs is said above
+        sys.exit(130)

@@ -114,17 +114,29 @@ def port_open(port: int) -> bool:
 
 
 def wait_until(
-    what: str, check: Callable[[], object], timeout: float, log_file: Path | None = None
+    what: str,
+    check: Callable[[], object],
+    timeout: float,
+    log_file: Path | Callable[[], Path] | None = None,
+    alive: Callable[[], object] | None = None,
 ) -> None:
+    """Until `check()` holds; fails after `timeout`, or at once when `alive()` no longer holds
+    (a process that died: not waited for to the end), with the tail of `log_file`, which may
+    be chosen only then (a JVM that failed to start writes its stdout, not its log)."""
     deadline = time.monotonic() + timeout
+    ended = False
     while time.monotonic() < deadline:
         if check():
             return
+        if alive is not None and not alive():
+            ended = True
+            break
         time.sleep(0.25)
+    log_path = log_file() if callable(log_file) else log_file
     tail = ""
-    if log_file and log_file.exists():
-        tail = "\n" + "\n".join(log_file.read_text(errors="replace").splitlines()[-30:])
-    fail(f"{what} did not answer within {timeout:.0f}s{tail}")
+    if log_path and log_path.exists():
+        tail = "\n" + "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+    fail(f"{what} {'exited' if ended else f'did not answer within {timeout:.0f}s'}{tail}")
 
 
 def terminate(pid: int, alive: Callable[[], object], timeout_s: float) -> None:
@@ -612,12 +624,15 @@ logger.state.level = WARN
 
 
 def kafka_pid() -> int | None:
+    """The broker's pid, if its pid file names this stack's running broker: after a reboot or
+    a container's restart, the number may be a stranger's, which `down` then killed."""
     try:
-        pid = int(KAFKA_PID.read_text())
-        os.kill(pid, 0)
-        return pid
-    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+        pid = int(KAFKA_PID.read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
         return None
+    props = str(KAFKA_DIR / "server.properties").encode()
+    return pid if b"kafka.Kafka" in cmdline and props in cmdline else None
 
 
 def kafka_answers() -> bool:
@@ -649,6 +664,12 @@ def java_cmd(main: str, *args: str, heap: str = "256m") -> list[str]:
 
 def kafka_up() -> None:
     props = KAFKA_DIR / "server.properties"
+    starting = kafka_pid()
+    if starting is not None and not kafka_answers():
+        # Still starting (an `up` cut short by Ctrl-C, say): waited for, not started twice (the
+        # second failed on the first's data, and the first ran on with no pid file to stop it).
+        log("kafka is starting: waiting for it")
+        wait_until("kafka", kafka_answers, 120, KAFKA_LOGS / "server.log", alive=kafka_pid)
     if kafka_pid() and kafka_answers():
         if props.exists() and props.read_text() == kafka_properties():
             log(f"kafka already running on {HOST}:{KAFKA_PORT}")
@@ -661,7 +682,11 @@ def kafka_up() -> None:
     if not shutil.which("java"):
         fail("Java 17+ is needed to run the Kafka broker")
     kafka_jars()
-    for port, setting in ((KAFKA_SASL_PORT, "SASL_PORT"), (KAFKA_SSL_PORT, "SSL_PORT")):
+    for port, setting in (
+        (CONTROLLER_PORT, "CONTROLLER_PORT"),
+        (KAFKA_SASL_PORT, "SASL_PORT"),
+        (KAFKA_SSL_PORT, "SSL_PORT"),
+    ):
         if port_open(port):
             fail(f"port {port} is taken by another process; set OUTBOX_KAFKA_{setting}")
     kafka_tls()
@@ -686,9 +711,10 @@ def kafka_up() -> None:
     KAFKA_PID.write_text(str(proc.pid))
     wait_until(
         "kafka",
-        lambda: proc.poll() is None and kafka_answers(),
+        kafka_answers,
         120,
-        KAFKA_LOGS / "server.log" if proc.poll() is None else KAFKA_LOGS / "stdout.log",
+        lambda: KAFKA_LOGS / "server.log" if proc.poll() is None else KAFKA_LOGS / "stdout.log",
+        alive=lambda: proc.poll() is None,
     )
     log(f"kafka ready on {HOST}:{KAFKA_PORT} (logs: {KAFKA_LOGS})")
 
@@ -825,6 +851,15 @@ def status() -> int:
 
 def main(argv: list[str]) -> int:
     cmd = argv[1] if len(argv) > 1 else "help"
+    if cmd in ("up", "down", "restart", "crash"):
+        # One at a time: two `up`s at once (a `make run` beside `make test`) started a second
+        # broker over the first's data, or raced initdb.
+        with build_lock("services"):
+            return _change(cmd, argv)
+    return _inspect(cmd, argv)
+
+
+def _change(cmd: str, argv: list[str]) -> int:
     if cmd == "up":
         up()
         for line in env_lines():
@@ -840,8 +875,6 @@ def main(argv: list[str]) -> int:
         heal()  # a partition left behind would outlive them
         stop_failover_clusters()
         return 0
-    if cmd == "status":
-        return status()
     if cmd == "restart" and len(argv) == 3 and argv[2] in ("postgres", "kafka"):
         # For fault tests: the same data, a new process.
         if argv[2] == "postgres":
@@ -858,6 +891,13 @@ def main(argv: list[str]) -> int:
         else:
             kafka_kill()
         return 0
+    print(__doc__)
+    return 2
+
+
+def _inspect(cmd: str, argv: list[str]) -> int:
+    if cmd == "status":
+        return status()
     if cmd in ("partition", "heal") and len(argv) == 3 and argv[2] in ("postgres", "kafka"):
         # For fault tests: the service runs on, unreachable (its clients' packets dropped).
         port = PG_PORT if argv[2] == "postgres" else KAFKA_PORT

@@ -1,0 +1,77 @@
+"""scripts/services.py's own logic, on a scratch .local: no service is started or stopped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(local: Path, code: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`code` with scripts/services.py imported as `services`, its .local at `local`."""
+    return subprocess.run(
+        [sys.executable, "-c", f"import services\n{code}"],
+        env={**os.environ, "OUTBOX_LOCAL_DIR": str(local), "PYTHONPATH": str(ROOT / "scripts")},
+        check=check,
+        text=True,
+        capture_output=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def sleeper() -> Iterator[Any]:
+    """Start a process of the given arguments (it only sleeps); killed after the test."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str) -> int:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(120)", *args],
+            stdin=subprocess.DEVNULL,
+        )
+        started.append(proc)
+        return proc.pid
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_stale_broker_pid_file_naming_a_stranger_is_not_the_broker(
+    tmp_path: Path, sleeper: Any
+) -> None:
+    """After a reboot, the old pid may be any process's: `down` sent it SIGTERM, then
+    SIGKILL."""
+    (tmp_path / "kafka").mkdir()
+    stranger = sleeper()
+    (tmp_path / "kafka" / "kafka.pid").write_text(str(stranger))
+    assert run_script(tmp_path, "print(services.kafka_pid())").stdout.strip() == "None"
+    broker = sleeper("kafka.Kafka", str(tmp_path / "kafka" / "server.properties"))
+    (tmp_path / "kafka" / "kafka.pid").write_text(str(broker))
+    assert run_script(tmp_path, "print(services.kafka_pid())").stdout.strip() == str(broker)
+
+
+def test_a_wait_for_a_process_that_died_fails_at_once_with_the_log_chosen_then(
+    tmp_path: Path,
+) -> None:
+    """A broker's JVM that failed to start was waited for the whole 120 s, and the log shown
+    was picked while it still ran (server.log), not the stdout its failure went to."""
+    log = tmp_path / "stdout.log"
+    log.write_text("Error: could not reserve the heap\n")
+    code = (
+        f"import pathlib\nlog = pathlib.Path({str(log)!r})\n"
+        "services.wait_until('kafka', lambda: False, 120, lambda: log, alive=lambda: False)"
+    )
+    failed = run_script(tmp_path, code, check=False)
+    assert failed.returncode != 0
+    said = failed.stdout + failed.stderr
+    assert "kafka exited" in said
+    assert "could not reserve the heap" in said
