@@ -24,6 +24,7 @@ same relay whose end is pending (_out_elsewhere).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -1308,7 +1309,10 @@ class ShardWorker:
         self._settle_before_commit()
         started = time.perf_counter()
         if waiting is not None:
-            waiting()  # the leases then last through a commit shorter than lease_duration
+            # the leases then last through a commit shorter than lease_duration; a stop lets
+            # it go on: every report is in, and a commit ends the batch as soon as an abort
+            with contextlib.suppress(ShuttingDown):
+                waiting()
         try:
             self.producer.commit()
         except Exception:

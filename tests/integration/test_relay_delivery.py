@@ -1716,6 +1716,32 @@ def test_a_stop_aborts_a_batch_that_cannot_finish_within_the_grace(
     assert [m.value() for m in delivered] == [b"in flight at the stop"]
 
 
+def test_a_stop_once_every_report_is_in_commits_the_batch(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stop's check before the commit ended the batch there, neither committed nor
+    aborted: its transaction stayed open until the broker's timeout."""
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()
+    reports = ShardProducer.reports
+    # every report in before the stop is seen: only the check before the commit meets it
+    monkeypatch.setattr(
+        ShardProducer, "reports", lambda p, stalled=None, waiting=None: reports(p, stalled)
+    )
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "reported before the stop")
+    relay._stop_by = time.monotonic()  # a stop with no grace left
+    relay._stop.set()
+    assert relay.run_once().delivered == 1
+    delivered = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert [m.value() for m in delivered] == [b"reported before the stop"]
+
+
 def test_recovery_skips_what_is_not_a_marker_on_the_marker_topic(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
