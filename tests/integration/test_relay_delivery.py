@@ -1632,6 +1632,14 @@ class _ReportsHeldBack:
         return Proxy()
 
 
+def hold_reports(monkeypatch: pytest.MonkeyPatch, seconds: float) -> _ReportsHeldBack:
+    """Every shard producer's reports held back `seconds` once the result is armed."""
+    held = _ReportsHeldBack(seconds)
+    real = ShardProducer.producer
+    monkeypatch.setattr(ShardProducer, "producer", property(lambda p: held.wrap(real.fget(p))))
+    return held
+
+
 def test_a_batch_slower_than_the_lease_keeps_its_shards_and_counts_as_progress(
     pg_dsn: str,
     kafka_bootstrap: str,
@@ -1639,13 +1647,11 @@ def test_a_batch_slower_than_the_lease_keeps_its_shards_and_counts_as_progress(
     relay_factory: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Nothing renewed the leases while a shard waited for Kafka's reports and commit: a batch
+    """Nothing renewed the leases while a shard waited for Kafka's delivery reports: a batch
     slower than lease_duration let them lapse, another relay took the shards (and fenced the
     batch), and liveness saw no round finish. Now the wait renews the leases, and only them."""
     topic = topic_factory()
-    held = _ReportsHeldBack(seconds=4.5)
-    real = ShardProducer.producer
-    monkeypatch.setattr(ShardProducer, "producer", property(lambda p: held.wrap(real.fget(p))))
+    held = hold_reports(monkeypatch, seconds=4.5)
     timing = {"lease_duration": "PT2S", "heartbeat_interval": "PT0.5S", "shards": 2}
     slow = relay_factory(relay_id="pod-a", **timing)
     slow.run_once()  # both shards, recovered
@@ -1686,9 +1692,7 @@ def test_a_stop_aborts_a_batch_that_cannot_finish_within_the_grace(
     transaction timeout: the process exited with its Kafka transaction open, every partition it
     wrote stalled for read_committed consumers until the broker timed it out."""
     topic = topic_factory()
-    held = _ReportsHeldBack(seconds=120)
-    real = ShardProducer.producer
-    monkeypatch.setattr(ShardProducer, "producer", property(lambda p: held.wrap(real.fget(p))))
+    held = hold_reports(monkeypatch, seconds=120)
     relay = relay_factory(kafka_transaction_timeout="PT120S")
     relay.run_once()
     aborts: list[float | None] = []
