@@ -70,16 +70,30 @@ class Claim:
     send_by: datetime
     #: Its maximum prepared age: it is due again by then at the latest, to be discarded.
     discard_at: datetime
+    record_count: int = 0  # all the transaction's records: `records` holds the first ones
     records: tuple[CheckRecord, ...] = field(default=())
 
-    def request(self) -> CheckRequest:
-        return CheckRequest(
+    def request(self, max_bytes: int) -> CheckRequest:
+        """The check request, its body under ``max_bytes``: the records that do not fit are
+        left out (``record_count`` tells). Sent whole, a transaction with large keys or headers
+        was refused by the endpoint's body limit at every check, and discarded at max checks
+        however the application would have answered."""
+        request = CheckRequest(
             producer_group=self.producer_group,
             tx_id=self.tx_id,
             check_count=self.check_count,
             first_prepared_at=self.first_created_at,
-            records=list(self.records),
+            records=[],
+            record_count=self.record_count,
         )
+        room = max_bytes - len(request.model_dump_json())
+        kept: list[CheckRecord] = []
+        for record in self.records:
+            room -= len(record.model_dump_json()) + 1  # and a comma
+            if room < 0:
+                break
+            kept.append(record)
+        return request.model_copy(update={"records": kept})
 
 
 @dataclass(frozen=True, slots=True)

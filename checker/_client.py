@@ -22,6 +22,7 @@ import enum
 import heapq
 import http.client
 import itertools
+import json
 import logging
 import socket
 import ssl
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 _USER_AGENT = "outbox-checker/1"
 _REPLAY_CACHE_ENTRIES = 4096
+_ERROR_SAID_CHARS = 200
 
 
 class Outcome(enum.StrEnum):
@@ -193,15 +195,29 @@ class _Stale(Exception):
 
 
 class _RecentIds:
-    """A bounded ``InMemoryReplayCache``, wrapped: ``Verifier`` takes ``replay_cache or default``,
-    and an empty ``InMemoryReplayCache`` is falsy (it has ``__len__``), so passed as it is it
-    would be replaced by the default one of 100,000 entries."""
+    """A bounded ``InMemoryReplayCache``, wrapped so that no one takes it for the default one
+    by its truthiness (an empty one is falsy: it has ``__len__``)."""
 
     def __init__(self, max_entries: int) -> None:
         self._cache = InMemoryReplayCache(max_entries=max_entries)
 
     def seen(self, msg_id: str, now: float) -> bool:
         return self._cache.seen(msg_id, now)
+
+
+def _error_said(data: bytes) -> str:
+    """What an error answer's body says, briefly: the handler writes ``{"error": kind,
+    "detail": text}`` (a wrong secret, a clock out of tolerance), which "HTTP 401" alone hides."""
+    try:
+        said = json.loads(data)
+    except ValueError:
+        return ""
+    if not isinstance(said, dict):
+        return ""
+    parts = [said.get("error"), said.get("detail")]
+    text = ": ".join(p for p in parts if isinstance(p, str) and p)
+    text = "".join(c if c.isprintable() else "?" for c in text)[:_ERROR_SAID_CHARS]
+    return f" ({text})" if text else ""
 
 
 def _ack_at_once(sock: socket.socket | None) -> None:
@@ -296,6 +312,9 @@ class HttpCheckClient:
             except _Failed as failed:
                 self._drop(conn)
                 return failed.answer
+            except Exception:
+                self._drop(conn)  # whatever it was, the connection's state is unknown
+                raise
         raise AssertionError("unreachable: the second attempt never raises _Stale")
 
     def _exchange(
@@ -330,6 +349,9 @@ class HttpCheckClient:
                     Outcome.TIMEOUT, f"no answer within {self._timeout_s}s", failed.answer.latency_s
                 ) from None
             raise
+        except BaseException:
+            _watchdog.disarm(watch)  # armed, it would shut the socket of a later request
+            raise
         if _watchdog.disarm(watch):
             raise _Failed(Outcome.TIMEOUT, f"no answer within {self._timeout_s}s")
         latency = time.monotonic() - start
@@ -339,7 +361,7 @@ class HttpCheckClient:
             location = answer_headers.get("location", "")
             raise _Failed(Outcome.REDIRECT, f"HTTP {status} to {location[:200]!r}", latency)
         if status != 200:
-            raise _Failed(Outcome.HTTP_ERROR, f"HTTP {status}", latency)
+            raise _Failed(Outcome.HTTP_ERROR, f"HTTP {status}{_error_said(data)}", latency)
         try:
             answer = verify_response(
                 self._verifier, request_id, answer_headers, data, tx_id=request.tx_id
@@ -390,7 +412,7 @@ class HttpCheckClient:
         if 300 <= status < 400:
             return status, answer_headers, b"", True  # not read, not followed
         declared = answer_headers.get("content-length", "").strip()
-        if declared.isdigit() and int(declared) > self._max_bytes:
+        if declared.isascii() and declared.isdigit() and int(declared) > self._max_bytes:
             raise _Failed(
                 Outcome.TOO_LARGE, f"answer of {declared} bytes exceeds {self._max_bytes}"
             )

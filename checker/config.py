@@ -135,6 +135,13 @@ class CheckerSettings(BaseModel):
     request_max_records: int = Field(
         default=100, ge=1, description="Records summarised in one check request (the first ones)."
     )
+    request_max_bytes: int = Field(
+        default=256 * 1024,
+        ge=4096,
+        description="A check request's body stays under this: records past it are left out "
+        "(its record_count says how many there are). Keep it under the endpoint's limit "
+        "(outbox.checkback's max_body_bytes, 1 MiB by default).",
+    )
     metrics_interval: Duration = Field(
         default=timedelta(seconds=15),
         description="The prepared-records-by-age gauges (a pass over prepared rows) are "

@@ -397,6 +397,7 @@ class Checker:
                         lease_until=now + lease,
                         send_by=now + s.lease_margin,
                         discard_at=tx.age_from + s.max_prepared_age,
+                        record_count=tx.records,
                     )
                 )
             # Go again at once only if this round moved something: transactions other
@@ -461,7 +462,7 @@ class Checker:
         if not endpoint.breaker.allow():
             return claim, CheckAnswer(Outcome.CIRCUIT_OPEN, "circuit open")
         try:
-            answer = endpoint.client.check(claim.request())
+            answer = endpoint.client.check(claim.request(self.settings.request_max_bytes))
         except Exception as exc:
             logger.exception("check of tx %s failed unexpectedly", claim.tx_id)
             answer = CheckAnswer(Outcome.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")

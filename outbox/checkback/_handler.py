@@ -7,6 +7,7 @@ Only the 200 answer is signed; error bodies are plain JSON ``{"error": kind, "de
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -98,6 +99,13 @@ class _HandlerBase:
         except AuthenticationFailed as exc:
             logger.warning("check request rejected: %s: %s", exc.kind, exc)
             return error_result(401, exc.kind, str(exc))
+        except Exception:
+            # A replay store of the application's that failed (a shared cache unreachable):
+            # not the checker's fault, and it asks again later. Details to the log only.
+            logger.exception("check request not verified: the verification itself failed")
+            return error_result(
+                503, "verification_unavailable", "the request could not be verified; see its log"
+            )
         try:
             request = parse_request(body)
         except MalformedRequest as exc:
@@ -125,7 +133,7 @@ def _to_status(outcome: object) -> TransactionStatus | None:
         return outcome
     if isinstance(outcome, str):
         try:
-            return TransactionStatus(outcome)
+            return TransactionStatus(outcome.upper())  # "commit" means what it says
         except ValueError:
             return None
     return None
@@ -143,8 +151,8 @@ class CheckHandler(_HandlerBase):
     """Answers check requests with a synchronous resolver. Thread-safe.
 
     ``secrets`` are newest first: requests signed with any of them are accepted, answers are
-    signed with the first. ``replay_cache`` defaults to one in this process (see
-    ``InMemoryReplayCache`` for several replicas).
+    signed with every one (see ``Signer``). ``replay_cache`` defaults to one in this process
+    (see ``InMemoryReplayCache`` for several replicas).
     """
 
     def __init__(
@@ -186,7 +194,8 @@ class CheckHandler(_HandlerBase):
 
 class AsyncCheckHandler(_HandlerBase):
     """Like ``CheckHandler`` but ``await handler.handle(...)``; the resolver may be async or not
-    (a sync one runs in a worker thread, so that it does not stall the event loop)."""
+    (a sync one runs in a worker thread, so that it does not stall the event loop). So does the
+    verification when ``replay_cache`` is given: a shared store answers over the network."""
 
     def __init__(
         self,
@@ -206,9 +215,13 @@ class AsyncCheckHandler(_HandlerBase):
             max_body_bytes=max_body_bytes,
         )
         self._resolver = resolver
+        self._verify_in_thread = replay_cache is not None
 
     async def handle(self, headers: Mapping[str, str], body: bytes) -> HandlerResult:
-        accepted = self._accept(headers, body)
+        if self._verify_in_thread:
+            accepted = await asyncio.to_thread(self._accept, headers, body)
+        else:
+            accepted = self._accept(headers, body)
         if isinstance(accepted, HandlerResult):
             return accepted
         request_id, request = accepted

@@ -94,7 +94,16 @@ class CheckRequest(BaseModel):
     tx_id: str = Field(min_length=1)
     check_count: int = Field(ge=1, description="1 on the first check, then 2, 3, ...")
     first_prepared_at: AwareDatetime = Field(description="When the first record was prepared.")
-    records: list[CheckRecord]
+    records: list[CheckRecord] = Field(
+        description="The first records of the transaction, by id: as many as the checker's "
+        "request_max_records and request_max_bytes allow (see record_count)."
+    )
+    record_count: int | None = Field(
+        default=None,
+        ge=0,
+        description="How many records the transaction has, those left out of `records` too; "
+        "null from checkers that did not say.",
+    )
 
 
 class CheckResponse(BaseModel):

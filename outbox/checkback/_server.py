@@ -6,12 +6,17 @@ Applications that already run an ASGI server should mount ``asgi_app`` instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
+
+from outbox._errors import InvalidConfigError
 
 from ._handler import CheckHandler, HandlerResult, error_result, too_large_result
 
@@ -19,14 +24,60 @@ logger = logging.getLogger(__name__)
 
 _LINGER_S = 1.0
 _LINGER_BYTES = 256 * 1024
+_READ_CHUNK = 65536
+DEFAULT_MAX_CONNECTIONS = 64  # a checker keeps one per worker thread; a few checkers at once
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a stuck client must not keep the process alive
     request_queue_size = 128  # several checkers open connections at once
+    max_connections = DEFAULT_MAX_CONNECTIONS
+
+    def __init__(self, address: tuple[str, int], handler_class: type[BaseHTTPRequestHandler]):
+        self.closing = False
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(address, handler_class)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # One thread per connection: without a cap, idle or slow connections took threads and
+        # memory without end. Over it, a connection is closed at once (the client retries).
+        with self._open_lock:
+            refused = self.closing or len(self._open) >= self.max_connections
+            if not refused:
+                self._open.add(request)
+        if refused:
+            logger.warning(
+                "check server: connection from %s refused: %d open, at most %d",
+                client_address,
+                len(self._open),
+                self.max_connections,
+            )
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def stop_reading(self) -> None:
+        """Serve no further request on the open connections: a kept-alive one waiting for its
+        next request sees the end of its input; one being answered finishes its answer."""
+        with self._open_lock:
+            self.closing = True
+            open_now = list(self._open)
+        for conn in open_now:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                conn.shutdown(socket.SHUT_RD)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        # The default prints to stderr; a library logs instead.
+        # The default prints to stderr; a library logs instead. A client that went away is
+        # its own business (a checker's watchdog ends a request that outlives its timeout).
+        if isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            logger.debug("check server: connection from %s ended", client_address, exc_info=True)
+            return
         logger.exception("check server: unexpected error serving %s", client_address)
 
 
@@ -41,8 +92,11 @@ class _RequestHandler(BaseHTTPRequestHandler):
     server_version = "outbox-checkback"
     check_handler: CheckHandler
     check_path: str
+    check_timeout_s: float
 
     def do_POST(self) -> None:
+        if self._closing():
+            return
         if self._route() != self.check_path:
             self._reply(error_result(404, "not_found", f"the check endpoint is {self.check_path}"))
             return
@@ -50,12 +104,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
         if isinstance(length, HandlerResult):
             self._reply(length)
             return
-        try:
-            body = self.rfile.read(length)
-        except OSError:  # timeout or reset: nobody to answer
-            self.close_connection = True
-            return
-        if len(body) < length:
+        body = self._read_body(length)
+        if body is None:  # timed out, reset or cut short: nobody to answer
             self.close_connection = True
             return
         headers: dict[str, str] = {}
@@ -64,6 +114,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
         self._reply(self.check_handler.handle(headers, body), body_read=True)
 
     def _not_allowed(self) -> None:
+        if self._closing():
+            return
         if self._route() != self.check_path:
             self._reply(error_result(404, "not_found", f"the check endpoint is {self.check_path}"))
             return
@@ -83,16 +135,50 @@ class _RequestHandler(BaseHTTPRequestHandler):
             return False
         return super().handle_expect_100()
 
+    def _closing(self) -> bool:
+        """A request read once the server began closing is not answered (the input already
+        queued is read past the shutdown of the connection's reading side)."""
+        closing: bool = getattr(self.server, "closing", False)
+        if closing:
+            self.close_connection = True
+        return closing
+
+    def _read_body(self, length: int) -> bytes | None:
+        """``length`` bytes, within ``timeout`` in all: a socket timeout alone is per read, and
+        a client sending a byte at a time just inside it held its thread for ever."""
+        deadline = time.monotonic() + self.check_timeout_s
+        chunks: list[bytes] = []
+        left = length
+        try:
+            while left > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self.connection.settimeout(remaining)
+                chunk = self.rfile.read1(min(left, _READ_CHUNK))
+                if not chunk:
+                    return None
+                chunks.append(chunk)
+                left -= len(chunk)
+        except OSError:
+            return None
+        finally:
+            self.connection.settimeout(self.timeout)
+        return b"".join(chunks)
+
     def _route(self) -> str:
         return self.path.partition("?")[0]
 
     def _content_length(self) -> int | HandlerResult:
         if "transfer-encoding" in self.headers:
             return error_result(411, "length_required", "send Content-Length, not chunked")
-        raw = self.headers.get("content-length")
-        if raw is None:
+        given = self.headers.get_all("content-length") or []
+        if not given:
             return error_result(411, "length_required", "Content-Length header is required")
-        raw = raw.strip()
+        if len({value.strip() for value in given}) > 1:
+            # Which one counts is what a proxy and this server could disagree on (RFC 9112 6.3)
+            return error_result(400, "malformed_request", "Content-Length is given twice")
+        raw = given[0].strip()
         if not (raw.isascii() and raw.isdigit()):
             return error_result(400, "malformed_request", "Content-Length is not a number")
         if int(raw) > self.check_handler.max_body_bytes:
@@ -160,6 +246,7 @@ class RunningServer:
                 return
             self._closed = True
         self._httpd.shutdown()
+        self._httpd.stop_reading()  # else a kept-alive connection went on being served
         self._httpd.server_close()
         self._thread.join(timeout=5)
 
@@ -182,16 +269,35 @@ def serve(
     path: str = "/outbox/check",
     *,
     timeout_s: float = 30.0,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> RunningServer:
     """Serve ``handler`` on ``http://host:port/path`` (port 0: any free port, see ``.port``).
 
-    ``timeout_s`` bounds each socket read and write, so a slow or silent client only holds its
-    own thread, and only that long. Put TLS in front (ingress, mesh) when the checker is remote.
+    ``timeout_s`` bounds each socket read and write, and the reading of a request's body in all,
+    so a slow or silent client only holds its own thread. At most ``max_connections`` are open at
+    once (a thread each); more are closed at once. Put TLS in front (ingress, mesh) when the
+    checker is remote.
     """
+    if not isinstance(handler, CheckHandler):
+        raise TypeError(
+            f"serve() takes a CheckHandler, not {type(handler).__name__}: mount an "
+            "AsyncCheckHandler in an ASGI server with asgi_app()"
+        )
+    if max_connections < 1:
+        raise InvalidConfigError(f"max_connections must be 1 or more, got {max_connections!r}")
     handler_class = type(
         "CheckRequestHandler",
         (_RequestHandler,),
-        {"check_handler": handler, "check_path": path, "timeout": timeout_s},
+        {
+            "check_handler": handler,
+            "check_path": path,
+            "timeout": timeout_s,
+            "check_timeout_s": timeout_s,
+        },
     )
-    server_class = _Server6 if ":" in host else _Server
+    server_class = type(
+        "CheckServer",
+        (_Server6 if ":" in host else _Server,),
+        {"max_connections": max_connections},
+    )
     return RunningServer(server_class((host, port), handler_class), path)

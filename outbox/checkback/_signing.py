@@ -159,6 +159,14 @@ class Signer:
 
 
 class ReplayCache(Protocol):
+    """Where a verifier records the ids it accepted.
+
+    A message is acceptable while its timestamp is within ``tolerance_s`` of the receiver's
+    clock, so an id must be kept at least ``2 * tolerance_s`` seconds after it was first seen
+    (a message stamped ``tolerance_s`` ahead stays acceptable that long). Kept less, a captured
+    message can be replayed once its id is forgotten.
+    """
+
     def seen(self, msg_id: str, now: float) -> bool:
         """Record ``msg_id`` and answer whether it had been recorded before (and not expired)."""
         ...
@@ -167,22 +175,43 @@ class ReplayCache(Protocol):
 class InMemoryReplayCache:
     """Ids seen in this process, kept ``ttl_s`` seconds, at most ``max_entries`` (oldest evicted).
 
-    With several replicas behind a load balancer, a replay can reach a replica that never saw the
-    original: plug in a shared store (e.g. Redis ``SET NX EX``) implementing ``ReplayCache``.
+    ``ttl_s`` defaults to twice the tolerance of the verifier (handler) it is given to; one given
+    shorter than that is refused there. With several replicas behind a load balancer, a replay
+    can reach a replica that never saw the original: plug in a shared store (e.g. Redis
+    ``SET NX EX`` with an expiry of twice the tolerance) implementing ``ReplayCache``.
     Size ``max_entries`` above peak checks/second x ``ttl_s``: an evicted id can be replayed.
     """
 
-    def __init__(self, ttl_s: float = 2 * DEFAULT_TOLERANCE_S, max_entries: int = 100_000) -> None:
+    def __init__(self, ttl_s: float | None = None, max_entries: int = 100_000) -> None:
         # not `ttl_s <= 0`: NaN passes that, and a cache of NaN seconds kept nothing
-        if not (math.isfinite(ttl_s) and ttl_s > 0) or max_entries <= 0:
+        if (ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s > 0)) or max_entries <= 0:
             raise InvalidConfigError(
                 f"ttl_s and max_entries must be positive and finite, got {ttl_s!r} and "
                 f"{max_entries!r}"
             )
-        self._ttl_s = ttl_s
+        self._ttl_given = ttl_s is not None
+        self._ttl_s = 2 * DEFAULT_TOLERANCE_S if ttl_s is None else ttl_s
         self._max_entries = max_entries
         self._entries: OrderedDict[str, float] = OrderedDict()  # insertion order = age order
         self._lock = threading.Lock()
+
+    @property
+    def ttl_s(self) -> float:
+        return self._ttl_s
+
+    def cover(self, tolerance_s: float) -> None:
+        """Keep ids long enough for a verifier of ``tolerance_s``: twice it, at least."""
+        needed = 2 * tolerance_s
+        with self._lock:
+            if self._ttl_s >= needed:
+                return
+            if self._ttl_given:
+                raise InvalidConfigError(
+                    f"the replay cache keeps ids {self._ttl_s:g}s, under twice the tolerance "
+                    f"({tolerance_s:g}s): a message replayed after {self._ttl_s:g}s would be "
+                    f"accepted again; give it ttl_s={needed:g} or more, or leave ttl_s out"
+                )
+            self._ttl_s = needed
 
     def seen(self, msg_id: str, now: float) -> bool:
         with self._lock:
@@ -229,9 +258,10 @@ class Verifier:
             )
         self._keys = [decode_secret(s) for s in secrets]
         self._tolerance_s = tolerance_s
-        self._replay_cache = (
-            InMemoryReplayCache(ttl_s=2 * tolerance_s) if replay_cache is None else replay_cache
-        )  # `or` would swap an empty (falsy) cache the caller gave for a new one
+        # `or` would swap an empty (falsy) cache the caller gave for a new one
+        self._replay_cache = InMemoryReplayCache() if replay_cache is None else replay_cache
+        if isinstance(self._replay_cache, InMemoryReplayCache):
+            self._replay_cache.cover(tolerance_s)
         self._now = now
 
     def verify(self, headers: Mapping[str, str], body: bytes) -> None:
@@ -281,5 +311,5 @@ def _decode_v1(part: str) -> bytes | None:
         return None
     try:
         return base64.b64decode(encoded, validate=True)
-    except binascii.Error:
+    except ValueError:  # binascii.Error, and plain ValueError for text that is not ASCII
         return None

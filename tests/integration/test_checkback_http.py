@@ -5,9 +5,12 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import select
+import socket
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from email.message import Message
 
@@ -18,6 +21,7 @@ from checker.config import EndpointSettings
 from outbox.checkback import (
     HEADER_ID,
     HEADER_SIGNATURE,
+    AsyncCheckHandler,
     CheckHandler,
     CheckRecord,
     CheckRequest,
@@ -232,6 +236,130 @@ def test_close_is_idempotent_and_stops_serving(resolver: Resolver) -> None:
     running.close()
     with pytest.raises(ConnectionRefusedError):
         raw_exchange(running, "GET", "/check", {})
+
+
+def test_an_async_handler_given_to_serve_is_refused_by_name(resolver: Resolver) -> None:
+    """It was served: every check got a dropped connection, from an AttributeError."""
+    with pytest.raises(TypeError, match="AsyncCheckHandler in an ASGI server"):
+        serve(AsyncCheckHandler(resolver, [SECRET]))  # type: ignore[arg-type]
+
+
+def test_content_length_given_twice_is_400_and_the_connection_closed(
+    server: RunningServer, resolver: Resolver
+) -> None:
+    """The first one counted, and the rest of the body was read as a next request: a proxy
+    counting the other one could be made to pass a request this server reads differently."""
+    headers, body = build_request(Signer(SECRET), check_request())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT_S) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        sock.sendall(
+            f"POST /outbox/check HTTP/1.1\r\nhost: x\r\n{head}content-length: {len(body)}\r\n"
+            f"content-length: 5\r\n\r\n".encode()
+            + body
+        )
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.0 400") or answer.startswith(b"HTTP/1.1 400")
+    assert b"Content-Length is given twice" in answer
+    assert resolver.asked == []
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_a_body_sent_a_byte_at_a_time_is_given_up_after_the_timeout_in_all(
+    resolver: Resolver,
+) -> None:
+    """The timeout counted per read: a client sending a byte just inside it held its thread
+    for as long as it liked."""
+    headers, body = build_request(Signer(SECRET), check_request())
+    with (
+        serve(CheckHandler(resolver, [SECRET]), timeout_s=1.0) as running,
+        socket.create_connection(("127.0.0.1", running.port), timeout=TIMEOUT_S) as sock,
+    ):
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        sock.sendall(
+            f"POST /outbox/check HTTP/1.1\r\nhost: x\r\n{head}"
+            f"content-length: {len(body)}\r\n\r\n".encode()
+        )
+        started = time.monotonic()
+        closed = False
+        for byte in body[:40]:
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            ready, _, _ = select.select([sock], [], [], 0.4)  # each byte inside the timeout
+            if ready and sock.recv(1) == b"":
+                closed = True
+                break
+        elapsed = time.monotonic() - started
+    assert closed, "the server went on reading a body trickling in for 16 s"
+    assert elapsed < 3.0
+    assert resolver.asked == []
+
+
+def test_close_ends_a_kept_alive_connection_too(resolver: Resolver) -> None:
+    """The server stopped accepting, but a kept-alive connection went on being served: the
+    checker's next check reached a resolver whose application was shutting down."""
+    running = serve(CheckHandler(resolver, [SECRET]))
+    conn = http.client.HTTPConnection("127.0.0.1", running.port, timeout=TIMEOUT_S)
+    try:
+        headers, body = build_request(Signer(SECRET), check_request("tx-a"))
+        conn.request("POST", "/outbox/check", body=body, headers=headers)
+        assert conn.getresponse().read()
+        running.close()
+        headers, body = build_request(Signer(SECRET), check_request("tx-b"))
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+            post_on(conn, headers, body)
+    finally:
+        conn.close()
+    assert resolver.asked == ["tx-a"]
+
+
+def test_connections_past_the_cap_are_closed_at_once(resolver: Resolver) -> None:
+    with serve(CheckHandler(resolver, [SECRET]), max_connections=1) as running:
+        idle = socket.create_connection(("127.0.0.1", running.port), timeout=TIMEOUT_S)
+        try:
+            wait_until(lambda: open_connections(running) == 1)
+            headers, body = build_request(Signer(SECRET), check_request())
+            with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+                post_raw(running, headers, body)
+        finally:
+            idle.close()
+        wait_until(lambda: open_connections(running) == 0)
+        assert post_raw(running, headers, body) == 200  # a place again
+    assert resolver.asked == ["tx-1"]
+
+
+def open_connections(running: RunningServer) -> int:
+    return len(running._httpd._open)
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def post_raw(running: RunningServer, headers: dict[str, str], body: bytes) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", running.port, timeout=TIMEOUT_S)
+    try:
+        return post_on(conn, headers, body)
+    finally:
+        conn.close()
+
+
+def post_on(conn: http.client.HTTPConnection, headers: dict[str, str], body: bytes) -> int:
+    conn.request("POST", "/outbox/check", body=body, headers=headers)
+    response = conn.getresponse()
+    response.read()
+    return response.status
 
 
 def test_ipv6_loopback(resolver: Resolver) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import random
 import shutil
 import ssl
@@ -721,6 +722,47 @@ def test_failed_check_changes_only_the_bookkeeping(
     assert endpoint.resolver.asked == []  # the redirect was not followed
 
 
+def test_an_error_answer_says_what_the_endpoint_said(
+    pg_dsn: str, make_checker: Callable[..., Checker], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A secret rotated on one side only was "HTTP 401" and no more, while the transactions
+    marched towards their discard."""
+    running = serve(CheckHandler(Resolver(COMMIT), [OTHER_SECRET]))
+    try:
+        _, created = prepare(pg_dsn)
+        checker = make_checker(
+            settings({GROUP: endpoint_settings(running.url)}), Clock(created + 7 * S)
+        )
+        with caplog.at_level(logging.INFO):
+            result = checker.run_once()
+    finally:
+        running.close()
+    assert result.outcomes == Counter({"http_error": 1})
+    assert "HTTP 401 (signature_invalid: no signature matches any configured secret)" in (
+        caplog.text
+    )
+
+
+def test_a_content_length_that_is_not_ascii_is_a_failed_check_not_a_crash(
+    pg_dsn: str,
+    raw_servers: Callable[..., RawServer],
+    make_checker: Callable[..., Checker],
+) -> None:
+    """int() refused "²" with a ValueError that escaped the client with its watchdog
+    still armed; the round logged it as an internal error."""
+
+    def odd_length(headers: dict[str, str], body: bytes) -> Reply:
+        status, answer_headers, answer = signed_answer(headers, body, COMMIT)
+        return status, {**answer_headers, "content-length": "²"}, answer
+
+    server = raw_servers(odd_length)
+    _, created = prepare(pg_dsn)
+    checker = make_checker(settings({GROUP: endpoint_settings(server.url)}), Clock(created + 7 * S))
+    result = checker.run_once()
+    assert result.outcomes != Counter({"internal_error": 1})
+    assert result.checked == 1
+
+
 def test_replayed_answer_to_another_request_changes_nothing(
     pg_dsn: str,
     endpoint: Endpoint,
@@ -1072,6 +1114,33 @@ def test_a_large_transaction_is_checked_under_a_databases_statement_timeout(
     checked = one(pg_dsn, big)
     assert (checked["check_count"], checked["check_lease_until"]) == (1, None)
     assert timeouts == [("lock_due", "0"), ("reschedule", "0")]
+
+
+def test_a_transaction_too_large_to_describe_whole_is_asked_about_with_its_first_records(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """Ten records with 100 kB keys made a 1.3 MB request, over the endpoint's 1 MiB limit:
+    every check was refused (413), and the transaction was discarded at max checks although
+    the application would have said COMMIT."""
+    endpoint.resolver.default = COMMIT
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        written = outbox.prepare_many(
+            conn,
+            [Record("orders.paid", {"n": i}, key=f"{i}" * 100_000) for i in range(10)],
+            producer_group=GROUP,
+        )
+    tx_id = written.tx_id
+    created = one(pg_dsn, tx_id)["created_at"]
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}), Clock(created + 7 * S)
+    )
+    result = checker.run_once()
+    assert result.outcomes == Counter({"commit": 1})
+    assert {r["state"] for r in rows(pg_dsn, tx_id)} == {"committed"}
+    (asked,) = endpoint.resolver.asked
+    assert asked.record_count == 10
+    assert [r.key for r in asked.records] == [b"0" * 100_000]  # the first, by id, alone fits
+    assert len(asked.model_dump_json()) <= CheckerSettings().request_max_bytes
 
 
 def test_partly_prepared_transaction_is_moved_out_of_the_way(

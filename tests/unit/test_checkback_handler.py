@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -140,17 +141,23 @@ def test_an_answer_is_signed_with_every_secret_so_a_checker_not_yet_rotated_acce
         Verifier([generate_secret()], now=clock).verify(result.headers, result.body)
 
 
-@pytest.mark.parametrize("outcome", ["ROLLBACK", TransactionStatus.UNKNOWN])
-def test_resolver_may_answer_a_plain_string(
-    outcome: str, resolver: Resolver, handler: CheckHandler, clock: Clock
+@pytest.mark.parametrize(
+    ("outcome", "status"),
+    [("ROLLBACK", "ROLLBACK"), (TransactionStatus.UNKNOWN, "UNKNOWN"), ("commit", "COMMIT")],
+)
+def test_resolver_may_answer_a_plain_string_in_any_case(
+    outcome: str, status: str, resolver: Resolver, handler: CheckHandler, clock: Clock
 ) -> None:
+    """ "commit" was a 500, and a committed transaction that answered so at every check was
+    discarded at max checks."""
     resolver.outcome = outcome
     headers, body = build_request(Signer(NEW), make_request(), now=clock)
     result = handler.handle(headers, body)
-    assert json.loads(result.body)["status"] == str(outcome)
+    assert result.status_code == 200
+    assert json.loads(result.body)["status"] == status
 
 
-@pytest.mark.parametrize("outcome", ["commit", None, 1, True])
+@pytest.mark.parametrize("outcome", ["committed", None, 1, True])
 def test_resolver_answering_no_status_is_a_500(
     outcome: object,
     resolver: Resolver,
@@ -191,6 +198,48 @@ def test_async_resolver_in_sync_handler_is_a_500(
     headers, body = build_request(Signer(NEW), make_request(), now=clock)
     assert sync_handler.handle(headers, body).status_code == 500
     assert "use AsyncCheckHandler" in caplog.text
+
+
+class BrokenReplayStore:
+    """A shared replay store out of reach."""
+
+    def seen(self, msg_id: str, now: float) -> bool:
+        raise ConnectionError("replay store at 10.0.0.9:6379 refused the connection")
+
+
+def test_a_replay_store_that_fails_is_a_503_and_the_resolver_not_called(
+    resolver: Resolver, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its exception escaped handle(): the bundled server dropped the connection unanswered,
+    an ASGI server sent a bare 500."""
+    handler = CheckHandler(resolver, [NEW], replay_cache=BrokenReplayStore(), now=clock)
+    headers, body = build_request(Signer(NEW), make_request(), now=clock)
+    result = handler.handle(headers, body)
+    assert result.status_code == 503
+    assert error_of(result)["error"] == "verification_unavailable"
+    assert "10.0.0.9" not in result.body.decode()  # internals go to the log only
+    assert "10.0.0.9" in caplog.text
+    assert resolver.asked == []
+
+
+def test_an_async_handler_asks_a_replay_store_off_the_event_loop(clock: Clock) -> None:
+    loop_threads: list[int] = []
+    store_threads: list[int] = []
+
+    class Store:
+        def seen(self, msg_id: str, now: float) -> bool:
+            store_threads.append(threading.get_ident())
+            return False
+
+    async def resolve(request: CheckRequest) -> TransactionStatus:
+        loop_threads.append(threading.get_ident())
+        return TransactionStatus.COMMIT
+
+    handler = AsyncCheckHandler(resolve, [NEW], replay_cache=Store(), now=clock)
+    headers, body = build_request(Signer(NEW), make_request(), now=clock)
+    assert asyncio.run(handler.handle(headers, body)).status_code == 200
+    assert len(store_threads) == 1
+    assert store_threads != loop_threads
 
 
 def test_forged_request_is_401_and_resolver_not_called(
@@ -627,7 +676,7 @@ def test_openapi_operation_headers_and_answers() -> None:
     names = {HEADER_ID, HEADER_TIMESTAMP, HEADER_SIGNATURE}
     assert {p["name"] for p in operation["parameters"] if p["in"] == "header"} == names
     responses = operation["responses"]
-    assert set(responses) == {"200", "400", "401", "413", "500"}
+    assert set(responses) == {"200", "400", "401", "411", "413", "500", "503"}
     assert set(responses["200"]["headers"]) == names
     kinds_401 = responses["401"]["content"]["application/json"]["schema"]["allOf"][1]
     assert set(kinds_401["properties"]["error"]["enum"]) == {

@@ -258,6 +258,36 @@ def test_replay_cache_expires_entries() -> None:
     assert len(cache) == 1  # a and b expired on the way
 
 
+def test_a_replay_cache_sized_without_a_ttl_keeps_ids_for_its_verifiers_whole_window() -> None:
+    """Given as its docstring advises (sized, ttl_s left out) to a verifier of a wider
+    tolerance, the cache kept ids 600 s: a message stamped 800 s ahead, replayed 700 s after
+    it was first seen, was accepted again."""
+    clock = Clock(T0)
+    cache = InMemoryReplayCache(max_entries=10)
+    verifier = Verifier([NEW], tolerance_s=900, replay_cache=cache, now=clock)
+    headers = Signer(NEW).sign("msg_1", T0 + 800, BODY)
+    verifier.verify(headers, BODY)
+    clock.t = T0 + 700
+    with pytest.raises(ReplayedMessage):
+        verifier.verify(headers, BODY)
+    assert cache.ttl_s == 1800
+
+
+def test_a_replay_cache_keeping_ids_shorter_than_twice_the_tolerance_is_refused() -> None:
+    with pytest.raises(outbox.InvalidConfigError, match=r"give it ttl_s=1800 or more"):
+        Verifier([NEW], tolerance_s=900, replay_cache=InMemoryReplayCache(ttl_s=600))
+    Verifier([NEW], tolerance_s=300, replay_cache=InMemoryReplayCache(ttl_s=600))
+
+
+@pytest.mark.parametrize("signature", ["v1,\xe9\xe9\xe9\xe9", "v1,\u00e9=", "v1,abc\x00"])
+def test_a_signature_of_text_that_is_not_ascii_is_invalid_not_a_crash(signature: str) -> None:
+    """base64 refused it with a plain ValueError, which escaped verify(): an unauthenticated
+    client got no answer (or a bare 500) and wrote two tracebacks to the log."""
+    headers = {**Signer(NEW).sign("msg_1", T0, BODY), HEADER_SIGNATURE: signature}
+    with pytest.raises(SignatureInvalid, match="no well-formed"):
+        Verifier([NEW], now=Clock(T0)).verify(headers, BODY)
+
+
 def test_replay_cache_is_bounded_and_evicts_oldest() -> None:
     cache = InMemoryReplayCache(ttl_s=1000, max_entries=2)
     for msg_id in ("a", "b", "c"):
