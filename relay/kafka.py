@@ -11,11 +11,13 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from confluent_kafka import (
+    Consumer,
     IsolationLevel,
     KafkaError,
     KafkaException,
@@ -192,26 +194,73 @@ def producer_conf(
     }
 
 
+# librdkafka's consumer defaults of the sizes its constructor checks against each other
+_FETCH_MAX_BYTES = 52_428_800
+_RECEIVE_MAX_BYTES = 100_000_000
+_MESSAGE_MAX_BYTES = 1_000_000
+
+
+def _size(conf: dict[str, Any], name: str, default: int) -> int | None:
+    try:
+        return int(conf.get(name, default))
+    except (TypeError, ValueError):
+        return None  # librdkafka says what is wrong with it
+
+
+def recovery_consumer_conf(conf: dict[str, Any], group_id: str) -> dict[str, Any]:
+    """A recovery's consumer of the op markers: the relay's Kafka settings (kafka.extra too),
+    with what reading the markers back needs over them.
+
+    A consumer checks sizes a producer does not: `message.max.bytes` raised for large records
+    (with `receive.message.max.bytes`, as the producer needs) made every recovery's consumer
+    refuse its settings, and no shard was ever delivered. Its fetch sizes are raised to fit."""
+    consumer: dict[str, Any] = {"logger": CLIENT_LOGGER, **conf}
+    message = _size(conf, "message.max.bytes", _MESSAGE_MAX_BYTES)
+    fetch = _size(conf, "fetch.max.bytes", _FETCH_MAX_BYTES)
+    receive = _size(conf, "receive.message.max.bytes", _RECEIVE_MAX_BYTES)
+    if message is not None and fetch is not None and receive is not None:
+        fetch = max(fetch, message)
+        consumer["fetch.max.bytes"] = fetch
+        consumer["receive.message.max.bytes"] = max(receive, fetch + 512)
+    return {
+        **consumer,
+        "group.id": group_id,
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        # never a silent jump past markers gone (see the log start check of the recovery)
+        "auto.offset.reset": "error",
+    }
+
+
 _QUIET = logging.getLogger("relay.librdkafka.settings-check")
 _QUIET.propagate = False  # its client has no broker to reach, and says so: not worth a line
 _QUIET.addHandler(logging.NullHandler())
 
 
 def check_client_settings(conf: dict[str, Any], timeout: timedelta) -> None:
-    """Build, and drop, a shard producer of these settings with no broker to reach: settings
-    librdkafka refuses (an unknown property, values that contradict each other) are refused
-    at start and by `outboxctl config`, naming them, not found by a client made later on one
-    of the relay's threads. ProducerMisconfigured when refused."""
-    checked = {**producer_conf(conf, "outbox-settings-check", timeout), "logger": _QUIET}
-    checked.pop("bootstrap.servers", None)  # no connection: nothing but the settings is tried
-    if str(checked.get("sasl.oauthbearer.method", "")).lower() == "oidc":
+    """Build, and drop, a shard producer and a recovery's consumer of these settings with no
+    broker to reach: settings librdkafka refuses (an unknown property, values that contradict
+    each other) are refused at start and by `outboxctl config`, naming them, not found by a
+    client made later on one of the relay's threads. ProducerMisconfigured when refused."""
+    unconnected = dict(conf)
+    unconnected.pop("bootstrap.servers", None)  # no connection: nothing but the settings tried
+    if str(unconnected.get("sasl.oauthbearer.method", "")).lower() == "oidc":
         # an OIDC client fetches its token when made: no credentials sent for a check
-        checked["sasl.oauthbearer.method"] = "default"
+        unconnected["sasl.oauthbearer.method"] = "default"
+    producer = {**producer_conf(unconnected, "outbox-settings-check", timeout), "logger": _QUIET}
+    consumer = {**recovery_consumer_conf(unconnected, "outbox-settings-check"), "logger": _QUIET}
     try:
-        Producer(checked)
+        Producer(producer)
     except KafkaException as exc:
         raise ProducerMisconfigured(
             f"kafka: the Kafka client refuses these settings: {exc.args[0].str()}"
+        ) from None
+    try:
+        Consumer(consumer).close()
+    except KafkaException as exc:
+        raise ProducerMisconfigured(
+            "kafka: the Kafka client refuses these settings for the consumer that reads the op "
+            f"markers back in a recovery: {exc.args[0].str()}"
         ) from None
 
 
@@ -424,6 +473,16 @@ def _raise_if_fenced_or_fatal(err: KafkaError, exc: KafkaException) -> None:
         raise ProducerFailed(f"the shard's producer failed for good: {err}") from exc
 
 
+def _said_created(name: str, partitions: int, done: Future[None]) -> None:
+    exc = done.exception()
+    if exc is None:
+        logger.info("created topic %s (%s partitions)", name, partitions)
+    elif not (
+        isinstance(exc, KafkaException) and exc.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS
+    ):
+        logger.warning("could not create topic %s: %s", name, exc)
+
+
 class Topics:
     """Creates the relay's own topics and answers "does this topic exist?" from cached metadata."""
 
@@ -450,6 +509,11 @@ class Topics:
         futures = self._admin.create_topics(
             [NewTopic(name, num_partitions=partitions, replication_factor=-1, config=config)]
         )
+        self._known.pop(name, None)
+        if not await_leaders:
+            # Not waited for at all (a Kafka transaction may be open): said when it is done.
+            futures[name].add_done_callback(lambda done: _said_created(name, partitions, done))
+            return
         try:
             futures[name].result(30)
             logger.info("created topic %s (%s partitions)", name, partitions)
@@ -457,8 +521,7 @@ class Topics:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
         self._known.pop(name, None)
-        if await_leaders:
-            self._await_leaders(name)
+        self._await_leaders(name)
 
     def _await_leaders(self, name: str) -> None:
         """A topic just made is in the metadata, and its partitions led, some time after the

@@ -42,7 +42,7 @@ import base64
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from functools import lru_cache
 from typing import Annotated, Any, Literal
@@ -70,7 +70,8 @@ class Op(StrEnum):
 
 
 def _b64decode(value: object) -> object:
-    return base64.b64decode(value) if isinstance(value, str) else value
+    # validate: else "!!!" was the empty key, and matched a row whose key is empty
+    return base64.b64decode(value, validate=True) if isinstance(value, str) else value
 
 
 _Base64 = Annotated[
@@ -132,7 +133,9 @@ def decode_markers(value: bytes, shard: int | None = None) -> list[OpMarker]:
             entries = message["markers"]
             markers = [OpMarker.model_validate({**e, **envelope, "v": 2}) for e in entries]
             return markers if shard is None else [m for m in markers if m.shard == shard]
-    except (ValueError, KeyError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+    # pydantic's ValidationError is a ValueError; RecursionError: JSON nested too deep, which a
+    # recovery must skip as it skips any other message not a relay's
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise MarkerFormatError(f"not an op marker message: {exc}") from exc
     raise MarkerFormatError(f"op marker message of unknown version {version!r}")
 
@@ -177,6 +180,9 @@ def _names(tx_id: str, producer_group: str, topic: str) -> str:
 
 @lru_cache(maxsize=256)  # as _names: a transaction's commit time and xid
 def _tail(commit_ts: datetime | None, reason: str | None, xid: int | None) -> str:
+    # in UTC: a session time zone's offset in seconds (+00:53:28) is not one pydantic reads back
+    if commit_ts is not None and commit_ts.tzinfo is not None:
+        commit_ts = commit_ts.astimezone(UTC)
     instant = "null" if commit_ts is None else f'"{commit_ts.isoformat()}"'
     return f'"commit_ts":{instant},"reason":{_reason(reason)},"xid":{_number(xid)}}}'
 

@@ -48,7 +48,6 @@ from relay import _failpoints, metrics, pgarray
 from relay.background import BackgroundConnection
 from relay.config import RelaySettings
 from relay.kafka import (
-    CLIENT_LOGGER,
     DEAD_LETTER_TOPIC_CONFIG,
     PERMANENT_RECORD_ERRORS,
     REPORT_STALL_S,
@@ -61,6 +60,7 @@ from relay.kafka import (
     ShardProducer,
     Topics,
     TransactionTimedOut,
+    recovery_consumer_conf,
 )
 from relay.leases import Lease
 from relay.markers import (
@@ -574,18 +574,8 @@ class ShardWorker:
     ) -> tuple[list[OpMarker], int]:
         """This shard's committed markers from `start` to the end of the log, and that end;
         those named `former_name` are its own too (written before a rename)."""
-        consumer = Consumer(
-            {
-                "logger": CLIENT_LOGGER,
-                **self.kafka_conf,
-                "group.id": f"{self.settings.recovery_group_prefix}{uuid.uuid4().hex}",
-                "enable.auto.commit": False,
-                "isolation.level": "read_committed",
-                # never a silent jump past markers gone (see the log start check below)
-                "auto.offset.reset": "error",
-            }
-        )
         tp = TopicPartition(self.settings.op_marker_topic, self.marker_partition)
+        consumer: Consumer | None = None
         try:
             # Not the consumer's watermark: read_committed, that stops at the first open
             # transaction (another shard's, another relay's), and this batch's markers after
@@ -618,6 +608,8 @@ class ShardWorker:
                     )
             if start is None or start >= high:
                 return [], high
+            group = f"{self.settings.recovery_group_prefix}{uuid.uuid4().hex}"
+            consumer = Consumer(recovery_consumer_conf(self.kafka_conf, group))
             consumer.assign([TopicPartition(tp.topic, tp.partition, start)])
             markers: list[OpMarker] = []
             wait = self.settings.kafka_transaction_timeout.total_seconds()
@@ -687,7 +679,8 @@ class ShardWorker:
                 markers.extend(ours)
             return markers, high
         finally:
-            consumer.close()
+            if consumer is not None:
+                consumer.close()
 
     # --- claim ------------------------------------------------------------------------------
 
@@ -1584,10 +1577,10 @@ class ShardWorker:
         self._dead_letter_blocked_until = time.monotonic() + DEAD_LETTER_RETRY_S
         if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
             try:
-                # not waited for: a Kafka transaction may be open, the shard's lease unrenewed,
-                # and the rows wait DEAD_LETTER_RETRY_S anyway
+                # its creation not waited for: a Kafka transaction may be open, the shard's
+                # lease unrenewed, and the rows wait DEAD_LETTER_RETRY_S anyway
                 self.topics.ensure(topic, 1, DEAD_LETTER_TOPIC_CONFIG, await_leaders=False)
-            except KafkaException as exc:
+            except (KafkaException, TimeoutError) as exc:  # the metadata's look-up, timed out
                 logger.warning("shard %s: could not create %s: %s", self.shard, topic, exc)
         return DeadLetterUnwritable(
             f"the dead-letter topic {topic} takes no copies ({err.str()}): the batch goes "

@@ -157,8 +157,30 @@ def test_version_1_markers_are_still_read() -> None:
         (b'{"v": 2, "shard": 0, "relay": "r", "epoch": 1}', "not an op marker message"),
         (b'{"v": 2, "shard": 0, "relay": "r", "epoch": 1, "markers": [{"id": 1}]}', "op"),
         (b"[1, 2]", "unknown version None"),
+        # RecursionError escaped: a recovery failed at this message for ever
+        (b"[" * 100_000, "not an op marker message"),
+        # "!!!" was read as the empty key
+        (
+            b'{"v": 2, "shard": 0, "relay": "r", "epoch": 1, "markers": [{"op": "delivered", '
+            b'"id": 1, "tx_id": "t", "producer_group": "g", "topic": "x", "key": "!!!"}]}',
+            "not an op marker message",
+        ),
     ],
 )
 def test_what_is_not_a_marker_message_is_refused_with_the_reason(value: bytes, says: str) -> None:
     with pytest.raises(MarkerFormatError, match=says):
         decode_markers(value)
+
+
+def test_a_commit_time_of_a_zone_offset_in_seconds_reads_back() -> None:
+    """Written as the session's zone gave it (+00:53:28, a historic zone's), pydantic refused
+    it, and the recovery skipped the whole message: its batch went again."""
+    from datetime import timedelta, timezone
+
+    odd = datetime(2026, 11, 22, 11, 0, 0, tzinfo=timezone(timedelta(minutes=53, seconds=28)))
+    text = marker_entry(
+        Op.DELIVERED, id=1, tx_id="t", producer_group="g", topic="x", key=None, partition=0,
+        offset=0, commit_ts=odd, reason=None,
+    )  # fmt: skip
+    (marker,) = decode_markers(marker_messages([text], shard=0, relay="r", epoch=1)[0])
+    assert marker.commit_ts == odd

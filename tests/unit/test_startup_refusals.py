@@ -10,10 +10,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Consumer
 
 from relay.cli import main
 from relay.http import ProbeServer, ProbeServerUnavailable
-from relay.kafka import ShardProducer
+from relay.kafka import ShardProducer, check_client_settings, recovery_consumer_conf
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +57,34 @@ def test_settings_the_kafka_client_refuses_are_refused_by_config_and_at_start(
     assert "Traceback" not in err
     monkeypatch.setenv("OUTBOX_LOG_FORMAT", "text")
     assert main(["run"]) == 1  # before anything starts or connects
+
+
+def test_settings_only_the_recovery_consumer_refuses_are_refused_at_start_too(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a producer was built to check them: the relay started, and every recovery's
+    consumer refused its settings, for every shard, for ever."""
+    extra = {"group.protocol": "consumer", "session.timeout.ms": "10000"}
+    monkeypatch.setenv("OUTBOX_KAFKA__EXTRA", json.dumps(extra))
+    code, _, err = config(capsys)
+    assert code == 1
+    assert "for the consumer that reads the op markers back in a recovery" in err
+    assert "`session.timeout.ms` is not supported for `group.protocol=consumer`" in err
+
+
+def test_message_sizes_raised_for_large_records_fit_the_recovery_consumer_too() -> None:
+    """A common pair for large records: the recovery's consumer refused it ("receive.message.
+    max.bytes must be >= fetch.max.bytes + 512"), at every recovery."""
+    conf = {"message.max.bytes": "100000000", "receive.message.max.bytes": "100000000"}
+    check_client_settings(conf, timedelta(seconds=60))
+    consumer = recovery_consumer_conf(conf, "g")
+    Consumer(consumer).close()
+    assert consumer["fetch.max.bytes"] == 100_000_000
+    assert consumer["receive.message.max.bytes"] == 100_000_512
+    assert consumer["isolation.level"] == "read_committed"
+    smaller = recovery_consumer_conf({"fetch.max.bytes": 500_000}, "g")
+    assert smaller["fetch.max.bytes"] == 1_000_000  # at least message.max.bytes
+    Consumer(smaller).close()
 
 
 def test_settings_librdkafka_takes_pass(
