@@ -9,6 +9,7 @@ waits for the lock, then finds nothing left to do.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 # Arbitrary, fixed: the advisory lock every migrating process takes (per schema, see below).
 _LOCK_NAMESPACE = 74_110
+# How long a migration waits for its tables at most (queries queue behind it meanwhile), and
+# how often it tries
+_LOCK_TIMEOUT = "3s"
+_LOCK_ATTEMPTS = 8
 
 
 @dataclass(frozen=True)
@@ -100,11 +105,35 @@ def _tuples(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
 
 
 def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
-    if _up_to_date(conn, schema):
-        return MigrationReport(schema, (), latest_version())
+    found = _up_to_date(conn, schema)
+    if found is not None:
+        return MigrationReport(schema, (), found)
+    for attempt in range(1, _LOCK_ATTEMPTS + 1):
+        try:
+            return _migrate_once(conn, schema)
+        except psycopg.errors.LockNotAvailable:
+            if attempt == _LOCK_ATTEMPTS:
+                raise
+            logger.warning(
+                "migrating schema %s: its tables are busy (no lock within %s), trying again "
+                "(attempt %d of %d)",
+                schema,
+                _LOCK_TIMEOUT,
+                attempt + 1,
+                _LOCK_ATTEMPTS,
+            )
+            time.sleep(min(0.5 * 2**attempt, 5.0))
+    raise AssertionError("unreachable: the last attempt raises")
+
+
+def _migrate_once(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
     ident = sql.Identifier(schema)
     cur = _tuples(conn)
     with conn.transaction():
+        # READ COMMITTED whatever the database's default: under REPEATABLE READ the snapshot was
+        # taken before the advisory lock was granted, and a process that waited for another's
+        # migration found no migration applied, and failed creating the schema again.
+        cur.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED, READ WRITE")
         cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_LOCK_NAMESPACE, schema))
         cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
         cur.execute(
@@ -124,6 +153,8 @@ def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
             )
         _refuse_other_migrations(schema, applied)
         pending = [m for m in queries.migrations() if m.version not in done]
+        if done and pending:
+            _lock_tables(conn, schema)
         # prepare=False: a file holds several statements, which Postgres will not prepare (a
         # connection of prepare_threshold=0 prepares every statement, the first run too)
         if not done:
@@ -143,16 +174,58 @@ def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
     return MigrationReport(schema, tuple(m.version for m in pending), latest_version())
 
 
-def _up_to_date(conn: psycopg.Connection[Any], schema: str) -> bool:
-    """Every migration of this library applied already, read without a lock or DDL: then
-    migrate changes nothing, and a role that may only read the schema runs it (the chart's
-    hook, on every upgrade, with the sidecar's own role). CREATE SCHEMA IF NOT EXISTS needs
-    CREATE on the database even when the schema exists."""
+def _up_to_date(conn: psycopg.Connection[Any], schema: str) -> int | None:
+    """The schema's version when every migration of this library is applied already (newer
+    ones too: migrations only add), read without a lock or DDL; else None. Then migrate changes
+    nothing, and a role that may only read the schema runs it (the chart's hook, on every
+    upgrade, with the sidecar's own role; an older release's hook on a schema a newer one
+    migrated). CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema
+    exists."""
     with _as_found(conn):
-        if current_version(conn, schema) is None:
-            return False
+        version = current_version(conn, schema)
+        if version is None:
+            return None
         applied = _applied(conn, schema)
-    return applied == {m.version: m.name for m in queries.migrations()}
+    ours = {m.version: m.name for m in queries.migrations()}
+    if any(applied.get(v) != name for v, name in ours.items()):
+        return None
+    if version > latest_version():
+        logger.info(
+            "schema %s is at version %d, newer than this library's %d: nothing to apply",
+            schema,
+            version,
+            latest_version(),
+        )
+    return version
+
+
+def _lock_tables(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Every table of the schema, locked at once for the migrations to come, in the order the
+    relay locks them (shard_lease, then outbox_record), within _LOCK_TIMEOUT.
+
+    Taken statement by statement, a migration's locks grew (an index's SHARE, then an ALTER's
+    ACCESS EXCLUSIVE) while an application's, the checker's or the relay's transaction held
+    one and asked for another: a deadlock, and Postgres aborted one of them, the application's
+    business transaction maybe. Waiting without a bound, the lock asked for held back every
+    query of the table behind it."""
+    tables = [
+        row[0]
+        for row in _tuples(conn).execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = %s"
+            " ORDER BY tablename <> 'shard_lease', tablename <> 'outbox_record', tablename",
+            (schema,),
+        )
+    ]
+    if not tables:
+        return
+    cur = _tuples(conn)
+    cur.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(_LOCK_TIMEOUT)))
+    cur.execute(
+        sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
+            sql.SQL(", ").join(sql.Identifier(schema, t) for t in tables)
+        )
+    )
+    cur.execute("SET LOCAL lock_timeout = 0")  # the tables are ours: the DDL waits on nothing
 
 
 def _applied(conn: psycopg.Connection[Any], schema: str) -> dict[int, str]:

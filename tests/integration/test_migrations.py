@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
 import outbox
+from outbox import migrations
 from outbox import sql as outbox_sql
 from outbox.migrations import check_applied, current_version, latest_version, schema_problem
 from relay.cli import main as cli_main
@@ -115,12 +118,10 @@ def test_migrate_on_a_connection_of_any_row_or_cursor_factory(
         assert schema_problem(conn) is None
 
 
-def test_migrate_upgrades_on_a_connection_that_prepares_every_statement(empty_db: str) -> None:
-    """A pool's prepare_threshold=0 prepares even a statement's first run, and Postgres refuses
-    to prepare one of several commands: an upgrade (and a fresh schema) failed with "cannot
-    insert multiple commands into a prepared statement", while an up-to-date schema did not."""
+def one_release_behind(dsn: str) -> outbox_sql.Migration:
+    """The schema as the release before this one left it; returns the migration it lacks."""
     *older, last = outbox_sql.migrations()
-    with psycopg.connect(empty_db, autocommit=True) as conn:  # a schema one release behind
+    with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE SCHEMA outbox")
         for m in older:
             conn.execute(m.sql_for("outbox"))
@@ -133,6 +134,14 @@ def test_migrate_upgrades_on_a_connection_that_prepares_every_statement(empty_db
                 "INSERT INTO outbox.schema_migration (version, name) VALUES (%s, %s)",
                 (m.version, m.name),
             )
+    return last
+
+
+def test_migrate_upgrades_on_a_connection_that_prepares_every_statement(empty_db: str) -> None:
+    """A pool's prepare_threshold=0 prepares even a statement's first run, and Postgres refuses
+    to prepare one of several commands: an upgrade (and a fresh schema) failed with "cannot
+    insert multiple commands into a prepared statement", while an up-to-date schema did not."""
+    last = one_release_behind(empty_db)
     with psycopg.connect(empty_db, prepare_threshold=0) as conn:
         assert outbox.migrate(conn).applied == (last.version,)
         check_applied(conn)
@@ -186,12 +195,90 @@ def test_concurrent_migrate_from_many_pods(empty_db: str) -> None:
     assert sorted(results, key=len) == [(), (), (), tuple(range(1, latest_version() + 1))]
 
 
-def test_a_newer_schema_than_the_library_is_refused(empty_db: str) -> None:
+def test_migrate_of_an_older_build_on_a_newer_schema_applies_nothing(empty_db: str) -> None:
+    """It failed ("upgrade the library"), or with the chart's own role "permission denied for
+    database" (its CREATE SCHEMA IF NOT EXISTS), while schema-version said this build runs on
+    the schema: an older release's migration hook failed, and the release could be rolled
+    neither back nor forward."""
     outbox.migrate(empty_db)
     with psycopg.connect(empty_db, autocommit=True) as conn:
         conn.execute("INSERT INTO outbox.schema_migration (version, name) VALUES (999, 'future')")
-    with pytest.raises(outbox.SchemaError, match=r"\[999\].*upgrade the library"):
-        outbox.migrate(empty_db)
+    sidecar = f"relay_{uuid.uuid4().hex[:8]}"  # the chart's hook runs as the sidecar's role
+    with psycopg.connect(empty_db, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(sidecar)))
+        admin.execute(outbox_sql.grants_sql("outbox", sidecar, sidecar, sidecar))
+    try:
+        report = outbox.migrate(make_conninfo(empty_db, user=sidecar))
+    finally:
+        with psycopg.connect(empty_db, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(sidecar)))
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(sidecar)))
+    assert (report.applied, report.version) == ((), 999)
+
+
+def test_concurrent_migrate_under_a_repeatable_read_default(empty_db: str) -> None:
+    """Under REPEATABLE READ the waiting pod's snapshot was taken before the other's migration
+    committed: it found no migration applied, and failed creating the tables again."""
+    repeatable = make_conninfo(
+        empty_db, options="-c default_transaction_isolation=repeatable\\ read"
+    )
+    with psycopg.connect(empty_db, autocommit=True) as holder:
+        holder.execute(
+            "SELECT pg_advisory_lock(%s, hashtext('outbox'))", (migrations._LOCK_NAMESPACE,)
+        )
+        results: list[object] = []
+        waiting = threading.Thread(
+            target=lambda: results.append(_migrated_or_error(repeatable)), daemon=True
+        )
+        waiting.start()
+        wait_for_a_lock_wait(holder, "advisory")
+        results.append(outbox.migrate(holder).applied)  # its session holds the lock already
+        holder.execute(
+            "SELECT pg_advisory_unlock(%s, hashtext('outbox'))", (migrations._LOCK_NAMESPACE,)
+        )
+        waiting.join(30)
+    assert sorted(results, key=str) == [(), tuple(range(1, latest_version() + 1))]
+
+
+def _migrated_or_error(dsn: str) -> object:
+    try:
+        return outbox.migrate(dsn).applied
+    except Exception as exc:
+        return exc
+
+
+def wait_for_a_lock_wait(conn: psycopg.Connection[Any], kind: str) -> None:
+    deadline = time.monotonic() + 30
+    while not conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = %s", (kind,)
+    ).fetchone()[0]:  # type: ignore[index]
+        assert time.monotonic() < deadline, f"nobody waits on a {kind} lock"
+        time.sleep(0.02)
+
+
+def test_an_upgrade_waits_for_busy_tables_in_bounded_tries_not_a_deadlock(
+    empty_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its locks grew statement by statement (an index's SHARE, then an ALTER's ACCESS
+    EXCLUSIVE) while an application's transaction held one and asked for another: Postgres
+    found a deadlock and aborted one of the two. The tables are now locked at once, each try
+    waiting 3 s at most."""
+    last = one_release_behind(empty_db)
+    with psycopg.connect(empty_db) as app:
+        app.execute("SELECT count(*) FROM outbox.outbox_record")  # an application's read
+        done: list[object] = []
+        upgrade = threading.Thread(target=lambda: done.append(_migrated_or_error(empty_db)))
+        with caplog.at_level(logging.WARNING, logger="outbox.migrations"):
+            upgrade.start()
+            deadline = time.monotonic() + 30
+            while "its tables are busy" not in caplog.text:
+                assert time.monotonic() < deadline, "the migration never gave up a try"
+                time.sleep(0.05)
+            # the application goes on, and is not the one aborted
+            outbox.publish(app, "orders", {"n": 1})
+            app.commit()
+            upgrade.join(60)
+    assert done == [(last.version,)]
 
 
 def test_schema_version_passes_a_newer_schema_this_build_runs_on(
