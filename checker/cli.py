@@ -275,7 +275,11 @@ def _cmd_checker(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, **({"database": database} if database else {}))
     logs.configure(settings.log_level, settings.log_format)
     if not settings.checker.enabled:
-        print("outboxctl checker: the checker is disabled (checker.enabled = false)")
+        said = "the checker is disabled (checker.enabled = false)"
+        if args.once:  # asked for a round that cannot run: not a success
+            print(json.dumps({"disabled": True}) if args.json else f"outboxctl checker: {said}")
+            return 1
+        print(f"outboxctl checker: {said}")
         return 0
     checker = Checker.from_sidecar_settings(settings)
     if args.once:

@@ -11,8 +11,10 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from pydantic import ValidationError
 
+from outbox._core import OutboxConfig
 from outbox._describe import describe
 from outbox._dsn import parse_dsn
+from outbox._errors import InvalidConfigError
 from relay.config import DatabaseLookupSettings, load_database_settings
 from relay.dbconnect import dead_peer_options, own_transaction_mode
 
@@ -29,7 +31,12 @@ def database_settings() -> tuple[DatabaseLookupSettings | None, str]:
 def command_schema(args: argparse.Namespace) -> str:
     """--schema, else the sidecar's setting (whatever gives the DSN), else `outbox`."""
     if args.schema is not None:
-        return str(args.schema)
+        # checked as the settings check theirs: else `status --schema a-b` said to migrate a
+        # schema `migrate` refuses, and `grants` printed grants for one that cannot exist
+        try:
+            return OutboxConfig(schema_name=str(args.schema)).schema_name
+        except InvalidConfigError as exc:
+            raise SystemExit(f"outboxctl: --schema: {exc}") from None
     database, why = database_settings()
     if database is None:  # not `outbox` unsaid: the command would work on another outbox
         raise SystemExit(

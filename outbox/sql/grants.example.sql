@@ -20,6 +20,9 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relay_member TO {relay};
 -- DELETE: the relay trims entries past its audit_retention.
 GRANT SELECT, INSERT, DELETE ON {schema}.audit_log TO {relay};
 GRANT SELECT ON {schema}.schema_migration TO {writer}, {relay};
+-- an index's expression and the checker's due scan call it; a database that revoked EXECUTE
+-- from PUBLIC refused the writer's prepare(check_immunity=...) and every checker round
+GRANT EXECUTE ON FUNCTION {schema}.immune_until(timestamptz, interval) TO {writer}, {relay};
 
 GRANT USAGE ON SCHEMA {schema} TO {reconciler};
 -- The ledger's columns only (spark/queries.sql): not the values and headers the job never reads.
