@@ -305,7 +305,8 @@ def main() -> None:
                 flush=True,
             )
             relay_run = relay_drain(dsn, bootstrap, n)
-            relay = relay_run.rate
+            # what it keeps up once going: the higher, stricter of its two rates to keep up with
+            relay = relay_run.steady_rate
 
             def settings(checkpoint: str) -> ReconcileSettings:
                 return ReconcileSettings(
