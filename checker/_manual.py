@@ -28,6 +28,7 @@ then holds both ends of the records, in the order they happened. Every change wr
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -92,6 +93,36 @@ class _Row:
     state: str
     shipped: bool
     check_count: int
+
+
+_BUSY_TRIES = 5
+_BUSY_WAIT_S = 0.2
+
+
+def _redrive_patiently(
+    conn: Conn,
+    group: str,
+    tx_id: str,
+    actor: str,
+    reason: str,
+    ids: list[int],
+    schema: str,
+) -> ManualResult | None:
+    """One transaction of a topic's redrive; None when it is parked no more. The relay locks
+    parked rows for a moment while it parks or ends them: that stopped a whole topic's run."""
+    for attempt in range(1, _BUSY_TRIES + 1):
+        try:
+            return redrive(
+                conn, group, tx_id, actor=actor, reason=reason, record_ids=ids, schema=schema
+            )
+        except TransactionBusyError:
+            if attempt == _BUSY_TRIES:
+                raise
+            time.sleep(_BUSY_WAIT_S * attempt)
+        except IllegalTransitionError as exc:
+            logger.info("tx %s of producer group %s passed by: %s", tx_id, group, exc)
+            return None
+    raise AssertionError("unreachable: the last try raises")
 
 
 def _lock(conn: Conn, schema: str, group: str, tx_id: str, action: str) -> list[_Row]:
@@ -445,7 +476,8 @@ def redrive_topic(
     after 1000), or at most ``limit`` transactions. Records the relay parks again meanwhile
     are not redriven again by this call. An error stops it there; the transactions before it
     are redriven (run it again for the rest), and ``on_redriven`` has been called with each,
-    as it was done."""
+    as it was done. A transaction busy for a moment (the relay parking or ending rows of it) is
+    tried again a few times; one no longer parked (another operator's redrive) is passed by."""
     topic = check_topic(topic)  # a name no record can have: said so, not "none parked"
     actor = _require_text("actor", actor)
     reason = _require_text("reason", reason)
@@ -464,9 +496,9 @@ def redrive_topic(
                 {"topic": topic, "after": after, "limit": size},
             ).fetchall()
         for group, tx_id, ids in parked:
-            result = redrive(
-                conn, group, tx_id, actor=actor, reason=reason, record_ids=ids, schema=schema
-            )
+            result = _redrive_patiently(conn, group, tx_id, actor, reason, ids, schema)
+            if result is None:
+                continue
             done.append(result)
             if on_redriven is not None:
                 on_redriven(result)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -433,6 +434,32 @@ def test_redrive_of_a_topic_stopped_by_a_busy_transaction_says_which_went_before
         assert out.startswith(f"tx {first_tx} of producer group")
         assert busy_tx not in out
     assert (state(pg_dsn, first_tx), state(pg_dsn, busy_tx)) == ("committed", "parked")
+
+
+def test_redrive_of_a_topic_waits_out_a_moments_lock_and_passes_one_redriven_meanwhile(
+    pg_dsn: str,
+) -> None:
+    """The relay locks parked rows for a moment while it parks or ends them, and another
+    operator may redrive one: either stopped the whole topic's run with exit 1."""
+    from checker import redrive, redrive_topic
+
+    (group, first, *_), (_, busy, *_), (_, taken, *_) = (
+        parked(pg_dsn, "billing.missing") for _ in range(3)
+    )
+    fix = {"actor": "erin", "reason": "topic created"}
+    with psycopg.connect(pg_dsn, autocommit=True) as other:
+        redrive(other, group, taken, **fix)  # another operator's, before this run reaches it
+    holder = psycopg.connect(pg_dsn)
+    holder.execute("SELECT id FROM outbox.outbox_record WHERE tx_id = %s FOR UPDATE", (busy,))
+    release = threading.Timer(0.3, holder.close)  # the relay's moment
+    release.start()
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            done = redrive_topic(conn, "billing.missing", **fix)
+    finally:
+        release.join()
+    assert [r.tx_id for r in done] == [first, busy]
+    assert {state(pg_dsn, tx) for tx in (first, busy, taken)} == {"committed"}
 
 
 def test_redrive_of_a_topic_reads_page_after_page_and_never_redrives_a_record_twice(
