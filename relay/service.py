@@ -7,7 +7,6 @@ shards back so another relay takes them at once, and tolerates being called twic
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -485,11 +484,15 @@ class Relay:
             self.heartbeat()
         interval = self.settings.relay.heartbeat_interval.total_seconds()
         if time.monotonic() - self._last_trim >= interval:  # its own clock: heartbeats come
-            self._last_trim = time.monotonic()  # between shards too, and would starve it
-            self.trim_archive()
-            self.trim_audit_log()
-            with self.conn.transaction():
-                self.conn.execute(queries.query("relay_forget_members", self.schema))
+            try:  # between shards too, and would starve it
+                self.trim_archive()
+                self.trim_audit_log()
+                with self.conn.transaction():
+                    self.conn.execute(queries.query("relay_forget_members", self.schema))
+            finally:
+                # from their end: a backlog of trims took their whole budgets, and the very
+                # next round trimmed again, a round of deliveries every heartbeat interval
+                self._last_trim = time.monotonic()
         result = RelayRound(shards=len(self.workers))
         if not self.workers:  # alive all the same: a spare relay waits for a shard to free
             self.last_round_at = time.monotonic()
@@ -643,7 +646,7 @@ class Relay:
         lowest transaction id its claims left unstamped below the horizon.
         """
 
-        def stamp_once(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None, str]:
+        def stamp_once(with_hold_back: bool) -> tuple[bool, psycopg.Cursor[Any] | None, str]:
             bounded = {**params, "stamped_below": self._stamped_below}
             with pipelined_transaction(self.conn):  # 2 round trips
                 plan = self.conn.execute(
@@ -661,9 +664,10 @@ class Relay:
                         queries.query("relay_hold_back", self.schema), bounded, prepare=False
                     )
             horizon = plan.fetchone()[-1]  # type: ignore[index]
-            return stamped.rowcount, held, horizon  # the pipeline synced: all results are in
+            _count, complete = stamped.fetchone()  # type: ignore[misc]
+            return complete, held, horizon  # the pipeline synced: all results are in
 
-        def stamp(with_hold_back: bool) -> tuple[int, psycopg.Cursor[Any] | None, str]:
+        def stamp(with_hold_back: bool) -> tuple[bool, psycopg.Cursor[Any] | None, str]:
             """A slice, made again while it gives up waiting for a row lock (relay_stamp_plan):
             the end that held the lock is done by then."""
             for attempt in range(1, STAMP_LOCK_ATTEMPTS + 1):
@@ -680,10 +684,10 @@ class Relay:
             self._stamp_all_again()
             self._next_full_stamp = time.monotonic() + FULL_STAMP_EVERY_S
         resets = self._stamp_resets
-        count, held, horizon = stamp(with_hold_back=True)
-        while count >= STAMP_SLICE:
+        complete, held, horizon = stamp(with_hold_back=True)
+        while not complete:
             self._keep_alive()  # a backlog of millions is many slices: no stall
-            count, held, horizon = stamp(with_hold_back=False)
+            complete, held, horizon = stamp(with_hold_back=False)
         if held is None:
             with self.conn.transaction():
                 self.conn.execute(
@@ -763,8 +767,10 @@ class Relay:
         failures = 0
         held_back_wait = HELD_BACK_POLL_S
         if self.settings.relay.listen_notify:
-            with contextlib.suppress(psycopg.Error):  # the wait for work tries again
+            try:
                 self._listening()  # from the start: a drain asks it between rounds
+            except psycopg.Error:  # the wait for work tries again, then rounds at once (lost)
+                self._listen_lost_at = time.monotonic()
         while not self._stop.is_set():
             try:
                 result = self.run_once(pipelined=True)
@@ -896,6 +902,9 @@ class Relay:
                 left = min(left, max(0.05, self._last_heartbeat + interval - time.monotonic()))
             self._stop.wait(left)
             self._heartbeat_between_rounds()
+            # Read while rounds fail too (Kafka down for hours): unread, the notifications
+            # filled Postgres's queue, and at 8 GB the applications' commits failed.
+            self._forget_wakeups()
 
     def _heartbeat_between_rounds(self) -> None:
         """A heartbeat when one is due (not with heartbeat_interval 0: every round then). A

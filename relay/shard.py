@@ -1300,12 +1300,12 @@ class ShardWorker:
             raise KafkaException(KafkaError(KafkaError._STATE, "the op markers were not sent"))
         _failpoints.hit(_failpoints.AFTER_PRODUCE)
         self._settle_before_commit()
-        started = time.perf_counter()
         if waiting is not None:
             # the leases then last through a commit shorter than lease_duration; a stop lets
             # it go on: every report is in, and a commit ends the batch as soon as an abort
             with contextlib.suppress(ShuttingDown):
                 waiting()
+        started = time.perf_counter()  # the commit's own latency, not a lease renewal's
         try:
             self.producer.commit()
         except Exception:
@@ -1609,19 +1609,28 @@ class ShardWorker:
         poison: dict[int, str] = {}
         refreshed: set[str] = set()
         asked_again: set[str] = set()
+        # Per topic once a batch: a batch's rows share a few topics, and each look-up polls
+        # the admin client, a release of the GIL to the end and claim threads, per row.
+        counts: dict[str, int] = {}
+        writable: dict[str, bool] = {}
         for row in rows:
             if row.topic == self.settings.op_marker_topic:
                 poison[row.id] = f"the relay's op-marker topic {row.topic!r} takes only markers"
                 continue
-            partitions = self.topics.partitions(row.topic)
+            partitions = counts.get(row.topic)
+            if partitions is None:
+                partitions = counts[row.topic] = self.topics.partitions(row.topic)
             too_few = partitions == 0 or (row.partition or 0) >= partitions
             if too_few and row.topic not in refreshed:
                 # A cached count may be older than the topic or its partitions: asked again
                 # (once a round a topic) before a record is parked for it.
                 refreshed.add(row.topic)
-                partitions = self.topics.partitions(row.topic, refresh=True)
+                partitions = counts[row.topic] = self.topics.partitions(row.topic, refresh=True)
             hidden = partitions == 0 and self.topics.denied(row.topic)
-            if hidden or (partitions and not self._may_write(row.topic, asked_again)):
+            may = writable.get(row.topic) if partitions else True
+            if may is None:
+                may = writable[row.topic] = self._may_write(row.topic, asked_again)
+            if hidden or not may:
                 poison[row.id] = topic_refused(row.topic)
             elif partitions == 0:
                 poison[row.id] = f"topic {row.topic!r} does not exist"

@@ -31,24 +31,32 @@ SELECT set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)
 -- `stamped_below`: every row of these shards below it is stamped (see relay_stamp_plan); the
 -- range starts there, past the index entries of rows stamped before, which stay in the index
 -- until a vacuum (right after a million rows were stamped, with the statistics of before,
--- ~0.5 s a scan).
-UPDATE {schema}.outbox_record
-SET commit_ts = coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
-WHERE state = 'committed' AND commit_ts IS NULL
-  AND committed_xid >= %(stamped_below)s::xid8
-  AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
-  AND committed_xid <= coalesce(
-      (SELECT committed_xid FROM {schema}.outbox_record
-       WHERE state = 'committed' AND commit_ts IS NULL
-         AND committed_xid >= %(stamped_below)s::xid8
-         AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
-         AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
-                     WHERE key_hash BETWEEN o.lo AND o.hi)
-       ORDER BY committed_xid
-       OFFSET %(limit)s - 1 LIMIT 1),
-      pg_snapshot_xmin(pg_current_snapshot()))
-  AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
-              WHERE key_hash BETWEEN o.lo AND o.hi);
+-- ~0.5 s a scan). Returns the rows stamped, and whether the slice reached the horizon (no
+-- limit-th row bounded it): not told by the count, which rows deleted or changed by others
+-- while the statement ran make short, and a short slice taken for the last one left the rows
+-- above its bound unstamped below `stamped_below`, where no claim looks.
+WITH bound AS (
+    SELECT committed_xid FROM {schema}.outbox_record
+    WHERE state = 'committed' AND commit_ts IS NULL
+      AND committed_xid >= %(stamped_below)s::xid8
+      AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
+      AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
+                  WHERE key_hash BETWEEN o.lo AND o.hi)
+    ORDER BY committed_xid
+    OFFSET %(limit)s - 1 LIMIT 1
+), stamped AS (
+    UPDATE {schema}.outbox_record
+    SET commit_ts = coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)
+    WHERE state = 'committed' AND commit_ts IS NULL
+      AND committed_xid >= %(stamped_below)s::xid8
+      AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
+      AND committed_xid <= coalesce((SELECT committed_xid FROM bound),
+                                    pg_snapshot_xmin(pg_current_snapshot()))
+      AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
+                  WHERE key_hash BETWEEN o.lo AND o.hi)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM stamped), NOT EXISTS (SELECT 1 FROM bound);
 
 -- name: relay_hold_back
 -- Committed rows not stamped yet (their transaction id is above the horizon, or they were not

@@ -1102,6 +1102,22 @@ def test_a_relay_waiting_longer_than_its_lease_keeps_its_shards(
     assert len({epoch for _, epoch in seen}) == 1, seen  # never taken again
 
 
+def test_wake_ups_are_read_while_the_relay_waits_out_a_failure(
+    pg_dsn: str, relay_factory: Any
+) -> None:
+    """Read only after a round that succeeded: through a Kafka outage of hours they piled up
+    in Postgres's notification queue, which every listener shares, and at 8 GB the
+    applications' commits failed."""
+    relay = relay_factory(listen_notify=True)
+    listen = relay._listening()
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(3):
+            with conn.transaction():
+                outbox.publish(conn, "orders", f"v{i}")
+    relay._pause(0.3)  # as a failure's backoff
+    assert list(listen.notifies(timeout=0.2)) == []
+
+
 def test_a_round_that_fails_in_its_only_shard_counts_one_error(relay_factory: Any) -> None:
     """A shard's failure was counted as the shard's, and again as the round's when it was the
     only shard tried: a relay with one shard (the usual sidecar) reported twice its errors."""
@@ -2122,6 +2138,43 @@ def _an_old_xid_then_first(pg_dsn: str, topic: str) -> str:
         with conn.transaction():
             outbox.publish(conn, topic, "first", key="a")
     return str(old_xid)
+
+
+def test_a_stamp_slice_cut_short_by_a_row_ended_meanwhile_is_not_taken_for_the_last(
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row deleted by another session (another relay ending its transaction) while a slice
+    ran made the slice's count short of STAMP_SLICE: taken for the last slice, the rows above
+    its bound stayed unstamped below `_stamped_below`, where no claim looks, and newer records
+    of their keys went out before them (for up to a minute, until a full stamp)."""
+    import relay.service
+    from relay.sharding import shard_ranges
+
+    monkeypatch.setattr(relay.service, "STAMP_SLICE", 5)
+    topic = topic_factory()
+    ids = []
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(12):
+            with conn.transaction():
+                ids.append(outbox.publish(conn, topic, f"v{i}", key=f"k{i}"))
+    r = relay_factory()
+    with psycopg.connect(pg_dsn) as other:
+        other.execute("DELETE FROM outbox.outbox_record WHERE id = %s", (ids[1],))
+        ended = threading.Timer(0.1, other.commit)  # while the first slice waits for its lock
+        ended.start()
+        try:
+            r._stamp(shard_ranges([0], 1))
+        finally:
+            ended.join()
+    with psycopg.connect(pg_dsn) as conn:
+        left = conn.execute(
+            "SELECT count(*) FROM outbox.outbox_record"
+            " WHERE state = 'committed' AND commit_ts IS NULL"
+        ).fetchone()
+    assert left == (0,)
 
 
 def test_a_complete_stamp_is_not_scanned_again_below_its_horizon_until_a_full_stamp(
