@@ -129,12 +129,18 @@ _TARGET_SERVER_TYPE = {
 }
 
 
-def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
+# Spark's intervals are whole milliseconds: well above that, a floor that means something
+_LEAST_INTERVAL = timedelta(milliseconds=100)
+
+
+def jdbc_target(dsn: str, url: str | None = None) -> tuple[str, dict[str, str]]:
     """A libpq connection string as the PostgreSQL JDBC driver takes it: (url, properties).
 
     The password goes into the properties (Spark redacts it), never into the URL. What the DSN
     leaves out comes from libpq's environment (PGHOST, PGUSER, PGPASSWORD...), as psycopg's side
-    of the job gets it: else the two sides could reach different databases.
+    of the job gets it: else the two sides could reach different databases. `url` (--jdbc-url)
+    given, only the properties are taken from the DSN: where the driver cannot go as the DSN
+    says (a Unix socket, a service file), the URL says where it goes instead.
     """
     try:
         params = parse_dsn(dsn, "--dsn")
@@ -143,23 +149,8 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
     for name, variable in _LIBPQ_ENVIRONMENT.items():
         if params.get(name) is None and os.environ.get(variable):
             params[name] = os.environ[variable]
-    if params.get("service") or os.environ.get("PGSERVICE"):
-        raise ReconcileConfigError(
-            "the JDBC driver cannot read a libpq service file: give host, port and dbname in "
-            "--dsn, or pass --jdbc-url"
-        )
-    hosts = str(params.get("host") or params.get("hostaddr") or "localhost").split(",")
-    ports = str(params.get("port") or "5432").split(",")
-    if len(ports) == 1:
-        ports = ports * len(hosts)
-    if any(h.startswith("/") for h in hosts):
-        raise ReconcileConfigError(
-            "the JDBC driver cannot use a Unix socket: give a host in --dsn, or pass --jdbc-url"
-        )
-    dbname = params.get("dbname") or params.get("user") or getpass.getuser()  # as libpq
-    url = "jdbc:postgresql://{}/{}".format(
-        ",".join(f"{h}:{p}" for h, p in zip(hosts, ports, strict=True)), dbname
-    )
+    if url is None:
+        url = _jdbc_url(params)
     props: dict[str, str] = {"driver": "org.postgresql.Driver"}
     renamed = {
         "user": "user",
@@ -189,6 +180,31 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
     if params.get("load_balance_hosts") is not None:
         props["loadBalanceHosts"] = str(params["load_balance_hosts"] == "random").lower()
     return url, props
+
+
+def _jdbc_url(params: dict[str, Any]) -> str:
+    if params.get("service") or os.environ.get("PGSERVICE"):
+        raise ReconcileConfigError(
+            "the JDBC driver cannot read a libpq service file: give host, port and dbname in "
+            "--dsn, or pass --jdbc-url"
+        )
+    hosts = str(params.get("host") or params.get("hostaddr") or "localhost").split(",")
+    ports = str(params.get("port") or "5432").split(",")
+    if len(ports) == 1:
+        ports = ports * len(hosts)
+    if len(ports) != len(hosts):
+        raise ReconcileConfigError(
+            f"--dsn names {len(hosts)} hosts and {len(ports)} ports: give one port, or one "
+            "for each host"
+        )
+    if any(h.startswith("/") for h in hosts):
+        raise ReconcileConfigError(
+            "the JDBC driver cannot use a Unix socket: give a host in --dsn, or pass --jdbc-url"
+        )
+    dbname = params.get("dbname") or params.get("user") or getpass.getuser()  # as libpq
+    return "jdbc:postgresql://{}/{}".format(
+        ",".join(f"{h}:{p}" for h, p in zip(hosts, ports, strict=True)), dbname
+    )
 
 
 class ReconcileSettings(BaseModel):
@@ -307,6 +323,16 @@ class ReconcileSettings(BaseModel):
             raise ValueError("must be positive")
         return v
 
+    @field_validator("trigger", "summary_window")
+    @classmethod
+    def _whole_milliseconds(cls, v: timedelta) -> timedelta:
+        # Spark takes whole milliseconds: 0.4 ms was a trigger of 0 (micro-batches back to
+        # back, the idle ticker polling every 0.2 ms) and a summary window of 0 (every first
+        # judgement failed, the job restarting in a loop)
+        if v < _LEAST_INTERVAL:
+            raise ValueError(f"must be at least {_LEAST_INTERVAL.total_seconds():g}s")
+        return v
+
     @field_validator("audit_from", "audit_to")
     @classmethod
     def _aware(cls, v: datetime | None) -> datetime | None:
@@ -327,6 +353,13 @@ class ReconcileSettings(BaseModel):
             raise ValueError("a streaming run needs a checkpoint location")
         if self.horizon < 2 * self.deadline + 2 * self.trigger:
             raise ValueError("the horizon must cover two deadlines and two trigger intervals")
+        if self.summary_window > self.horizon - 2 * self.deadline:
+            # the summary window holding the last judged time then began before the horizon:
+            # every judgement until its end was one of the whole horizon, no late arrival judged
+            raise ValueError(
+                f"the summary window ({self.summary_window}) must fit in the horizon less two "
+                f"deadlines ({self.horizon - 2 * self.deadline}): raise --horizon"
+            )
         if self.findings_retention is not None and self.findings_retention <= self.horizon:
             raise ValueError(
                 f"the findings retention ({self.findings_retention}) must be longer than the "
@@ -358,12 +391,12 @@ class ReconcileSettings(BaseModel):
         return options
 
     def jdbc(self) -> tuple[str, dict[str, str]]:
-        url, props = jdbc_target(self.dsn.get_secret_value())
+        url, props = jdbc_target(self.dsn.get_secret_value(), self.jdbc_url)
         # A database gone silent (failed, partitioned, failed over) sends no reset: without it
         # a ledger read waited for ever, the job reporting nothing and its process alive. A
         # socketTimeout in --jdbc-url wins (the driver takes the URL's over these).
         props["socketTimeout"] = str(math.ceil(self.jdbc_read_timeout.total_seconds()))
-        return (self.jdbc_url or url), props
+        return url, props
 
 
 def _floor(t: datetime, size: timedelta) -> datetime:
@@ -423,13 +456,17 @@ class JudgeWindow:
         if judged_to is None or judged_to <= full.lo:
             return full
         lo = judged_to
+        # Never back before what was judged (a restart with a longer deadline, a driver whose
+        # clock is behind): the next window counted the copies since then into the carried
+        # summary windows a second time.
+        hi = max(as_of - deadline, lo)
         windows_from = _floor(judged_to, summary_window)
         if latency_from is not None and windows_from >= latency_from:
-            return cls(as_of, lo - deadline, lo, as_of - deadline, True, windows_from, True)
+            return cls(as_of, lo - deadline, lo, hi, True, windows_from, True)
         if windows_from < full.store_low:  # not all of it is in the store any more
             return full
         store_low = min(lo - deadline, windows_from)
-        return cls(as_of, store_low, lo, as_of - deadline, True, windows_from)
+        return cls(as_of, store_low, lo, hi, True, windows_from)
 
     @classmethod
     def audit(cls, start: datetime, end: datetime, now: datetime, deadline: timedelta) -> Self:

@@ -780,21 +780,34 @@ class ReconcileJob:
         if not fs.exists(path):
             return None
         jvm: Any = self.spark._jvm
-        stream = fs.open(path)
         try:
-            text = jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
-        finally:
-            stream.close()
+            stream = fs.open(path)
+            try:
+                text = jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
+            finally:
+                stream.close()
+        except Py4JJavaError as exc:  # unreadable (a checksum that does not match): as none
+            logger.warning("ignored %s: it cannot be read (%s)", path.toString(), exc)
+            return None
         return str(path.toString()), str(text).strip()
 
     def _write_checkpoint_file(self, name: str, text: str) -> None:
+        """Written whole or not at all (Spark's own checkpoint files' way: a temporary file
+        renamed), whatever the file system: overwritten in place, a kill mid-write left it
+        unreadable, and the restart judged the whole horizon, late arrivals of unread batches
+        never judged."""
+        jvm: Any = self.spark._jvm
         path = self._checkpoint_file(name)
-        fs = path.getFileSystem(self.spark._jsc.hadoopConfiguration())
-        out = fs.create(path, True)  # overwrite: a crash mid-write leaves it unparseable, ignored
+        files = jvm.org.apache.spark.sql.execution.streaming.CheckpointFileManager.create(
+            path.getParent(), self.spark._jsc.hadoopConfiguration()
+        )
+        out = files.createAtomic(path, True)
         try:
             out.writeBytes(text)
-        finally:
-            out.close()
+        except BaseException:
+            out.cancel()
+            raise
+        out.close()
 
     def _load_judged_to(self) -> tuple[datetime | None, OpenWindows | None, int | None]:
         """Where an earlier run judged to, the summary windows it left open and the first store

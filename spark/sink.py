@@ -23,6 +23,8 @@ from spark import _sql
 from spark._errors import ReconcileConfigError
 
 CONNECT_TIMEOUT_S = 10
+LOCK_TIMEOUT_S = 120
+STATEMENT_TIMEOUT_S = 900
 PRUNE_BATCH = 10_000  # rows a transaction: ~0.1-0.3 s each
 PRUNE_MAX_ROWS = 200_000  # of each table a judgement: the rest waits for the next
 # How stale a finding's last_seen_at may grow while it is found again: the retention counts from
@@ -37,6 +39,17 @@ def connect(dsn: str, *, write: bool = True) -> psycopg.Connection[Any]:
     options: dict[str, Any] = dead_peer_options(dsn, CONNECT_TIMEOUT_S)
     conn = psycopg.connect(dsn, connect_timeout=CONNECT_TIMEOUT_S, **options)
     return own_transaction_mode(conn, write=write)
+
+
+def _bounded(cur: psycopg.Cursor[Any] | psycopg.Connection[Any]) -> None:
+    """Bound the waits of the transaction begun (settings of the transaction alone, so through
+    a transaction pooler too). A lock waited for without end (an operator's transaction open on
+    the findings, a migration's lock queued ahead) held the judgement, and the idle ticks behind
+    it, while the probes stayed green: failed, the micro-batch goes again after a restart."""
+    cur.execute(_BOUNDS, (f"{LOCK_TIMEOUT_S}s", f"{STATEMENT_TIMEOUT_S}s"))
+
+
+_BOUNDS = "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)"
 
 
 @contextmanager
@@ -80,6 +93,7 @@ def write_judgement(
     new: Counter[str] = Counter()
     refused = None
     with schema_needed(schema), conn.transaction(), conn.cursor() as cur:
+        _bounded(cur)
         cur.execute(_sql.query("create_finding_stage", schema))
         with cur.copy(_sql.query("copy_finding_stage", schema)) as copy:
             for row in findings:
@@ -128,6 +142,7 @@ def prune(
             deleted[table] = 0
             while True:
                 with conn.transaction():
+                    _bounded(cur)
                     cur.execute(
                         _sql.query(f"prune_{table}", schema),
                         {"retention_s": retention.total_seconds(), "limit": batch},
@@ -148,12 +163,14 @@ def ledger_rows_by_ids(
     if not ids:
         return []
     with conn.cursor() as cur:
+        _bounded(cur)
         cur.execute(_sql.query("ledger_by_ids", schema), {"ids": list(ids)})
         return cur.fetchall()
 
 
 def oldest_ended(conn: psycopg.Connection[Any], schema: str) -> datetime | None:
     """The oldest `ended_at` the ledger still keeps (None: it keeps no ended rows)."""
+    _bounded(conn)
     row = conn.execute(_sql.query("ledger_oldest_ended", schema)).fetchone()
     return None if row is None else row[0]
 
@@ -162,6 +179,7 @@ def oldest_due(
     conn: psycopg.Connection[Any], schema: str, lo: datetime, hi: datetime, include_stuck: bool
 ) -> datetime | None:
     """The oldest commit time of the rows a judgement of [lo, hi] may call missing (None: none)."""
+    _bounded(conn)
     row = conn.execute(
         _sql.query("ledger_oldest_due", schema),
         {"lo": lo, "hi": hi, "include_stuck": include_stuck},

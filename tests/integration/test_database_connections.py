@@ -77,3 +77,17 @@ def test_the_dsns_own_values_win(
     assert options["tcp_user_timeout"] == "2500"
     assert options["keepalives_idle"] == "60"
     assert options["keepalives_count"] == "3"
+
+
+def test_a_judgements_write_gives_up_on_a_lock_held_without_end(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its write waited for ever behind an operator's transaction open on the findings: the
+    judgement, and the idle ticks behind it, stopped, and the job's probes stayed green."""
+    monkeypatch.setattr(sink, "LOCK_TIMEOUT_S", 1)
+    with psycopg.connect(pg_dsn) as operator:
+        operator.execute("LOCK TABLE outbox.reconciliation_finding IN ACCESS EXCLUSIVE MODE")
+        with sink.connect(pg_dsn) as conn, pytest.raises(psycopg.errors.LockNotAvailable):
+            sink.write_judgement(conn, "outbox", [], [], detected_in="test")
+    with sink.connect(pg_dsn) as conn:  # the bounds were the transaction's, not the session's
+        assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)

@@ -208,6 +208,22 @@ def test_jdbc_target_refuses_a_unix_socket() -> None:
         jdbc_target("host=/var/run/postgresql dbname=x")
 
 
+@pytest.mark.parametrize(
+    "dsn", ["host=/var/run/postgresql dbname=app user=recon", "service=orders user=recon"]
+)
+def test_a_jdbc_url_given_goes_where_the_dsn_cannot_take_the_driver(dsn: str) -> None:
+    """The error said to pass --jdbc-url, and with it given the same error came: the DSN's
+    socket or service was looked at all the same."""
+    settings = ReconcileSettings(**{**BASE, "dsn": dsn, "jdbc_url": "jdbc:postgresql://db/app"})
+    url, props = settings.jdbc()
+    assert (url, props["user"]) == ("jdbc:postgresql://db/app", "recon")
+
+
+def test_hosts_and_ports_that_do_not_pair_are_said() -> None:
+    with pytest.raises(spark.ReconcileConfigError, match="2 hosts and 3 ports"):
+        jdbc_target("host=a,b port=1,2,3 dbname=x")
+
+
 def test_the_jdbc_reads_give_up_on_a_database_that_sends_nothing() -> None:
     """The driver's socketTimeout, in whole seconds; 5 minutes unless said, for --jdbc-url's
     reads too (a socketTimeout in that URL wins: tests/spark/test_jdbc_read_timeout.py)."""
@@ -244,6 +260,11 @@ def test_settings_render_the_kafka_source() -> None:
         ({"audit_from": T, "audit_to": T}, "before --to"),
         ({"deadline": timedelta(minutes=10)}, "two deadlines"),
         ({"trigger": timedelta(0)}, "positive"),
+        # Spark's whole milliseconds: a trigger of 0, a summary window of 0
+        ({"trigger": timedelta(microseconds=400)}, "at least 0.1s"),
+        ({"summary_window": timedelta(microseconds=400)}, "at least 0.1s"),
+        # every judgement of the whole horizon until the window's end, no late arrival judged
+        ({"summary_window": timedelta(minutes=14)}, "fit in the horizon less two deadlines"),
         ({"jdbc_read_timeout": timedelta(0)}, "positive"),
         ({"schema_name": "bad-name"}, "identifier"),
     ],
@@ -350,6 +371,17 @@ def test_with_the_open_summary_window_carried_the_context_is_one_deadline() -> N
         before, as_of, deadline, horizon, summary, latency_from=windows_from + deadline
     )
     assert late_count == recounted
+
+
+def test_a_judgement_never_goes_back_before_what_was_judged() -> None:
+    """Restarted with a longer deadline (or a clock behind), the window ended before it began,
+    the job saved that earlier end, and the next judgement counted the copies in between into
+    the carried summary windows a second time."""
+    deadline, horizon, summary = timedelta(seconds=90), timedelta(minutes=15), timedelta(minutes=1)
+    as_of = T + timedelta(minutes=20)
+    before = as_of - timedelta(seconds=60)  # judged to there with a deadline of 60 s
+    w = JudgeWindow.following(before, as_of, deadline, horizon, summary, latency_from=T)
+    assert (w.lo, w.hi) == (before, before)  # nothing judged, nothing moved back
 
 
 def test_without_a_recent_judgement_the_whole_horizon_is_judged() -> None:
