@@ -125,6 +125,7 @@ class RelayRound:
     parked: int = 0
     full: bool = False
     held_back: bool = False
+    held_by_horizon: bool = False  # committed rows wait for an older transaction to end
     shards: int = 0
 
     def add(self, r: ShardRound) -> None:
@@ -133,6 +134,8 @@ class RelayRound:
         self.parked += r.parked
         self.full = self.full or r.full
         self.held_back = self.held_back or r.held_back
+        seen = r.unstamped_seen
+        self.held_by_horizon = self.held_by_horizon or bool(seen and seen.held_by_horizon)
 
 
 class Relay:
@@ -789,11 +792,14 @@ class Relay:
                 self._on_failure(exc)
                 self._pause(_backoff(failures))
                 continue
-            if result.held_back and not result.full:
+            if (result.held_back or result.held_by_horizon) and not result.full:
                 # Held back for another relay's shard: it sends within a round or two, and its
                 # end wakes this one (no application's commit does). Else polled, longer each
                 # time nothing went (that relay may be dead until its lease expires, or in
-                # trouble), up to the poll interval.
+                # trouble), up to the poll interval. So are commits the xid horizon holds back:
+                # the transaction holding it (often a relay's end, ~10 ms) wakes nobody, and
+                # their wake-up was spent on a round that could not take them: they waited
+                # for the poll interval.
                 self._wait_for_work(held_back_wait, held_back=True)
                 longest = self.settings.relay.poll_interval.total_seconds()
                 held_back_wait = (

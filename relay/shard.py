@@ -302,6 +302,7 @@ class UnstampedSeen:
     lowest: str | None  # xid8; None: nothing
     backlog: bool
     resets: int
+    held_by_horizon: bool = False  # committed rows wait above the horizon
 
 
 @dataclass(frozen=True)
@@ -786,9 +787,9 @@ class ShardWorker:
             sum(r.size for r in batch.ended) >= s.batch_max_bytes
         )
         if seen is not None and unstamped is not None:
-            horizon, left, lowest = seen.fetchone()  # type: ignore[misc]
+            horizon, left, lowest, above = seen.fetchone()  # type: ignore[misc]
             batch.unstamped_seen = UnstampedSeen(
-                horizon, lowest, left > unstamped.limit, unstamped.resets
+                horizon, lowest, left > unstamped.limit, unstamped.resets, bool(above)
             )
         return batch
 

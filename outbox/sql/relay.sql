@@ -93,7 +93,16 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
           AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
                       WHERE key_hash BETWEEN o.lo AND o.hi)
         ORDER BY committed_xid
-        LIMIT 1)::text;
+        LIMIT 1)::text,
+       -- committed rows the horizon holds back (a transaction older than theirs still runs:
+       -- an application's, another relay's end, this relay's own): the round that could not
+       -- take them looks again soon, not after the poll interval (that transaction's commit
+       -- wakes nobody)
+       EXISTS (SELECT 1 FROM {schema}.outbox_record
+               WHERE state = 'committed' AND commit_ts IS NULL
+                 AND committed_xid >= pg_snapshot_xmin(pg_current_snapshot())
+                 AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
+                             WHERE key_hash BETWEEN o.lo AND o.hi));
 
 -- name: relay_claim_plan
 -- Before relay_claim, in its transaction: the claim must walk the commit-order index and stop

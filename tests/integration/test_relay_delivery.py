@@ -1102,6 +1102,28 @@ def test_a_relay_waiting_longer_than_its_lease_keeps_its_shards(
     assert len({epoch for _, epoch in seen}) == 1, seen  # never taken again
 
 
+def test_a_commit_the_xid_horizon_held_back_goes_out_soon_after_it_moves(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """An older transaction still running (any writer's; often a relay's own end) holds the
+    horizon: the round its commit woke could not take the record, and the transaction's end
+    wakes nobody. The record waited for the poll interval (5 s here, 0.5 s by default)."""
+    topic = topic_factory()
+    relay = relay_factory(poll_interval="PT5S")
+    relay.start()
+    wait_for(lambda: relay.workers)
+    with psycopg.connect(pg_dsn) as older, psycopg.connect(pg_dsn) as app:
+        older.execute("SELECT pg_current_xact_id()")  # holds the horizon until it ends
+        with app.transaction():
+            outbox.publish(app, topic, "held", key="k")  # commits, and wakes the relay
+        time.sleep(0.5)  # the round it woke has come and gone
+        assert [r[1] for r in rows(pg_dsn)] == ["committed"]
+        older.commit()
+        moved = time.monotonic()
+    wait_for(lambda: not rows(pg_dsn), timeout=10)
+    assert time.monotonic() - moved < 2.5
+
+
 def test_wake_ups_are_read_while_the_relay_waits_out_a_failure(
     pg_dsn: str, relay_factory: Any
 ) -> None:
