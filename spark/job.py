@@ -765,7 +765,12 @@ class ReconcileJob:
     def _oldest_due(self, window: JudgeWindow) -> datetime | None:
         with sink.connect(self.settings.dsn.get_secret_value()) as conn:
             return sink.oldest_due(
-                conn, self.settings.schema_name, window.lo, window.hi, window.include_stuck
+                conn,
+                self.settings.schema_name,
+                window.lo,
+                window.hi,
+                window.include_stuck,
+                self.settings.topics or None,  # named: only theirs (a pattern: every topic)
             )
 
     def _checkpoint_file(self, name: str) -> Any:

@@ -30,17 +30,22 @@ WHERE id = ANY(%(ids)s)
 -- relay ended in it, and with include_stuck every row still waiting for the relay. Their copies
 -- reached Kafka after that, however late the relay ended the rows (a relay down between its
 -- Kafka commit and the end of its rows): what was read since then holds them. By the ended and
--- commit-order indexes, and the unstamped rows by theirs.
+-- commit-order indexes, and the unstamped rows by theirs. `topics`: the job's topics when it
+-- names them (NULL with a pattern: Java's regular expressions are not Postgres's); a row stuck
+-- on another topic made every judgement read Kafka back to its commit, and no tick idle.
 SELECT least(
     (SELECT min(coalesce(commit_ts, pg_xact_commit_timestamp(committed_xid::xid),
                          state_changed_at))
      FROM {schema}.outbox_record
-     WHERE ended_at >= %(lo)s AND ended_at <= %(hi)s AND state = 'delivered'),
+     WHERE ended_at >= %(lo)s AND ended_at <= %(hi)s AND state = 'delivered'
+       AND (%(topics)s::text[] IS NULL OR topic = ANY(%(topics)s::text[]))),
     CASE WHEN %(include_stuck)s THEN
-        (SELECT min(commit_ts) FROM {schema}.outbox_record WHERE state = 'committed') END,
+        (SELECT min(commit_ts) FROM {schema}.outbox_record WHERE state = 'committed'
+           AND (%(topics)s::text[] IS NULL OR topic = ANY(%(topics)s::text[]))) END,
     CASE WHEN %(include_stuck)s THEN
         (SELECT min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at))
-         FROM {schema}.outbox_record WHERE state = 'committed' AND commit_ts IS NULL) END)
+         FROM {schema}.outbox_record WHERE state = 'committed' AND commit_ts IS NULL
+           AND (%(topics)s::text[] IS NULL OR topic = ANY(%(topics)s::text[]))) END)
 
 -- name: ledger_oldest_ended
 -- The ledger keeps ended rows for the relay's retention: ids newer than this are all still there.

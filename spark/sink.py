@@ -176,12 +176,23 @@ def oldest_ended(conn: psycopg.Connection[Any], schema: str) -> datetime | None:
 
 
 def oldest_due(
-    conn: psycopg.Connection[Any], schema: str, lo: datetime, hi: datetime, include_stuck: bool
+    conn: psycopg.Connection[Any],
+    schema: str,
+    lo: datetime,
+    hi: datetime,
+    include_stuck: bool,
+    topics: Sequence[str] | None = None,
 ) -> datetime | None:
-    """The oldest commit time of the rows a judgement of [lo, hi] may call missing (None: none)."""
+    """The oldest commit time of the rows a judgement of [lo, hi] may call missing (None: none);
+    of `topics` only, when given."""
     _bounded(conn)
     row = conn.execute(
         _sql.query("ledger_oldest_due", schema),
-        {"lo": lo, "hi": hi, "include_stuck": include_stuck},
+        {
+            "lo": lo,
+            "hi": hi,
+            "include_stuck": include_stuck,
+            "topics": None if topics is None else list(topics),
+        },
     ).fetchone()
     return None if row is None else row[0]

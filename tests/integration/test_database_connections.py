@@ -91,3 +91,25 @@ def test_a_judgements_write_gives_up_on_a_lock_held_without_end(
             sink.write_judgement(conn, "outbox", [], [], detected_in="test")
     with sink.connect(pg_dsn) as conn:  # the bounds were the transaction's, not the session's
         assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
+
+
+def test_rows_due_on_topics_a_job_does_not_watch_are_not_its_concern(pg_dsn: str) -> None:
+    """A row stuck on another topic made every judgement of a job naming its topics read
+    Kafka back to that row's commit, and no idle tick skip its Spark run."""
+    from datetime import UTC, datetime
+
+    import outbox
+
+    with psycopg.connect(pg_dsn) as conn:
+        for topic in ("payments", "orders"):  # the unwatched one committed first
+            with conn.transaction():
+                outbox.publish(conn, topic, "v")
+        when = dict(
+            conn.execute(
+                "SELECT topic, pg_xact_commit_timestamp(committed_xid::xid)"
+                " FROM outbox.outbox_record"
+            ).fetchall()
+        )
+        now = datetime.now(UTC)
+        assert sink.oldest_due(conn, "outbox", now, now, True, ["orders"]) == when["orders"]
+        assert sink.oldest_due(conn, "outbox", now, now, True) == when["payments"]

@@ -377,7 +377,7 @@ def test_least_privilege_grants(pg_dsn: str, caplog: pytest.LogCaptureFixture) -
             spark_job.execute(spark_sql.query("ledger_oldest_ended", "outbox"))
             spark_job.execute(
                 spark_sql.query("ledger_oldest_due", "outbox"),
-                {"lo": now, "hi": now, "include_stuck": True},
+                {"lo": now, "hi": now, "include_stuck": True, "topics": ["orders"]},
             )
             for contents in ("value", "headers"):
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
