@@ -113,6 +113,11 @@ class Endpoint:
 Reply = tuple[int, dict[str, str], bytes]
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a checker that dropped the connection on purpose: not worth a traceback
+
+
 class RawServer:
     """A tiny HTTP server of the test's own: `reply(headers, body)` decides the whole answer."""
 
@@ -144,7 +149,7 @@ class RawServer:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _QuietServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         if tls is not None:
             self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
