@@ -29,6 +29,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Protocol
 
 from checker.config import EndpointSettings
@@ -198,8 +199,9 @@ class _RecentIds:
     """A bounded ``InMemoryReplayCache``, wrapped so that no one takes it for the default one
     by its truthiness (an empty one is falsy: it has ``__len__``)."""
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, tolerance: timedelta) -> None:
         self._cache = InMemoryReplayCache(max_entries=max_entries)
+        self._cache.cover(tolerance.total_seconds())
 
     def seen(self, msg_id: str, now: float) -> bool:
         return self._cache.seen(msg_id, now)
@@ -250,7 +252,11 @@ class HttpCheckClient:
         # An answer must echo the id of the request it answers (fresh for every request), so a
         # replayed answer cannot match anyway; the replay cache is a second line, kept small so
         # that memory does not grow with the number of checks.
-        self._verifier = Verifier(secrets, replay_cache=_RecentIds(_REPLAY_CACHE_ENTRIES))
+        self._verifier = Verifier(
+            secrets,
+            tolerance_s=settings.signature_tolerance.total_seconds(),
+            replay_cache=_RecentIds(_REPLAY_CACHE_ENTRIES, settings.signature_tolerance),
+        )
         self._connect_s = settings.connect_timeout.total_seconds()
         self._timeout_s = settings.timeout.total_seconds()
         self._max_bytes = settings.max_response_bytes

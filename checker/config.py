@@ -74,6 +74,14 @@ class EndpointSettings(BaseModel):
         default=None,
         description="PEM bundle of the CAs to trust for https, instead of the system's.",
     )
+    signature_tolerance: Duration = Field(
+        default=timedelta(seconds=300),
+        ge=timedelta(seconds=1),
+        le=timedelta(hours=1),
+        description="How far an answer's signed time may be from the checker's clock; as the "
+        "application's handler's tolerance_s (raised there to ride out clock skew, every "
+        "answer was refused here at 300 s).",
+    )
 
     @field_validator("url")
     @classmethod

@@ -281,6 +281,7 @@ class ReconcileJob:
         self._say_a_gap_since_the_last_run(window)
         self._run_as_of = as_of
         self._stopping.clear()
+        query = None
         try:
             query = self._start_query(available_now=True)
             self._await(query)
@@ -289,6 +290,10 @@ class ReconcileJob:
             )
         finally:
             self._run_as_of = None
+            if query is not None and query.isActive:
+                # interrupted (a Ctrl-C, a py4j error): left running, its later micro-batches
+                # were judged as a continuous job's, on a session not the job's own
+                query.stop()
         with self._lock:
             report = self.judge(as_of, "final")
         self._write_checkpoint_file(_ONCE_JUDGED_TO, window.hi.isoformat())

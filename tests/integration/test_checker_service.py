@@ -727,6 +727,37 @@ def test_failed_check_changes_only_the_bookkeeping(
     assert endpoint.resolver.asked == []  # the redirect was not followed
 
 
+def test_answers_from_a_clock_behind_are_taken_within_the_tolerance_set(
+    pg_dsn: str,
+    raw_servers: Callable[..., RawServer],
+    make_checker: Callable[..., Checker],
+) -> None:
+    """The checker's verifier was fixed at 300 s: an application that raised its handler's
+    tolerance to ride out clock skew had every answer refused, and its transactions
+    discarded at max checks."""
+
+    def ten_minutes_behind(headers: dict[str, str], body: bytes) -> Reply:
+        request = json.loads(body)
+        answer_headers, answer = build_response(
+            Signer(SECRET), request_id=headers[HEADER_ID], tx_id=request["tx_id"],
+            status=COMMIT, now=lambda: time.time() - 600,
+        )  # fmt: skip
+        return 200, answer_headers, answer
+
+    url = raw_servers(ten_minutes_behind).url
+    refused, created = prepare(pg_dsn)
+    strict = make_checker(settings({GROUP: endpoint_settings(url)}), Clock(created + 7 * S))
+    assert strict.run_once().outcomes == Counter({"bad_signature": 1})
+    taken, created = prepare(pg_dsn)
+    lenient = make_checker(
+        settings({GROUP: endpoint_settings(url, signature_tolerance="PT15M")}),
+        Clock(created + 7 * S),
+    )
+    assert lenient.run_once().outcomes == Counter({"commit": 1})
+    assert one(pg_dsn, taken)["state"] == "committed"
+    assert one(pg_dsn, refused)["state"] == "prepared"
+
+
 def test_an_error_answer_says_what_the_endpoint_said(
     pg_dsn: str, make_checker: Callable[..., Checker], caplog: pytest.LogCaptureFixture
 ) -> None:
