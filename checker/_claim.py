@@ -86,10 +86,11 @@ class Claim:
             records=[],
             record_count=self.record_count,
         )
-        room = max_bytes - len(request.model_dump_json())
+        # bytes as sent (UTF-8), not characters: a header of 1000 "€" is 3000 bytes
+        room = max_bytes - len(request.model_dump_json().encode())
         kept: list[CheckRecord] = []
         for record in self.records:
-            room -= len(record.model_dump_json()) + 1  # and a comma
+            room -= len(record.model_dump_json().encode()) + 1  # and a comma
             if room < 0:
                 break
             kept.append(record)

@@ -212,7 +212,7 @@ def _error_said(data: bytes) -> str:
     "detail": text}`` (a wrong secret, a clock out of tolerance), which "HTTP 401" alone hides."""
     try:
         said = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return ""
     if not isinstance(said, dict):
         return ""

@@ -119,7 +119,8 @@ def _redrive_patiently(
             if attempt == _BUSY_TRIES:
                 raise
             time.sleep(_BUSY_WAIT_S * attempt)
-        except IllegalTransitionError as exc:
+        except (IllegalTransitionError, UnknownTransactionError) as exc:
+            # redriven by another operator meanwhile: parked no more, or delivered and gone
             logger.info("tx %s of producer group %s passed by: %s", tx_id, group, exc)
             return None
     raise AssertionError("unreachable: the last try raises")

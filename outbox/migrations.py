@@ -34,6 +34,26 @@ _LOCK_NAMESPACE = 74_110
 # how often it tries
 _LOCK_TIMEOUT = "3s"
 _LOCK_ATTEMPTS = 8
+# The library's tables in the order its transactions lock them: a relay's heartbeat
+# relay_member then shard_lease, its end shard_lease then outbox_record, the checker
+# outbox_record then audit_log. In another order, a migration waiting for one and holding
+# another deadlocked with them, and Postgres aborted one side.
+_TABLES_IN_LOCK_ORDER = (
+    "relay_member",
+    "shard_lease",
+    "outbox_record",
+    "audit_log",
+    "reconciliation_finding",
+    "reconciliation_window",
+    "schema_migration",
+)
+# A try that did not get its tables, tried again: a lock not granted in time, the whole LOCK
+# statement over its time, a deadlock Postgres broke by aborting the migration
+_BUSY = (
+    psycopg.errors.LockNotAvailable,
+    psycopg.errors.QueryCanceled,
+    psycopg.errors.DeadlockDetected,
+)
 
 
 @dataclass(frozen=True)
@@ -111,7 +131,7 @@ def _migrate(conn: psycopg.Connection[Any], schema: str) -> MigrationReport:
     for attempt in range(1, _LOCK_ATTEMPTS + 1):
         try:
             return _migrate_once(conn, schema)
-        except psycopg.errors.LockNotAvailable:
+        except _BUSY:
             if attempt == _LOCK_ATTEMPTS:
                 raise
             logger.warning(
@@ -200,32 +220,35 @@ def _up_to_date(conn: psycopg.Connection[Any], schema: str) -> int | None:
 
 
 def _lock_tables(conn: psycopg.Connection[Any], schema: str) -> None:
-    """Every table of the schema, locked at once for the migrations to come, in the order the
-    relay locks them (shard_lease, then outbox_record), within _LOCK_TIMEOUT.
+    """The library's tables in the schema, locked at once for the migrations to come, in the
+    order its transactions lock them (_TABLES_IN_LOCK_ORDER), within _LOCK_TIMEOUT.
 
     Taken statement by statement, a migration's locks grew (an index's SHARE, then an ALTER's
     ACCESS EXCLUSIVE) while an application's, the checker's or the relay's transaction held
     one and asked for another: a deadlock, and Postgres aborted one of them, the application's
     business transaction maybe. Waiting without a bound, the lock asked for held back every
     query of the table behind it."""
-    tables = [
+    found = {
         row[0]
         for row in _tuples(conn).execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = %s"
-            " ORDER BY tablename <> 'shard_lease', tablename <> 'outbox_record', tablename",
-            (schema,),
+            "SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,)
         )
-    ]
+    }
+    tables = [t for t in _TABLES_IN_LOCK_ORDER if t in found]  # not tables of others there
     if not tables:
         return
     cur = _tuples(conn)
     cur.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(_LOCK_TIMEOUT)))
+    # lock_timeout bounds each table's wait: the statement's whole wait is bounded too
+    cur.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(_LOCK_TIMEOUT)))
     cur.execute(
         sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
             sql.SQL(", ").join(sql.Identifier(schema, t) for t in tables)
         )
     )
-    cur.execute("SET LOCAL lock_timeout = 0")  # the tables are ours: the DDL waits on nothing
+    # the tables are ours: the DDL waits on nothing, and an index's build takes its time
+    cur.execute("SET LOCAL lock_timeout = 0")
+    cur.execute("SET LOCAL statement_timeout = 0")
 
 
 def _applied(conn: psycopg.Connection[Any], schema: str) -> dict[int, str]:

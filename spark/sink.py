@@ -162,7 +162,8 @@ def ledger_rows_by_ids(
     """Ledger rows of these ids (transform.LEDGER_SCHEMA order); unknown ids give no row."""
     if not ids:
         return []
-    with conn.cursor() as cur:
+    # a transaction of its own: on an autocommit connection the bounds ended with their SELECT
+    with conn.transaction(), conn.cursor() as cur:
         _bounded(cur)
         cur.execute(_sql.query("ledger_by_ids", schema), {"ids": list(ids)})
         return cur.fetchall()
@@ -170,8 +171,9 @@ def ledger_rows_by_ids(
 
 def oldest_ended(conn: psycopg.Connection[Any], schema: str) -> datetime | None:
     """The oldest `ended_at` the ledger still keeps (None: it keeps no ended rows)."""
-    _bounded(conn)
-    row = conn.execute(_sql.query("ledger_oldest_ended", schema)).fetchone()
+    with conn.transaction():  # as ledger_rows_by_ids
+        _bounded(conn)
+        row = conn.execute(_sql.query("ledger_oldest_ended", schema)).fetchone()
     return None if row is None else row[0]
 
 
@@ -185,14 +187,15 @@ def oldest_due(
 ) -> datetime | None:
     """The oldest commit time of the rows a judgement of [lo, hi] may call missing (None: none);
     of `topics` only, when given."""
-    _bounded(conn)
-    row = conn.execute(
-        _sql.query("ledger_oldest_due", schema),
-        {
-            "lo": lo,
-            "hi": hi,
-            "include_stuck": include_stuck,
-            "topics": None if topics is None else list(topics),
-        },
-    ).fetchone()
+    with conn.transaction():  # as ledger_rows_by_ids
+        _bounded(conn)
+        row = conn.execute(
+            _sql.query("ledger_oldest_due", schema),
+            {
+                "lo": lo,
+                "hi": hi,
+                "include_stuck": include_stuck,
+                "topics": None if topics is None else list(topics),
+            },
+        ).fetchone()
     return None if row is None else row[0]

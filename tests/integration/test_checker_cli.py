@@ -443,21 +443,31 @@ def test_redrive_of_a_topic_waits_out_a_moments_lock_and_passes_one_redriven_mea
     operator may redrive one: either stopped the whole topic's run with exit 1."""
     from checker import redrive, redrive_topic
 
-    (group, first, *_), (_, busy, *_), (_, taken, *_) = (
-        parked(pg_dsn, "billing.missing") for _ in range(3)
+    (group, first, *_), (_, busy, *_), (_, taken, *_), (_, gone, *_) = (
+        parked(pg_dsn, "billing.missing") for _ in range(4)
     )
     fix = {"actor": "erin", "reason": "topic created"}
-    with psycopg.connect(pg_dsn, autocommit=True) as other:
-        redrive(other, group, taken, **fix)  # another operator's, before this run reaches it
+    other = psycopg.connect(pg_dsn, autocommit=True)
+
+    def another_operator(result: ManualResult) -> None:
+        if result.tx_id != first:
+            return
+        # read in this run's page already, redriven before it reaches them; one delivered
+        # and gone already
+        redrive(other, group, taken, **fix)
+        redrive(other, group, gone, **fix)
+        other.execute("DELETE FROM outbox.outbox_record WHERE tx_id = %s", (gone,))
+
     holder = psycopg.connect(pg_dsn)
     holder.execute("SELECT id FROM outbox.outbox_record WHERE tx_id = %s FOR UPDATE", (busy,))
     release = threading.Timer(0.3, holder.close)  # the relay's moment
     release.start()
     try:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            done = redrive_topic(conn, "billing.missing", **fix)
+            done = redrive_topic(conn, "billing.missing", **fix, on_redriven=another_operator)
     finally:
         release.join()
+        other.close()
     assert [r.tx_id for r in done] == [first, busy]
     assert {state(pg_dsn, tx) for tx in (first, busy, taken)} == {"committed"}
 
