@@ -511,6 +511,8 @@ class Relay:
                 # meanwhile, in another order than the end: deadlocks, seen under load.
                 ending.settle_quietly()
             hold_back = self._stamp(ranges)
+            # the stamp leaves unstamped only the committed rows the horizon holds back
+            result.held_by_horizon = hold_back is not None
         else:  # the usual round: the claims bound themselves and stamp nothing
             unstamped = Unstamped(
                 since=self._stamped_below,

@@ -1107,11 +1107,13 @@ def test_a_commit_the_xid_horizon_held_back_goes_out_soon_after_it_moves(
 ) -> None:
     """An older transaction still running (any writer's; often a relay's own end) holds the
     horizon: the round its commit woke could not take the record, and the transaction's end
-    wakes nobody. The record waited for the poll interval (5 s here, 0.5 s by default)."""
+    wakes nobody. The record waited for the poll interval (60 s here, 0.5 s by default). It is
+    looked for again 50 ms later, then twice as long each time nothing goes: a few seconds at
+    most after a hold of half a second, whatever the machine's load."""
     topic = topic_factory()
-    relay = relay_factory(poll_interval="PT5S")
+    relay = relay_factory(poll_interval="PT60S")
     relay.start()
-    wait_for(lambda: relay.workers)
+    wait_for(lambda: relay.workers and relay._stamped_below != "0")  # its first stamp done
     with psycopg.connect(pg_dsn) as older, psycopg.connect(pg_dsn) as app:
         older.execute("SELECT pg_current_xact_id()")  # holds the horizon until it ends
         with app.transaction():
@@ -1120,8 +1122,8 @@ def test_a_commit_the_xid_horizon_held_back_goes_out_soon_after_it_moves(
         assert [r[1] for r in rows(pg_dsn)] == ["committed"]
         older.commit()
         moved = time.monotonic()
-    wait_for(lambda: not rows(pg_dsn), timeout=10)
-    assert time.monotonic() - moved < 2.5
+    wait_for(lambda: not rows(pg_dsn), timeout=30)
+    assert time.monotonic() - moved < 15
 
 
 def test_wake_ups_are_read_while_the_relay_waits_out_a_failure(
