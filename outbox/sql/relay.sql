@@ -94,13 +94,16 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
                       WHERE key_hash BETWEEN o.lo AND o.hi)
         ORDER BY committed_xid
         LIMIT 1)::text,
-       -- committed rows the horizon holds back (a transaction older than theirs still runs:
-       -- an application's, another relay's end, this relay's own): the round that could not
-       -- take them looks again soon, not after the poll interval (that transaction's commit
-       -- wakes nobody)
+       -- committed rows the horizon held back from the claim (a transaction older than
+       -- theirs ran: an application's, another relay's end, this relay's own): the round that
+       -- could not take them looks again soon, not after the poll interval (that
+       -- transaction's end wakes nobody). From the horizon before the claim (relay_claim_plan),
+       -- not this statement's: a transaction that ended meanwhile left rows below this one
+       -- that the claim could not take, their wake-up spent (the round then waited for the
+       -- poll interval).
        EXISTS (SELECT 1 FROM {schema}.outbox_record
                WHERE state = 'committed' AND commit_ts IS NULL
-                 AND committed_xid >= pg_snapshot_xmin(pg_current_snapshot())
+                 AND committed_xid >= current_setting('outbox_relay.claim_horizon')::xid8
                  AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
                              WHERE key_hash BETWEEN o.lo AND o.hi));
 
@@ -113,11 +116,14 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
 -- claim anew took ~2 ms of its ~10 (a batch of 1000). Generic plans for the claim alone: the
 -- statements after it in the transaction go back to custom ones (relay_claim_planned).
 -- statement_timeout 0: see relay_stamp_plan (a claim takes a transaction whole, however large).
+-- Keeps the xid horizon as of just before the claim, for relay_unstamped_below.
 SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true),
        set_config('statement_timeout', '0', true),
        set_config('enable_seqscan', 'off', true),
        set_config('max_parallel_workers_per_gather', '0', true),
-       set_config('plan_cache_mode', 'force_generic_plan', true);
+       set_config('plan_cache_mode', 'force_generic_plan', true),
+       set_config('outbox_relay.claim_horizon', pg_snapshot_xmin(pg_current_snapshot())::text,
+                  true);
 
 -- name: relay_claim_planned
 -- Right after relay_claim: Postgres plans any statement with parameters, even an unprepared

@@ -1126,6 +1126,47 @@ def test_a_commit_the_xid_horizon_held_back_goes_out_soon_after_it_moves(
     assert time.monotonic() - moved < 15
 
 
+def test_a_transaction_that_ends_during_a_claim_leaves_its_commits_looked_for_soon(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Each statement of a claim sees the horizon of its own start. An older transaction that
+    ended between the claim and the look at what the claim left unstamped made the round say
+    nothing waited above the horizon: the commit the claim could not take, its wake-up spent
+    on that round, waited for the poll interval (failed a CI run under load)."""
+    topic = topic_factory()
+    relay = relay_factory(poll_interval="PT60S")
+    relay.run_once()  # its first stamp: the next round claims unstamped rows itself
+    (worker,) = relay.workers.values()
+    claim_unmarked = worker._unmarked
+
+    def unmarked_later(conn: psycopg.Connection[Any], skip_ids: list[int]) -> Any:
+        conn.execute("SELECT pg_sleep(3)")  # queued in the claim's pipeline, after the claim
+        return claim_unmarked(conn, skip_ids)
+
+    def end_while_the_claim_sleeps(older: psycopg.Connection[Any]) -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as watch:  # each look a fresh view
+            wait_for(
+                lambda: watch.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(3)'"
+                ).fetchone()
+            )
+        older.commit()
+
+    with psycopg.connect(pg_dsn) as older, psycopg.connect(pg_dsn) as app:
+        older.execute("SELECT pg_current_xact_id()")  # holds the horizon until it ends
+        with app.transaction():
+            outbox.publish(app, topic, "held", key="k")
+        worker._unmarked = unmarked_later  # type: ignore[method-assign]
+        ender = threading.Thread(target=end_while_the_claim_sleeps, args=(older,))
+        ender.start()
+        result = relay.run_once()
+        ender.join()
+    assert result.delivered == 0  # the claim ran while the older transaction did
+    assert result.held_by_horizon  # so the loop looks again soon
+    worker._unmarked = claim_unmarked  # type: ignore[method-assign]
+    assert relay.run_once().delivered == 1
+
+
 def test_wake_ups_are_read_while_the_relay_waits_out_a_failure(
     pg_dsn: str, relay_factory: Any
 ) -> None:
