@@ -72,6 +72,10 @@ LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.byt
 # A round that held transactions back for another relay's shard looks again this soon (that
 # relay's rounds take tens of ms), not after the poll interval.
 HELD_BACK_POLL_S = 0.05
+# Commits the xid horizon holds back are looked for at least this often, whatever the poll
+# interval: the end of the transaction holding it wakes nobody, and after a hold of minutes
+# the doubling wait had grown to the poll interval.
+HELD_BY_HORIZON_MAX_POLL_S = 1.0
 MIN_MARKER_RETENTION_MS = 24 * 3600 * 1000  # as relay.op_marker_retention's least
 MARKER_TOPIC_CHECK_S = 10.0  # how often the op-marker topic's id is compared (heartbeat)
 HORIZON_WARN_S = 60.0  # a transaction holding the xid horizon this long is logged, once
@@ -102,6 +106,12 @@ def _backoff(failures: int) -> float:
     return min(_MAX_BACKOFF_S, 0.25 * 2.0**failures)
 
 
+def _sooner(wait: float | None, retry_in: float | None) -> float | None:
+    """The shorter of two waits (None: no bound). Never 0, which _wait_for_work takes for none."""
+    waits = [w for w in (wait, retry_in) if w is not None]
+    return max(0.001, min(waits)) if waits else None
+
+
 class RelayConfigError(ValueError):
     """The relay's settings do not fit the broker's: nothing could be delivered as they are."""
 
@@ -127,6 +137,9 @@ class RelayRound:
     held_back: bool = False
     held_by_horizon: bool = False  # committed rows wait for an older transaction to end
     shards: int = 0
+    # seconds until a shard skipped or held up by a backoff (its own failure, a dead-letter
+    # topic refusing copies) may go again: no wake-up comes for it
+    retry_in: float | None = None
 
     def add(self, r: ShardRound) -> None:
         self.delivered += r.delivered
@@ -186,6 +199,7 @@ class Relay:
         self._backlog_unstamped = False  # the last claim left a backlog unstamped: stamp it
         self.last_round_at = time.monotonic()
         self._listen_lost_at = -math.inf  # when the LISTEN connection last failed
+        self._gained = False  # a shard gained since the round began: a round for it at once
 
     # --- connections ------------------------------------------------------------------------
 
@@ -394,6 +408,8 @@ class Relay:
                 raise
         if changes.gained:  # their rows may be left unstamped by another relay
             self._stamp_all_again()
+            # Their commits' wake-ups came before: they would wait for the poll interval.
+            self._gained = True
         metrics.SHARDS_OWNED.set(len(self.workers))
         self._set_wake_relays()
         # Last: it may wait on Kafka, and the lease changes are all acted on by now (raised
@@ -496,6 +512,7 @@ class Relay:
                 # from their end: a backlog of trims took their whole budgets, and the very
                 # next round trimmed again, a round of deliveries every heartbeat interval
                 self._last_trim = time.monotonic()
+        self._gained = False  # those gained by now are in this round
         result = RelayRound(shards=len(self.workers))
         if not self.workers:  # alive all the same: a spare relay waits for a shard to free
             self.last_round_at = time.monotonic()
@@ -570,7 +587,14 @@ class Relay:
         if failed and len(failed) == tried:
             self._counted = failed[0]  # counted above, by shard: not again as the round's
             raise failed[0]  # nothing went: the loop backs off
+        result.retry_in = self._next_retry_in()
         return result
+
+    def _next_retry_in(self) -> float | None:
+        """Seconds until the first backoff of an owned shard ends, if one runs."""
+        now = time.monotonic()
+        due = [t for w in self.workers.values() for t in w.backoffs() if t > now]
+        return min(due) - now if due else None
 
     def _marker_topic_replaced(self, was: str, now: str) -> RelayConfigError:
         return RelayConfigError(
@@ -802,8 +826,10 @@ class Relay:
                 # the transaction holding it (often a relay's end, ~10 ms) wakes nobody, and
                 # their wake-up was spent on a round that could not take them: they waited
                 # for the poll interval.
-                self._wait_for_work(held_back_wait, held_back=True)
+                self._wait_for_work(_sooner(held_back_wait, result.retry_in), held_back=True)
                 longest = self.settings.relay.poll_interval.total_seconds()
+                if not result.held_back:  # held by the horizon alone
+                    longest = min(longest, HELD_BY_HORIZON_MAX_POLL_S)
                 held_back_wait = (
                     HELD_BACK_POLL_S if result.delivered else min(2 * held_back_wait, longest)
                 )
@@ -812,7 +838,7 @@ class Relay:
             if result.full:
                 self._forget_wakeups()  # the next round finds what they announce
             else:
-                self._wait_for_work()
+                self._wait_for_work(_sooner(None, result.retry_in))
         self._shutdown()
 
     def _on_failure(self, exc: Exception) -> None:
@@ -867,6 +893,8 @@ class Relay:
                 deadline = time.monotonic() + timeout
                 woke = False
                 while not woke and not self._stop.is_set() and self._refused is None:
+                    if self._gained:
+                        return
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
@@ -892,17 +920,22 @@ class Relay:
                 self._listen_lost_at = now
                 return
         else:
-            self._pause(timeout)
+            self._pause(timeout, until_gained=True)
+            if self._gained:
+                return
         if rs.linger.total_seconds() > 0:
             self._stop.wait(rs.linger.total_seconds())
 
-    def _pause(self, seconds: float) -> None:
+    def _pause(self, seconds: float, *, until_gained: bool = False) -> None:
         """Wait until stop(), heartbeating when one is due: a poll interval or a failure's
         backoff longer than the lease let the leases lapse, and the shards flapped between
-        relays, each move a fencing and a recovery."""
+        relays, each move a fencing and a recovery. `until_gained`: or until a shard is
+        gained (a poll interval, not a failure's backoff)."""
         deadline = time.monotonic() + seconds
         interval = self.settings.relay.heartbeat_interval.total_seconds()
         while not self._stop.is_set() and self._refused is None:
+            if until_gained and self._gained:
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 return

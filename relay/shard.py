@@ -992,6 +992,12 @@ class ShardWorker:
         size = self.settings.batch_size
         if not batch.held_back:
             return size if self._claim_limit >= size // 2 else self._claim_limit * 2
+        if not batch.committed:
+            # Held-back transactions filled the whole claim: the shard's other keys, behind
+            # them, were never read while those waited (a large transaction of another shard's
+            # relay, or one dead until its lease expires). Read further each round instead,
+            # and as far again while they wait (shrunk, it grew back every held-back wait).
+            return min(size, 2 * self._claim_limit) if batch.cut_short else self._claim_limit
         return max(min(MIN_CLAIM_LIMIT, size), min(size, 2 * len(batch.committed)))
 
     def _next_claim_bytes(self, batch: _Batch) -> int:
@@ -1020,6 +1026,11 @@ class ShardWorker:
         records went (see _Ending.out)."""
         ending = self._ending
         return OutElsewhere([], []) if ending is None else OutElsewhere(ending.spanning, ending.out)
+
+    def backoffs(self) -> list[float]:
+        """When (time.monotonic()) this shard's backoffs end: its own after a failure (the relay
+        skips it until then), a dead-letter topic's that refused copies (rows to end wait)."""
+        return [self.retry_at, self._dead_letter_blocked_until]
 
     def _take_claim_ahead(self) -> _Batch | None:
         """The claim made during the last batch, if it may go: that batch committed in Kafka,
@@ -1096,7 +1107,9 @@ class ShardWorker:
             # refuses copies leaves some for later: no round at once for those)
             or (batch.ended_full and len(ended) == len(batch.ended))
             or bool(batch.held_back and committed)
-            or (batch.cut_short and not batch.held_back),  # held back: wait, not spin
+            # more was left unread (held back and nothing sent: the next claim reads further,
+            # up to a batch, where it is no longer cut short: no spinning)
+            or batch.cut_short,
             held_back=batch.held_back > 0,
             unstamped_seen=batch.unstamped_seen,
         )
@@ -1289,12 +1302,16 @@ class ShardWorker:
             self._park(conn, poison)
             self._alone.difference_update(poison)
             result.parked = len(poison)
+            # At once, not after the poll interval: the batch's other records (purged with
+            # it) go again, and the refused one alone or parked; each pass settles one of them.
+            result.full = True
             return result
         if not markers:  # only poison: nothing to send
             self._abort()
             self._park(conn, poison)
             self._alone.difference_update(poison)
             result.parked = len(poison)
+            result.full = True  # their dead-letter copies and markers, next round
             return result
         if any(m.error is not None for m in marker_sends):  # purged, with nothing failed
             self._abort()

@@ -1081,16 +1081,16 @@ def test_a_relay_waiting_longer_than_its_lease_keeps_its_shards(
     """Heartbeats came only with rounds: a poll interval (or a failure's backoff) longer than
     the lease let it lapse while the relay waited, and the shards went from relay to relay."""
     relay = relay_factory(
-        lease_duration="PT3S",
+        lease_duration="PT5S",  # a renewal may come up to 4 s late on a loaded machine
         heartbeat_interval="PT1S",
-        poll_interval="PT8S",
+        poll_interval="PT12S",
         listen_notify=listen_notify,
     )
     relay.start()
     wait_for(lambda: relay.workers)
     seen = []
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        for _ in range(14):  # 7 s: past two leases with no round between them
+        for _ in range(22):  # 11 s: past two leases with no round between them
             time.sleep(0.5)
             seen.append(
                 conn.execute(
@@ -1487,8 +1487,14 @@ def test_a_transaction_too_large_to_send_in_time_is_named_and_sent_apart(
             except TransactionTimedOut as exc:
                 return str(exc)
             except KafkaException as exc:
-                retried = exc.args[0].code() == KafkaError.CONCURRENT_TRANSACTIONS
+                # and what a loaded machine's 1 s cuts short besides (the recovery's
+                # init_transactions, a one-record batch): the loop retries those too
+                error = exc.args[0]
+                retried = error.code() == KafkaError.CONCURRENT_TRANSACTIONS or error.retriable()
                 if not retried or time.monotonic() > deadline:
+                    raise
+            except TimeoutError:  # the recovery's read of the markers, past aborted ones
+                if time.monotonic() > deadline:
                     raise
             finally:
                 for w in relay.workers.values():
@@ -1677,8 +1683,18 @@ def test_a_relay_waiting_a_long_poll_interval_is_alive(relay_factory: Any) -> No
         poll_interval="PT150S", listen_notify=False, kafka_transaction_timeout="PT30S"
     )
     assert relay.stale_after_s() == 120 + 150 + 30
+    first_round = threading.Event()
+    run_once = relay.run_once
+
+    def round_then_say(**kwargs: Any) -> RelayRound:
+        try:
+            return run_once(**kwargs)
+        finally:
+            first_round.set()
+
+    relay.run_once = round_then_say  # type: ignore[method-assign]
     relay.start()
-    wait_for(lambda: relay.workers)  # its first round: then it waits up to 150 s
+    assert first_round.wait(60)  # its first round is over: then it waits up to 150 s
     relay.last_round_at = time.monotonic() - 150
     assert relay.alive()
     relay.last_round_at -= 160
@@ -3069,17 +3085,16 @@ def test_a_claim_after_a_round_that_held_back_reads_less_and_goes_again_at_once_
     topic = topic_factory()
     first, second = _two_relays_a_shard_each(relay_factory)
     by_shard = {next(iter(r.workers)): r for r in (first, second)}
-    (a_key,), (b_key,) = keys_by_shard(pg_dsn, 2, 1)
+    (a_key, other_key), (b_key, _) = keys_by_shard(pg_dsn, 2, 2)
     publish_tx(pg_dsn, topic, b_key, a_key)  # home 1: shard 0 holds it back
+    publish_tx(pg_dsn, topic, other_key)  # goes: the round sends little, and holds back
     behind = MIN_CLAIM_LIMIT + MIN_CLAIM_LIMIT // 2
     with psycopg.connect(pg_dsn) as conn:
         for i in range(behind):  # shard 0's alone, each behind the first on its key
             with conn.transaction():
                 outbox.publish(conn, topic, f"{a_key}#{i}", key=a_key)
     held = by_shard[0].run_once()
-    assert (held.delivered, held.held_back) == (0, True)
-    again = by_shard[0].run_once()  # a short claim, all held back: waits, does not spin
-    assert (again.delivered, again.held_back, again.full) == (0, True, False)
+    assert (held.delivered, held.held_back) == (1, True)
     assert by_shard[1].run_once().delivered == 2
     cut = by_shard[0].run_once()
     assert (cut.delivered, cut.held_back, cut.full) == (MIN_CLAIM_LIMIT, False, True)
@@ -3087,6 +3102,113 @@ def test_a_claim_after_a_round_that_held_back_reads_less_and_goes_again_at_once_
     assert (rest.delivered, rest.full) == (behind - MIN_CLAIM_LIMIT, False)
     got = by_key(kafka_bootstrap, topic)[a_key.encode()]
     assert [v.split(b"@")[0] for v in got[1:]] == [f"{a_key}#{i}".encode() for i in range(behind)]
+
+
+def test_a_short_claim_filled_by_held_back_transactions_reads_on_to_the_other_keys(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """After a round that held back and sent little, the next claim reads fewer rows (see
+    ShardWorker._next_claim_limit). When the held-back ones filled it, a commit of another key
+    behind them was never read while they waited (for another relay's large transaction, or
+    one dead until its lease expires), though nothing held it back."""
+    from relay.shard import MIN_CLAIM_LIMIT
+
+    topic = topic_factory()
+    first, second = _two_relays_a_shard_each(relay_factory)
+    by_shard = {next(iter(r.workers)): r for r in (first, second)}
+    (a_key, other_key, more_key), (b_key, _, _) = keys_by_shard(pg_dsn, 2, 3)
+    publish_tx(pg_dsn, topic, b_key, a_key)  # home 1: shard 0 holds it back
+    publish_tx(pg_dsn, topic, other_key)
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(MIN_CLAIM_LIMIT + 10):  # each behind the first on its key
+            with conn.transaction():
+                outbox.publish(conn, topic, f"{a_key}#{i}", key=a_key)
+    held = by_shard[0].run_once()  # sent little, held back: the next claim reads less
+    assert (held.delivered, held.held_back) == (1, True)
+    publish_tx(pg_dsn, topic, more_key)  # held back by nothing, behind those held back
+    cut = by_shard[0].run_once()  # filled by those held back: it reads further at once
+    assert (cut.delivered, cut.held_back, cut.full) == (0, True, True)
+    further = by_shard[0].run_once()
+    assert (further.delivered, further.held_back) == (1, True)
+    assert len(by_key(kafka_bootstrap, topic)[more_key.encode()]) == 1
+    # Sent little again, so read less again, and further at once; then, read to the end
+    # with all of it held back, it waits (not full), and reads as far the next time.
+    settling = [by_shard[0].run_once() for _ in range(3)]
+    assert [(r.delivered, r.held_back, r.full) for r in settling] == [
+        (0, True, True),
+        (0, True, False),
+        (0, True, False),
+    ]
+
+
+def test_a_shard_backing_off_goes_again_when_its_backoff_ends(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """One shard's failure backs it off alone (the other shards go on, and the round
+    succeeds). Its records then waited for the next wake-up or the poll interval (60 s here),
+    not for the end of its backoff (0.5 s): their commits' wake-ups had been spent."""
+    topic = topic_factory()
+    (a_key,), (b_key,) = keys_by_shard(pg_dsn, 2, 1)
+    relay = relay_factory(shards=2, poll_interval="PT60S")
+    relay.run_once()
+    assert sorted(relay.workers) == [0, 1]
+    worker = relay.workers[0]
+    deliver_once, failures = worker.deliver_once, []
+
+    def fails_once(*args: Any, **kwargs: Any) -> Any:
+        if not failures:
+            failures.append(time.monotonic())
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "the broker went (test)"))
+        return deliver_once(*args, **kwargs)
+
+    worker.deliver_once = fails_once  # type: ignore[method-assign]
+    for key in (a_key, b_key):
+        publish_tx(pg_dsn, topic, key)
+    relay.start()
+    wait_for(lambda: not rows(pg_dsn), timeout=30)
+    assert time.monotonic() - failures[0] < 15
+
+
+def test_a_relay_takes_a_shard_it_gains_between_rounds_at_once(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A shard gained by a heartbeat while waiting for work (its relay stopped) went on
+    waiting for a wake-up or the poll interval (60 s here): its records' wake-ups had come
+    before, to a relay that could not take them."""
+    topic = topic_factory()
+    owner = relay_factory(poll_interval="PT60S", heartbeat_interval="PT0.2S")
+    owner.run_once()
+    assert owner.workers
+    spare = same_settings_other_id(relay_factory, owner, "spare")
+    spare.start()
+    wait_for(lambda: spare.last_round_at > 0 and spare._set_up)
+    publish_tx(pg_dsn, topic, "k")  # wakes the spare, which has no shard
+    owner.stop(timeout=10)  # hands its shard back, its record not sent
+    stopped = time.monotonic()
+    assert [r[1] for r in rows(pg_dsn)] == ["committed"]
+    wait_for(lambda: not rows(pg_dsn), timeout=30)
+    assert time.monotonic() - stopped < 15
+    assert spare.workers
+
+
+def test_records_batched_with_one_the_broker_refuses_go_again_at_once(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """The broker refused one record of a batch and the client purged the others with it: the
+    round aborted, marked the refused one to go alone, and said nothing was waiting. The
+    others then waited for a wake-up or the poll interval (60 s here), and again after the
+    refused one was parked (its dead-letter copy and marker)."""
+    topic = topic_factory(config={"max.message.bytes": "2000"})
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(5):
+            with conn.transaction():
+                outbox.publish(conn, topic, "x" * 5000 if i == 2 else f"fits {i}", key=f"k{i}")
+    relay = relay_factory(poll_interval="PT60S")
+    started = time.monotonic()
+    relay.start()
+    # the others delivered (gone), the refused one parked with its marker written (ended)
+    wait_for(lambda: [r[1:4:2] for r in rows(pg_dsn)] == [("parked", True)], timeout=30)
+    assert time.monotonic() - started < 15
 
 
 def _two_relays_polling_every_30s(relay_factory: Any, **relay: Any) -> tuple[Relay, Relay]:
@@ -3284,15 +3406,12 @@ def test_the_running_relay_wakes_on_commit_or_polls(
     started = time.monotonic()
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic, "wake up")
-    deadline = started + 10
-    while time.monotonic() < deadline:
-        if consume_all(kafka_bootstrap, topic, "read_committed"):
-            break
+    wait_for(lambda: not rows(pg_dsn), timeout=40)  # sent and ended
+    assert time.monotonic() - started < 20  # well before the 30 s poll interval
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"wake up"]
-    assert time.monotonic() - started < 10
     stopping = time.monotonic()
-    relay.stop(10)
-    assert time.monotonic() - stopping < 5  # never kept waiting for the long poll interval
+    relay.stop(20)
+    assert time.monotonic() - stopping < 15  # never kept waiting for the long poll interval
     relay.stop(10)  # a second stop is harmless
 
 
