@@ -197,9 +197,9 @@ class RelaySettings(BaseModel):
     recovery_group_prefix: str = Field(
         default="outbox-relay-recovery-",
         min_length=1,
-        description="A recovery reads the op markers back in a consumer group named with this "
-        "prefix and a random suffix (it commits nothing); where ACLs name groups, grant READ "
-        "on the prefix.",
+        description="A recovery's consumer of the op markers is named a group with this "
+        "prefix and a random suffix, as Kafka's Python client requires. It reads by assignment "
+        "and commits nothing: no group ACL is needed.",
     )
     op_marker_topic: str = "outbox.op-markers"
     op_marker_partitions: int = Field(default=4, ge=1)

@@ -111,12 +111,6 @@ def _shipped_as(marker: Ended | OpMarker) -> str:
     return "committed" if marker.op is Op.DELIVERED else marker.op.value
 
 
-# A recovery's reading of the markers refused by the broker's ACLs.
-_READ_REFUSED = frozenset(
-    {KafkaError.GROUP_AUTHORIZATION_FAILED, KafkaError.TOPIC_AUTHORIZATION_FAILED}
-)
-
-
 def topic_refused(topic: str) -> str:
     """The parking reason of a record whose topic the broker's ACLs keep the relay from."""
     return (
@@ -639,12 +633,17 @@ class ShardWorker:
                 if error is not None:
                     if error.code() == KafkaError._PARTITION_EOF:
                         continue
-                    if error.code() in _READ_REFUSED:  # for every shard: stop, saying so
-                        raise MarkerTopicRefused(
+                    if error.code() == KafkaError.GROUP_AUTHORIZATION_FAILED:
+                        # The group is only named (the Python client will not make a consumer
+                        # without one); an assignment at an offset fetches without it, and
+                        # commits nothing. Its coordinator's look-up, refused, came in at
+                        # random against the read: some recoveries stopped the relay for an
+                        # ACL they did not need, others went on.
+                        continue
+                    if error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                        raise MarkerTopicRefused(  # for every shard: stop, saying so
                             f"a recovery cannot read the op markers back ({error.str()}): the "
-                            f"relay's principal needs READ on {tp.topic} and READ on the "
-                            "consumer groups prefixed "
-                            f"{self.settings.recovery_group_prefix!r} (a PREFIXED group ACL)"
+                            f"relay's principal needs READ on {tp.topic}"
                         )
                     raise KafkaException(error)
                 try:
