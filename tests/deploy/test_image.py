@@ -84,8 +84,9 @@ def test_the_charts_containers_migrate_and_deliver_from_the_image_and_stop_on_si
         "delivery",
         running,
     )
-    metrics = get(port, "/metrics")[1].decode()
-    assert f'outbox_relay_records_delivered_total{{topic="{topic}"}} 3.0' in metrics
+    counted = f'outbox_relay_records_delivered_total{{topic="{topic}"}} 3.0'
+    # counted as the rows end, right after the Kafka commit the consumer saw
+    until(lambda: counted in get(port, "/metrics")[1].decode(), 30, "the metric", running)
 
     running.stop(timeout_s=30)  # the image's STOPSIGNAL, SIGTERM, as a kubelet sends
     assert running.wait(timeout_s=60) == 0, running.output()

@@ -294,12 +294,16 @@ def test_a_body_sent_a_byte_at_a_time_is_given_up_after_the_timeout_in_all(
                 closed = True
                 break
             ready, _, _ = select.select([sock], [], [], 0.4)  # each byte inside the timeout
-            if ready and sock.recv(1) == b"":
+            try:
+                if ready and sock.recv(1) == b"":
+                    closed = True
+                    break
+            except OSError:  # a reset: a byte came after the server's last read, then its close
                 closed = True
                 break
         elapsed = time.monotonic() - started
     assert closed, "the server went on reading a body trickling in for 16 s"
-    assert elapsed < 3.0
+    assert elapsed < 6.0  # the 1 s timeout, on a loaded machine; the 16 s of before fail
     assert resolver.asked == []
 
 

@@ -179,8 +179,11 @@ def test_concurrent_reuse_of_a_tx_id_is_caught(pg_dsn: str) -> None:
     thread = threading.Thread(target=second_writer)
     thread.start()
     with psycopg.connect(pg_dsn, autocommit=True) as probe:
-        waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-        for _ in range(200):  # until the second writer waits on the lock
+        waiting = (
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+        for _ in range(1500):  # until the second writer waits on the lock (30 s at most)
             if probe.execute(waiting).fetchone() == (1,):
                 break
             threading.Event().wait(0.02)

@@ -132,6 +132,8 @@ def test_a_stop_while_the_primary_is_silent_keeps_within_its_grace(
     time.sleep(1)  # a round under way, its statement unanswered
     started = time.monotonic()
     relay.proc.terminate()
+    # 0: every part stopped within the grace (else the sidecar exits 1); the bound leaves
+    # the process's own start and end room on a loaded machine, and 2 x 6 s still fails it
     assert relay.proc.wait(30) == 0, relay.output()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 15
     assert "could not hand the shards back" in relay.output()

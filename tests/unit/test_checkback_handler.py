@@ -422,7 +422,9 @@ def test_async_handler_runs_a_sync_resolver_off_the_event_loop(clock: Clock) -> 
 
     result, ticks = asyncio.run(main())
     assert json.loads(result.body)["status"] == "COMMIT"
-    assert ticks >= 10  # the loop went on while the resolver blocked
+    # the loop went on while the resolver blocked (on it, it would tick once at most; a
+    # loaded machine may tick far less often than every 10 ms)
+    assert ticks >= 3
 
 
 # --- the checker's side: building requests, verifying answers ---
