@@ -826,10 +826,11 @@ class Relay:
                 # the transaction holding it (often a relay's end, ~10 ms) wakes nobody, and
                 # their wake-up was spent on a round that could not take them: they waited
                 # for the poll interval.
-                self._wait_for_work(_sooner(held_back_wait, result.retry_in), held_back=True)
                 longest = self.settings.relay.poll_interval.total_seconds()
                 if not result.held_back:  # held by the horizon alone
                     longest = min(longest, HELD_BY_HORIZON_MAX_POLL_S)
+                wait = min(held_back_wait, longest)
+                self._wait_for_work(_sooner(wait, result.retry_in), held_back=True)
                 held_back_wait = (
                     HELD_BACK_POLL_S if result.delivered else min(2 * held_back_wait, longest)
                 )
@@ -916,7 +917,7 @@ class Relay:
                 # be made: no spinning.
                 now = time.monotonic()
                 if listening is None or now - self._listen_lost_at < timeout:
-                    self._pause(timeout)
+                    self._pause(timeout, until_gained=True)
                 self._listen_lost_at = now
                 return
         else:

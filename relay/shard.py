@@ -982,7 +982,8 @@ class ShardWorker:
 
     def _next_claim_limit(self, batch: _Batch) -> int:
         """How many rows of this shard the next claim reads. All of a batch when nothing was
-        held back; after a round that held transactions back, twice what it sent. A load whose
+        held back; after a round that held transactions back, twice what it sent, or, when it
+        sent nothing, twice as many as it read if they filled it (else as many). A load whose
         transactions span shards holds most of a claim back (each transaction is sent by one
         shard, and the later ones of its keys wait behind it): reading a whole batch's
         transactions, with their rows in every shard, to send a few of them made each round

@@ -100,7 +100,8 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
        -- transaction's end wakes nobody). From the horizon before the claim (relay_claim_plan),
        -- not this statement's: a transaction that ended meanwhile left rows below this one
        -- that the claim could not take, their wake-up spent (the round then waited for the
-       -- poll interval).
+       -- poll interval). (Rows the claim took, when the horizon moved on as it ran, count
+       -- too: one round more, 50 ms later.)
        EXISTS (SELECT 1 FROM {schema}.outbox_record
                WHERE state = 'committed' AND commit_ts IS NULL
                  AND committed_xid >= current_setting('outbox_relay.claim_horizon')::xid8

@@ -3181,7 +3181,7 @@ def test_a_relay_takes_a_shard_it_gains_between_rounds_at_once(
     assert owner.workers
     spare = same_settings_other_id(relay_factory, owner, "spare")
     spare.start()
-    wait_for(lambda: spare.last_round_at > 0 and spare._set_up)
+    wait_for(lambda: spare._leases_renewed_at > 0)  # its first heartbeat: it has no shard
     publish_tx(pg_dsn, topic, "k")  # wakes the spare, which has no shard
     owner.stop(timeout=10)  # hands its shard back, its record not sent
     stopped = time.monotonic()
