@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from outbox._errors import InvalidConfigError
 
@@ -36,13 +37,19 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler_class: type[BaseHTTPRequestHandler]):
         self.closing = False
         self._open: set[socket.socket] = set()
+        # kept alive after an answer, waiting for the next request: the longest waiting first
+        self._waiting: dict[socket.socket, None] = {}
         self._open_lock = threading.Lock()
         super().__init__(address, handler_class)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         # One thread per connection: without a cap, idle or slow connections took threads and
-        # memory without end. Over it, a connection is closed at once (the client retries).
+        # memory without end. Over it, a connection kept alive waiting for its next request
+        # makes room (as a busy web server does; a client retries a request on a reused
+        # connection closed under it); with none, the new one is closed at once.
         with self._open_lock:
+            if not self.closing and len(self._open) >= self.max_connections:
+                self._make_room()
             refused = self.closing or len(self._open) >= self.max_connections
             if not refused:
                 self._open.add(request)
@@ -57,9 +64,42 @@ class _Server(ThreadingHTTPServer):
             return
         super().process_request(request, client_address)
 
+    def _make_room(self) -> None:
+        """Close the longest-waiting kept-alive connection with no request arriving on it.
+        Called holding _open_lock."""
+        for conn in list(self._waiting):
+            del self._waiting[conn]
+            with contextlib.suppress(OSError, ValueError):  # closed meanwhile
+                if select.select([conn], [], [], 0)[0]:
+                    if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                        continue  # a request is arriving: not idle
+                    self._open.discard(conn)  # closed by its client: its thread is ending
+                    return
+                conn.shutdown(socket.SHUT_RD)  # its thread reads the end of input and ends
+                self._open.discard(conn)
+                logger.info(
+                    "check server: at %d connections, closed one kept alive idle to make room",
+                    self.max_connections,
+                )
+                return
+
+    def waits(self, conn: socket.socket) -> None:
+        """A kept-alive connection waits for its next request: it may make room."""
+        with self._open_lock:
+            if conn in self._open:
+                self._waiting[conn] = None
+
+    def request_came(self, conn: socket.socket) -> bool:
+        """A kept-alive connection's next request came: False if it made room meanwhile (its
+        thread may have read the request before the end of input: it must not answer)."""
+        with self._open_lock:
+            self._waiting.pop(conn, None)
+            return conn in self._open
+
     def shutdown_request(self, request: Any) -> None:
         with self._open_lock:
             self._open.discard(request)
+            self._waiting.pop(request, None)
         super().shutdown_request(request)
 
     def stop_reading(self) -> None:
@@ -93,6 +133,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
     check_handler: CheckHandler
     check_path: str
     check_timeout_s: float
+    _answered = False  # a request of this connection was handled: it is kept alive
 
     def do_POST(self) -> None:
         if self._closing():
@@ -134,6 +175,25 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self._reply(length)
             return False
         return super().handle_expect_100()
+
+    def handle_one_request(self) -> None:
+        # Between two requests of a kept-alive connection its thread only waits: it may be
+        # closed to make room for a new connection. A new connection is not (its first request
+        # may be on its way).
+        if self._answered:
+            self._server.waits(self.connection)
+        super().handle_one_request()
+        self._answered = True
+
+    def parse_request(self) -> bool:
+        if self._answered and not self._server.request_came(self.connection):
+            self.close_connection = True  # closed unanswered: the client retries elsewhere
+            return False
+        return super().parse_request()
+
+    @property
+    def _server(self) -> _Server:
+        return cast(_Server, self.server)
 
     def _closing(self) -> bool:
         """A request read once the server began closing is not answered (the input already
@@ -275,8 +335,9 @@ def serve(
 
     ``timeout_s`` bounds each socket read and write, and the reading of a request's body in all,
     so a slow or silent client only holds its own thread. At most ``max_connections`` are open at
-    once (a thread each); more are closed at once. Put TLS in front (ingress, mesh) when the
-    checker is remote.
+    once (a thread each): past that, a connection kept alive idle between requests is closed to
+    make room, and with none idle the new one is closed at once. Put TLS in front (ingress,
+    mesh) when the checker is remote.
     """
     if not isinstance(handler, CheckHandler):
         raise TypeError(

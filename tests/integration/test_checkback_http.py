@@ -340,6 +340,83 @@ def test_connections_past_the_cap_are_closed_at_once(resolver: Resolver) -> None
     assert resolver.asked == ["tx-1"]
 
 
+def test_a_connection_kept_alive_idle_makes_room_for_a_new_one(resolver: Resolver) -> None:
+    """At the cap, a checker's kept-alive connections, idle between checks, refused every new
+    connection (another checker's, or its own after a restart) until they timed out."""
+    with serve(CheckHandler(resolver, [SECRET]), max_connections=1) as running:
+        kept = http.client.HTTPConnection("127.0.0.1", running.port, timeout=TIMEOUT_S)
+        try:
+            headers, body = build_request(Signer(SECRET), check_request("tx-a"))
+            assert post_on(kept, headers, body) == 200
+            wait_until(lambda: len(running._httpd._waiting) == 1)  # back waiting: idle
+            headers, body = build_request(Signer(SECRET), check_request("tx-b"))
+            assert post_raw(running, headers, body) == 200  # served, not refused
+            headers, body = build_request(Signer(SECRET), check_request("tx-c"))
+            with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+                post_on(kept, headers, body)  # the idle one made room
+        finally:
+            kept.close()
+    assert resolver.asked == ["tx-a", "tx-b"]
+
+
+def test_a_checker_whose_idle_connection_made_room_checks_again_on_a_new_one(
+    resolver: Resolver,
+) -> None:
+    with serve(CheckHandler(resolver, [SECRET]), max_connections=1) as running:
+        client = HttpCheckClient(
+            EndpointSettings.model_validate({"url": running.url, "secrets": [SECRET]})
+        )
+        try:
+            assert client.check(check_request("tx-a")).outcome == "commit"
+            wait_until(lambda: len(running._httpd._waiting) == 1)
+            headers, body = build_request(Signer(SECRET), check_request("tx-b"))
+            assert post_raw(running, headers, body) == 200  # takes the checker's place
+            wait_until(lambda: open_connections(running) == 0)  # that one's client closed it
+            assert client.check(check_request("tx-c")).outcome == "commit"  # retried anew
+        finally:
+            client.close()
+    assert resolver.asked == ["tx-a", "tx-b", "tx-c"]
+
+
+def test_a_connection_being_answered_does_not_make_room(resolver: Resolver) -> None:
+    """Only a connection waiting between requests is closed for room: one whose request is
+    being answered (here: a body still coming) keeps its place, and the new one is refused."""
+    with serve(CheckHandler(resolver, [SECRET]), max_connections=1) as running:
+        kept = socket.create_connection(("127.0.0.1", running.port), timeout=TIMEOUT_S)
+        try:
+            headers, body = build_request(Signer(SECRET), check_request("tx-a"))
+            kept.sendall(raw_post(headers, body))
+            assert answer_status(kept) == 200
+            wait_until(lambda: len(running._httpd._waiting) == 1)
+            headers, body = build_request(Signer(SECRET), check_request("tx-b"))
+            kept.sendall(raw_post(headers, body)[:-1])  # all but the body's last byte
+            wait_until(lambda: not running._httpd._waiting)  # its request is being read
+            with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+                post_raw(running, headers, body)
+            kept.sendall(raw_post(headers, body)[-1:])
+            assert answer_status(kept) == 200
+        finally:
+            kept.close()
+    assert resolver.asked == ["tx-a", "tx-b"]
+
+
+def answer_status(sock: socket.socket) -> int:
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    response.read()
+    return response.status
+
+
+def raw_post(headers: dict[str, str], body: bytes) -> bytes:
+    lines = [
+        "POST /outbox/check HTTP/1.1",
+        "Host: 127.0.0.1",
+        f"Content-Length: {len(body)}",
+        *(f"{name}: {value}" for name, value in headers.items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
 def open_connections(running: RunningServer) -> int:
     return len(running._httpd._open)
 
