@@ -310,20 +310,20 @@ def test_retention_deletes_in_batches_and_says_when_more_is_due(pg_dsn: str) -> 
 
 
 def test_a_failed_retention_pass_is_tried_again_later(
-    pg_dsn: str, caplog: pytest.LogCaptureFixture
+    pg_dsn: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The findings are written by then: a failed delete must not stop the job."""
     from spark import sink
     from spark.config import ReconcileSettings
     from spark.job import ReconcileJob
 
+    # each pass bounds its own waits (a session's lock_timeout would not hold): 1 s, not 120 s
+    monkeypatch.setattr(sink, "LOCK_TIMEOUT_S", 1)
     settings = ReconcileSettings(dsn=pg_dsn, bootstrap_servers="k", topics=("t",), checkpoint="c")
     job = ReconcileJob(settings, spark=None)  # type: ignore[arg-type]  # not needed to prune
     with sink.connect(pg_dsn) as conn:
         conn.execute("LOCK TABLE outbox.reconciliation_finding")  # held: the delete times out
         with sink.connect(pg_dsn) as other:
-            other.execute("SET lock_timeout = '100ms'")
-            other.commit()
             job._prune(other)
     assert "tried again later" in caplog.text
     assert not job._prune_due()  # after PRUNE_EVERY_S, not at once
