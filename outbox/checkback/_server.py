@@ -10,6 +10,7 @@ import contextlib
 import logging
 import select
 import socket
+import struct
 import sys
 import threading
 import time
@@ -18,6 +19,12 @@ from types import TracebackType
 from typing import Any, cast
 
 from outbox._errors import InvalidConfigError
+
+try:  # POSIX: how much input waits on a connection, without reading it
+    import fcntl
+    import termios
+except ImportError:  # elsewhere no idle connection is closed to make room
+    fcntl = termios = None  # type: ignore[assignment]
 
 from ._handler import CheckHandler, HandlerResult, error_result, too_large_result
 
@@ -69,14 +76,14 @@ class _Server(ThreadingHTTPServer):
         Called holding _open_lock."""
         for conn in list(self._waiting):
             del self._waiting[conn]
-            with contextlib.suppress(OSError, ValueError):  # closed meanwhile
-                if select.select([conn], [], [], 0)[0]:
-                    if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                        continue  # a request is arriving: not idle
-                    self._open.discard(conn)  # closed by its client: its thread is ending
-                    return
+            input_ = _pending_input(conn)
+            if input_ is None:
+                continue  # a request is arriving: not idle
+            self._open.discard(conn)
+            if input_ == "closed":
+                return  # by its client: its thread is ending
+            with contextlib.suppress(OSError):  # closed meanwhile
                 conn.shutdown(socket.SHUT_RD)  # its thread reads the end of input and ends
-                self._open.discard(conn)
                 logger.info(
                     "check server: at %d connections, closed one kept alive idle to make room",
                     self.max_connections,
@@ -119,6 +126,24 @@ class _Server(ThreadingHTTPServer):
             logger.debug("check server: connection from %s ended", client_address, exc_info=True)
             return
         logger.exception("check server: unexpected error serving %s", client_address)
+
+
+def _pending_input(conn: socket.socket) -> str | None:
+    """What waits to be read on an idle connection: "nothing", "closed" (its client closed it),
+    or None (a request, or not known). Never blocks: never reads (a socket's timeout made even a
+    MSG_DONTWAIT read wait, under the server's lock, when its thread took the input first)."""
+    if fcntl is None or not hasattr(select, "poll"):
+        return None
+    poller = select.poll()  # not select(): descriptors past 1024
+    poller.register(conn, select.POLLIN | getattr(select, "POLLRDHUP", 0))
+    events = poller.poll(0)
+    if not events:
+        return "nothing"
+    try:
+        count = struct.unpack("i", fcntl.ioctl(conn, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return None
+    return "closed" if count == 0 else None
 
 
 class _Server6(_Server):

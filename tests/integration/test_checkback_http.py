@@ -400,6 +400,36 @@ def test_a_connection_being_answered_does_not_make_room(resolver: Resolver) -> N
     assert resolver.asked == ["tx-a", "tx-b"]
 
 
+def test_room_is_made_only_by_a_connection_with_no_request_arriving(resolver: Resolver) -> None:
+    """Each case on a connected pair of sockets standing for a kept-alive connection."""
+    with serve(CheckHandler(resolver, [SECRET]), max_connections=1) as running:
+        server = running._httpd
+
+        def make_room_with(client_does: Callable[[socket.socket], None]) -> tuple[bool, bytes]:
+            """(counted still, what the server's side reads after)"""
+            ours, theirs = socket.socketpair()
+            with ours, theirs:
+                ours.settimeout(2)  # as a handler's socket: a read must not wait on it
+                client_does(theirs)
+                with server._open_lock:
+                    server._open.add(ours)
+                    server._waiting[ours] = None
+                    started = time.monotonic()
+                    server._make_room()
+                    assert time.monotonic() - started < 0.5
+                    counted = ours in server._open
+                    server._open.discard(ours)
+                    server._waiting.pop(ours, None)
+                return counted, ours.recv(16)
+
+        # idle: closed to make room, its reader sees the end of input
+        assert make_room_with(lambda client: None) == (False, b"")
+        # a request arriving: kept, its input intact
+        assert make_room_with(lambda client: client.sendall(b"POST /")) == (True, b"POST /")
+        # closed by its client: no longer counted
+        assert make_room_with(lambda client: client.shutdown(socket.SHUT_WR)) == (False, b"")
+
+
 def answer_status(sock: socket.socket) -> int:
     response = http.client.HTTPResponse(sock)
     response.begin()
