@@ -81,14 +81,17 @@ class _Server(ThreadingHTTPServer):
                 continue  # a request is arriving: not idle
             self._open.discard(conn)
             if input_ == "closed":
-                return  # by its client: its thread is ending
-            with contextlib.suppress(OSError):  # closed meanwhile
-                conn.shutdown(socket.SHUT_RD)  # its thread reads the end of input and ends
-                logger.info(
-                    "check server: at %d connections, closed one kept alive idle to make room",
-                    self.max_connections,
-                )
+                # by its client: its thread is ending. (A client that sent a request, then
+                # closed its side, is not answered if its thread read the request just before:
+                # checkers do not half-close.)
                 return
+            with contextlib.suppress(OSError):  # reset meanwhile: its thread ends all the same
+                conn.shutdown(socket.SHUT_RD)  # its thread reads the end of input and ends
+            logger.info(
+                "check server: at %d connections, closed one kept alive idle to make room",
+                self.max_connections,
+            )
+            return
 
     def waits(self, conn: socket.socket) -> None:
         """A kept-alive connection waits for its next request: it may make room."""

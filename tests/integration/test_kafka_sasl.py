@@ -116,7 +116,8 @@ def test_a_login_or_certificate_refused_is_said_and_nothing_is_delivered(
     password = "not-the-password" if wrong_password else login.password
     topic, port = topic_factory(), free_port()
     publish(pg_dsn, topic, transactions=1, per_tx=2)
-    # its broker look-ups block 10 s each while refused: the stop waits for none of that
+    # Its broker look-ups block 10 s each while refused: the stop waits for none of that (cut
+    # at the grace, so the log checked below holds the refusal, not a clean stop's lines)
     settings = relay_settings(**FAST, shutdown_grace="PT1S")
     env, log = sidecar(settings, login, password, tmp_path, port, trust=trust)
     proc = run(env, log)
