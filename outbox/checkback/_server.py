@@ -16,7 +16,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from outbox._errors import InvalidConfigError
 
@@ -131,7 +131,7 @@ class _Server(ThreadingHTTPServer):
         logger.exception("check server: unexpected error serving %s", client_address)
 
 
-def _pending_input(conn: socket.socket) -> str | None:
+def _pending_input(conn: socket.socket) -> Literal["nothing", "closed"] | None:
     """What waits to be read on an idle connection: "nothing", "closed" (its client closed it),
     or None (a request, or not known). Never blocks: never reads (a socket's timeout made even a
     MSG_DONTWAIT read wait, under the server's lock, when its thread took the input first)."""

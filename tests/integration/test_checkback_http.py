@@ -284,11 +284,7 @@ def test_a_body_sent_a_byte_at_a_time_is_given_up_after_the_timeout_in_all(
         serve(CheckHandler(resolver, [SECRET]), timeout_s=1.0) as running,
         socket.create_connection(("127.0.0.1", running.port), timeout=TIMEOUT_S) as sock,
     ):
-        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        sock.sendall(
-            f"POST /outbox/check HTTP/1.1\r\nhost: x\r\n{head}"
-            f"content-length: {len(body)}\r\n\r\n".encode()
-        )
+        sock.sendall(raw_post(headers, body)[: -len(body)])  # the head alone
         started = time.monotonic()
         closed = False
         for byte in body[:40]:
