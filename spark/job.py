@@ -110,6 +110,11 @@ EXIT_FINDINGS = 3  # with --fail-on-findings
 # setting: it counts only in a session this job creates (spark-submit's included); a session
 # made before the job (a notebook's) needs it set where it is made.
 CODEGEN_CACHE_ENTRIES = ("spark.sql.codegen.cache.maxEntries", "1000")
+# PySpark's DataFrame debugging (on by default) sends the Python call site of every DataFrame
+# and Column call to the JVM: ~6 more round trips each, ~2,000 a judgement, which took half of
+# the second or two a judgement spends building its plan. Spark's errors still name the failing
+# expression; only the line of ours that built it is left out. Static in the same way.
+DATAFRAME_DEBUGGING = ("spark.python.sql.dataFrameDebugging.enabled", "false")
 # Files of the job's own under the checkpoint: where a running job judged to (and its open
 # summary windows), and where the last --once run did.
 _JUDGED_TO, _ONCE_JUDGED_TO = "judged_to", "once_judged_to"
@@ -214,13 +219,22 @@ def build_session(settings: ReconcileSettings) -> tuple[SparkSession, bool]:
     if settings.shuffle_partitions is not None:
         builder = builder.config("spark.sql.shuffle.partitions", str(settings.shuffle_partitions))
     builder = builder.config("spark.sql.session.timeZone", "UTC")
-    # under spark-submit the JVM is up and holds the --conf given: a value given there wins
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ
-    if not submitted or not SparkConf().contains(CODEGEN_CACHE_ENTRIES[0]):
-        builder = builder.config(*CODEGEN_CACHE_ENTRIES)
-    if not submitted:  # `outboxctl reconcile` in a terminal: progress bars buried its report
-        builder = builder.config("spark.ui.showConsoleProgress", "false")
+    given = set(dict(SparkConf().getAll())) if submitted else set()
+    for key, value in session_defaults(submitted=submitted, given=given):
+        builder = builder.config(key, value)
     return builder.getOrCreate(), True
+
+
+def session_defaults(*, submitted: bool, given: set[str]) -> list[tuple[str, str]]:
+    """The settings a session this job creates gets: under spark-submit the JVM is up and holds
+    the --conf given (`given`, their keys): a value given there wins."""
+    defaults = [
+        conf for conf in (CODEGEN_CACHE_ENTRIES, DATAFRAME_DEBUGGING) if conf[0] not in given
+    ]
+    if not submitted:  # `outboxctl reconcile` in a terminal: progress bars buried its report
+        defaults.append(("spark.ui.showConsoleProgress", "false"))
+    return defaults
 
 
 class ReconcileJob:
@@ -914,7 +928,7 @@ class ReconcileJob:
             if written_since is None or written >= written_since
         ]
         if not paths:
-            return self.spark.createDataFrame([], STORE_SCHEMA)
+            return _empty(self.spark, STORE_SCHEMA)
         return self.spark.read.schema(STORE_SCHEMA).parquet(*paths)
 
     def _read_ledger(
@@ -1236,6 +1250,12 @@ class _Stopwatch:
             yield
         finally:
             self.into[stage] = round(self.into.get(stage, 0.0) + time.perf_counter() - started, 3)
+
+
+def _empty(spark: SparkSession, schema: StructType) -> DataFrame:
+    """An empty DataFrame made in the JVM: createDataFrame([]) is a Python RDD, whose tasks
+    each waited for a Python worker (~0.5 s a judgement of an idle job, in every read of it)."""
+    return spark.range(0).select([F.lit(None).cast(f.dataType).alias(f.name) for f in schema])
 
 
 def _finding_rows(findings: DataFrame) -> list[tuple[Any, ...]]:

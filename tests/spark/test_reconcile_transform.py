@@ -20,6 +20,8 @@ from spark.config import JudgeWindow
 from spark.latency import bucket, merge_rows
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from pyspark.sql import DataFrame, SparkSession
 
 T = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -592,3 +594,23 @@ def test_only_the_counted_copies_are_added_to_the_histogram(spark: SparkSession)
     assert records(None) == 0
     window = JudgeWindow(s(200), s(0), s(0), s(40), True)
     assert records(None) == 2  # ids 1 and 2; id 3, at hi (40 s), is not yet counted
+
+
+def test_an_empty_store_is_read_in_the_jvm_without_python_workers(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """An idle job's store has no batch in a judgement's reach. Made by createDataFrame([]),
+    that empty read was a Python RDD: each task of every stage reading it waited for a Python
+    worker (a judgement of an idle job, the one that finds a dropped record, took twice as long)."""
+    from spark.config import ReconcileSettings
+    from spark.job import STORE_SCHEMA, ReconcileJob
+
+    settings = ReconcileSettings(
+        dsn="postgresql://u:secret@db:5432/app", bootstrap_servers="k:9092",
+        topics=("orders",), checkpoint=str(tmp_path),
+    )  # fmt: skip
+    store = ReconcileJob(settings, spark)._read_store()
+    assert store.schema == STORE_SCHEMA
+    assert store.count() == 0
+    lineage = str(store._jdf.queryExecution().toRdd().toDebugString())
+    assert "PythonRDD" not in lineage, lineage
