@@ -113,7 +113,8 @@ CODEGEN_CACHE_ENTRIES = ("spark.sql.codegen.cache.maxEntries", "1000")
 # PySpark's DataFrame debugging (on by default) sends the Python call site of every DataFrame
 # and Column call to the JVM: ~6 more round trips each, ~2,000 a judgement, which took half of
 # the second or two a judgement spends building its plan. Spark's errors still name the failing
-# expression; only the line of ours that built it is left out. Static in the same way.
+# expression; only the line of ours that built it is left out. PySpark reads it once a process,
+# at the first DataFrame call: like the cache's size, it counts in a session this job creates.
 DATAFRAME_DEBUGGING = ("spark.python.sql.dataFrameDebugging.enabled", "false")
 # Files of the job's own under the checkpoint: where a running job judged to (and its open
 # summary windows), and where the last --once run did.
@@ -220,7 +221,12 @@ def build_session(settings: ReconcileSettings) -> tuple[SparkSession, bool]:
         builder = builder.config("spark.sql.shuffle.partitions", str(settings.shuffle_partitions))
     builder = builder.config("spark.sql.session.timeZone", "UTC")
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ
-    given = set(dict(SparkConf().getAll())) if submitted else set()
+    given: set[str] = set()
+    if submitted:
+        # connected first: before that, SparkConf() is an empty one of Python's own, and the
+        # --conf given to spark-submit (the JVM's system properties) were overridden unseen
+        SparkContext._ensure_initialized()
+        given = {key for key, _ in SparkConf().getAll()}
     for key, value in session_defaults(submitted=submitted, given=given):
         builder = builder.config(key, value)
     return builder.getOrCreate(), True
@@ -1253,8 +1259,9 @@ class _Stopwatch:
 
 
 def _empty(spark: SparkSession, schema: StructType) -> DataFrame:
-    """An empty DataFrame made in the JVM: createDataFrame([]) is a Python RDD, whose tasks
-    each waited for a Python worker (~0.5 s a judgement of an idle job, in every read of it)."""
+    """An empty DataFrame made in the JVM. createDataFrame([]) is a Python RDD: each task of
+    every stage that read it waited for a Python worker (an idle job's judgement, 7-8 s with
+    it on two cores, takes 4 s)."""
     return spark.range(0).select([F.lit(None).cast(f.dataType).alias(f.name) for f in schema])
 
 

@@ -84,3 +84,40 @@ def test_the_readmes_spark_submit_command_reconciles(
         f"{zipped}/relay/__init__.py",
         f"{zipped}/outbox/__init__.py",
     ]
+
+
+def test_a_conf_given_to_spark_submit_wins_over_the_jobs_own_defaults(tmp_path: Path) -> None:
+    """The job sets a few session defaults of its own (spark.job.session_defaults). Under
+    spark-submit it read the --conf given before it was connected to the JVM, so it found
+    none and overrode them all."""
+    from spark.job import CODEGEN_CACHE_ENTRIES, DATAFRAME_DEBUGGING
+
+    script = tmp_path / "session.py"
+    script.write_text(
+        "from spark.config import ReconcileSettings\n"
+        "from spark.job import build_session\n"
+        "settings = ReconcileSettings(dsn='postgresql://u@db/app', bootstrap_servers='k:9092',\n"
+        "                             topics=('orders',), checkpoint='/tmp/unused')\n"
+        "session, owned = build_session(settings)\n"
+        f"print('given', session.conf.get('{DATAFRAME_DEBUGGING[0]}'))\n"
+        f"print('default', session.conf.get('{CODEGEN_CACHE_ENTRIES[0]}'))\n"
+        "session.stop()\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PYSPARK_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+    }
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "spark-submit"),
+            "--master", "local[1]",
+            "--conf", f"{DATAFRAME_DEBUGGING[0]}=true",
+            str(script),
+        ],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "given true" in done.stdout.splitlines(), done.stdout  # the --conf given stands
+    assert f"default {CODEGEN_CACHE_ENTRIES[1]}" in done.stdout.splitlines(), done.stdout
