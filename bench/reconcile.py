@@ -257,7 +257,7 @@ def streaming_capacity(
         "records_per_s": round(count / sum(durations)) if durations else 0,
         "batch_seconds_median": round(statistics.median(durations), 2) if durations else 0.0,
         "last_judgement_copies": last_report.copies if last_report else None,
-        # where a judgement spends its time (store read, ledger, judge, sink, trim)
+        # where a judgement spends its time (prepare, store read, ledger, plan, judge, sink, trim)
         "last_judgement_seconds": last_report.seconds if last_report else None,
         # the stand-in producer included (bench: its Python and the driver's; spark: the JVM)
         "cpu_us_per_record": cpu,
@@ -362,8 +362,8 @@ def main() -> None:
                     reported = time.monotonic() + 30  # a judgement reports after its write
                     while not finding and time.monotonic() < reported:
                         time.sleep(0.05)
-                    judge_s.extend(finding)
-                    finding.clear()
+                    while finding:  # popped: the job's thread may append meanwhile
+                        judge_s.append(finding.pop(0))
                     print(f"detection delay: {delays[-1]:.1f} s", flush=True)
                 # the drops fall out of the window after a deadline and two triggers
                 idle = idle_cpu_cores(3 * (deadline + trigger).total_seconds())

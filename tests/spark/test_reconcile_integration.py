@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from spark.config import ReconcileSettings
-    from spark.job import ReconcileJob
+    from spark.job import ReconcileJob, RunReport
 
 GROUP = "shop"
 DEADLINE = "5s"
@@ -532,7 +532,8 @@ def test_continuous_job_reports_a_dropped_record_without_traffic(
 
     orders, markers = topic_factory(), topic_factory()
     settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
-    job = ReconcileJob(settings, spark)
+    reports: list[RunReport] = []
+    job = ReconcileJob(settings, spark, on_report=reports.append)
     job.start()
     job.start()  # a second start does nothing
     try:
@@ -560,6 +561,10 @@ def test_continuous_job_reports_a_dropped_record_without_traffic(
         job.stop()  # so does a second stop
     (finding,) = read_findings(pg_dsn)
     assert (finding.kind, finding.outbox_id, finding.detected_in) == ("missing", dropped.id, "tick")
+    # Its time, as the report and the judgement-duration metric give it, is all of it: building
+    # the plan (a second or so) and finding what to read were left out.
+    (found_it,) = [r for r in reports if r.new.get("missing")]
+    assert {"prepare", "store", "ledger", "plan", "judge", "sink"} <= found_it.seconds.keys()
 
     # A restart goes on from where the last run judged (kept under the checkpoint), not from the
     # whole horizon again; the finding is not repeated.
