@@ -79,3 +79,27 @@ def test_an_ignore_file_that_is_not_an_allow_list_means_always_build(tree: Path)
 
 def test_the_projects_own_ignore_file_is_read_as_an_allow_list() -> None:
     assert context_digest("sidecar") is not None
+
+
+def test_podman_is_installed_before_it_is_asked_for_the_built_image(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a new machine (no Docker engine, no podman yet) the build asked podman whether the
+    image was built already, before it installed podman: both image builds failed."""
+    import subprocess
+
+    from scripts import image
+
+    installed: list[str] = []
+    digest = image.context_digest("sidecar")
+
+    def run(command: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        if command[0] == "podman" and not installed:
+            raise FileNotFoundError(2, "No such file or directory", "podman")
+        return subprocess.CompletedProcess(command, 0, stdout=f"{digest}\n", stderr="")
+
+    monkeypatch.setattr(image, "engine", image.podman)
+    monkeypatch.setattr(image, "install_tools", lambda: installed.append("podman"))
+    monkeypatch.setattr(image.subprocess, "run", run)
+    assert image._build("sidecar") == f"localhost/{image.TARGETS['sidecar']}:test"
+    assert installed == ["podman"]
