@@ -240,8 +240,8 @@ def build(target: str) -> str:
 def _build(target: str) -> str:
     image = f"localhost/{TARGETS[target]}:test"
     command = engine()
-    if command[0] != "docker":  # before asking podman for the image: a new machine lacks it
-        install_tools()
+    if command[0] != "docker" and shutil.which("podman") is None:
+        install_tools()  # before asking podman for the image: a new machine lacks it
     digest = context_digest(target)
     if digest and built_from(command, image) == digest:
         log(f"{image} is built from this context already")
@@ -250,6 +250,7 @@ def _build(target: str) -> str:
     if command[0] == "docker":
         build_args: list[str] = []
     else:
+        install_tools()  # runc and debootstrap too
         STORE.mkdir(parents=True, exist_ok=True)
         stand_in("python")
         if target == "reconcile":

@@ -402,6 +402,7 @@ class ReconcileJob:
 
     def audit(self) -> RunReport:
         """Judge the window --from .. --to with a batch read of Kafka (no checkpoint)."""
+        preparing = time.perf_counter()
         start, end = self.settings.audit_from, self.settings.audit_to
         if start is None or end is None:
             raise ReconcileConfigError("an audit needs --from and --to")
@@ -422,7 +423,8 @@ class ReconcileJob:
         late = read.where(F.col("ts") < F.lit(window.store_low))
         read_what = self.settings.topic_pattern or ", ".join(self.settings.topics)
         with self._lock, _query_failure(f"the audit of {read_what}"):
-            return self._judge(obs, window, "audit", late=late)
+            prepared_in = time.perf_counter() - preparing
+            return self._judge(obs, window, "audit", late=late, prepared_in=prepared_in)
 
     def _source_options(self) -> dict[str, str]:
         """Spark's Kafka source options, the topic pattern checked first."""
@@ -691,11 +693,9 @@ class ReconcileJob:
                 self._judged_to.isoformat(),
                 settings.horizon,
             )
-        if skip_if_idle and window.windows_from is not None:
-            started = time.perf_counter()
-            if self._idle(window):
-                return self._judged_idle(window, detected_in, time.perf_counter() - started)
-        preparing = time.perf_counter()
+        preparing = time.perf_counter()  # a tick found not idle: its check is preparation
+        if skip_if_idle and window.windows_from is not None and self._idle(window):
+            return self._judged_idle(window, detected_in, time.perf_counter() - preparing)
         oldest_due = self._oldest_due(window)
         if window.windows_from is None:  # the whole horizon
             store = self._read_store()
@@ -1076,8 +1076,8 @@ class ReconcileJob:
         counted: Column | None = None,
         prepared_in: float | None = None,
     ) -> RunReport:
-        """`prepared_in`: the seconds judge() took to find what to read (the report's
-        "prepare"), so that the report's times add up to the judgement's."""
+        """`prepared_in`: the seconds the caller took to find what to read (the report's
+        "prepare"): the report's times and the duration metric, their sum, count it too."""
         settings = self.settings
         started = self._clock()
         timings: dict[str, float] = {}

@@ -82,7 +82,7 @@ def test_the_projects_own_ignore_file_is_read_as_an_allow_list() -> None:
 
 
 def test_podman_is_installed_before_it_is_asked_for_the_built_image(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """On a new machine (no Docker engine, no podman yet) the build asked podman whether the
     image was built already, before it installed podman: both image builds failed."""
@@ -96,9 +96,12 @@ def test_podman_is_installed_before_it_is_asked_for_the_built_image(
     def run(command: list[str], **_: object) -> subprocess.CompletedProcess[str]:
         if command[0] == "podman" and not installed:
             raise FileNotFoundError(2, "No such file or directory", "podman")
+        assert "build" not in command, "built again: the image was there"
         return subprocess.CompletedProcess(command, 0, stdout=f"{digest}\n", stderr="")
 
     monkeypatch.setattr(image, "engine", image.podman)
+    monkeypatch.setattr(image, "STORE", tmp_path)
+    monkeypatch.setattr(image.shutil, "which", lambda tool: None)  # a new machine
     monkeypatch.setattr(image, "install_tools", lambda: installed.append("podman"))
     monkeypatch.setattr(image.subprocess, "run", run)
     assert image._build("sidecar") == f"localhost/{image.TARGETS['sidecar']}:test"
