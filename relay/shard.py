@@ -1249,6 +1249,7 @@ class ShardWorker:
             r.error is not None and r.error.code() in PERMANENT_RECORD_ERRORS for r in failed
         )
         unwritable: KafkaError | None = None
+        looked_up: dict[str, bool] = {}  # topic -> gone, asked once a batch
         for report in failed:
             error, row = report.error, report.tag
             if error is not None and error.code() in _PURGED and refused:
@@ -1256,11 +1257,12 @@ class ShardWorker:
             if error is None or error.code() not in PERMANENT_RECORD_ERRORS:
                 self._abort()
                 raise KafkaException(error)
-            reason = (
-                topic_refused(row.topic)
-                if error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
-                else f"refused by the broker: {error.str()}"
-            )
+            if error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                reason = topic_refused(row.topic)
+            elif row.state == "committed" and self._gone(row.topic, error, looked_up):
+                reason = f"topic {row.topic!r} does not exist"
+            else:
+                reason = f"refused by the broker: {error.str()}"
             if row.state != "committed" and error.code() in TOPIC_REFUSED_ERRORS:
                 unwritable = error  # the topic's fault, not the copy's: no smaller form
             elif row.state != "committed":  # its dead-letter copy
@@ -1586,6 +1588,21 @@ class ShardWorker:
         if err.code() == KafkaError.POLICY_VIOLATION:
             return MarkerTopicRefused(f"{said}, by a policy of the broker")
         return KafkaException(KafkaError(err.code(), said))
+
+    def _gone(self, topic: str, error: KafkaError, looked_up: dict[str, bool]) -> bool:
+        """Whether a record refused as of an unknown topic was refused because its topic is
+        gone: deleted after the relay last looked, so the check before the transaction passed
+        it. Said as that check says it ("does not exist", counted as unknown_topic), not as
+        whichever of the two found it first."""
+        if error.code() not in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+            return False
+        if topic not in looked_up:
+            try:
+                partitions = self.topics.partitions(topic, refresh=True)
+            except KafkaException:  # no answer to trust: the broker's own words stand
+                partitions = -1
+            looked_up[topic] = partitions == 0 and not self.topics.denied(topic)
+        return looked_up[topic]
 
     def _dead_letter_refused(self, err: KafkaError) -> DeadLetterUnwritable:
         """The dead-letter topic refused a copy for what it is, not for the copy's size. Made

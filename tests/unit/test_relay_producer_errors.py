@@ -121,3 +121,49 @@ def test_producer_settings_the_client_refuses_stop_the_relay() -> None:
     producer = ShardProducer({"message.timeout.ms": 45_000}, "test-0", timedelta(seconds=30))
     with pytest.raises(ProducerMisconfigured, match=r"message\.timeout\.ms"):
         producer.init()
+
+
+class _Topics:
+    """The relay's topic metadata: what a fresh look-up finds, and how often it was asked."""
+
+    def __init__(self, partitions: int | Exception, denied: bool = False) -> None:
+        self.found, self.is_denied, self.asked = partitions, denied, 0
+
+    def partitions(self, name: str, *, refresh: bool = False) -> int:
+        assert refresh, "a cached count is what let the record through"
+        self.asked += 1
+        if isinstance(self.found, Exception):
+            raise self.found
+        return self.found
+
+    def denied(self, name: str) -> bool:
+        return self.is_denied
+
+
+@pytest.mark.parametrize(
+    ("error", "topics", "gone"),
+    [
+        (KafkaError.UNKNOWN_TOPIC_OR_PART, _Topics(0), True),  # deleted since the relay looked
+        (KafkaError._UNKNOWN_TOPIC, _Topics(0), True),
+        (KafkaError.UNKNOWN_TOPIC_OR_PART, _Topics(3), False),  # there: the broker's words
+        (KafkaError.UNKNOWN_TOPIC_OR_PART, _Topics(0, denied=True), False),  # hidden, not gone
+        (KafkaError.UNKNOWN_TOPIC_OR_PART, _Topics(KafkaException(KafkaError._TIMED_OUT)), False),
+        (KafkaError.MSG_SIZE_TOO_LARGE, _Topics(0), False),  # not about the topic at all
+    ],
+)
+def test_a_record_refused_for_a_topic_deleted_since_is_parked_as_of_a_missing_topic(
+    error: int, topics: _Topics, gone: bool
+) -> None:
+    """Deleted after the relay last looked, the topic passed the check before the transaction;
+    the broker then refused the record, and it was parked "refused by the broker: Unknown
+    topic or partition" (counted as refused_by_broker), or "does not exist" (unknown_topic)
+    when a look-up in between won the race. Said the one way now, looked up once a batch."""
+    from types import SimpleNamespace
+
+    from relay.shard import ShardWorker
+
+    worker: Any = SimpleNamespace(topics=topics)
+    looked_up: dict[str, bool] = {}
+    for _ in range(2):  # two records of the topic in one batch
+        assert ShardWorker._gone(worker, "orders", KafkaError(error), looked_up) is gone
+    assert topics.asked == (0 if error == KafkaError.MSG_SIZE_TOO_LARGE else 1)
