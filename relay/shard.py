@@ -142,6 +142,8 @@ def _transaction_failed(exc: KafkaException) -> bool:
     return bool(exc.args[0].code() == KafkaError._STATE)
 
 
+# The broker's and the client's words for a topic they do not know (deleted, never made).
+_UNKNOWN_TOPIC_ERRORS = (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)
 STOP_ABORT_S = 2.0  # a stop's abort of the batch in flight: the broker times out the rest
 
 
@@ -1594,7 +1596,7 @@ class ShardWorker:
         gone: deleted after the relay last looked, so the check before the transaction passed
         it. Said as that check says it ("does not exist", counted as unknown_topic), not as
         whichever of the two found it first."""
-        if error.code() not in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+        if error.code() not in _UNKNOWN_TOPIC_ERRORS:
             return False
         if topic not in looked_up:
             try:
@@ -1610,7 +1612,7 @@ class ShardWorker:
         with its row. A missing topic is made again, as at start."""
         topic = self.settings.dead_letter_topic
         self._dead_letter_blocked_until = time.monotonic() + DEAD_LETTER_RETRY_S
-        if err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
+        if err.code() in _UNKNOWN_TOPIC_ERRORS:
             try:
                 # its creation not waited for: a Kafka transaction may be open, the shard's
                 # lease unrenewed, and the rows wait DEAD_LETTER_RETRY_S anyway

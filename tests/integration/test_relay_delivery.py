@@ -1430,6 +1430,30 @@ def test_a_topic_deleted_after_the_producer_wrote_to_it_does_not_stall_the_shard
         assert [r[1] for r in rows(pg_dsn)] == ["discarded"]
 
 
+def test_a_topic_deleted_since_the_relay_cached_it_is_found_gone_when_the_broker_refuses(
+    kafka_bootstrap: str, kafka_admin: AdminClient, topic_factory: Callable[..., str]
+) -> None:
+    """The race the test above can lose either way, made certain: the relay's cached count
+    still says the topic is there, the broker refuses a record for it, and the reason comes
+    from asking the broker again, not from the cache (it was "refused by the broker" then)."""
+    from types import SimpleNamespace
+
+    from relay.kafka import Topics
+    from relay.shard import ShardWorker
+
+    topic = topic_factory(partitions=3)
+    topics = Topics({"bootstrap.servers": kafka_bootstrap})
+    assert topics.partitions(topic) == 3  # cached for 30 s
+    refused = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
+    worker: Any = SimpleNamespace(topics=topics)
+    assert not ShardWorker._gone(worker, topic, refused, {})  # there: the broker's words stand
+    kafka_admin.delete_topics([topic])[topic].result(30)
+    wait_for(lambda: topic not in kafka_admin.list_topics(timeout=10).topics)
+    assert topics.partitions(topic) == 3  # the cache has not seen it go
+    assert ShardWorker._gone(worker, topic, refused, {})
+    assert topics.partitions(topic) == 0  # and the next round's check finds it gone too
+
+
 def test_a_marker_topic_deleted_while_the_relay_runs_stops_it(
     pg_dsn: str,
     kafka_admin: AdminClient,
