@@ -444,8 +444,9 @@ class JudgeWindow:
         context, instead of the whole horizon: the cost of a judgement follows the traffic since
         the last one, not the horizon. What the last judgements decided is not decided again: an
         observation whose Kafka time is older than its arrival is judged by the first judgement
-        that reads it (ReconcileJob.judge marks it LATE_JUDGED), however late it is. Without an
-        earlier judgement inside the horizon (a start, a restart) it judges the whole horizon.
+        a deadline (and a trigger) after the micro-batch that read it (ReconcileJob.judge marks
+        it LATE_JUDGED), however late it is. Without an earlier judgement inside the horizon (a
+        start, a restart) it judges the whole horizon.
 
         The summary window still open at `judged_to` is emitted once it closes. When it begins
         at `latency_from` or later, the job holds the latency histogram of its copies up to

@@ -59,7 +59,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -274,8 +274,11 @@ class ReconcileJob:
         # The summary windows open at `_judged_to`, with the latencies counted so far (kept with
         # it): the next judgement adds to them instead of reading their copies again.
         self._open_windows: OpenWindows | None = None
-        # The first store batch no judgement has read: its late observations are judged too.
+        # The first store batch whose late observations no judgement has judged yet, and of
+        # the batches from there that a judgement read, the time before which an observation
+        # of theirs was stamped before any window judged it (the first reading judgement's lo).
         self._unread_from: int | None = None
+        self._late_below: dict[int, datetime] = {}
         self._continuous = False
         self._batch_newest: dict[int, int] = {}  # store batch -> its newest observation (µs)
         self._written_at: dict[int, datetime] = {}  # store batch -> when it was written
@@ -327,9 +330,10 @@ class ReconcileJob:
         self._failure = None
         self._last_judged = self._clock()
         self._continuous = True
-        self._judged_to, self._open_windows, unread_from = self._load_judged_to()
+        self._judged_to, self._open_windows, unread_from, late_below = self._load_judged_to()
         if unread_from is not None:  # a batch Spark replays was read (and counted) before
             self._unread_from = unread_from
+            self._late_below = late_below
         self._query_started = self._clock()  # before any trigger of the query reads Kafka
         self._query = self._start_query(available_now=False)
         self._ticker = threading.Thread(target=self._tick_loop, name="reconcile-tick", daemon=True)
@@ -697,6 +701,33 @@ class ReconcileJob:
         if skip_if_idle and window.windows_from is not None and self._idle(window):
             return self._judged_idle(window, detected_in, time.perf_counter() - preparing)
         oldest_due = self._oldest_due(window)
+        batches = self._store_batches()  # the lock keeps writes out
+        last_read = max(batches, default=None)
+        # Observations stamped before the judged range, in a batch no judgement had read: they
+        # arrived late (a producer retrying through an outage, a Kafka transaction held open),
+        # and no window judged them. Read first now: counted into the summary windows still
+        # open (LATE_READ). Judged a deadline after their batch's write (LATE_JUDGED, see
+        # late_due_batches). Not in a judgement of the whole horizon: there what is before the
+        # range is what lacks its context (older ones are gone).
+        judges_late = self._unread_from is not None and window.windows_from is not None
+        unread_from = self._unread_from or 0
+        late_due: dict[int, datetime] = {}
+        late_below: dict[int, datetime] = {}  # read, their late observations not judged yet
+        if judges_late:
+            written = {batch_id: at for batch_id, (_path, at) in batches.items()}
+            late_due = late_due_batches(
+                written, unread_from, self._late_below, self._late_due_by(window), window.lo
+            )
+            late_below = {
+                batch_id: self._late_below.get(batch_id, window.lo)
+                for batch_id in batches
+                if batch_id >= unread_from and batch_id not in late_due
+            }
+        first_read = {
+            batch_id: window.lo
+            for batch_id in (*late_due, *late_below)
+            if batch_id not in self._late_below
+        }
         if window.windows_from is None:  # the whole horizon
             store = self._read_store()
         else:
@@ -704,18 +735,15 @@ class ReconcileJob:
             # appended before it was written; a trigger interval of margin for the clocks of
             # file system and job), or since the oldest commit of a row due now, if older: a
             # row a relay ended late (down between its Kafka commit and the end of its rows)
-            # has its copy in a batch written back then.
+            # has its copy in a batch written back then. And what arrived with the first batch
+            # judged late: see _counterparts_since.
             since = min(window.store_low, oldest_due or window.store_low)
+            if late_due:
+                since = min(since, self._counterparts_since(batches, min(late_due)))
             store = self._read_store(written_since=since - settings.trigger)
-        last_read = max(self._store_batches(), default=None)  # the lock keeps writes out
-        if self._unread_from is not None and window.windows_from is not None:
-            # Stamped before the judged range, in a batch no judgement read: it arrived late (a
-            # producer retrying through an outage, a Kafka transaction held open for long), and
-            # no window judged it. It is judged now. Not in a judgement of the whole horizon:
-            # there what is before the range is what lacks its context (older ones are gone).
-            unread = F.col("batch") >= F.lit(self._unread_from)
-            arrived_late = unread & (F.col("ts") < F.lit(window.lo))
-            store = store.withColumn(transform.LATE_JUDGED, arrived_late)
+        if judges_late:
+            store = store.withColumn(transform.LATE_JUDGED, _stamped_before(late_due))
+            store = store.withColumn(transform.LATE_READ, _stamped_before(first_read))
         # The context by Kafka time, and the observations stamped before it: late arrivals and
         # the copies of rows ended late, which answer ledger rows due now.
         obs = store.where(F.col("ts") >= F.lit(window.store_low))
@@ -725,39 +753,72 @@ class ReconcileJob:
         counted = None  # the copies the carried summary windows lack: new ones, late ones
         if window.latency_carried:
             counted = F.col("ts") >= F.lit(window.lo)
-            if transform.LATE_JUDGED in store.columns:
-                counted = counted | F.coalesce(F.col(transform.LATE_JUDGED), F.lit(False))
+            if transform.LATE_READ in store.columns:
+                counted = counted | F.coalesce(F.col(transform.LATE_READ), F.lit(False))
+        next_unread = min(late_below, default=None if last_read is None else last_read + 1)
+        # Kept by the trim: what this micro-batch wrote, what is still to be judged late, and
+        # what will be read with it.
+        keep = [b for b in (current_batch, next_unread) if b is not None]
+        if next_unread in batches:
+            reach = self._counterparts_since(batches, next_unread) - settings.trigger
+            keep += [batch_id for batch_id, (_path, at) in batches.items() if at >= reach]
+        keep_from = min(keep, default=None)
         report = self._judge(
             obs,
             window,
             detected_in,
-            trim_before=current_batch,
+            trim_before=keep_from,
             late=late,
             counted=counted,
             prepared_in=time.perf_counter() - preparing,
         )
-        if last_read is not None:
-            self._unread_from = last_read + 1
+        if next_unread is not None:
+            self._unread_from = next_unread
+            self._late_below = late_below
         self._judged_to = window.hi
         if self._continuous:  # a --once run judges its whole horizon every time
             self._save_judged_to(window.hi, self._open_windows)
         return report
 
+    def _counterparts_since(self, batches: dict[int, tuple[str, datetime]], first: int) -> datetime:
+        """Since when the store batches that may hold the counterparts of batch `first`'s late
+        observations were written: the batch before it (a transaction's commit shows in each
+        partition on its own, a moment apart, so its marker and copy can be read by two
+        micro-batches in a row, however long these take) and those written within a deadline
+        before it. Those after it are read anyway (they were written before the judgement)."""
+        since = batches[first][1] - self.settings.deadline
+        before = [batch_id for batch_id in batches if batch_id < first]
+        return min(since, batches[max(before)][1]) if before else since
+
+    def _late_due_by(self, window: JudgeWindow) -> datetime:
+        """A store batch written by then has its late observations judged (late_due_batches):
+        a deadline before `as_of`, less a trigger interval of margin for the clocks of file
+        system and job."""
+        return window.as_of - self.settings.deadline - self.settings.trigger
+
     def _idle(self, window: JudgeWindow) -> bool:
         """Nothing to judge: no observation since the window's context began (no copy or marker
         to judge, no summary window to close), none in a batch no judgement read (a late
-        arrival), no carried summary window that closes, and no ledger row it may call missing
-        (with include_stuck, that is no committed row at all)."""
+        arrival, counted while its summary window is open), none in a batch whose late
+        observations are due (late_due_batches), no carried summary window that closes, and no
+        ledger row it may call missing (with include_stuck, that is no committed row at all)."""
         carried = self._open_windows
         if carried is not None and any(w.end <= window.hi for w in carried.windows.values()):
             return False
-        for batch_id, (_path, written) in self._store_batches().items():
+        batches = self._store_batches()
+        unread_from = self._unread_from
+        due: dict[int, datetime] = {}
+        if unread_from is not None:
+            written = {batch_id: at for batch_id, (_path, at) in batches.items()}
+            due_by = self._late_due_by(window)
+            due = late_due_batches(written, unread_from, self._late_below, due_by, window.lo)
+        for batch_id, (_path, written_at) in batches.items():
             known = self._batch_newest.get(batch_id)
-            unread = self._unread_from is not None and batch_id >= self._unread_from
-            if unread and known != 0:  # 0: written empty
-                return False
+            unread = unread_from is not None and batch_id >= unread_from
+            if unread and known != 0 and (batch_id in due or batch_id not in self._late_below):
+                return False  # 0: written empty
             # an earlier run's batch: its write time bounds it, with the store's clock margin
-            newest = written + self.settings.trigger if known is None else _from_micros(known)
+            newest = written_at + self.settings.trigger if known is None else _from_micros(known)
             if newest is None or newest >= window.store_low:
                 return False
         return self._oldest_due(window) is None
@@ -846,34 +907,40 @@ class ReconcileJob:
             raise
         out.close()
 
-    def _load_judged_to(self) -> tuple[datetime | None, OpenWindows | None, int | None]:
-        """Where an earlier run judged to, the summary windows it left open and the first store
-        batch it did not read (None: a checkpoint of a version before them; the first judgement
-        counts the open windows' copies again)."""
+    def _load_judged_to(
+        self,
+    ) -> tuple[datetime | None, OpenWindows | None, int | None, dict[int, datetime]]:
+        """Where an earlier run judged to, the summary windows it left open, the first store
+        batch whose late observations it did not judge and, of the batches from there it read,
+        what was late in them (None, {}: a checkpoint of a version before them; the first
+        judgement counts the open windows' copies again, and takes its own lo for late)."""
         found = self._read_checkpoint_file(_JUDGED_TO)
         if found is None:
-            return None, None, None
+            return None, None, None, {}
         path, text = found
         try:
             if not text.startswith("{"):  # written by a version without open windows
-                return parse_time(text), None, None
+                return parse_time(text), None, None, {}
             saved = json.loads(text)
             open_windows = saved.get("open_windows")
             unread_from = saved.get("unread_from")
+            late_below = saved.get("late_below") or {}
             return (
                 parse_time(saved["judged_to"]),
                 None if open_windows is None else OpenWindows.from_json(open_windows),
                 None if unread_from is None else int(unread_from),
+                {int(batch): parse_time(low) for batch, low in late_below.items()},
             )
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             logger.warning("ignored %s: not a judged time (%r)", path, text[:200])
-            return None, None, None
+            return None, None, None, {}
 
     def _save_judged_to(self, hi: datetime, open_windows: OpenWindows | None) -> None:
         saved = {
             "judged_to": hi.isoformat(),
             "open_windows": None if open_windows is None else open_windows.as_json(),
             "unread_from": self._unread_from,
+            "late_below": {str(b): low.isoformat() for b, low in self._late_below.items()},
         }
         self._write_checkpoint_file(_JUDGED_TO, json.dumps(saved))
 
@@ -1102,10 +1169,10 @@ class ReconcileJob:
             with sink.connect(settings.dsn.get_secret_value()) as conn:
                 conn.autocommit = True
                 with clock("ledger"):
-                    judged = obs
+                    classified = obs
                     if late is not None and transform.LATE_JUDGED in late.columns:
-                        judged = obs.unionByName(late.where(F.col(transform.LATE_JUDGED)))
-                    ledger, complete = self._read_ledger(window, judged, conn, cached)
+                        classified = obs.unionByName(transform.late_now(late))
+                    ledger, complete = self._read_ledger(window, classified, conn, cached)
                     ledger_rows = ledger.count()
                     coverage = self._coverage(conn) if complete else None
                 with clock("plan"):  # building the plan: a second or so of the driver's
@@ -1269,6 +1336,46 @@ class _Stopwatch:
             yield
         finally:
             self.into[stage] = round(self.into.get(stage, 0.0) + time.perf_counter() - started, 3)
+
+
+def late_due_batches(
+    written: Mapping[int, datetime],
+    unread_from: int,
+    late_below: Mapping[int, datetime],
+    due_by: datetime,
+    low: datetime,
+) -> dict[int, datetime]:
+    """The store batches whose late observations are judged now, each with the time before
+    which an observation of its is late: the `lo` of the judgement that read it first
+    (`late_below`), or `low` for one read first now.
+
+    A batch's late observations wait until `due_by` passes its write (`written`), as on-time
+    ones wait a deadline from their Kafka time: a Kafka transaction's commit shows in each
+    partition on its own, so one micro-batch can read a late transaction's marker and the
+    next its copy. Judged at once, the marker was reported without its copy. Only the first
+    batches from `unread_from` on, in order: one written out of order waits for those before.
+    """
+    due: dict[int, datetime] = {}
+    for batch_id in sorted(b for b in written if b >= unread_from):
+        if written[batch_id] > due_by:
+            break
+        due[batch_id] = late_below.get(batch_id, low)
+    return due
+
+
+def _stamped_before(lows: Mapping[int, datetime]) -> Column:
+    """True for an observation of a batch in `lows` stamped before that batch's time;
+    consecutive batches of one time (all of them after a restart) as one range."""
+    runs: list[tuple[int, int, datetime]] = []
+    for batch_id, low in sorted(lows.items()):
+        if runs and runs[-1][2] == low and runs[-1][1] == batch_id - 1:
+            runs[-1] = (runs[-1][0], batch_id, low)
+        else:
+            runs.append((batch_id, batch_id, low))
+    flagged: Column = F.lit(False)
+    for first, last, low in runs:
+        flagged = flagged | (F.col("batch").between(first, last) & (F.col("ts") < F.lit(low)))
+    return flagged
 
 
 def _empty(spark: SparkSession, schema: StructType) -> DataFrame:

@@ -12,7 +12,8 @@ Three views of each outbox record (by its id):
 
 The *claimed position* of a record is where the ledger (a delivered row) or else its first
 `delivered` marker says it landed; a copy at the claimed position, or the first copy when nothing
-is claimed, is the record's *canonical* copy. Findings, one of each kind per record at most
+is claimed, is the record's *canonical* copy. First: the first to arrive (the job's micro-batch),
+then by Kafka time. Findings, one of each kind per record at most
 (duplicate and orphan: per extra copy), most specific first:
   orphan           a copy of a record that was never committed (ledger: prepared, rolled back or
                    discarded; or no ledger row but a rolled_back / discarded marker), of an id the
@@ -290,24 +291,33 @@ def observations(
 
 # On late observations (see judge): judged although their Kafka time is before the window.
 LATE_JUDGED = "late_judged"
+# ... and read for the first time: classified now (their summary windows may close before they
+# are judged), not judged.
+LATE_READ = "late_read"
+# The store's micro-batch of an observation: the order in which they arrived.
+BATCH = "batch"
 
 
-def _late_judged(rows: DataFrame) -> list[str]:
-    return [LATE_JUDGED] if LATE_JUDGED in rows.columns else []
+def _carried(rows: DataFrame) -> list[str]:
+    return [c for c in (LATE_JUDGED, LATE_READ, BATCH) if c in rows.columns]
+
+
+def _flag(rows: DataFrame, name: str) -> Column:
+    return F.coalesce(F.col(name), F.lit(False)) if name in rows.columns else F.lit(False)
 
 
 def copies(obs: DataFrame) -> DataFrame:
     """The copies of records seen on the delivered topics."""
     return obs.where(F.col("source") == RECORD).select(
         "outbox_id", "topic", "partition", "offset", "ts", "key", "tx_id", "producer_group",
-        *_late_judged(obs),
+        *_carried(obs),
     )  # fmt: skip
 
 
 def markers(obs: DataFrame) -> DataFrame:
     """The op markers, with the position they claim for their record."""
     return obs.where(F.col("source") == MARKER).select(
-        *_late_judged(obs),
+        *_carried(obs),
         "outbox_id",
         "op",
         F.col("ts").alias("m_ts"),
@@ -330,13 +340,25 @@ def _position(topic: str, partition: str, offset: str) -> Column:
 
 
 def _arrived_late(rows: DataFrame) -> Column:
-    """Ranked by first (false before true), what an earlier judgement read (its verdicts
-    stand) comes before a late observation judged now, whatever their Kafka times. A zombie's
-    transaction that committed late, stamped long before, took the place of the copy judged
-    canonical already: then neither was reported as the duplicate."""
-    if LATE_JUDGED not in rows.columns:
-        return F.lit(False)
-    return F.coalesce(F.col(LATE_JUDGED), F.lit(False))
+    """Ranked after the store batch (_arrival; all one in an audit), false before true: what
+    an earlier judgement read (its verdicts stand) comes before a late observation read or
+    judged now, whatever their Kafka times. A zombie's transaction that committed late, stamped
+    long before, took the place of the copy judged canonical already: then neither was
+    reported as the duplicate."""
+    return _flag(rows, LATE_JUDGED) | _flag(rows, LATE_READ)
+
+
+def late_now(late: DataFrame) -> DataFrame:
+    """The late observations read or judged now: those a judgement classifies."""
+    return late.where(_arrived_late(late))
+
+
+def _arrival(rows: DataFrame) -> Column:
+    """The store batch an observation came in (-1: read back from Kafka, older than the store;
+    an audit's, all read at once), ranked first: what came first, whichever judgement ranks it.
+    Kafka times do not tell: a zombie's late marker, read and judged a judgement before its
+    copy, is stamped before the marker of the record's first delivery."""
+    return F.coalesce(F.col(BATCH), F.lit(-1)) if BATCH in rows.columns else F.lit(-1)
 
 
 def marker_facts(marker_rows: DataFrame) -> DataFrame:
@@ -346,7 +368,10 @@ def marker_facts(marker_rows: DataFrame) -> DataFrame:
         F.count(F.when(delivered, 1)).alias("delivered_markers"),
         F.min_by(
             F.when(delivered, _position("m_topic", "m_partition", "m_offset")),
-            F.when(delivered, F.struct(_arrived_late(marker_rows), "m_ts", "m_offset")),
+            F.when(
+                delivered,
+                F.struct(_arrival(marker_rows), _arrived_late(marker_rows), "m_ts", "m_offset"),
+            ),
         ).alias("marker_position"),
         F.min(F.when(delivered, F.col("commit_ts"))).alias("marker_commit_ts"),
         F.min(F.when(delivered, F.col("commit_xid"))).alias("marker_commit_xid"),
@@ -400,7 +425,7 @@ def classify_copies(
     claimed = F.coalesce(ledger_position, F.col("marker_position"))
     # the same partitioning and order (frames may differ): Spark computes both in one pass
     by_id = Window.partitionBy("outbox_id").orderBy(
-        _arrived_late(copy_rows), "ts", "partition", "offset"
+        _arrival(copy_rows), _arrived_late(copy_rows), "ts", "partition", "offset"
     )
     all_of_id = by_id.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
     first_copy = F.row_number().over(by_id) == 1
@@ -662,26 +687,34 @@ def judge(
     overwritten on replay; an audit reads each offset once); those with a Kafka time in the
     window are judged. `late`: observations with a Kafka time before `obs`'s (copies that
     arrived lately, or the copies of rows a relay left committed); they count as present (a
-    ledger row they answer is not missing). An observation of either with a true
-    `late_judged` column is judged whatever its time, and is the context of the others (a
-    copy it precedes is a duplicate, its marker says where its record landed): it arrived
-    after the judgements of its time (the job's choice, see ReconcileJob.judge).
+    ledger row they answer is not missing), and their markers say where a judged copy's record
+    landed. An observation of either with a true `late_judged` column is judged whatever its
+    time, and is the context of the others (a copy it precedes is a duplicate, its marker says
+    where its record landed): it arrived after the judgements of its time (the job's choice,
+    see ReconcileJob.judge). A copy with a true `late_read` column is classified (its latency
+    counted, see `latency_counted`), not judged: read first now, it is judged later.
     `latency_counted`: see latency_histogram.
     """
     copy_rows = copies(obs)
     marker_rows = markers(obs)
     present = copy_rows
+    context_markers = marker_rows  # what says where a judged copy's record landed
     if late is not None:
-        # Only the judged late rows are classified: `late` can reach back far (a relay that
-        # lags), and classifying all of it made a judgement several seconds slower. A LATE_JUDGED
-        # column missing on one side is null there: not judged.
+        # Only the late copies read or judged now are classified: `late` can reach back far (a
+        # relay that lags), and classifying all of it made a judgement several seconds slower;
+        # its markers are only grouped by id. A flag column missing on one side is null there:
+        # not judged.
         present = copy_rows.unionByName(copies(late), allowMissingColumns=True)
-        if LATE_JUDGED in late.columns:
-            judged_late = late.where(F.col(LATE_JUDGED))
-            copy_rows = copy_rows.unionByName(copies(judged_late), allowMissingColumns=True)
+        # A late copy's marker can be older than the context (stamped as long ago as the copy)
+        # and read by an earlier judgement: without it, the copy was taken for one without.
+        context_markers = marker_rows.unionByName(markers(late), allowMissingColumns=True)
+        if LATE_JUDGED in late.columns or LATE_READ in late.columns:
+            now = late_now(late)
+            copy_rows = copy_rows.unionByName(copies(now), allowMissingColumns=True)
+            judged_late = now.where(_flag(now, LATE_JUDGED))
             marker_rows = marker_rows.unionByName(markers(judged_late), allowMissingColumns=True)
     classified = classify_copies(
-        copy_rows, ledger, marker_facts(marker_rows), window, coverage_start=coverage_start
+        copy_rows, ledger, marker_facts(context_markers), window, coverage_start=coverage_start
     )
     findings = (
         copy_findings(classified)

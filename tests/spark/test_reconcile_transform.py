@@ -389,8 +389,8 @@ def test_a_late_arrival_counts_as_present_but_is_not_judged(spark: SparkSession)
 def test_late_arrivals_no_judgement_read_are_judged(spark: SparkSession) -> None:
     """Observations stamped before the judged range that arrived since the last judgement (a
     Kafka transaction held open, a producer retrying) are judged like the window's, as flagged;
-    those read before only count as present. And a judged late copy is the context of a later
-    one of its id."""
+    those read before are context only (present; their markers say where a record landed).
+    And a judged late copy is the context of a later one of its id."""
     from pyspark.sql import functions as F
 
     from spark.transform import LATE_JUDGED, LEDGER_SCHEMA, judge, observations
@@ -448,12 +448,71 @@ def test_late_arrivals_no_judgement_read_are_judged(spark: SparkSession) -> None
         ("marker_mismatch", 3, "marker_without_record"),
         window_duplicate,
     }
-    # Read before, the late rows only count as present. The window's copy of 4 is then not
-    # told apart as a duplicate (its original and marker are out of its context, README), but
-    # it is said, as a copy without its marker: with the ledger's row or without it.
-    unmarked = {("marker_mismatch", 4, "record_without_marker")}
-    assert found(flagged(obs, False), flagged(late, False)) == unmarked
-    assert found(obs, late) == unmarked  # an audit's context: never judged
+    # Read before, the late rows are not judged again: they count as present, and their
+    # markers say where their records landed, so the window's copy of 4 is still the duplicate
+    # (not a copy without its marker: its original's marker is late, not missing).
+    assert found(flagged(obs, False), flagged(late, False)) == {window_duplicate}
+    assert found(obs, late) == {window_duplicate}  # an audit's context: never judged
+
+
+def test_a_zombies_copy_judged_a_judgement_after_its_marker_is_the_duplicate(
+    spark: SparkSession,
+) -> None:
+    """A zombie's late transaction, stamped long before the record's first delivery, read a
+    micro-batch apart: its marker was judged by an earlier judgement and is context now, when
+    its copy is judged. The marker that came first (the first delivery's, an earlier batch)
+    still says where the record landed, though the zombie's is stamped before it: the copy is
+    the duplicate. A late copy only read now (late_read) is classified, not judged."""
+    from pyspark.sql import functions as F
+
+    from spark.transform import (
+        LATE_JUDGED,
+        LATE_READ,
+        LEDGER_SCHEMA,
+        MARKER,
+        RECORD,
+        judge,
+        observations,
+    )
+
+    kafka = Kafka()
+    kafka.copy(1, offset=0, at=s(-15))  # the first delivery: batch 1
+    kafka.marker(1, s(-15), offset=0, commit=s(-16))
+    kafka.marker(1, s(-600), offset=1, commit=s(-601))  # the zombie's marker: batch 2
+    kafka.copy(1, offset=1, at=s(-600))  # its copy: batch 3, judged now
+    kafka.copy(7, offset=2, at=s(-590))  # a rolled-back record's copy: batch 4, read now
+    window = JudgeWindow.streaming(s(100), timedelta(seconds=20), timedelta(minutes=2))
+    source, offset = F.col("source"), F.col("offset")
+    batch = (
+        F.when((source == MARKER) & (offset == 1), 2)
+        .when((source == RECORD) & (offset == 1), 3)
+        .when((source == RECORD) & (offset == 2), 4)
+        .otherwise(1)
+    )
+    rows = observations(kafka.frame(spark), marker_topic=MARKERS).withColumn(
+        "batch", batch.cast("long")
+    )
+    ledger = spark.createDataFrame([ledger_row(7, "rolled_back", None)], LEDGER_SCHEMA)
+
+    def judged(judged_now: int, read_now: int) -> tuple[set[tuple[str, int, str]], Any]:
+        flagged = rows.withColumn(LATE_JUDGED, F.col("batch") == judged_now).withColumn(
+            LATE_READ, F.col("batch") == read_now
+        )
+        judgement = judge(
+            flagged.where(F.col("ts") >= F.lit(window.store_low)), ledger, window,
+            coverage_start=None, summary_window=timedelta(minutes=1),
+            late=flagged.where(F.col("ts") < F.lit(window.store_low)),
+        )  # fmt: skip
+        found = {(r.kind, r.outbox_id, r.occurrence) for r in judgement.findings.collect()}
+        (read,) = judgement.classified.where(F.col("outbox_id") == 7).collect()
+        return found, read
+
+    found, read = judged(judged_now=3, read_now=4)
+    assert found == {("duplicate", 1, "0:1")}
+    assert not read.judged  # classified now (its latency counted now), judged later
+    found, read = judged(judged_now=4, read_now=-1)  # the rolled-back copy's turn
+    assert found == {("orphan", 7, "0:2")}
+    assert read.judged
 
 
 def test_markers_of_another_outbox_on_a_shared_marker_topic_are_not_judged(
@@ -614,3 +673,22 @@ def test_an_empty_store_is_read_in_the_jvm_without_python_workers(
     assert store.count() == 0
     lineage = str(store._jdf.queryExecution().toRdd().toDebugString())
     assert "PythonRDD" not in lineage, lineage
+
+
+def test_a_late_flag_is_set_by_the_time_of_each_batch(spark: SparkSession) -> None:
+    """The job's late flags (spark.job._stamped_before): batches of one time as one range, and
+    each batch by its own time."""
+    from pyspark.sql import functions as F
+
+    from spark.job import _stamped_before
+
+    stamped = [(1, -10), (1, 5), (2, -10), (2, 5), (3, 5), (3, 15), (4, -10)]
+    rows = spark.createDataFrame(
+        [(b, t, s(t)) for b, t in stamped], "batch long, at long, ts timestamp"
+    ).withColumn("late", _stamped_before({1: s(0), 2: s(0), 3: s(10)}))
+    flagged = {(r.batch, r.at): r.late for r in rows.collect()}
+    assert flagged == {
+        (1, -10): True, (1, 5): False, (2, -10): True, (2, 5): False,
+        (3, 5): True, (3, 15): False, (4, -10): False,
+    }  # fmt: skip
+    assert rows.where(F.col("late")).count() == 3
