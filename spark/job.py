@@ -706,9 +706,9 @@ class ReconcileJob:
         # Observations stamped before the judged range, in a batch no judgement had read: they
         # arrived late (a producer retrying through an outage, a Kafka transaction held open),
         # and no window judged them. Read first now: counted into the summary windows still
-        # open (LATE_READ). Judged a deadline after their batch's write (LATE_JUDGED, see
-        # late_due_batches). Not in a judgement of the whole horizon: there what is before the
-        # range is what lacks its context (older ones are gone).
+        # open (LATE_READ). Judged a deadline (and a trigger) after their batch's write
+        # (LATE_JUDGED, see late_due_batches). Not in a judgement of the whole horizon: there
+        # what is before the range is what lacks its context (older ones are gone).
         judges_late = self._unread_from is not None and window.windows_from is not None
         unread_from = self._unread_from or 0
         late_due: dict[int, datetime] = {}
@@ -816,7 +816,7 @@ class ReconcileJob:
             known = self._batch_newest.get(batch_id)
             unread = unread_from is not None and batch_id >= unread_from
             if unread and known != 0 and (batch_id in due or batch_id not in self._late_below):
-                return False  # 0: written empty
+                return False  # not empty (0), and read first now or due
             # an earlier run's batch: its write time bounds it, with the store's clock margin
             newest = written_at + self.settings.trigger if known is None else _from_micros(known)
             if newest is None or newest >= window.store_low:
