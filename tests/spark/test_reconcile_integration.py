@@ -798,6 +798,29 @@ def test_a_late_transactions_marker_and_copy_read_a_micro_batch_apart_are_not_fi
     assert found == [("marker_mismatch", lost.id, "marker_without_record")]
 
 
+def test_the_batches_waiting_to_judge_their_late_observations_outlast_a_restart(
+    spark: SparkSession, pg_dsn: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """Kept with judged_to under the checkpoint: a restart judges a waiting batch's late
+    observations by the lo of the judgement that read it, not by its own (those stamped in
+    between were judged by a window already). A checkpoint of a version before them has none."""
+    from spark.job import _JUDGED_TO, ReconcileJob
+
+    settings = running_settings(pg_dsn, kafka_bootstrap, "orders", "markers", tmp_path)
+    (tmp_path / "checkpoint").mkdir()  # made by the query's start
+    judged_to = datetime(2026, 1, 1, 12, tzinfo=UTC)
+    job = ReconcileJob(settings, spark)
+    job._unread_from, job._late_below = 7, {7: judged_to - timedelta(seconds=30), 8: judged_to}
+    job._save_judged_to(judged_to, None)
+    _, _, unread_from, late_below = ReconcileJob(settings, spark)._load_judged_to()
+    assert (unread_from, late_below) == (7, job._late_below)
+
+    saved = json.loads((tmp_path / "checkpoint" / _JUDGED_TO).read_text())
+    del saved["late_below"]
+    job._write_checkpoint_file(_JUDGED_TO, json.dumps(saved))
+    assert ReconcileJob(settings, spark)._load_judged_to()[2:] == (7, {})
+
+
 def test_a_row_a_relay_ends_long_after_its_kafka_commit_is_not_missing(
     spark: SparkSession,
     pg_dsn: str,
