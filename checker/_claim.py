@@ -73,6 +73,11 @@ class Claim:
     record_count: int = 0  # all the transaction's records: `records` holds the first ones
     records: tuple[CheckRecord, ...] = field(default=())
 
+    @property
+    def first_record_id(self) -> int | None:
+        """The transaction's first record, as claimed (None before the claim)."""
+        return self.records[0].id if self.records else None
+
     def request(self, max_bytes: int) -> CheckRequest:
         """The check request, its body under ``max_bytes``: the records that do not fit are
         left out (``record_count`` tells). Sent whole, a transaction with large keys or headers

@@ -384,6 +384,8 @@ class Checker:
                     continue
                 if state is CircuitState.HALF_OPEN:
                     if tx.producer_group in probing:
+                        if tx.check_lost:  # given back now: else logged and counted lost again
+                            later.append(self._later(tx, now))
                         continue  # one probe at a time; the rest stay due
                     probing.add(tx.producer_group)
                 lease = endpoint.settings.timeout + s.lease_margin
@@ -563,7 +565,7 @@ class Checker:
                         f": {answer.detail}" if answer.detail else "",
                         count,
                         s.max_checks,
-                        wait.total_seconds(),
+                        (next_at - now).total_seconds(),  # the backoff, or less to the discard
                     ),
                 )
             )
@@ -668,7 +670,9 @@ class Checker:
         group, tx_id, verdict = claim.producer_group, claim.tx_id, outcome.value.upper()
         end = self._outbox.commit if outcome is Outcome.COMMIT else self._outbox.rollback
         try:
-            transition = end(conn, tx_id, producer_group=group)
+            # The answer is about the transaction asked about: the tx id of one whose records
+            # were removed meanwhile may be a later transaction's (README), left alone.
+            transition = end(conn, tx_id, producer_group=group, record_id=claim.first_record_id)
         except IllegalTransitionError as exc:
             # A late answer contradicting the transaction's end: the compare-and-set refused it.
             states = ", ".join(exc.current_states)

@@ -20,6 +20,7 @@ from outbox._core import OutboxConfig, State, Transition, Written
 from outbox._errors import TransactionStateError
 from outbox._local import (
     LocalTransactionResult,
+    ended_before,
     left_idle,
     parse_status,
     require_idle,
@@ -189,15 +190,25 @@ class AsyncOutbox:
         return await _run(conn, op, in_transaction=True)  # type: ignore[no-any-return]
 
     async def commit(
-        self, conn: AsyncConnectionOrCursor, tx_id: str, *, producer_group: str | None = None
+        self,
+        conn: AsyncConnectionOrCursor,
+        tx_id: str,
+        *,
+        producer_group: str | None = None,
+        record_id: int | None = None,
     ) -> Transition:
-        op = _core.end(self.config, tx_id, State.COMMITTED, producer_group)
+        op = _core.end(self.config, tx_id, State.COMMITTED, producer_group, record_id)
         return await _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
     async def rollback(
-        self, conn: AsyncConnectionOrCursor, tx_id: str, *, producer_group: str | None = None
+        self,
+        conn: AsyncConnectionOrCursor,
+        tx_id: str,
+        *,
+        producer_group: str | None = None,
+        record_id: int | None = None,
     ) -> Transition:
-        op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group)
+        op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group, record_id)
         return await _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
     async def send_in_transaction(
@@ -229,8 +240,14 @@ class AsyncOutbox:
             if status is not TransactionStatus.UNKNOWN and left_idle(conn, written):
                 end = self.commit if status is TransactionStatus.COMMIT else self.rollback
                 async with conn.transaction():
-                    ended = await end(conn, written.tx_id, producer_group=written.producer_group)
-                state = ended.state  # only once its COMMIT went through: else still prepared
+                    ended = await end(
+                        conn,
+                        written.tx_id,
+                        producer_group=written.producer_group,
+                        record_id=written.ids[0],  # these records, not a later tx id's
+                    )
+                # only once its COMMIT went through: else still prepared
+                state = ended_before(ended, written, status)
         except TransactionStateError as exc:  # the checker or an operator ended it first
             state = settled_first(exc, written, status)
         except Exception:

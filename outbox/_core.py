@@ -113,6 +113,13 @@ class OutboxConfig(BaseModel):
     def _group_is_valid(cls, v: str) -> str:
         return check_producer_group(v)
 
+    @field_validator("max_record_bytes", mode="before")
+    @classmethod
+    def _bytes_not_a_flag(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # True became a limit of 1 byte, refusing every record later
+            raise ValueError(f"{v!r} is not a number of bytes")
+        return v
+
 
 def config_of(config: OutboxConfig | None, settings: dict[str, Any]) -> OutboxConfig:
     """Outbox(config) or Outbox(**settings): both at once would drop the settings unseen."""
@@ -146,7 +153,8 @@ class Transition:
     """The outcome of commit() or rollback().
 
     `changed` is False when the transaction was already in the asked state (a repeated commit or
-    rollback is harmless); `ids` are the records this call moved.
+    rollback is harmless); `ids` are the records this call moved. `found` (`changed` False):
+    the states its records were found in, e.g. delivered and parked after a commit.
     """
 
     producer_group: str
@@ -154,6 +162,7 @@ class Transition:
     state: State
     changed: bool
     ids: tuple[int, ...]
+    found: tuple[str, ...] = ()
 
 
 def _ascii_json(obj: Any) -> str:
@@ -274,13 +283,24 @@ def _refuse_reused_tx_id(
         )
 
 
-def end(cfg: OutboxConfig, tx_id: str, to_state: State, producer_group: str | None) -> Operation:
-    """Compare-and-set prepared -> committed / rolled_back for every record of the transaction."""
+def end(
+    cfg: OutboxConfig,
+    tx_id: str,
+    to_state: State,
+    producer_group: str | None,
+    record_id: int | None = None,
+) -> Operation:
+    """Compare-and-set prepared -> committed / rolled_back for every record of the transaction;
+    with `record_id`, only while the transaction holds that record."""
     group = (
         check_producer_group(producer_group) if producer_group is not None else cfg.producer_group
     )
     check_stored_tx_id(tx_id)
-    params = {"producer_group": group, "tx_id": tx_id}
+    if record_id is not None and (type(record_id) is not int or record_id < 1):
+        raise OutboxUsageError(
+            f"record_id must be a record's id, an int above 0, not {record_id!r}"
+        )
+    params = {"producer_group": group, "tx_id": tx_id, "record_id": record_id}
     schema = cfg.schema_name
     rows = yield (
         queries.query("end_transaction", schema),
@@ -295,6 +315,14 @@ def end(cfg: OutboxConfig, tx_id: str, to_state: State, producer_group: str | No
         return Transition(group, tx_id, to_state, changed=True, ids=tuple(r[0] for r in rows))
     states = yield queries.query("transaction_states", schema), params
     current = tuple(str(s) for s, _count in states)
+    if not current and record_id is not None:
+        raise UnknownTransactionError(
+            f"tx id {tx_id!r} of producer group {group!r} holds no record {record_id}: it "
+            "was never the transaction's, or was ended and removed already (a later "
+            "transaction may have taken the tx id; this end leaves it alone)",
+            producer_group=group,
+            tx_id=tx_id,
+        )
     if not current:
         raise UnknownTransactionError(
             f"no records of tx id {tx_id!r} in producer group {group!r}: never prepared, "
@@ -303,7 +331,7 @@ def end(cfg: OutboxConfig, tx_id: str, to_state: State, producer_group: str | No
             tx_id=tx_id,
         )
     if set(current) <= _ALREADY[to_state]:
-        return Transition(group, tx_id, to_state, changed=False, ids=())
+        return Transition(group, tx_id, to_state, changed=False, ids=(), found=current)
     verb = "commit" if to_state is State.COMMITTED else "roll back"
     raise IllegalTransitionError(
         f"cannot {verb} tx id {tx_id!r} of producer group {group!r}: its records are "

@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus as PgTxStatus
 
-from outbox._core import State, Written
+from outbox._core import State, Transition, Written
 from outbox._errors import IllegalTransitionError, OutboxUsageError, TransactionStateError
 from outbox.checkback import TransactionStatus
 
@@ -79,6 +79,23 @@ def settled_first(exc: TransactionStateError, written: Written, status: Transact
     return state
 
 
+def ended_before(transition: Transition, written: Written, status: TransactionStatus) -> State:
+    """The state of records the local transaction's end found ended as it answered already
+    (`changed` False: the checker or an operator was first): parked if the relay parked any,
+    which wants an operator, else the state answered."""
+    if transition.changed or State.PARKED.value not in transition.found:
+        return transition.state
+    logger.error(
+        "tx %s (%s) was already %s when the local transaction answered %s: a parked record "
+        "waits for an operator",
+        written.tx_id,
+        written.producer_group,
+        ", ".join(sorted(transition.found)),
+        status.value,
+    )
+    return State.PARKED
+
+
 def require_idle(
     conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], expected: type
 ) -> None:
@@ -86,10 +103,14 @@ def require_idle(
     not do), with no transaction open."""
     if not isinstance(conn, expected):
         other = "AsyncOutbox" if expected is psycopg.Connection else "Outbox"
+        name = type(conn).__name__
+        hint = ""
+        if "Pool" in name:  # psycopg_pool's ConnectionPool, AsyncConnectionPool
+            hint = ": take a connection from the pool (`pool.connection()`)"
+        elif isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
+            hint = f": use {other} for it"
         raise OutboxUsageError(
-            f"send_in_transaction needs a psycopg {expected.__name__}, got "
-            f"{type(conn).__name__}"
-            + (f": use {other} for it" if "Connection" in type(conn).__name__ else "")
+            f"send_in_transaction needs a psycopg {expected.__name__}, got {name}{hint}"
         )
     if conn.closed:  # its status is UNKNOWN, which read as "a transaction is open"
         raise OutboxUsageError("send_in_transaction: the connection is closed")
@@ -131,7 +152,11 @@ def parse_status(answer: object) -> TransactionStatus:
             "AsyncOutbox.send_in_transaction. The records stay prepared for the checker."
         )
     try:
-        return TransactionStatus(str(answer))
+        if isinstance(answer, TransactionStatus):
+            return answer
+        if isinstance(answer, str):  # "commit" means what it says, as from a resolver
+            return TransactionStatus(answer.upper())
+        raise ValueError(answer)
     except ValueError:
         raise OutboxUsageError(
             f"the local transaction returned {answer!r}; expected TransactionStatus.COMMIT, "

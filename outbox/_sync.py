@@ -15,6 +15,7 @@ from outbox._core import OutboxConfig, State, Transition, Written
 from outbox._errors import OutboxUsageError, TransactionStateError
 from outbox._local import (
     LocalTransactionResult,
+    ended_before,
     left_idle,
     parse_status,
     require_idle,
@@ -165,23 +166,37 @@ class Outbox:
         return _run(conn, op, in_transaction=True)  # type: ignore[no-any-return]
 
     def commit(
-        self, conn: ConnectionOrCursor, tx_id: str, *, producer_group: str | None = None
+        self,
+        conn: ConnectionOrCursor,
+        tx_id: str,
+        *,
+        producer_group: str | None = None,
+        record_id: int | None = None,
     ) -> Transition:
-        """prepared -> committed for every record of `tx_id`; a repeated commit changes nothing.
+        """prepared -> committed for every record of `tx_id`; a repeat changes nothing (while the
+        records are in the outbox: removed by the relay, UnknownTransactionError).
 
         Like publish, it writes in the caller's transaction: `changed=True` counts once that
         commits (on an autocommit connection the statement commits on its own).
+        `record_id` (one of the transaction's record ids, e.g. from a check request): only if
+        the transaction still holds that record. A tx id is taken again once its records are
+        removed, and a decision about the earlier transaction must not end the later one.
         Raises UnknownTransactionError or IllegalTransitionError (e.g. after a rollback).
         """
-        op = _core.end(self.config, tx_id, State.COMMITTED, producer_group)
+        op = _core.end(self.config, tx_id, State.COMMITTED, producer_group, record_id)
         return _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
     def rollback(
-        self, conn: ConnectionOrCursor, tx_id: str, *, producer_group: str | None = None
+        self,
+        conn: ConnectionOrCursor,
+        tx_id: str,
+        *,
+        producer_group: str | None = None,
+        record_id: int | None = None,
     ) -> Transition:
         """prepared -> rolled_back for every record of `tx_id`; a repeat changes nothing. In
-        the caller's transaction, as commit()."""
-        op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group)
+        the caller's transaction, and `record_id` as commit()."""
+        op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group, record_id)
         return _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
     def send_in_transaction(
@@ -230,8 +245,14 @@ class Outbox:
             if status is not TransactionStatus.UNKNOWN and left_idle(conn, written):
                 end = self.commit if status is TransactionStatus.COMMIT else self.rollback
                 with conn.transaction():
-                    ended = end(conn, written.tx_id, producer_group=written.producer_group)
-                state = ended.state  # only once its COMMIT went through: else still prepared
+                    ended = end(
+                        conn,
+                        written.tx_id,
+                        producer_group=written.producer_group,
+                        record_id=written.ids[0],  # these records, not a later tx id's
+                    )
+                # only once its COMMIT went through: else still prepared
+                state = ended_before(ended, written, status)
         except TransactionStateError as exc:  # the checker or an operator ended it first
             state = settled_first(exc, written, status)
         except Exception:

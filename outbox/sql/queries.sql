@@ -80,11 +80,18 @@ FROM (SELECT EXISTS (
 
 -- name: end_transaction
 -- Compare-and-set: only prepared records move; all records of the transaction move together.
+-- `record_id`: only while the transaction still holds that record. A tx id may be taken again
+-- once its records are removed, and an answer about the transaction before (a check's) must
+-- not end the one after.
 WITH ended AS (
     UPDATE {schema}.outbox_record
     SET state = %(to_state)s, state_changed_at = now(), next_check_at = NULL,
         committed_xid = CASE WHEN %(to_state)s = 'committed' THEN pg_current_xact_id() END
     WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s AND state = 'prepared'
+      AND (%(record_id)s::bigint IS NULL OR EXISTS (
+               SELECT 1 FROM {schema}.outbox_record AS held
+               WHERE held.id = %(record_id)s AND held.producer_group = %(producer_group)s
+                 AND held.tx_id = %(tx_id)s))
     RETURNING id
 )
 SELECT ended.id
@@ -93,8 +100,13 @@ CROSS JOIN (SELECT CASE WHEN %(notify)s THEN pg_notify(%(channel)s, '') END) AS 
 ORDER BY ended.id;
 
 -- name: transaction_states
+-- `record_id` as in end_transaction: none, when the transaction no longer holds it.
 SELECT state, count(*) FROM {schema}.outbox_record
 WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
+  AND (%(record_id)s::bigint IS NULL OR EXISTS (
+           SELECT 1 FROM {schema}.outbox_record AS held
+           WHERE held.id = %(record_id)s AND held.producer_group = %(producer_group)s
+             AND held.tx_id = %(tx_id)s))
 GROUP BY state
 ORDER BY state;
 

@@ -924,6 +924,28 @@ def test_max_checks_discards_and_audits(
     assert checker.run_once().due == 0  # nothing more to do with it
 
 
+def test_the_last_checks_log_says_when_its_maximum_age_discards_it(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The discard comes at the next due time, which the maximum prepared age may bring
+    forward: the log said the backoff (60 s) all the same."""
+    tx_id, created = prepare(pg_dsn)
+    clock = Clock(created + 7 * S)
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}, max_checks=2, max_prepared_age="PT60S"),
+        clock,
+    )
+    caplog.set_level("INFO", logger="checker.service")
+    assert checker.run_once().unknown == 1
+    clock.now += 30 * S
+    assert checker.run_once().unknown == 1
+    assert "(check 2 of 2); no check is left: discarded in 23s unless" in caplog.text
+    assert one(pg_dsn, tx_id)["next_check_at"] == created + 60 * S
+
+
 def test_max_prepared_age_discards_even_without_an_endpoint(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
@@ -1024,6 +1046,35 @@ def test_late_commit_after_rollback_changes_nothing(
     result = checker.run_once()
     assert (result.committed, result.conflicts) == (1, 1)
     assert one(pg_dsn, tx_id)["state"] == "rolled_back"
+
+
+@pytest.mark.parametrize("answer", [COMMIT, ROLLBACK])
+def test_a_late_answer_leaves_a_later_transaction_that_took_the_tx_id_alone(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker], answer: Any
+) -> None:
+    """While the check is in flight the application ends the transaction as the endpoint will
+    answer, the relay removes its records, and the application takes the tx id again (README:
+    it may). The answer, about the transaction asked about, must not end the later one."""
+    tx_id, created = prepare(pg_dsn, tx_id=f"order-{random.getrandbits(64)}")
+    later: list[datetime] = []
+
+    def ended_removed_and_taken_again(request: CheckRequest) -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            end = outbox.commit if answer is COMMIT else outbox.rollback
+            end(conn, request.tx_id, producer_group=GROUP)
+            conn.execute("DELETE FROM outbox.outbox_record WHERE tx_id = %s", (request.tx_id,))
+        later.append(prepare(pg_dsn, tx_id=request.tx_id)[1])
+
+    endpoint.resolver.before_answer = ended_removed_and_taken_again
+    endpoint.resolver.default = answer
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}), Clock(created + 7 * S)
+    )
+    result = checker.run_once()
+    assert (result.checked, result.conflicts) == (1, 0)
+    row = one(pg_dsn, tx_id)
+    assert (row["state"], row["check_count"]) == ("prepared", 0)  # the later, untouched
+    assert row["created_at"] == later[0]
 
 
 @contextmanager
@@ -1551,6 +1602,53 @@ def test_open_circuit_reschedules_without_asking_or_counting_then_probes(
         assert third.committed == 1
         assert metric("outbox_checker_circuit_state", producer_group=GROUP) == 0
         assert checker.run_once().committed == 2  # closed again: the rest go out
+    assert all(one(pg_dsn, tx)["state"] == "committed" for tx in txs)
+
+
+def test_lost_checks_waiting_for_a_half_open_circuits_probe_are_counted_lost_once(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """Lost checks of a group whose circuit is half-open wait for its one probe: they were left
+    with their lease run out, and the next round logged and counted them lost again."""
+    failing = {"on": True}
+
+    def flaky(request: CheckRequest) -> TransactionStatus:
+        if failing["on"]:
+            raise RuntimeError("down")
+        return COMMIT
+
+    with serve(CheckHandler(flaky, [SECRET])) as server:
+        txs = [prepare(pg_dsn)[0] for _ in range(3)]
+        created = max(one(pg_dsn, tx)["created_at"] for tx in txs)
+        t0 = created + 7 * S
+        clock = Clock(t0)
+        s = settings(
+            {GROUP: endpoint_settings(server.url, concurrency=1)},
+            circuit_failure_threshold=1,
+            circuit_cooldown="PT60S",
+        )
+        survivor = make_checker(s, clock)
+        assert survivor.run_once().checked == 1  # failed: the circuit opens
+        failing["on"] = False
+
+        class Crashing:
+            def check(self, request: CheckRequest) -> Any:
+                raise SimulatedCrash
+
+            def close(self) -> None:
+                pass
+
+        clock.now = t0 + 60 * S  # every one due again: the doomed checker claims all three
+        with pytest.raises(SimulatedCrash):
+            make_checker(s, clock, http=lambda _g, _e: Crashing()).run_once()
+        lost_before = metric("outbox_checker_checks_lost_total", producer_group=GROUP)
+        clock.now = t0 + 60 * S + LEASE  # all three lost; the survivor's circuit is half-open
+        probe = survivor.run_once()
+        assert (probe.committed, probe.checked) == (1, 1)
+        assert metric("outbox_checker_checks_lost_total", producer_group=GROUP) == lost_before + 3
+        rest = survivor.run_once()  # closed again: the two that waited go out
+        assert rest.committed == 2
+        assert metric("outbox_checker_checks_lost_total", producer_group=GROUP) == lost_before + 3
     assert all(one(pg_dsn, tx)["state"] == "committed" for tx in txs)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 import outbox
 from outbox import Record, State, TransactionStatus, Written
@@ -127,6 +128,44 @@ def test_unknown_tx_id(pg_dsn: str) -> None:
         with pytest.raises(outbox.UnknownTransactionError):
             outbox.commit(conn, prepared_in_other_group.tx_id)  # default group: not ours
         assert outbox.commit(conn, prepared_in_other_group.tx_id, producer_group="other").changed
+
+
+def test_an_end_for_a_record_no_longer_held_leaves_a_later_transaction_of_the_tx_id_alone(
+    pg_dsn: str,
+) -> None:
+    """A tx id is taken again once its records are removed; an end about the transaction
+    before (the checker's late answer) names one of its records and leaves the later alone."""
+    tx_id = f"order-{uuid.uuid4()}"
+    earlier = prepared(pg_dsn, 2, tx_id=tx_id)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        outbox.rollback(conn, tx_id)
+        conn.execute("DELETE FROM outbox.outbox_record WHERE tx_id = %s", (tx_id,))  # the relay
+    later = prepared(pg_dsn, 1, tx_id=tx_id)
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            with pytest.raises(outbox.UnknownTransactionError, match="holds no record"):
+                await outbox.AsyncOutbox().commit(conn, tx_id, record_id=earlier.ids[0])
+
+    asyncio.run(main())
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with pytest.raises(outbox.UnknownTransactionError, match="holds no record") as raised:
+            outbox.rollback(conn, tx_id, record_id=earlier.ids[-1])
+        assert raised.value.tx_id == tx_id
+        assert states(pg_dsn, tx_id) == ["prepared"]
+        assert outbox.commit(conn, tx_id, record_id=later.ids[0]).ids == later.ids
+    assert states(pg_dsn, tx_id) == ["committed"]
+
+
+@pytest.mark.parametrize("record_id", [True, 0, "1", 1.0])
+def test_a_record_id_that_is_no_records_id_is_refused(pg_dsn: str, record_id: Any) -> None:
+    written = prepared(pg_dsn, 1)
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as conn,
+        pytest.raises(outbox.OutboxUsageError, match="record_id must be"),
+    ):
+        outbox.commit(conn, written.tx_id, record_id=record_id)
+    assert states(pg_dsn, written.tx_id) == ["prepared"]
 
 
 def test_a_tx_id_belongs_to_one_database_transaction(pg_dsn: str) -> None:
@@ -316,6 +355,9 @@ def test_check_immunity_is_stored_per_record(pg_dsn: str) -> None:
         (TransactionStatus.ROLLBACK, State.ROLLED_BACK),
         (TransactionStatus.UNKNOWN, State.PREPARED),
         ("COMMIT", State.COMMITTED),
+        ("commit", State.COMMITTED),  # as a resolver's answer: it was refused, the work done
+        ("Rollback", State.ROLLED_BACK),
+        ("unknown", State.PREPARED),
     ],
 )
 def test_send_in_transaction_ends_as_the_local_transaction_says(
@@ -334,7 +376,7 @@ def test_send_in_transaction_ends_as_the_local_transaction_says(
         )
     assert seen_during_local_transaction == [["prepared", "prepared"]]
     assert result.state is state
-    assert result.status is TransactionStatus(answer)
+    assert result.status is TransactionStatus(answer.upper())
     assert states(pg_dsn, result.tx_id) == [state.value] * 2
 
 
@@ -352,14 +394,20 @@ def test_send_in_transaction_leaves_records_prepared_when_the_local_transaction_
     assert states(pg_dsn, tx_ids[0]) == ["prepared"]
 
 
-def test_send_in_transaction_rejects_a_bad_answer_and_keeps_records(pg_dsn: str) -> None:
+@pytest.mark.parametrize("answer", ["MAYBE", 1, None])
+def test_send_in_transaction_rejects_a_bad_answer_and_keeps_records(
+    pg_dsn: str, answer: Any
+) -> None:
     tx_ids: list[str] = []
 
-    def local_transaction(written: Written) -> str:
+    def local_transaction(written: Written) -> Any:
         tx_ids.append(written.tx_id)
-        return "MAYBE"
+        return answer
 
-    with psycopg.connect(pg_dsn) as conn, pytest.raises(outbox.OutboxUsageError, match="MAYBE"):
+    with (
+        psycopg.connect(pg_dsn) as conn,
+        pytest.raises(outbox.OutboxUsageError, match=f"returned {answer!r}; expected"),
+    ):
         outbox.send_in_transaction(conn, [Record("t", "a")], local_transaction)
     assert states(pg_dsn, tx_ids[0]) == ["prepared"]
 
@@ -451,8 +499,14 @@ def test_send_in_transaction_refuses_what_is_not_its_kind_of_connection_by_name(
             pytest.raises(outbox.OutboxUsageError, match="needs a psycopg AsyncConnection"),
         ):
             await outbox.AsyncOutbox().send_in_transaction(conn, [Record("t", "a")], never)  # type: ignore[arg-type]
+        apool = AsyncConnectionPool(pg_dsn, open=False)
+        with pytest.raises(outbox.OutboxUsageError, match="take a connection from the pool"):
+            await outbox.AsyncOutbox().send_in_transaction(apool, [Record("t", "a")], never)  # type: ignore[arg-type]
 
     asyncio.run(main())
+    pool = ConnectionPool(pg_dsn, open=False)  # told to use AsyncOutbox for it, before
+    with pytest.raises(outbox.OutboxUsageError, match="take a connection from the pool"):
+        outbox.send_in_transaction(pool, [Record("t", "a")], never)  # type: ignore[arg-type]
     assert called == []
 
 
@@ -615,26 +669,29 @@ def test_send_in_transaction_reports_what_the_checker_decided_first(pg_dsn: str)
     assert states(pg_dsn, result.tx_id) == ["rolled_back"]
 
 
+@pytest.mark.parametrize("answer", [TransactionStatus.ROLLBACK, TransactionStatus.COMMIT])
 def test_records_the_relay_ended_apart_after_the_checker_committed_are_reported_parked(
-    pg_dsn: str,
+    pg_dsn: str, answer: TransactionStatus, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Committed by the checker, then one record delivered and one parked (kept by the relay's
-    delivered_retention), then the local work answered ROLLBACK: the mixed states raised
-    TransactionStateError, though the outcome (committed, against the answer) is known."""
+    delivered_retention), then the local work answered. ROLLBACK: the mixed states raised
+    TransactionStateError, though the outcome (committed, against the answer) is known.
+    COMMIT: the result said committed, and nothing told of the parked record."""
 
     def local_transaction(written: Written) -> TransactionStatus:
         _settled_meanwhile(pg_dsn, "delivered and parked")
-        return TransactionStatus.ROLLBACK
+        return answer
 
     with psycopg.connect(pg_dsn) as conn:
         records = [Record("t", "a"), Record("t", "b")]
         result = outbox.send_in_transaction(conn, records, local_transaction)
     assert (result.status, result.state, result.conflict) == (
-        TransactionStatus.ROLLBACK,
+        answer,
         State.PARKED,
-        True,
+        answer is TransactionStatus.ROLLBACK,
     )
     assert states(pg_dsn, result.tx_id) == ["delivered", "parked"]
+    assert f"tx {result.tx_id} (default) was already delivered, parked" in caplog.text
 
 
 def test_async_send_in_transaction_raises_when_the_records_are_gone_already(pg_dsn: str) -> None:

@@ -124,6 +124,7 @@ def test_config_validates_at_construction() -> None:
         ({"max_record_bytes": 0}, "max_record_bytes: Input should be greater than 0"),
         ({"shema_name": "typo"}, "shema_name: Extra inputs are not permitted"),
         ({"schema_name": "my-schema"}, "schema_name: 'my-schema' is not a plain identifier"),
+        ({"max_record_bytes": True}, "max_record_bytes: True is not a number of bytes"),
     ],
 )
 def test_bad_settings_raise_the_librarys_own_error_naming_the_setting(
