@@ -181,10 +181,13 @@ def api_ready() -> bool:
         return False
 
 
+CRDS = ("servicemonitors", "podmonitors", "prometheusrules")
+
+
 def install_crds() -> None:
-    """The Prometheus operator's ServiceMonitor and PrometheusRule definitions, from its Go
-    module, as a cluster that runs the operator has them: the chart's objects of those kinds
-    are then checked against the operator's own schemas."""
+    """The Prometheus operator's ServiceMonitor, PodMonitor and PrometheusRule definitions,
+    from its Go module, as a cluster that runs the operator has them: the chart's objects of
+    those kinds are then checked against the operator's own schemas."""
     info = json.loads(
         run(
             [go(), "mod", "download", "-json", f"{PROM_OPERATOR}@{PROM_OPERATOR_VERSION}"],
@@ -193,7 +196,7 @@ def install_crds() -> None:
         ).stdout
     )
     crds = Path(info["Dir"]) / "example" / "prometheus-operator-crd"
-    for plural in ("servicemonitors", "prometheusrules"):
+    for plural in CRDS:
         manifest = (crds / f"monitoring.coreos.com_{plural}.yaml").read_bytes()
         status, said = call(
             "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
@@ -207,7 +210,7 @@ def install_crds() -> None:
     def served() -> bool:
         status, said = call("/apis/monitoring.coreos.com/v1")
         names = {r["name"] for r in json.loads(said)["resources"]} if status == 200 else set()
-        return {"servicemonitors", "prometheusrules"} <= names
+        return set(CRDS) <= names
 
     wait_until("the Prometheus operator's resource definitions", served, 60)
 

@@ -53,6 +53,17 @@ LONGEST_RELEASE = "payments-ledger-reconciliation-production-eu-west-one"
     [
         pytest.param("orders", ("existingSecret=orders-outbox",), id="defaults"),
         pytest.param("orders", ("existingSecret=orders-outbox", "mode=sidecar"), id="sidecar"),
+        pytest.param(
+            "orders",
+            (
+                "existingSecret=orders-outbox",
+                "mode=sidecar",
+                "podMonitor.enabled=true",
+                "podMonitor.selector.app=orders",
+                "prometheusRule.enabled=true",
+            ),
+            id="sidecar-monitored",
+        ),
         pytest.param("orders", EVERYTHING, id="everything"),
         pytest.param("orders", (*EVERYTHING, "reconcile.mode=schedule"), id="scheduled"),
         pytest.param(LONGEST_RELEASE, EVERYTHING, id="longest-release"),

@@ -77,6 +77,11 @@ def test_standalone_runs_relays_with_probes_a_grace_period_and_a_migration_hook(
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert pod["terminationGracePeriodSeconds"] > 25  # above relay.shutdown_grace (PT25S)
     assert pod["enableServiceLinks"] is False  # Services' OUTBOX_..._SERVICE_HOST and such
+    # the Service reaches the container's port by the name it has
+    (port,) = docs["Service"]["spec"]["ports"]
+    assert port["targetPort"] == container["ports"][0]["name"]
+    # an outage makes every relay unready: a node drain must not wait for its end
+    assert docs["PodDisruptionBudget"]["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["outbox-secrets"]["secret"]["secretName"] == "orders-outbox"
     job = docs["Job"]
@@ -220,11 +225,44 @@ def test_sidecar_mode_renders_no_deployment_and_an_app_chart_includes_the_contai
     (pod,) = [d["spec"]["template"]["spec"] for d in docs]
     assert [c["name"] for c in pod["containers"]] == ["app", "outbox-sidecar"]
     sidecar = pod["containers"][1]
-    assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "outbox-http"}
     # a broker outage must not take the application's pod out of its Service
     assert "readinessProbe" not in sidecar
     secrets = [v for v in pod["volumes"] if "secret" in v]
     assert secrets == [{"name": "outbox-secrets", "secret": {"secretName": "app-outbox"}}]
+    # port names are the pod's: the application's own "http" stays the only one
+    names = [p["name"] for c in pod["containers"] for p in c.get("ports", [])]
+    assert names == ["http", "outbox-http"]
+
+    def annotations(*sets: str) -> dict[str, str]:
+        (deployment,) = [d for d in render(helm, *sets, chart=app) if d["kind"] == "Deployment"]
+        return deployment["spec"]["template"]["metadata"]["annotations"]  # type: ignore[no-any-return]
+
+    # the sidecar reads its config once: a changed one rolls the application's pods
+    before = annotations()
+    assert set(before) == {"checksum/outbox-config"}
+    assert annotations("outbox.config=[relay]\nshards = 4") != before
+    assert annotations() == before
+
+
+def test_sidecar_mode_scrapes_the_sidecars_in_the_applications_pods(helm: str) -> None:
+    """The relays' ServiceMonitor follows the standalone Deployment's Service: in sidecar mode
+    nothing scraped the sidecars, and the alert rules saw no relay at all."""
+    docs = by_kind(
+        render(
+            helm,
+            "existingSecret=s",
+            "mode=sidecar",
+            "podMonitor.enabled=true",
+            "podMonitor.selector.app=orders",
+        )
+    )
+    monitor = docs["PodMonitor"]["spec"]
+    assert monitor["selector"] == {"matchLabels": {"app": "orders"}}
+    (endpoint,) = monitor["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("outbox-http", "/metrics")
+    # standalone relays have their ServiceMonitor: no PodMonitor there
+    assert "PodMonitor" not in by_kind(render(helm, "existingSecret=s", "podMonitor.enabled=true"))
 
 
 def _exported_series() -> dict[str, set[str]]:
@@ -427,6 +465,10 @@ def test_the_dashboard_is_off_by_default(helm: str) -> None:
                 (("reconcile.topics=a", "reconcile.bootstrapServers="), "reconcile.bootstrap"),
             ]
         ],
+        (
+            ("existingSecret=s", "mode=sidecar", "podMonitor.enabled=true"),
+            "podMonitor.selector: the labels of the application's pods",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_what_is_wrong(

@@ -86,9 +86,11 @@ chart, to run one relay in each of its pods (add the volumes of outbox-sidecar.v
       value: {{ include "outbox-sidecar.text" $value | quote }}
     {{- end }}
   ports:
-    - {name: http, containerPort: {{ .Values.httpPort }}}
+    {{- /* not "http": in an application's pod, port names are the pod's, and its own
+           container's "http" is what a Service or a PodMonitor naming "http" would find */}}
+    - {name: outbox-http, containerPort: {{ .Values.httpPort }}}
   livenessProbe:
-    httpGet: {path: /healthz, port: http}
+    httpGet: {path: /healthz, port: outbox-http}
     periodSeconds: 10
     timeoutSeconds: 5
     failureThreshold: 6
@@ -96,7 +98,7 @@ chart, to run one relay in each of its pods (add the volumes of outbox-sidecar.v
   {{- /* In an application's pod, readiness would take the application out of its Service
          whenever the broker is down: the very outage the outbox lets it ride out. */}}
   readinessProbe:
-    httpGet: {path: /readyz, port: http}
+    httpGet: {path: /readyz, port: outbox-http}
     periodSeconds: 5
     timeoutSeconds: 5
   {{- end }}
@@ -120,6 +122,12 @@ schema, the sidecar reading another). */}}
 {{- if regexMatch "(?m)^\\s*schema_name\\s*=" .Values.config -}}
 {{- fail "config: database.schema_name is set from migrations.schema (the hook and the sidecar use it both); set that instead" -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Pod annotations for an application's chart that runs the sidecar: a changed `config`
+rolls its pods, as it rolls the standalone Deployment's (the sidecar reads its file once). */}}
+{{- define "outbox-sidecar.podAnnotations" -}}
+checksum/outbox-config: {{ .Values.config | sha256sum }}
 {{- end -}}
 
 {{- define "outbox-sidecar.volumes" -}}
