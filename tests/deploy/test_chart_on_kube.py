@@ -65,7 +65,11 @@ LONGEST_RELEASE = "payments-ledger-reconciliation-production-eu-west-one"
             id="sidecar-monitored",
         ),
         pytest.param("orders", EVERYTHING, id="everything"),
-        pytest.param("orders", (*EVERYTHING, "reconcile.mode=schedule"), id="scheduled"),
+        pytest.param(
+            "orders",
+            (*EVERYTHING, "reconcile.mode=schedule", "reconcile.activeDeadlineSeconds=1800"),
+            id="scheduled",
+        ),
         pytest.param(LONGEST_RELEASE, EVERYTHING, id="longest-release"),
         pytest.param(
             LONGEST_RELEASE, (*EVERYTHING, "reconcile.mode=schedule"), id="longest-scheduled"

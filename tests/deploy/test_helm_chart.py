@@ -588,6 +588,15 @@ def test_a_scheduled_reconciliation_runs_once_at_a_time_on_a_claim_given(
     assert settings.topic_pattern == "orders[.].*"
     (checkpoint,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
     assert checkpoint["persistentVolumeClaim"]["claimName"] == "mine"
+    assert "activeDeadlineSeconds" not in cron["jobTemplate"]["spec"]  # unbounded by default
+
+
+def test_a_scheduled_run_can_be_bounded_so_that_one_hanging_holds_back_no_later_run(
+    helm: str,
+) -> None:
+    docs = reconcile_docs(helm, "reconcile.mode=schedule", "reconcile.activeDeadlineSeconds=1800")
+    job = docs["CronJob/orders-outbox-sidecar-reconcile"]["spec"]["jobTemplate"]["spec"]
+    assert job["activeDeadlineSeconds"] == 1800
 
 
 def test_kafka_secrets_reach_the_reconciliation_in_a_mounted_properties_file(
