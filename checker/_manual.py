@@ -213,6 +213,10 @@ def _audit(
         },
     ).fetchone()
     assert row is not None
+    # The action's last statement: its commit may NOTIFY the relays (resolve's commit,
+    # redrive), which takes a cluster-wide lock there, and a role's lock_timeout failed it
+    # (the relay's and the checker's commits set it so too).
+    conn.execute("SELECT set_config('lock_timeout', '0', true)")
     return int(row[0])
 
 

@@ -179,8 +179,21 @@ def _manual(
     return 0
 
 
+def _login() -> str | None:
+    """The user's name, None where the uid has none (a container's arbitrary uid)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # KeyError up to Python 3.12, OSError from 3.13
+        return None
+
+
 def _cmd_rearm(args: argparse.Namespace) -> int:
-    actor = args.actor or os.environ.get("USER") or getpass.getuser()
+    actor = args.actor or os.environ.get("USER") or _login()
+    if actor is None:
+        print(
+            "outboxctl rearm: --actor: no user name to record (none for this uid)", file=sys.stderr
+        )
+        return 2
     return _manual(
         args,
         lambda conn: rearm(

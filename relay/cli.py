@@ -33,6 +33,7 @@ from relay.http import ProbeServerUnavailable
 from relay.kafka import ProducerMisconfigured
 from relay.records import list_records, shown
 from relay.status import outbox_status
+from spark._errors import ReconcileConfigError
 from spark.findings import read_findings
 
 
@@ -166,6 +167,11 @@ def _cmd_records(args: argparse.Namespace) -> int:
     cut, found = len(found) > args.limit, found[: args.limit]
     if args.json:
         print(json.dumps([r.as_dict() for r in found], default=_json_default))
+        if cut:  # on stderr: the JSON stays the list it was, and a script is told all the same
+            print(
+                f"outboxctl records: the oldest {args.limit} only; --limit for more",
+                file=sys.stderr,
+            )
         return 0
     for r in found:
         reason = f"  {shown(r.reason)}" if r.reason else ""
@@ -205,6 +211,9 @@ def _cmd_findings(args: argparse.Namespace) -> int:
         found = read_findings(
             command_dsn(args), args.schema, kinds=args.kind or None, limit=args.limit
         )
+    except ReconcileConfigError as exc:  # the schema, not the input: not a usage error
+        print(f"outboxctl findings: {exc}", file=sys.stderr)
+        return 1
     except ValueError as exc:  # bad input (a kind, the limit): nothing was asked
         print(f"outboxctl findings: {exc}", file=sys.stderr)
         return 2

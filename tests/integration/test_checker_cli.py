@@ -87,6 +87,23 @@ def test_rearm_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> No
     assert "prepared" in err
 
 
+def test_rearm_without_an_actor_where_the_uid_has_no_name_says_to_give_one(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container's arbitrary uid has no passwd entry: getpass raised a bare KeyError."""
+    tx_id = prepare(pg_dsn)
+    discard(pg_dsn, tx_id)
+    monkeypatch.delenv("USER", raising=False)
+    monkeypatch.delenv("LOGNAME", raising=False)
+    monkeypatch.delenv("LNAME", raising=False)
+    monkeypatch.delenv("USERNAME", raising=False)
+    monkeypatch.setattr("os.getuid", lambda: 2_000_000_017)  # no passwd entry
+    argv = ["rearm", "--dsn", pg_dsn, "--producer-group", GROUP, "--tx-id", tx_id]
+    assert main(argv) == 2
+    assert "--actor: no user name to record" in capsys.readouterr().err
+    assert state(pg_dsn, tx_id) == "discarded"
+
+
 def test_rearm_is_due_by_the_databases_clock_not_the_operators_host(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -253,6 +270,13 @@ def test_records_lists_what_is_asked_without_values(
         prepared_tx
     ]
     assert len(records("--tx-id", tx_id, "--limit", "1")) == 1
+    # cut: a script reading the JSON is told on stderr (it counted 1 of 2 unaware)
+    assert main(["records", "--dsn", pg_dsn, "--json", "--tx-id", tx_id, "--limit", "1"]) == 0
+    cut = capsys.readouterr()
+    assert len(json.loads(cut.out)) == 1
+    assert "the oldest 1 only; --limit for more" in cut.err
+    assert main(["records", "--dsn", pg_dsn, "--json", "--tx-id", tx_id, "--limit", "2"]) == 0
+    assert capsys.readouterr().err == ""
 
     assert main(["records", "--dsn", pg_dsn, "--tx-id", tx_id]) == 0
     table = capsys.readouterr().out.splitlines()
@@ -562,3 +586,13 @@ def test_a_transactions_latest_audit_entry_is_read_from_its_index(pg_dsn: str) -
         assert "Seq Scan" not in text
         [(ids,)] = conn.execute(query("checker_discarded_ids", "outbox"), params).fetchall()
     assert ids  # it finds the discard's record ids
+
+
+def test_findings_of_a_schema_without_the_reconciliation_tables_is_no_usage_error(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 says the command line was wrong; a schema not migrated is a failure (1)."""
+    assert main(["findings", "--dsn", pg_dsn, "--schema", "not_migrated"]) == 1
+    assert "has no reconciliation tables: run `outboxctl migrate`" in capsys.readouterr().err
+    assert main(["findings", "--dsn", pg_dsn, "--kind", "lost"]) == 2  # the input: still 2
+    assert "unknown finding kinds" in capsys.readouterr().err
