@@ -30,6 +30,11 @@ class StopOnSignals:
         self._watcher: threading.Thread | None = None
         self._unwatch = threading.Event()
 
+    @property
+    def received(self) -> int | None:
+        """The first signal's number; None before one came."""
+        return self._received
+
     def __call__(self, signum: int, _frame: object) -> None:
         if self._received is None:  # an attribute stored: no lock taken, nothing to wait for
             self._received = signum

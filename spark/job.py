@@ -55,6 +55,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -80,7 +81,12 @@ from relay import _failpoints
 from relay.markers import outbox_name
 from relay.signals import StopOnSignals
 from spark import _sql, sink, transform
-from spark._errors import ReconcileConfigError, ReconcileError, ReconcileQueryError
+from spark._errors import (
+    ReconcileConfigError,
+    ReconcileError,
+    ReconcileQueryError,
+    ReconcileStopped,
+)
 from spark.config import (
     FINDING_KINDS,
     JudgeWindow,
@@ -305,14 +311,31 @@ class ReconcileJob:
         self._run_as_of = as_of
         self._stopping.clear()
         query = None
+        _failpoints.hit(_failpoints.RECONCILE_BEFORE_QUERY)
         try:
             query = self._start_query(available_now=True)
-            self._await(query)
+            with self._lock:
+                self._query = query  # for stop(): a SIGTERM to a --once run stops it
+            try:
+                self._await(query)
+            except ReconcileQueryError:
+                if not self._stopping.is_set():
+                    raise
+                # stop() failed the micro-batch in progress (it runs again at the next start)
+            if self._stopping.is_set():
+                # Read up to somewhere short of as_of: a judgement would call missing what
+                # the query did not reach.
+                raise ReconcileStopped(
+                    "stopped while reading Kafka: nothing judged; the next run reads on from "
+                    "the checkpoint"
+                )
             self._vanished.see_all(
                 (s.startOffset, s.endOffset) for p in query.recentProgress for s in p.sources
             )
         finally:
             self._run_as_of = None
+            with self._lock:
+                self._query = None
             if query is not None and query.isActive:
                 # interrupted (a Ctrl-C, a py4j error): left running, its later micro-batches
                 # were judged as a continuous job's, on a session not the job's own
@@ -1681,7 +1704,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if settings.audit:
             report = job.audit()
         elif settings.once:
-            report = job.run_once()
+            # A container's PID 1 ignores a SIGTERM it has no handler for: the pod waited out
+            # its grace period, then was killed. Stopped while reading, the run judges nothing.
+            stop = threading.Event()
+            signals = StopOnSignals(stop, "stopping the reconciliation")
+            with signals.installed(), _stopping_on(stop, job):
+                try:
+                    report = job.run_once()
+                except ReconcileStopped as exc:
+                    print(f"spark.job: {exc}", file=sys.stderr, flush=True)
+                    return 128 + (signals.received or signal.SIGTERM)
         else:
             # The handler runs in the middle of the py4j call it interrupts: it only notes the
             # signal (a call into Spark from there broke that one), a thread of its own sets
@@ -1692,6 +1724,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         print(json.dumps(report.as_dict()) if args.json else report.format(), flush=True)
         return EXIT_FINDINGS if args.fail_on_findings and report.found_total else 0
+
+
+@contextmanager
+def _stopping_on(stop: threading.Event, job: ReconcileJob) -> Iterator[None]:
+    """Stops `job` once `stop` is set, and again while the block runs: a query it starts
+    after the first stop (a signal during its start) is stopped too."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            if stop.is_set():
+                job.stop()
+
+    watcher = threading.Thread(target=watch, name="reconcile-stop", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 if __name__ == "__main__":

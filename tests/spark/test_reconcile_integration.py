@@ -1083,6 +1083,63 @@ def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(
     assert len(list((checkpoint / "observations").glob("batch-*"))) >= 1
 
 
+def test_a_once_run_stopped_by_sigterm_while_reading_exits_judging_nothing(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    spark_jars: list[str],
+    tmp_path: Path,
+) -> None:
+    """A scheduled run's SIGTERM (a node drained, the CronJob's deadline): as a container's
+    PID 1, a run without a handler ignored it until the kill after the grace period. Stopped
+    while its query reads, it judges nothing (a judgement would call missing what it did not
+    reach), says so, and exits 143; the next run reports what there is, once."""
+    orders, markers = topic_factory(), topic_factory()
+    relay = RelayStandIn(pg_dsn, transactional_producer, markers)
+    sent = datetime.now(UTC) - timedelta(seconds=30)  # past the deadline at once
+    relay.deliver(publish(pg_dsn, [outbox.Record(orders, "v", key="k")]), at=sent)
+    (dropped,) = publish(pg_dsn, [outbox.Record(orders, "dropped", key="d")])
+    relay.deliver([dropped], at=sent, copies=False)
+    checkpoint = tmp_path / "checkpoint"
+    argv = [
+        sys.executable, "-m", "spark.job", "--once", "--dsn", pg_dsn,
+        "--bootstrap", kafka_bootstrap, "--topics", orders, "--marker-topic", markers,
+        "--deadline", "2s", "--horizon", "10m", "--checkpoint", str(checkpoint),
+        "--master", "local[2]", "--jars", ",".join(spark_jars),
+    ]  # fmt: skip
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+    root = Path(__file__).resolve().parents[2]
+    log = tmp_path / "job.log"
+    with log.open("ab") as out:
+        job = subprocess.Popen(
+            argv,
+            env={**env, "OUTBOX_RELAY_FAILPOINT": "reconcile_before_query:stop"},
+            cwd=root, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            until = time.monotonic() + 180
+            while Path(f"/proc/{job.pid}/stat").read_text().split(") ")[1][0] != "T":
+                assert job.poll() is None, log.read_text(errors="replace")
+                assert time.monotonic() < until, "the run never came to its query"
+                time.sleep(0.2)
+            job.send_signal(signal.SIGTERM)  # pending while stopped: the query starts after
+            job.send_signal(signal.SIGCONT)
+            assert job.wait(120) == 128 + signal.SIGTERM, log.read_text(errors="replace")
+        finally:
+            job.kill()
+    assert "stopped while reading Kafka: nothing judged" in log.read_text(errors="replace")
+    assert read_findings(pg_dsn) == []
+    assert not (checkpoint / "once_judged_to").exists()
+
+    with log.open("ab") as out:
+        again = subprocess.run(
+            argv, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT, timeout=180
+        )
+    assert again.returncode == 0, log.read_text(errors="replace")
+    assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", dropped.id)]
+
+
 def _missing_counted(port: int) -> float:
     """The job's outbox_reconcile_findings_total{kind="missing"}; 0 until it serves it."""
     code, text = get(port, "/metrics")
