@@ -45,10 +45,7 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     """Register the checker's subcommands on outboxctl's subparsers."""
     p = sub.add_parser(
         "checker", parents=[common], help="run the checker alone (until SIGTERM / SIGINT)"
-    )
-    p.add_argument(
-        "--config", help="TOML config file (default: $OUTBOX_CONFIG_FILE; env vars override it)"
-    )
+    )  # --config: outboxctl's common options
     p.add_argument("--once", action="store_true", help="run one round, print what it did, exit")
     p.set_defaults(func=_cmd_checker)
 

@@ -254,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--schema", help="schema of the outbox tables (default: the sidecar's, else outbox)"
     )
     common.add_argument("--json", action="store_true", help="machine-readable output")
+    # as `run --config` reads it: the sidecar's schema (and DSN) from where the sidecar has them
+    common.add_argument(
+        "--config",
+        help="the sidecar's TOML config file (default: $OUTBOX_CONFIG_FILE; env vars override "
+        "it): --schema and --dsn default to its database settings",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("migrate", parents=[common], help="create or upgrade the outbox schema")

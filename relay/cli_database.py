@@ -19,17 +19,19 @@ from relay.config import DatabaseLookupSettings, load_database_settings
 from relay.dbconnect import dead_peer_options, own_transaction_mode
 
 
-def database_settings() -> tuple[DatabaseLookupSettings | None, str]:
+def database_settings(config_file: str | None = None) -> tuple[DatabaseLookupSettings | None, str]:
     """The database part of the sidecar's settings, the rest unread (load_database_settings),
-    or None and why it could not be read."""
+    or None and why it could not be read. `config_file`: a command's --config, else
+    $OUTBOX_CONFIG_FILE."""
     try:
-        return load_database_settings().database, ""
+        return load_database_settings(config_file).database, ""
     except Exception as exc:  # configured wrong: say so if needed
         return None, describe(exc, "settings") if isinstance(exc, ValidationError) else str(exc)
 
 
 def command_schema(args: argparse.Namespace) -> str:
-    """--schema, else the sidecar's setting (whatever gives the DSN), else `outbox`."""
+    """--schema, else the sidecar's setting (--config's file, the environment; whatever gives
+    the DSN)."""
     if args.schema is not None:
         # checked as the settings check theirs: else `status --schema a-b` said to migrate a
         # schema `migrate` refuses, and `grants` printed grants for one that cannot exist
@@ -37,7 +39,7 @@ def command_schema(args: argparse.Namespace) -> str:
             return OutboxConfig(schema_name=str(args.schema)).schema_name
         except InvalidConfigError as exc:
             raise SystemExit(f"outboxctl: --schema: {exc}") from None
-    database, why = database_settings()
+    database, why = database_settings(getattr(args, "config", None))
     if database is None:  # not `outbox` unsaid: the command would work on another outbox
         raise SystemExit(
             f"outboxctl: the sidecar's database settings cannot be read for the schema ({why}); "
@@ -53,7 +55,7 @@ def command_dsn(args: argparse.Namespace) -> str:
     if dsn:
         parse_dsn(str(dsn), "--dsn" if args.dsn else "OUTBOX_DATABASE_URL")
         return str(dsn)
-    database, why = database_settings()
+    database, why = database_settings(getattr(args, "config", None))
     if database is None or database.dsn is None:
         raise SystemExit(
             "outboxctl: no database: pass --dsn, set OUTBOX_DATABASE_URL, or give the sidecar's "
@@ -74,7 +76,7 @@ def connect(
     only reads, which then runs on a standby too (dbconnect.own_transaction_mode)."""
     dsn = command_dsn(args)
     given = conninfo_to_dict(dsn)
-    database, _ = database_settings()
+    database, _ = database_settings(getattr(args, "config", None))
     timeout = database.connect_timeout_s if database is not None else 10.0
     if "connect_timeout" not in given and not os.environ.get("PGCONNECT_TIMEOUT"):
         kwargs.setdefault("connect_timeout", max(1, math.ceil(timeout)))  # whole seconds

@@ -52,6 +52,24 @@ def test_the_schema_setting_counts_whatever_gives_the_dsn(
     assert json.loads(capsys.readouterr().out)["schema"] == "elsewhere"
 
 
+def test_the_inspection_and_repair_commands_take_the_sidecars_config_file(
+    pg_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The sidecar ran as `outboxctl run --config sidecar.toml` with its schema in the file;
+    `redrive`, `status` and the others took no --config and worked on the `outbox` schema:
+    another outbox than the sidecar's."""
+    config = tmp_path / "sidecar.toml"
+    config.write_text('[database]\nschema_name = "elsewhere_cfg"\n')
+    assert main(["status", "--dsn", pg_dsn, "--config", str(config)]) == 1
+    assert "schema 'elsewhere_cfg' holds no outbox" in capsys.readouterr().err
+    redrive = ["redrive", "--dsn", pg_dsn, "--config", str(config), "--topic", "t"]
+    assert main([*redrive, "--actor", "a", "--reason", "r"]) == 1
+    assert '"elsewhere_cfg.outbox_record" does not exist' in capsys.readouterr().err
+    assert main(["status", "--dsn", pg_dsn]) == 0  # without it: the default, `outbox`
+    with pytest.raises(SystemExit, match=r"none\.toml does not exist\); pass --schema"):
+        main(["status", "--dsn", pg_dsn, "--config", str(tmp_path / "none.toml")])
+
+
 def test_a_schema_setting_that_cannot_be_read_is_said_not_replaced(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
