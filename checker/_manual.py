@@ -493,6 +493,9 @@ def redrive_topic(
     schema = OutboxConfig(schema_name=schema).schema_name
     done: list[ManualResult] = []
     after = 0  # the first parked record id of the last transaction read
+    # A transaction of which the relay parks some records again, above `after`, comes on a
+    # later page by its first one: it is not redriven twice.
+    tried: set[tuple[str, str]] = set()
     while limit is None or len(done) < limit:
         size = page if limit is None else min(page, limit - len(done))
         with database_errors():
@@ -501,6 +504,9 @@ def redrive_topic(
                 {"topic": topic, "after": after, "limit": size},
             ).fetchall()
         for group, tx_id, ids in parked:
+            if (group, tx_id) in tried:
+                continue
+            tried.add((group, tx_id))
             result = _redrive_patiently(conn, group, tx_id, actor, reason, ids, schema)
             if result is None:
                 continue

@@ -520,6 +520,34 @@ def test_redrive_of_a_topic_reads_page_after_page_and_never_redrives_a_record_tw
     assert [state(pg_dsn, tx) for tx in txs] == ["committed"] * 3 + ["parked"] * 2
 
 
+def test_a_transaction_parked_again_in_part_is_not_redriven_twice_by_one_run(
+    pg_dsn: str,
+) -> None:
+    """The relay parks only its later record again (the earlier one went out): the
+    transaction's first parked record is then past the page, and it came again on the next."""
+    from checker import redrive_topic
+
+    txs = [parked(pg_dsn, "billing.partly")[1] for _ in range(3)]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+
+        def later_parked_again(result: ManualResult) -> None:
+            conn.execute(
+                "UPDATE outbox.outbox_record SET state = 'parked', reason = 'again'"
+                " WHERE id = (SELECT max(id) FROM outbox.outbox_record WHERE tx_id = %s)",
+                (result.tx_id,),
+            )
+
+        fix = {"actor": "erin", "reason": "topic created"}
+        done = redrive_topic(conn, "billing.partly", **fix, page=1, on_redriven=later_parked_again)
+    assert [r.tx_id for r in done] == txs
+    assert [last_audit(pg_dsn, tx)[1] for tx in txs] == ["redrive"] * 3
+    with psycopg.connect(pg_dsn) as conn:
+        audited = conn.execute(
+            "SELECT count(*) FROM outbox.audit_log WHERE tx_id = ANY(%s)", (txs,)
+        ).fetchone()
+    assert audited == (3,)
+
+
 def test_parked_records_are_read_from_their_own_index_not_the_whole_table(pg_dsn: str) -> None:
     """`redrive --topic` and `records --state parked` on an outbox that keeps an archive of
     delivered rows: only the parked ones are read (migration 0005), not every row."""
