@@ -1391,6 +1391,28 @@ class SimulatedCrash(BaseException):
     """What a kill -9 looks like to the round: nothing after the claim happens."""
 
 
+class Flaky:
+    """A resolver that fails (HTTP 500) until `failing` is set False, then answers COMMIT."""
+
+    def __init__(self) -> None:
+        self.failing = True
+
+    def __call__(self, request: CheckRequest) -> TransactionStatus:
+        if self.failing:
+            raise RuntimeError("down")
+        return COMMIT
+
+
+class Crashing:
+    """A check client whose checker dies as it sends (SimulatedCrash)."""
+
+    def check(self, request: CheckRequest) -> Any:
+        raise SimulatedCrash
+
+    def close(self) -> None:
+        pass
+
+
 def test_checker_killed_mid_check_leaves_the_transaction_due_after_the_lease(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
@@ -1398,13 +1420,6 @@ def test_checker_killed_mid_check_leaves_the_transaction_due_after_the_lease(
     tx_id, created = prepare(pg_dsn, records=2)
     clock = Clock(created + 7 * S)
     s = settings({GROUP: endpoint_settings(endpoint.url)})
-
-    class Crashing:
-        def check(self, request: CheckRequest) -> Any:
-            raise SimulatedCrash
-
-        def close(self) -> None:
-            pass
 
     doomed = make_checker(s, clock, http=lambda _g, _e: Crashing())
     with pytest.raises(SimulatedCrash):
@@ -1438,13 +1453,6 @@ def test_a_lost_last_check_is_asked_again_not_discarded(
     tx_id, created = prepare(pg_dsn, records=2)
     clock = Clock(created + 7 * S)
     s = settings({GROUP: endpoint_settings(endpoint.url)}, max_checks=1)
-
-    class Crashing:
-        def check(self, request: CheckRequest) -> Any:
-            raise SimulatedCrash
-
-        def close(self) -> None:
-            pass
 
     lost_before = metric("outbox_checker_checks_lost_total", producer_group=GROUP) or 0
     with pytest.raises(SimulatedCrash):
@@ -1563,13 +1571,7 @@ def test_dead_endpoint_does_not_starve_a_healthy_one_in_the_same_round(
 def test_open_circuit_reschedules_without_asking_or_counting_then_probes(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
-    failing = {"on": True}
-
-    def flaky(request: CheckRequest) -> TransactionStatus:
-        if failing["on"]:
-            raise RuntimeError("down")
-        return COMMIT
-
+    flaky = Flaky()
     with serve(CheckHandler(flaky, [SECRET])) as server:
         txs = []
         for _ in range(3):
@@ -1596,7 +1598,7 @@ def test_open_circuit_reschedules_without_asking_or_counting_then_probes(
         assert {tx: one(pg_dsn, tx)["check_count"] for tx in txs} == counts
         assert all(one(pg_dsn, tx)["next_check_at"] == t0 + 60 * S for tx in txs)
 
-        failing["on"] = False
+        flaky.failing = False
         clock.now = t0 + 60 * S  # half-open: one probe
         third = checker.run_once()
         assert third.committed == 1
@@ -1610,13 +1612,7 @@ def test_lost_checks_waiting_for_a_half_open_circuits_probe_are_counted_lost_onc
 ) -> None:
     """Lost checks of a group whose circuit is half-open wait for its one probe: they were left
     with their lease run out, and the next round logged and counted them lost again."""
-    failing = {"on": True}
-
-    def flaky(request: CheckRequest) -> TransactionStatus:
-        if failing["on"]:
-            raise RuntimeError("down")
-        return COMMIT
-
+    flaky = Flaky()
     with serve(CheckHandler(flaky, [SECRET])) as server:
         txs = [prepare(pg_dsn)[0] for _ in range(3)]
         created = max(one(pg_dsn, tx)["created_at"] for tx in txs)
@@ -1629,14 +1625,7 @@ def test_lost_checks_waiting_for_a_half_open_circuits_probe_are_counted_lost_onc
         )
         survivor = make_checker(s, clock)
         assert survivor.run_once().checked == 1  # failed: the circuit opens
-        failing["on"] = False
-
-        class Crashing:
-            def check(self, request: CheckRequest) -> Any:
-                raise SimulatedCrash
-
-            def close(self) -> None:
-                pass
+        flaky.failing = False
 
         clock.now = t0 + 60 * S  # every one due again: the doomed checker claims all three
         with pytest.raises(SimulatedCrash):
