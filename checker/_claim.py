@@ -73,10 +73,8 @@ class Claim:
     record_count: int = 0  # all the transaction's records: `records` holds the first ones
     records: tuple[CheckRecord, ...] = field(default=())
 
-    @property
-    def first_record_id(self) -> int | None:
-        """The transaction's first record, as claimed (None before the claim)."""
-        return self.records[0].id if self.records else None
+    #: The transaction's first and last record ids, as claimed: its answer ends no other.
+    record_ids: tuple[int, int] | None = None
 
     def request(self, max_bytes: int) -> CheckRequest:
         """The check request, its body under ``max_bytes``: the records that do not fit are
@@ -177,15 +175,18 @@ def claim(
         },
     ).fetchall()
     records: dict[tuple[str, str], list[CheckRecord]] = {}
-    for group, tx_id, record_id, topic, key, headers in rows:
+    last: dict[tuple[str, str], int] = {}
+    for group, tx_id, record_id, topic, key, headers, last_id in rows:
         records.setdefault((group, tx_id), []).append(
             CheckRecord(id=record_id, topic=topic, key=key, headers=wire_headers(headers))
         )
+        last[(group, tx_id)] = last_id
     claimed = []
     for c in claims:
-        found = records.get((c.producer_group, c.tx_id))
+        key = (c.producer_group, c.tx_id)
+        found = records.get(key)
         if found:  # under our locks it always is; skip rather than ask about nothing
-            claimed.append(replace(c, records=tuple(found)))
+            claimed.append(replace(c, records=tuple(found), record_ids=(found[0].id, last[key])))
     return claimed
 
 

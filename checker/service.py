@@ -672,14 +672,17 @@ class Checker:
         try:
             # The answer is about the transaction asked about: the tx id of one whose records
             # were removed meanwhile may be a later transaction's (README), left alone.
-            transition = end(conn, tx_id, producer_group=group, record_id=claim.first_record_id)
+            transition = end(conn, tx_id, producer_group=group, record_ids=claim.record_ids)
         except IllegalTransitionError as exc:
             # A late answer contradicting the transaction's end: the compare-and-set refused it.
             states = ", ".join(exc.current_states)
             message = "endpoint of producer group %s answered %s for tx %s, already %s: ignored"
             return (logger.warning, (message, group, verdict, tx_id, states)), True
         except UnknownTransactionError:
-            message = "tx %s of producer group %s is gone; answer dropped"
+            message = (
+                "tx %s of producer group %s is gone (a later transaction of that tx id, if "
+                "any, is left alone); answer dropped"
+            )
             return (logger.info, (message, tx_id, group)), False
         already = "" if transition.changed else " (it had already ended so)"
         message = "tx %s of producer group %s: %s after %d check(s)%s"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -195,9 +195,9 @@ class AsyncOutbox:
         tx_id: str,
         *,
         producer_group: str | None = None,
-        record_id: int | None = None,
+        record_ids: Sequence[int] | None = None,
     ) -> Transition:
-        op = _core.end(self.config, tx_id, State.COMMITTED, producer_group, record_id)
+        op = _core.end(self.config, tx_id, State.COMMITTED, producer_group, record_ids)
         return await _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
     async def rollback(
@@ -206,9 +206,9 @@ class AsyncOutbox:
         tx_id: str,
         *,
         producer_group: str | None = None,
-        record_id: int | None = None,
+        record_ids: Sequence[int] | None = None,
     ) -> Transition:
-        op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group, record_id)
+        op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group, record_ids)
         return await _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
     async def send_in_transaction(
@@ -244,7 +244,7 @@ class AsyncOutbox:
                         conn,
                         written.tx_id,
                         producer_group=written.producer_group,
-                        record_id=written.ids[0],  # these records, not a later tx id's
+                        record_ids=written.ids,  # these records, not a later tx id's
                     )
                 # only once its COMMIT went through: else still prepared
                 state = ended_before(ended, written, status)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any
@@ -162,7 +162,7 @@ class Transition:
     state: State
     changed: bool
     ids: tuple[int, ...]
-    found: tuple[str, ...] = ()
+    found: tuple[str, ...] = field(default=(), compare=False)
 
 
 def _ascii_json(obj: Any) -> str:
@@ -283,24 +283,39 @@ def _refuse_reused_tx_id(
         )
 
 
+def _record_ids(record_ids: Sequence[int] | None) -> tuple[int, ...]:
+    if record_ids is None:
+        return ()
+    if isinstance(record_ids, str | bytes) or not isinstance(record_ids, Sequence):
+        raise OutboxUsageError(f"record_ids must be a sequence of record ids, not {record_ids!r}")
+    ids = tuple(record_ids)
+    if not ids or any(type(i) is not int or i < 1 for i in ids):
+        raise OutboxUsageError(
+            f"record_ids must be the transaction's record ids (ints over 0), not {record_ids!r}"
+        )
+    return ids
+
+
 def end(
     cfg: OutboxConfig,
     tx_id: str,
     to_state: State,
     producer_group: str | None,
-    record_id: int | None = None,
+    record_ids: Sequence[int] | None = None,
 ) -> Operation:
     """Compare-and-set prepared -> committed / rolled_back for every record of the transaction;
-    with `record_id`, only while the transaction holds that record."""
+    with `record_ids`, only while the tx id holds one of them (not a later transaction's)."""
     group = (
         check_producer_group(producer_group) if producer_group is not None else cfg.producer_group
     )
     check_stored_tx_id(tx_id)
-    if record_id is not None and (type(record_id) is not int or record_id < 1):
-        raise OutboxUsageError(
-            f"record_id must be a record's id, an int above 0, not {record_id!r}"
-        )
-    params = {"producer_group": group, "tx_id": tx_id, "record_id": record_id}
+    ids = _record_ids(record_ids)
+    params = {
+        "producer_group": group,
+        "tx_id": tx_id,
+        "ids_from": min(ids) if ids else None,
+        "ids_to": max(ids) if ids else None,
+    }
     schema = cfg.schema_name
     rows = yield (
         queries.query("end_transaction", schema),
@@ -315,10 +330,10 @@ def end(
         return Transition(group, tx_id, to_state, changed=True, ids=tuple(r[0] for r in rows))
     states = yield queries.query("transaction_states", schema), params
     current = tuple(str(s) for s, _count in states)
-    if not current and record_id is not None:
+    if not current and ids:
         raise UnknownTransactionError(
-            f"tx id {tx_id!r} of producer group {group!r} holds no record {record_id}: it "
-            "was never the transaction's, or was ended and removed already (a later "
+            f"tx id {tx_id!r} of producer group {group!r} holds none of records "
+            f"{min(ids)}..{max(ids)}: ended and removed already, or never its (a later "
             "transaction may have taken the tx id; this end leaves it alone)",
             producer_group=group,
             tx_id=tx_id,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -171,19 +171,20 @@ class Outbox:
         tx_id: str,
         *,
         producer_group: str | None = None,
-        record_id: int | None = None,
+        record_ids: Sequence[int] | None = None,
     ) -> Transition:
         """prepared -> committed for every record of `tx_id`; a repeat changes nothing (while the
         records are in the outbox: removed by the relay, UnknownTransactionError).
 
         Like publish, it writes in the caller's transaction: `changed=True` counts once that
         commits (on an autocommit connection the statement commits on its own).
-        `record_id` (one of the transaction's record ids, e.g. from a check request): only if
-        the transaction still holds that record. A tx id is taken again once its records are
-        removed, and a decision about the earlier transaction must not end the later one.
+        `record_ids` (the transaction's record ids, as `Written.ids` has them; its first and
+        last at least): only while the tx id holds one of them. A tx id is taken again once its
+        records are removed, and a decision about the earlier transaction must not end the
+        later one.
         Raises UnknownTransactionError or IllegalTransitionError (e.g. after a rollback).
         """
-        op = _core.end(self.config, tx_id, State.COMMITTED, producer_group, record_id)
+        op = _core.end(self.config, tx_id, State.COMMITTED, producer_group, record_ids)
         return _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
     def rollback(
@@ -192,11 +193,11 @@ class Outbox:
         tx_id: str,
         *,
         producer_group: str | None = None,
-        record_id: int | None = None,
+        record_ids: Sequence[int] | None = None,
     ) -> Transition:
         """prepared -> rolled_back for every record of `tx_id`; a repeat changes nothing. In
-        the caller's transaction, and `record_id` as commit()."""
-        op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group, record_id)
+        the caller's transaction, and `record_ids` as commit()."""
+        op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group, record_ids)
         return _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
     def send_in_transaction(
@@ -249,7 +250,7 @@ class Outbox:
                         conn,
                         written.tx_id,
                         producer_group=written.producer_group,
-                        record_id=written.ids[0],  # these records, not a later tx id's
+                        record_ids=written.ids,  # these records, not a later tx id's
                     )
                 # only once its COMMIT went through: else still prepared
                 state = ended_before(ended, written, status)

@@ -80,18 +80,19 @@ FROM (SELECT EXISTS (
 
 -- name: end_transaction
 -- Compare-and-set: only prepared records move; all records of the transaction move together.
--- `record_id`: only while the transaction still holds that record. A tx id may be taken again
--- once its records are removed, and an answer about the transaction before (a check's) must
--- not end the one after.
+-- `ids_from`..`ids_to` (the caller's records of it): only while the tx id holds one of those.
+-- A tx id may be taken again once its records are removed, and a decision about the earlier
+-- transaction must not end the later one, whose ids are all above the earlier one's (its
+-- rows came after every earlier row was gone).
 WITH ended AS (
     UPDATE {schema}.outbox_record
     SET state = %(to_state)s, state_changed_at = now(), next_check_at = NULL,
         committed_xid = CASE WHEN %(to_state)s = 'committed' THEN pg_current_xact_id() END
     WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s AND state = 'prepared'
-      AND (%(record_id)s::bigint IS NULL OR EXISTS (
+      AND (%(ids_from)s::bigint IS NULL OR EXISTS (
                SELECT 1 FROM {schema}.outbox_record AS held
-               WHERE held.id = %(record_id)s AND held.producer_group = %(producer_group)s
-                 AND held.tx_id = %(tx_id)s))
+               WHERE held.producer_group = %(producer_group)s AND held.tx_id = %(tx_id)s
+                 AND held.id BETWEEN %(ids_from)s AND %(ids_to)s))
     RETURNING id
 )
 SELECT ended.id
@@ -100,13 +101,11 @@ CROSS JOIN (SELECT CASE WHEN %(notify)s THEN pg_notify(%(channel)s, '') END) AS 
 ORDER BY ended.id;
 
 -- name: transaction_states
--- `record_id` as in end_transaction: none, when the transaction no longer holds it.
+-- With `ids_to`: the records up to it, the transaction's that end_transaction was asked about
+-- (some may be removed already, delivered, while others stay parked), not a later one's.
 SELECT state, count(*) FROM {schema}.outbox_record
 WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
-  AND (%(record_id)s::bigint IS NULL OR EXISTS (
-           SELECT 1 FROM {schema}.outbox_record AS held
-           WHERE held.id = %(record_id)s AND held.producer_group = %(producer_group)s
-             AND held.tx_id = %(tx_id)s))
+  AND (%(ids_to)s::bigint IS NULL OR id <= %(ids_to)s)
 GROUP BY state
 ORDER BY state;
 
@@ -223,7 +222,7 @@ ORDER BY coalesce(max(l.next_check_at),
 -- Counts a check and leases it (next_check_at = check_lease_until = lease end) before the request
 -- is sent, in the claim transaction that holds the locks from checker_lock_due; the lease is
 -- cleared when the check's outcome is recorded. Returns a summary of at most `max_records`
--- records per transaction, for the check request (never the values).
+-- records per transaction, for the check request (never the values), and the last record's id.
 WITH claimed AS (
     UPDATE {schema}.outbox_record AS r
     SET check_count = c.check_count, next_check_at = c.lease_until, last_checked_at = %(now)s,
@@ -235,10 +234,11 @@ WITH claimed AS (
     RETURNING r.producer_group, r.tx_id, r.id, r.topic, r.key, r.headers
 ), numbered AS (
     SELECT claimed.*,
-           row_number() OVER (PARTITION BY producer_group, tx_id ORDER BY id) AS n
+           row_number() OVER (PARTITION BY producer_group, tx_id ORDER BY id) AS n,
+           max(id) OVER (PARTITION BY producer_group, tx_id) AS last_id
     FROM claimed
 )
-SELECT producer_group, tx_id, id, topic, key, headers
+SELECT producer_group, tx_id, id, topic, key, headers, last_id
 FROM numbered
 WHERE n <= %(max_records)s
 ORDER BY producer_group, tx_id, id;

@@ -1077,6 +1077,34 @@ def test_a_late_answer_leaves_a_later_transaction_that_took_the_tx_id_alone(
     assert row["created_at"] == later[0]
 
 
+def test_a_late_answer_contradicting_records_the_relay_ended_apart_is_a_conflict(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """The application commits while the check is in flight; the relay delivers one record
+    (removed: no retention) and parks the other. A late ROLLBACK contradicts that: a conflict,
+    not "gone", though the transaction's first record is."""
+    tx_id, created = prepare(pg_dsn, records=2)
+
+    def committed_delivered_and_parked(request: CheckRequest) -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            outbox.commit(conn, request.tx_id, producer_group=GROUP)
+            first, second = (r.id for r in request.records)
+            conn.execute("DELETE FROM outbox.outbox_record WHERE id = %s", (first,))
+            conn.execute(
+                "UPDATE outbox.outbox_record SET state = 'parked', reason = 'poison' WHERE id = %s",
+                (second,),
+            )
+
+    endpoint.resolver.before_answer = committed_delivered_and_parked
+    endpoint.resolver.default = ROLLBACK
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}), Clock(created + 7 * S)
+    )
+    result = checker.run_once()
+    assert (result.rolled_back, result.conflicts) == (1, 1)
+    assert one(pg_dsn, tx_id)["state"] == "parked"
+
+
 @contextmanager
 def _a_round_beside(checker: Checker, holding: list[psycopg.Connection[Any]]) -> Iterator[None]:
     """One checker round on a thread of its own while the application keeps the transactions

@@ -144,28 +144,48 @@ def test_an_end_for_a_record_no_longer_held_leaves_a_later_transaction_of_the_tx
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
-            with pytest.raises(outbox.UnknownTransactionError, match="holds no record"):
-                await outbox.AsyncOutbox().commit(conn, tx_id, record_id=earlier.ids[0])
+            with pytest.raises(outbox.UnknownTransactionError, match="holds none of"):
+                await outbox.AsyncOutbox().commit(conn, tx_id, record_ids=earlier.ids)
 
     asyncio.run(main())
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        with pytest.raises(outbox.UnknownTransactionError, match="holds no record") as raised:
-            outbox.rollback(conn, tx_id, record_id=earlier.ids[-1])
+        with pytest.raises(outbox.UnknownTransactionError, match="holds none of") as raised:
+            outbox.rollback(conn, tx_id, record_ids=earlier.ids)
         assert raised.value.tx_id == tx_id
         assert states(pg_dsn, tx_id) == ["prepared"]
-        assert outbox.commit(conn, tx_id, record_id=later.ids[0]).ids == later.ids
+        assert outbox.commit(conn, tx_id, record_ids=later.ids).ids == later.ids
     assert states(pg_dsn, tx_id) == ["committed"]
 
 
-@pytest.mark.parametrize("record_id", [True, 0, "1", 1.0])
-def test_a_record_id_that_is_no_records_id_is_refused(pg_dsn: str, record_id: Any) -> None:
+@pytest.mark.parametrize("record_ids", [5, "12", [], [True], [0], [1.0]])
+def test_record_ids_that_are_no_records_ids_are_refused(pg_dsn: str, record_ids: Any) -> None:
     written = prepared(pg_dsn, 1)
     with (
         psycopg.connect(pg_dsn, autocommit=True) as conn,
-        pytest.raises(outbox.OutboxUsageError, match="record_id must be"),
+        pytest.raises(outbox.OutboxUsageError, match="record_ids must be"),
     ):
-        outbox.commit(conn, written.tx_id, record_id=record_id)
+        outbox.commit(conn, written.tx_id, record_ids=record_ids)
     assert states(pg_dsn, written.tx_id) == ["prepared"]
+
+
+def test_an_end_naming_its_records_sees_those_left_when_the_relay_removed_some(
+    pg_dsn: str,
+) -> None:
+    """Committed, then one record delivered and removed (no retention), the other parked: the
+    end of those records says what is left of them, not "none of them"."""
+    written = prepared(pg_dsn, 2)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        outbox.commit(conn, written.tx_id)
+        conn.execute("DELETE FROM outbox.outbox_record WHERE id = %s", (written.ids[0],))
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'parked', reason = 'poison' WHERE id = %s",
+            (written.ids[1],),
+        )
+        again = outbox.commit(conn, written.tx_id, record_ids=written.ids)
+        assert (again.changed, again.found) == (False, ("parked",))
+        with pytest.raises(outbox.IllegalTransitionError) as raised:
+            outbox.rollback(conn, written.tx_id, record_ids=written.ids)
+        assert raised.value.current_states == ("parked",)
 
 
 def test_a_tx_id_belongs_to_one_database_transaction(pg_dsn: str) -> None:
@@ -633,18 +653,19 @@ def _settled_meanwhile(dsn: str, how: str) -> None:
         ).fetchone()[0]  # type: ignore[index]
         if how == "rolled back":
             outbox.rollback(other, tx_id)
-        elif how == "delivered and parked":  # by a relay that keeps delivered rows
+        elif how.startswith("delivered") and how.endswith("parked"):
             outbox.commit(other, tx_id)
             other.execute(
                 "UPDATE outbox.outbox_record SET state = 'parked', reason = 'poison'"
                 " WHERE id = (SELECT max(id) FROM outbox.outbox_record WHERE tx_id = %s)",
                 (tx_id,),
             )
-            other.execute(
+            delivered = (  # kept by a relay's delivered_retention, or removed (the default)
                 "UPDATE outbox.outbox_record SET state = 'delivered'"
-                " WHERE tx_id = %s AND state = 'committed'",
-                (tx_id,),
+                if how == "delivered and parked"
+                else "DELETE FROM outbox.outbox_record"
             )
+            other.execute(delivered + " WHERE tx_id = %s AND state = 'committed'", (tx_id,))
         else:  # committed, delivered, and the row removed by the relay
             other.execute("DELETE FROM outbox.outbox_record WHERE tx_id = %s", (tx_id,))
         other.commit()
@@ -669,9 +690,10 @@ def test_send_in_transaction_reports_what_the_checker_decided_first(pg_dsn: str)
     assert states(pg_dsn, result.tx_id) == ["rolled_back"]
 
 
+@pytest.mark.parametrize("how", ["delivered and parked", "delivered, removed and parked"])
 @pytest.mark.parametrize("answer", [TransactionStatus.ROLLBACK, TransactionStatus.COMMIT])
 def test_records_the_relay_ended_apart_after_the_checker_committed_are_reported_parked(
-    pg_dsn: str, answer: TransactionStatus, caplog: pytest.LogCaptureFixture
+    pg_dsn: str, answer: TransactionStatus, how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Committed by the checker, then one record delivered and one parked (kept by the relay's
     delivered_retention), then the local work answered. ROLLBACK: the mixed states raised
@@ -679,7 +701,7 @@ def test_records_the_relay_ended_apart_after_the_checker_committed_are_reported_
     COMMIT: the result said committed, and nothing told of the parked record."""
 
     def local_transaction(written: Written) -> TransactionStatus:
-        _settled_meanwhile(pg_dsn, "delivered and parked")
+        _settled_meanwhile(pg_dsn, how)
         return answer
 
     with psycopg.connect(pg_dsn) as conn:
@@ -690,8 +712,9 @@ def test_records_the_relay_ended_apart_after_the_checker_committed_are_reported_
         State.PARKED,
         answer is TransactionStatus.ROLLBACK,
     )
-    assert states(pg_dsn, result.tx_id) == ["delivered", "parked"]
-    assert f"tx {result.tx_id} (default) was already delivered, parked" in caplog.text
+    left = ["delivered", "parked"] if how == "delivered and parked" else ["parked"]
+    assert states(pg_dsn, result.tx_id) == left
+    assert f"tx {result.tx_id} (default) was already {', '.join(left)}" in caplog.text
 
 
 def test_async_send_in_transaction_raises_when_the_records_are_gone_already(pg_dsn: str) -> None:
