@@ -80,9 +80,9 @@ def settled_first(exc: TransactionStateError, written: Written, status: Transact
 
 
 def ended_before(transition: Transition, written: Written, status: TransactionStatus) -> State:
-    """The state of records the local transaction's end found ended as it answered already
-    (`changed` False: the checker or an operator was first): parked if the relay parked any,
-    which wants an operator, else the state answered."""
+    """Where the records are when the local transaction's end found them ended as it answered
+    already (`changed` False: the checker or an operator was first): parked if the relay
+    parked any (one wants an operator), else the state answered."""
     if transition.changed or State.PARKED.value not in transition.found:
         return transition.state
     logger.error(
