@@ -134,7 +134,7 @@ def test_an_end_for_a_record_no_longer_held_leaves_a_later_transaction_of_the_tx
     pg_dsn: str,
 ) -> None:
     """A tx id is taken again once its records are removed; an end about the transaction
-    before (the checker's late answer) names one of its records and leaves the later alone."""
+    before (the checker's late answer) names its records and leaves the later alone."""
     tx_id = f"order-{uuid.uuid4()}"
     earlier = prepared(pg_dsn, 2, tx_id=tx_id)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
