@@ -1020,6 +1020,33 @@ def test_bad_topic_input_is_said_in_a_line(
     assert len(str(raised.value).splitlines()) == 1
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _job_argv(
+    dsn: str,
+    bootstrap: str,
+    topic: str,
+    markers: str,
+    checkpoint: Path,
+    jars: list[str],
+    *more: str,
+) -> list[str]:
+    """`python -m spark.job` as a real process, with a short deadline. A horizon far beyond a
+    test's run: a store batch checked at the end is trimmed once its observations are older
+    than the horizon, which 2m was on a busy machine."""
+    return [
+        sys.executable, "-m", "spark.job", "--dsn", dsn, "--bootstrap", bootstrap,
+        "--topics", topic, "--marker-topic", markers, "--deadline", "2s", "--horizon", "10m",
+        "--checkpoint", str(checkpoint), "--master", "local[2]", "--jars", ",".join(jars),
+        *more,
+    ]  # fmt: skip
+
+
+def _job_env(**more: str) -> dict[str, str]:
+    return {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", **more}
+
+
 def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(
     pg_dsn: str,
     kafka_bootstrap: str,
@@ -1039,22 +1066,17 @@ def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(
     (dropped,) = publish(pg_dsn, [outbox.Record(orders, "dropped", key="d")])
     relay.deliver([dropped], at=sent, copies=False)  # marked delivered, never on the topic
     checkpoint = tmp_path / "checkpoint"
-    argv = [
-        sys.executable, "-m", "spark.job", "--dsn", pg_dsn, "--bootstrap", kafka_bootstrap,
-        "--topics", orders, "--marker-topic", markers, "--deadline", "2s", "--trigger", "1s",
-        "--horizon", "10m", "--checkpoint", str(checkpoint), "--master", "local[2]",
-        "--jars", ",".join(spark_jars), "--log-level", "INFO",
-    ]  # fmt: skip
-    # A horizon far beyond the test's run: the store batch checked at the end is trimmed once its
-    # observations (sent at `sent`) are older than the horizon, which 2m was on a busy machine.
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
-    root = Path(__file__).resolve().parents[2]
+    argv = _job_argv(
+        pg_dsn, kafka_bootstrap, orders, markers, checkpoint, spark_jars,
+        "--trigger", "1s", "--log-level", "INFO",
+    )  # fmt: skip
+    env = _job_env()
     log = tmp_path / "job.log"
     with log.open("ab") as out:
         killed = subprocess.run(
             argv,
             env={**env, "OUTBOX_RELAY_FAILPOINT": "reconcile_after_store_write"},
-            cwd=root, stdout=out, stderr=subprocess.STDOUT, timeout=180, check=False,
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=180, check=False,
         )  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, log.read_text(errors="replace")
     assert list((checkpoint / "observations").glob("batch-*/_SUCCESS"))  # stored...
@@ -1064,7 +1086,7 @@ def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(
     port = free_port()
     serving = [*argv, "--http-host", "127.0.0.1", "--http-port", str(port)]
     with log.open("ab") as out:
-        job = subprocess.Popen(serving, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT)
+        job = subprocess.Popen(serving, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         try:
             until = time.monotonic() + 300  # a new JVM and Spark session on a busy machine
             while not read_findings(pg_dsn) or _missing_counted(port) < 1:
@@ -1102,20 +1124,13 @@ def test_a_once_run_stopped_by_sigterm_while_reading_exits_judging_nothing(
     (dropped,) = publish(pg_dsn, [outbox.Record(orders, "dropped", key="d")])
     relay.deliver([dropped], at=sent, copies=False)
     checkpoint = tmp_path / "checkpoint"
-    argv = [
-        sys.executable, "-m", "spark.job", "--once", "--dsn", pg_dsn,
-        "--bootstrap", kafka_bootstrap, "--topics", orders, "--marker-topic", markers,
-        "--deadline", "2s", "--horizon", "10m", "--checkpoint", str(checkpoint),
-        "--master", "local[2]", "--jars", ",".join(spark_jars),
-    ]  # fmt: skip
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
-    root = Path(__file__).resolve().parents[2]
+    argv = _job_argv(pg_dsn, kafka_bootstrap, orders, markers, checkpoint, spark_jars, "--once")
     log = tmp_path / "job.log"
     with log.open("ab") as out:
         job = subprocess.Popen(
             argv,
-            env={**env, "OUTBOX_RELAY_FAILPOINT": "reconcile_before_query:stop"},
-            cwd=root, stdout=out, stderr=subprocess.STDOUT,
+            env=_job_env(OUTBOX_RELAY_FAILPOINT="reconcile_before_query:stop"),
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
             until = time.monotonic() + 180
