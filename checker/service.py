@@ -61,7 +61,12 @@ from outbox._errors import (
 )
 from outbox._sync import Outbox
 from outbox.migrations import schema_problem
-from relay.dbconnect import dead_peer_options, own_transaction_mode
+from relay.dbconnect import (
+    CHECKER_IDLE_TRANSACTION,
+    bound_idle_time,
+    dead_peer_options,
+    own_transaction_mode,
+)
 from relay.dbprobe import DatabaseProbe
 
 if TYPE_CHECKING:
@@ -186,8 +191,11 @@ class Checker:
         connect_options: Mapping[str, Any] | None = None,
         checker_id: str | None = None,
         follow_database_clock: bool | None = None,
+        idle_transaction_timeout: timedelta | None = None,
     ) -> None:
         self.settings = settings
+        # dbconnect.bound_idle_time: None through a transaction pooler (session state)
+        self._idle_transaction_timeout = idle_transaction_timeout
         self.schema = OutboxConfig(schema_name=schema).schema_name
         parse_dsn(dsn)  # a round's error would quote what libpq cannot parse: a password
         self.checker_id = checker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -245,6 +253,9 @@ class Checker:
             settings.database.schema_name,
             connect_timeout_s=settings.database.connect_timeout_s,
             connect_options=settings.database.connect_options(),
+            idle_transaction_timeout=(
+                None if settings.database.transaction_pooling else CHECKER_IDLE_TRANSACTION
+            ),
             **kwargs,
         )
 
@@ -269,7 +280,10 @@ class Checker:
                 **options,
             },
         )
-        return own_transaction_mode(conn)  # its claims and verdicts: in transaction blocks
+        own_transaction_mode(conn)  # its claims and verdicts: in transaction blocks
+        if self._idle_transaction_timeout is None:
+            return conn
+        return bound_idle_time(conn, self._idle_transaction_timeout)
 
     def _now(self) -> datetime:
         return self._clock() + self._skew

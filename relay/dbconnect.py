@@ -4,7 +4,9 @@ whatever the database's defaults."""
 from __future__ import annotations
 
 import configparser
+import math
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,43 @@ def _service_keys(service: str) -> set[str]:
         if parser.has_section(service):
             return {key.strip() for key in parser.options(service)}
     return set()
+
+
+# A checker's transactions are short (its claim, its verdicts): one left idle this long is a
+# sidecar gone, not a slow one.
+CHECKER_IDLE_TRANSACTION = timedelta(seconds=60)
+
+
+def bound_idle_time(
+    conn: psycopg.Connection[Any], in_transaction: timedelta
+) -> psycopg.Connection[Any]:
+    """`conn`, its session set so that the server ends a transaction of it left idle for
+    `in_transaction` (idle_in_transaction_session_timeout; kept when the role, database or DSN
+    set a shorter limit), and never ends it for idling outside one (idle_session_timeout).
+
+    A sidecar whose node died, or was cut off, between a statement and its COMMIT left its
+    backend idle in transaction until the server's TCP keepalive gave up: two hours by default,
+    for the server sends nothing to a client it waits for. Its transaction id held back the
+    xid horizon of every relay, and its lock on a lease row kept the shard from the others
+    (SKIP LOCKED): nothing of the outbox went out.
+
+    The sidecar keeps its connections open on purpose, quiet ones too (a LISTEN, a relay's ender
+    between bursts): a DBA's idle_session_timeout closed them unsaid, and the next use of each
+    failed (a batch committed in Kafka then ended by a recovery, a round counted as an error).
+
+    Session state: not for a connection through a transaction pooler, which hands the session to
+    other clients (PgBouncer's idle_transaction_timeout bounds its clients' transactions)."""
+    ms = max(1, math.ceil(in_transaction.total_seconds() * 1000))
+    conn.execute(
+        "SELECT set_config(name, CASE WHEN name = 'idle_session_timeout' THEN '0'"
+        " ELSE %(ms)s::text END, false) FROM pg_settings"
+        " WHERE (name = 'idle_in_transaction_session_timeout'"
+        " AND setting::bigint NOT BETWEEN 1 AND %(ms)s)"
+        " OR (name = 'idle_session_timeout' AND setting <> '0')",  # PostgreSQL 14 on
+        {"ms": ms},
+    )
+    conn.commit()  # kept for the session; nothing to commit in autocommit mode
+    return conn
 
 
 def own_transaction_mode(

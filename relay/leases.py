@@ -63,8 +63,10 @@ class LeaseManager:
     def _q(self, name: str) -> bytes:
         return queries.query(name, self.schema)
 
-    def heartbeat(self, conn: psycopg.Connection[Any]) -> LeaseChanges:
-        """Renew our leases, learn which we lost, take our fair share. Two short transactions."""
+    def heartbeat(self, conn: psycopg.Connection[Any], *, take: bool = True) -> LeaseChanges:
+        """Renew our leases, learn which we lost, take our fair share (unless not `take`: a
+        relay that stops would only bump their epochs and hand them back). Two short
+        transactions."""
         changes = LeaseChanges()
         # A transaction of its own: the lock is held for a moment only, not while the renewal
         # below waits for a lease row (one relay's batch end holds its row), which made every
@@ -84,7 +86,7 @@ class LeaseManager:
                 del owned[shard]
             members = [row[0] for row in conn.execute(self._q("relay_members_alive"))]
             fair = share(self.shards, members, self.relay_id)
-            if len(owned) < fair:
+            if take and len(owned) < fair:
                 for shard, epoch, partition, offset in conn.execute(
                     self._q("relay_acquire"),
                     {

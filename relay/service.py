@@ -28,7 +28,7 @@ from outbox.migrations import schema_problem
 from relay import metrics
 from relay.background import BackgroundConnection
 from relay.config import MIN_OP_MARKER_MESSAGE_BYTES, SidecarSettings
-from relay.dbconnect import dead_peer_options, own_transaction_mode
+from relay.dbconnect import bound_idle_time, dead_peer_options, own_transaction_mode
 from relay.dbprobe import DatabaseProbe
 from relay.http import gather
 from relay.kafka import (
@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 _MAX_BACKOFF_S = 10.0
 STAMP_SLICE = 50_000  # rows per stamping transaction: ~1.5 s here, well inside a lease
 FULL_STAMP_EVERY_S = 60.0  # a stamp of every unstamped row, not only above the last horizon
+MIN_IDLE_TRANSACTION = timedelta(seconds=5)  # see _connect
 # A stamp gives up waiting for a row lock after this (relay_stamp_plan), well before Postgres's
 # deadlock_timeout (1 s by default) would end it or the other relay's end, and is made again:
 # an end holds its rows for milliseconds.
@@ -214,7 +215,14 @@ class Relay:
             **database.connect_options(),
             **kwargs,
         }
-        return own_transaction_mode(psycopg.connect(dsn, **options))
+        conn = own_transaction_mode(psycopg.connect(dsn, **options))
+        if database.transaction_pooling:
+            return conn
+        # A transaction idle longer than the lease is a relay gone (or frozen): its lock on the
+        # lease row kept the shard from the heir. Not sooner than a few seconds: a busy machine
+        # may pause a live relay for one.
+        idle = max(self.settings.relay.lease_duration, MIN_IDLE_TRANSACTION)
+        return bound_idle_time(conn, idle)
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -362,7 +370,8 @@ class Relay:
     def heartbeat(self) -> None:
         asked_at = time.monotonic()  # the leases run from about then, not from this end
         try:
-            changes = self.leases.heartbeat(self.conn)
+            # stopping: renew what it holds (until it hands them back), take nothing more
+            changes = self.leases.heartbeat(self.conn, take=not self._stop.is_set())
         except ShardCountMismatch as exc:
             # Relays with different shard counts map keys to shards differently: their leases
             # do not exclude each other, and both would send the same rows. A shard's markers
@@ -541,6 +550,12 @@ class Relay:
         self._set_wake_relays()  # a worker dropped since the heartbeat (LeaseLost), say
         tried, failed = 0, []
         for shard in owned:
+            if tried and self._stop.is_set():
+                # Stopped during the round: the shard in flight finished its batch, and no other
+                # starts one, or a recovery (init_transactions alone may take
+                # kafka_transaction_timeout): in a Kafka incident they overran the grace, and
+                # the leases, not handed back, kept every other relay waiting for them.
+                break
             self._keep_alive()  # a slow shard must not let the others' leases lapse
             worker = self.workers.get(shard)  # None: given up by that heartbeat
             if worker is None or worker.retry_at > time.monotonic():
@@ -925,7 +940,7 @@ class Relay:
             if self._gained:
                 return
         if rs.linger.total_seconds() > 0:
-            self._stop.wait(rs.linger.total_seconds())
+            self._pause(rs.linger.total_seconds())  # heartbeating: a linger may outlast the lease
 
     def _pause(self, seconds: float, *, until_gained: bool = False) -> None:
         """Wait until stop(), heartbeating when one is due: a poll interval or a failure's
@@ -933,14 +948,14 @@ class Relay:
         relays, each move a fencing and a recovery. `until_gained`: or until a shard is
         gained (a poll interval, not a failure's backoff)."""
         deadline = time.monotonic() + seconds
-        interval = self.settings.relay.heartbeat_interval.total_seconds()
+        interval = self._waiting_heartbeat_s()
         while not self._stop.is_set() and self._refused is None:
             if until_gained and self._gained:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            if interval > 0 and self._set_up:  # no leases before setup: nothing to renew
+            if self._set_up:  # no leases before setup: nothing to renew
                 left = min(left, max(0.05, self._last_heartbeat + interval - time.monotonic()))
             self._stop.wait(left)
             self._heartbeat_between_rounds()
@@ -948,15 +963,22 @@ class Relay:
             # filled Postgres's queue, and at 8 GB the applications' commits failed.
             self._forget_wakeups()
 
+    def _waiting_heartbeat_s(self) -> float:
+        """How often the leases are renewed while the relay waits between rounds:
+        heartbeat_interval, and with 0 ("every round") a third of the lease. Not at all with 0,
+        a poll interval, backoff or linger as long as the lease let every lease lapse on a quiet
+        outbox: the shards moved to other relays, each move a fencing and a recovery."""
+        rs = self.settings.relay
+        return rs.heartbeat_interval.total_seconds() or rs.lease_duration.total_seconds() / 3
+
     def _heartbeat_between_rounds(self) -> None:
-        """A heartbeat when one is due (not with heartbeat_interval 0: every round then). A
-        failed one is logged and tried again an interval later, here or by a round."""
+        """A heartbeat when one is due. A failed one is logged and tried again an interval
+        later, here or by a round."""
         if (
-            self.settings.relay.heartbeat_interval
-            and self._set_up
+            self._set_up
             and not self._stop.is_set()
             and self._refused is None
-            and self._heartbeat_due()
+            and time.monotonic() - self._last_heartbeat >= self._waiting_heartbeat_s()
         ):
             try:
                 self.heartbeat()

@@ -7,11 +7,13 @@ each kind of connection carries the options, and that the DSN's own values win.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from checker import CheckerSettings
@@ -77,6 +79,86 @@ def test_the_dsns_own_values_win(
     assert options["tcp_user_timeout"] == "2500"
     assert options["keepalives_idle"] == "60"
     assert options["keepalives_count"] == "3"
+
+
+def setting(conn: psycopg.Connection[Any], name: str) -> str:
+    """A setting of the session, read without leaving a transaction open on it."""
+    (value,) = conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(name))).fetchone()  # type: ignore[misc]
+    conn.rollback()
+    return str(value)
+
+
+def idle_limit(conn: psycopg.Connection[Any]) -> str:
+    return setting(conn, "idle_in_transaction_session_timeout")
+
+
+def test_a_sidecar_transaction_left_idle_is_ended_by_the_server(
+    pg_dsn: str, relay_factory: Callable[..., Relay]
+) -> None:
+    """A sidecar whose node died between a statement and its COMMIT left its backend idle in
+    transaction until the server's TCP keepalive gave up (two hours): its transaction id held
+    back every relay's xid horizon, and its lock on a lease row kept the shard from the other
+    relays (found by a review)."""
+    relay = relay_factory(lease_duration="PT1S")
+    relay.run_once()
+    with relay._connect() as made:  # as the ender's and claimer's are made
+        assert idle_limit(relay.conn) == idle_limit(made) == "5s"  # at least a few seconds
+    checker = Checker.from_sidecar_settings(relay.settings)
+    try:
+        assert idle_limit(checker._connection()) == "1min"
+    finally:
+        checker.stop()
+    conn = relay.conn
+    pid = conn.info.backend_pid
+    # the lease row locked, and then nothing: as from a node gone
+    conn.execute("SELECT 1 FROM outbox.shard_lease WHERE owner = %s FOR UPDATE", (relay.relay_id,))
+    with psycopg.connect(pg_dsn, autocommit=True) as other:
+        deadline = time.monotonic() + 30
+        while other.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+            assert time.monotonic() < deadline, "the idle transaction was left open"
+            time.sleep(0.1)
+        free = other.execute(
+            "SELECT shard FROM outbox.shard_lease WHERE owner = %s FOR UPDATE SKIP LOCKED",
+            (relay.relay_id,),
+        ).fetchall()
+    assert free == [(0,)]
+
+
+def database_default(dsn: str, setting: str, value: str | None) -> None:
+    """As a DBA sets it (None: resets it), for the new sessions of the test's database."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        name = sql.Identifier(conn.info.dbname)
+        if value is None:
+            conn.execute(sql.SQL("ALTER DATABASE {} RESET {}").format(name, sql.SQL(setting)))
+        else:
+            statement = sql.SQL("ALTER DATABASE {} SET {} = {}")
+            conn.execute(statement.format(name, sql.SQL(setting), sql.Literal(value)))
+
+
+def test_a_shorter_idle_limit_of_the_database_is_kept_and_a_pooler_gets_none(
+    pg_dsn: str, relay_settings: Callable[..., SidecarSettings], relay_factory: Callable[..., Relay]
+) -> None:
+    database_default(pg_dsn, "idle_in_transaction_session_timeout", "2s")
+    database_default(pg_dsn, "idle_session_timeout", "1s")
+    relay = relay_factory()
+    relay.run_once()
+    assert idle_limit(relay.conn) == "2s"
+    # kept open on purpose: closed unsaid, the next use of an ender's or a LISTEN failed
+    assert setting(relay.conn, "idle_session_timeout") == "0"
+    time.sleep(1.5)  # longer than the database lets a session idle
+    relay.run_once()
+    pooled = relay_settings(listen_notify=False)
+    database = DatabaseSettings(dsn=pg_dsn, transaction_pooling=True)
+    pooled = pooled.model_copy(update={"database": database})
+    # session state would stay with the pooler's server connection, for other clients: none set
+    database_default(pg_dsn, "idle_in_transaction_session_timeout", None)
+    database_default(pg_dsn, "idle_session_timeout", None)
+    assert idle_limit(relay_factory(pooled).conn) == "0"
+    checker = Checker.from_sidecar_settings(pooled)
+    try:
+        assert idle_limit(checker._connection()) == "0"
+    finally:
+        checker.stop()
 
 
 def test_a_judgements_write_gives_up_on_a_lock_held_without_end(

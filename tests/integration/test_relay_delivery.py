@@ -35,7 +35,7 @@ from relay.kafka import Fenced, ShardProducer, TransactionTimedOut
 from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
 from relay.pipelined import pipelined_transaction
 from relay.service import Relay, RelayConfigError, RelayRound
-from relay.shard import STOP_ABORT_S, DeadLetterUnwritable
+from relay.shard import STOP_ABORT_S, DeadLetterUnwritable, ShardWorker
 from relay.status import outbox_status
 from tests.fixtures.kafka import consume_all, java_murmur2
 from tests.fixtures.postgres import GrantedRoles
@@ -1184,6 +1184,31 @@ def test_wake_ups_are_read_while_the_relay_waits_out_a_failure(
     assert list(listen.notifies(timeout=0.2)) == []
 
 
+def test_a_heartbeat_every_round_still_renews_the_leases_while_the_relay_waits(
+    pg_dsn: str, relay_factory: Any
+) -> None:
+    """heartbeat_interval 0 ("every round") renewed nothing between rounds: a failure's
+    backoff, a poll interval or a linger as long as the lease let every lease lapse, and the
+    shards moved to other relays, each move a fencing and a recovery (found by a review)."""
+    relay = relay_factory(
+        heartbeat_interval="PT0S", lease_duration="PT2S", poll_interval="PT4S", linger="PT3S"
+    )
+    relay.run_once()
+
+    def held() -> bool:
+        with psycopg.connect(pg_dsn) as conn:
+            (until,) = conn.execute(
+                "SELECT bool_and(lease_until > now()) FROM outbox.shard_lease WHERE owner = %s",
+                (relay.relay_id,),
+            ).fetchone()  # type: ignore[misc]
+        return bool(until)
+
+    relay._pause(3.5)  # as a failure's backoff
+    assert held()
+    relay._wait_for_work()  # a poll interval with no commit, then the linger
+    assert held()
+
+
 def test_a_round_that_fails_in_its_only_shard_counts_one_error(relay_factory: Any) -> None:
     """A shard's failure was counted as the shard's, and again as the round's when it was the
     only shard tried: a relay with one shard (the usual sidecar) reported twice its errors."""
@@ -1866,6 +1891,41 @@ def test_a_stop_once_every_report_is_in_commits_the_batch(
     assert relay.run_once().delivered == 1
     delivered = consume_all(kafka_bootstrap, topic, "read_committed")
     assert [m.value() for m in delivered] == [b"reported before the stop"]
+
+
+def test_a_stop_during_a_round_starts_no_other_shards_batch_nor_takes_a_shard(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stopped while one shard shipped, the round went on to the others: each claimed and
+    shipped a batch, or recovered (up to kafka_transaction_timeout each), and a stop in a
+    Kafka incident overran its grace. Its heartbeats took shards only to hand them back."""
+    topic = topic_factory(partitions=2)
+    relay = relay_factory(shards=2)
+    relay.run_once()  # both shards taken and recovered
+    for key in (keys[0] for keys in keys_by_shard(pg_dsn, 2, 1)):
+        publish_tx(pg_dsn, topic, key)
+    shipped: list[int] = []
+    deliver = ShardWorker.deliver_once
+
+    def stopped_after_the_first(worker: ShardWorker, *args: Any, **kwargs: Any) -> Any:
+        shipped.append(worker.shard)
+        done = deliver(worker, *args, **kwargs)
+        relay._stop.set()  # the SIGTERM, while this shard shipped
+        return done
+
+    monkeypatch.setattr(ShardWorker, "deliver_once", stopped_after_the_first)
+    assert relay.run_once().delivered == 1
+    assert len(shipped) == 1
+    assert len(consume_all(kafka_bootstrap, topic, "read_committed")) == 1
+    spare = same_settings_other_id(relay_factory, relay, "spare")
+    relay.leases.leave(relay.conn)  # both shards free: the stopping spare takes neither
+    spare._stop.set()
+    spare.heartbeat()
+    assert spare.workers == {}
 
 
 def test_recovery_skips_what_is_not_a_marker_on_the_marker_topic(
