@@ -33,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from outbox._core import OutboxConfig
 from outbox._dsn import check_dsn_setting, parse_dsn
-from outbox._errors import InvalidConfigError
+from outbox._errors import InvalidConfigError, InvalidTopicError
+from outbox._records import check_topic
 from spark._errors import ReconcileConfigError
 from spark.kafka_properties import BOOTSTRAP, refused_option
 
@@ -310,6 +311,18 @@ class ReconcileSettings(BaseModel):
                 raise ValueError(f"jars: {jar!r} matches no file")
             out.extend(found)
         return tuple(out)
+
+    @field_validator("topics", "marker_topic", "dead_letter_topic", "ignored_topics")
+    @classmethod
+    def _kafka_topic_names(cls, v: str | tuple[str, ...]) -> str | tuple[str, ...]:
+        # Spark's subscribe list drops an empty name unsaid: with an empty marker topic, every
+        # copy was reported as a record without its marker
+        for name in (v,) if isinstance(v, str) else v:
+            try:
+                check_topic(name)
+            except InvalidTopicError as exc:
+                raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("schema_name")
     @classmethod

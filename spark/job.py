@@ -946,17 +946,33 @@ class ReconcileJob:
                 return parse_time(text), None, None, {}
             saved = json.loads(text)
             open_windows = saved.get("open_windows")
+            carried = None if open_windows is None else OpenWindows.from_json(open_windows)
             unread_from = saved.get("unread_from")
             late_below = saved.get("late_below") or {}
             return (
                 parse_time(saved["judged_to"]),
-                None if open_windows is None else OpenWindows.from_json(open_windows),
+                None if carried is None else self._carried(carried),
                 None if unread_from is None else int(unread_from),
                 {int(batch): parse_time(low) for batch, low in late_below.items()},
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             logger.warning("ignored %s: not a judged time (%r)", path, text[:200])
             return None, None, None, {}
+
+    def _carried(self, windows: OpenWindows) -> OpenWindows | None:
+        """The open windows a restart carries on, unless --summary-window changed: carried, the
+        new windows' counts were added to the old ones of the same start, and windows of both
+        sizes overlapped in the sink, their findings counted twice."""
+        other = {w.end - w.start for w in windows.windows.values()} - {self.settings.summary_window}
+        if not other:
+            return windows
+        logger.warning(
+            "--summary-window is now %s, not the %s of the windows the last run left open: "
+            "those are not summarised, and the job counts anew from its next judgement",
+            self.settings.summary_window,
+            ", ".join(sorted(map(str, other))),
+        )
+        return None
 
     def _save_judged_to(self, hi: datetime, open_windows: OpenWindows | None) -> None:
         saved = {

@@ -121,6 +121,32 @@ def test_a_replayed_micro_batch_judges_as_of_when_it_was_planned() -> None:
     assert job._batch_as_of(T, T + timedelta(seconds=1)) == T  # never ahead of the clock
 
 
+def test_a_restart_with_another_summary_window_does_not_carry_the_open_ones(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Carried, a 30 s window's counts were added to the open 60 s window of the same start,
+    and windows of both sizes overlapped in the sink (found by a review)."""
+    from spark.job import ReconcileJob
+    from spark.latency import OpenWindows, WindowLatency
+
+    left_open = OpenWindows(T, {T: WindowLatency(T, T + timedelta(seconds=60))})
+    left_open.windows[T].add(20.0, 3, 25.0)
+    saved = {
+        "judged_to": (T + timedelta(seconds=40)).isoformat(),
+        "open_windows": left_open.as_json(),
+    }
+
+    def restarted_with(summary_window: timedelta) -> OpenWindows | None:
+        settings = ReconcileSettings(**{**BASE, "summary_window": summary_window})
+        job = ReconcileJob(settings, spark=None, clock=lambda: T)  # type: ignore[arg-type]
+        job._read_checkpoint_file = lambda name: ("cp/judged_to", json.dumps(saved))  # type: ignore[method-assign]
+        return job._load_judged_to()[1]
+
+    assert restarted_with(timedelta(seconds=60)) == left_open
+    assert restarted_with(timedelta(seconds=30)) is None
+    assert "--summary-window is now 0:00:30, not the 0:01:00" in caplog.text
+
+
 def test_a_store_batch_is_dated_by_its_success_file_not_its_directory() -> None:
     """An object store gives a directory no time (0): every batch would look older than any
     judgement's context, and be skipped and trimmed."""
@@ -267,6 +293,11 @@ def test_settings_render_the_kafka_source() -> None:
         ({"summary_window": timedelta(minutes=14)}, "fit in the horizon less two deadlines"),
         ({"jdbc_read_timeout": timedelta(0)}, "positive"),
         ({"schema_name": "bad-name"}, "identifier"),
+        # Spark's subscribe list dropped an empty name: every copy reported without a marker
+        ({"marker_topic": ""}, r"marker_topic\n.*topic '' is invalid"),
+        ({"topics": ("orders", "")}, r"topics\n.*topic '' is invalid"),
+        ({"dead_letter_topic": "dead letters"}, "is invalid"),
+        ({"ignored_topics": ("..",)}, "not allowed by Kafka"),
     ],
 )
 def test_settings_refuse_what_cannot_work(change: dict[str, object], message: str) -> None:
