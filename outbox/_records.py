@@ -53,7 +53,7 @@ RESERVED_HEADER_PREFIX = "outbox-"
 MAX_CHECK_IMMUNITY = timedelta(days=365)
 MAX_PARTITION = 2**31 - 1  # Kafka's partitions are int32, and so is the column
 # What Kafka takes by default: librdkafka's message.max.bytes (1,000,000; the Java clients and
-# the broker take ~1 MiB) less room for the headers the relay adds (~330 bytes at most) and the
+# the broker take ~1 MiB) less room for the headers the relay adds (~470 bytes at most) and the
 # record's framing. At 1 MiB, records the relay's client refuses were accepted, then parked.
 DEFAULT_MAX_RECORD_BYTES = 1_000_000 - 1_024
 

@@ -33,7 +33,9 @@ Wire format (version 2, written), on the op-marker topic:
              A message holds at most `op_marker_message_bytes` of entries (one entry at least).
 Version 1 (read, for markers written before): one marker per message, key the record id, value
   one entry with "v": 1, "shard", "relay" and "epoch" in it.
-Delivered records carry the headers OUTBOX_ID_HEADER and OUTBOX_TX_ID_HEADER.
+Delivered records carry the headers OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER,
+OUTBOX_PRODUCER_GROUP_HEADER and OUTBOX_NAME_HEADER (the `outbox` of the markers; absent in
+records of relays before it was added).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
 OUTBOX_ID_HEADER = "outbox-id"
 OUTBOX_TX_ID_HEADER = "outbox-tx-id"
 OUTBOX_PRODUCER_GROUP_HEADER = "outbox-producer-group"
+# "<database>/<schema>", as marker messages name their outbox: ids are one outbox's own, and
+# two outboxes may write one topic
+OUTBOX_NAME_HEADER = "outbox-name"
 OUTBOX_REASON_HEADER = "outbox-reason"  # on dead-letter copies
 OUTBOX_VALUE_OMITTED_HEADER = "outbox-value-omitted"  # a copy too large to carry its value
 MARKER_VERSION = 2

@@ -67,6 +67,7 @@ from relay.markers import (
     MARKER_MESSAGE_MARGIN,
     MAX_MARKER_REASON_CHARS,
     OUTBOX_ID_HEADER,
+    OUTBOX_NAME_HEADER,
     OUTBOX_PRODUCER_GROUP_HEADER,
     OUTBOX_REASON_HEADER,
     OUTBOX_TX_ID_HEADER,
@@ -224,8 +225,9 @@ class Row:
             headers=r[6], partition=r[7], key_hash=r[8], **rest,
         )  # fmt: skip
 
-    def kafka_headers(self) -> list[tuple[str, str | bytes | None]]:
-        """Raises MalformedHeaders for stored headers another writer (or a hand) made wrong."""
+    def kafka_headers(self, outbox: bytes | None = None) -> list[tuple[str, str | bytes | None]]:
+        """The stored headers and the relay's own (`outbox`: the OUTBOX_NAME_HEADER's value).
+        Raises MalformedHeaders for stored headers another writer (or a hand) made wrong."""
         try:
             given = [
                 (n or "", None if v is None else base64.b64decode(v)) for n, v in self.headers or ()
@@ -234,12 +236,15 @@ class Row:
             raise MalformedHeaders(_header_fault(self.headers)) from None
         if given and any(type(n) is not str for n, _ in given):
             raise MalformedHeaders(_header_fault(self.headers))
-        return [
+        headers: list[tuple[str, str | bytes | None]] = [
             *given,
             (OUTBOX_ID_HEADER, str(self.id).encode()),
             (OUTBOX_TX_ID_HEADER, self.tx_id.encode()),
             (OUTBOX_PRODUCER_GROUP_HEADER, self.producer_group.encode()),
         ]
+        if outbox is not None:
+            headers.append((OUTBOX_NAME_HEADER, outbox))
+        return headers
 
 
 @dataclass
@@ -361,6 +366,7 @@ class ShardWorker:
         # (_lock_lease), which batch ends and idle moves keep current.
         self.lease = lease
         self.outbox = outbox  # the `outbox` of its marker messages (relay/markers.py)
+        self._outbox_header = None if outbox is None else outbox.encode()  # and of its records
         self.shard = lease.shard
         self.settings = settings
         self.schema = schema
@@ -1134,8 +1140,9 @@ class ShardWorker:
             try:
                 if alone:
                     self.producer.send_queued()  # what came before goes in batches of its own
+                headers = row.kafka_headers(self._outbox_header)
                 sent[row.id] = self.producer.send(
-                    row.topic, row.value, row.key, row.kafka_headers(), row.partition, tag=row
+                    row.topic, row.value, row.key, headers, row.partition, tag=row
                 )
                 if alone:
                     self.producer.send_queued()  # and this record in a batch alone
@@ -1630,14 +1637,20 @@ class ShardWorker:
         """(topic, value, key, headers) of a dead-letter copy in the given form."""
         topic, why = self.settings.dead_letter_topic, (row.reason or "")
         if form == _FULL:
-            return topic, row.value, row.key, [*row.kafka_headers(), (OUTBOX_REASON_HEADER, why)]
+            headers = [*row.kafka_headers(self._outbox_header), (OUTBOX_REASON_HEADER, why)]
+            return topic, row.value, row.key, headers
         omitted = (OUTBOX_VALUE_OMITTED_HEADER, refused or "")
         if form == _NO_VALUE:
-            headers = [*row.kafka_headers(), (OUTBOX_REASON_HEADER, why), omitted]
+            headers = [
+                *row.kafka_headers(self._outbox_header),
+                (OUTBOX_REASON_HEADER, why),
+                omitted,
+            ]
             return topic, None, row.key, headers
         bare = dataclasses.replace(row, headers=None)  # only the outbox headers, a short reason
         why = why[:MAX_MARKER_REASON_CHARS]
-        return topic, None, None, [*bare.kafka_headers(), (OUTBOX_REASON_HEADER, why), omitted]
+        headers = [*bare.kafka_headers(self._outbox_header), (OUTBOX_REASON_HEADER, why), omitted]
+        return topic, None, None, headers
 
     def _preflight(self, rows: list[Row]) -> dict[int, str]:
         """Records that can never be delivered as they are: unknown topic, bad partition, the

@@ -54,6 +54,7 @@ from pyspark.sql.types import (
 
 from relay.markers import (
     OUTBOX_ID_HEADER,
+    OUTBOX_NAME_HEADER,
     OUTBOX_PRODUCER_GROUP_HEADER,
     OUTBOX_TX_ID_HEADER,
     Op,
@@ -228,7 +229,9 @@ def observations(
     of records on topics the job does not read: `topics` / `topic_pattern`) is dropped. Kept,
     those markers made every record of another topic a marker without its record. So are
     the markers of another outbox than `outbox` ("<database>/<schema>", as their messages name
-    it) on a marker topic shared by mistake: its ids are not this ledger's.
+    it) on a marker topic shared by mistake, and the copies of another outbox on a topic both
+    write (their OUTBOX_NAME_HEADER; a copy without one is judged): its ids are not this
+    ledger's, and were judged orphans, records without markers or duplicates.
     """
     is_marker = F.col("topic") == F.lit(marker_topic)
     message = F.from_json(F.when(is_marker, F.col("value").cast("string")), MARKER_VALUE_SCHEMA)
@@ -278,15 +281,21 @@ def observations(
         F.when(is_marker, marker["offset"]).otherwise(F.col("offset")).alias("target_offset"),
         F.when(is_marker, marker["commit_ts"].try_cast("timestamp")).alias("commit_ts"),
         F.when(is_marker, marker["xid"]).alias("commit_xid"),
+        *([] if outbox is None else [_header(OUTBOX_NAME_HEADER).alias("outbox_name")]),
     )
     # a marker without an op or a topic is not a relay's (the sink would refuse its finding);
     # copies of topics not read here too: a source may read more than the pattern's whole match
-    complete = ((F.col("source") == RECORD) & watched(F.col("topic"), topics, topic_pattern)) | (
+    ours = F.lit(True)
+    if outbox is not None:
+        ours = F.coalesce(F.col("outbox_name") == F.lit(outbox), F.lit(True))
+    complete = (
+        (F.col("source") == RECORD) & watched(F.col("topic"), topics, topic_pattern) & ours
+    ) | (
         F.col("op").isNotNull()
         & F.col("target_topic").isNotNull()
         & watched(F.col("target_topic"), topics, topic_pattern)
     )
-    return obs.where(F.col("outbox_id").isNotNull() & complete)
+    return obs.where(F.col("outbox_id").isNotNull() & complete).drop("outbox_name")
 
 
 # On late observations (see judge): judged although their Kafka time is before the window.

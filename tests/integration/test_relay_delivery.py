@@ -24,6 +24,7 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 from prometheus_client import REGISTRY
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import SecretStr
 
 import outbox
@@ -121,6 +122,9 @@ def test_committed_records_arrive_once_with_headers_rolled_back_never(
     assert headers["trace"] == b"t1"
     assert headers["outbox-id"] == str(first).encode()
     assert headers["outbox-tx-id"].startswith(b"xid:")
+    # which outbox: ids are one outbox's own, and two outboxes may write one topic
+    database = conninfo_to_dict(pg_dsn)["dbname"]
+    assert headers["outbox-name"] == f"{database}/outbox".encode()
 
     written = markers(kafka_bootstrap, relay)
     ops = sorted((m.op.value, m.id) for m in written)

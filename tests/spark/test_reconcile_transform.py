@@ -10,6 +10,7 @@ import pytest
 
 from relay.markers import (
     OUTBOX_ID_HEADER,
+    OUTBOX_NAME_HEADER,
     OUTBOX_TX_ID_HEADER,
     MarkerBatcher,
     Op,
@@ -45,13 +46,20 @@ class Kafka:
         self.marker_offset = 0
 
     def copy(
-        self, outbox_id: int | None, offset: int, at: datetime, key: bytes | None = b"k"
+        self,
+        outbox_id: int | None,
+        offset: int,
+        at: datetime,
+        key: bytes | None = b"k",
+        outbox: str | None = None,
     ) -> None:
         headers = (
             [(OUTBOX_ID_HEADER, str(outbox_id).encode()), (OUTBOX_TX_ID_HEADER, b"tx")]
             if outbox_id is not None
             else []
         )
+        if outbox is not None:  # as relays write it since copies name their outbox
+            headers.append((OUTBOX_NAME_HEADER, outbox.encode()))
         self.rows.append((key, b"value", TOPIC, 0, offset, at, 0, headers))
 
     def marker(
@@ -515,28 +523,32 @@ def test_a_zombies_copy_judged_a_judgement_after_its_marker_is_the_duplicate(
     assert read.judged
 
 
-def test_markers_of_another_outbox_on_a_shared_marker_topic_are_not_judged(
+def test_markers_and_copies_of_another_outbox_sharing_the_topics_are_not_judged(
     spark: SparkSession,
 ) -> None:
     """Another outbox's markers (its own ids) made this one's copy of the same id a duplicate,
-    and its other ids markers without their records."""
+    and its other ids markers without their records. Its copies on a topic both outboxes
+    write were duplicates of this one's ids, or records without markers (found by a review)."""
     from spark.transform import LEDGER_SCHEMA, observations
 
     kafka = Kafka()
     kafka.marker(5, s(30), offset=9, commit=s(29), outbox="billing/outbox")  # not ours
     kafka.marker(6, s(30), offset=10, commit=s(29), outbox="billing/outbox")
-    kafka.copy(5, 0, s(31))
+    kafka.copy(5, 9, s(30), outbox="billing/outbox")
+    kafka.copy(6, 10, s(30), outbox="billing/outbox")
+    kafka.copy(5, 0, s(31), outbox="orders/outbox")
     kafka.marker(5, s(31), offset=0, commit=s(30), outbox="orders/outbox")
+    kafka.copy(7, 1, s(32))  # by a relay before copies named their outbox: judged
     ledger = spark.createDataFrame([], LEDGER_SCHEMA)
 
     def found(outbox: str | None) -> set[tuple[str, int, str]]:
         obs = observations(kafka.frame(spark), marker_topic=MARKERS, outbox=outbox)
         return set(findings_of(obs, ledger, STREAM_WINDOW))
 
-    assert found("orders/outbox") == set()
-    assert found(None) == {  # every marker taken as this outbox's
+    assert found("orders/outbox") == {("orphan", 7, "0:1")}
+    assert found(None) == {  # every marker and copy taken as this outbox's
         ("duplicate", 5, "0:0"),
-        ("marker_mismatch", 6, "marker_without_record"),
+        ("orphan", 7, "0:1"),
     }
 
 
