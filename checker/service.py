@@ -283,7 +283,7 @@ class Checker:
         own_transaction_mode(conn)  # its claims and verdicts: in transaction blocks
         if self._idle_transaction_timeout is None:
             return conn
-        return bound_idle_time(conn, self._idle_transaction_timeout)
+        return bound_idle_time(conn, self._idle_transaction_timeout, self._connect_timeout_s)
 
     def _now(self) -> datetime:
         return self._clock() + self._skew

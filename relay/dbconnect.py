@@ -64,35 +64,59 @@ def _service_keys(service: str) -> set[str]:
 CHECKER_IDLE_TRANSACTION = timedelta(seconds=60)
 
 
-def bound_idle_time(
-    conn: psycopg.Connection[Any], in_transaction: timedelta
-) -> psycopg.Connection[Any]:
-    """`conn`, its session set so that the server ends a transaction of it left idle for
-    `in_transaction` (idle_in_transaction_session_timeout; kept when the role, database or DSN
-    set a shorter limit), and never ends it for idling outside one (idle_session_timeout).
+# The session settings bound_idle_time lowers to its values (kept when already lower, not 0),
+# by pg_settings' units: milliseconds, seconds, seconds, a count, milliseconds.
+_SERVER_BOUNDS = """
+SELECT set_config(s.name, w.value::text, false)
+FROM pg_settings AS s
+JOIN (VALUES ('idle_in_transaction_session_timeout', %(in_transaction_ms)s::bigint),
+             ('tcp_keepalives_idle', %(dead_peer_s)s::bigint),
+             ('tcp_keepalives_interval', 1),
+             ('tcp_keepalives_count', 3),
+             ('tcp_user_timeout', %(dead_peer_ms)s::bigint)) AS w (name, value)
+  ON w.name = s.name
+WHERE CASE WHEN s.setting ~ '^[0-9]+$' THEN s.setting::numeric NOT BETWEEN 1 AND w.value END
+UNION ALL
+SELECT set_config(name, '0', false) FROM pg_settings  -- PostgreSQL 14 on
+WHERE name = 'idle_session_timeout' AND setting <> '0'
+"""
+_MAX_MS = 2**31 - 1  # the settings are int4
 
-    A sidecar whose node died, or was cut off, between a statement and its COMMIT left its
-    backend idle in transaction until the server's TCP keepalive gave up: two hours by default,
-    for the server sends nothing to a client it waits for. Its transaction id held back the
-    xid horizon of every relay, and its lock on a lease row kept the shard from the others
-    (SKIP LOCKED): nothing of the outbox went out.
+
+def bound_idle_time(
+    conn: psycopg.Connection[Any], in_transaction: timedelta, dead_peer_after_s: float
+) -> psycopg.Connection[Any]:
+    """`conn`, its session set so that the server ends it once it waits for the client
+    `in_transaction` in a transaction (idle_in_transaction_session_timeout), or once the client's
+    host has answered nothing for about `dead_peer_after_s` (the server's TCP keepalives and
+    user timeout, as dead_peer_options sets the client's); lower limits of the role, database
+    or DSN are kept. And never for idling outside a transaction (idle_session_timeout 0).
+
+    A sidecar whose node died, or was cut off, in a transaction left its backend waiting until
+    the server's TCP keepalive gave up: two hours by default, for the server sends nothing to a
+    client it waits for. Its transaction id held back the xid horizon of every relay, and its
+    lock on a lease row kept the shard from the others (SKIP LOCKED): nothing of the outbox went
+    out. The keepalives cover a pipeline's wait too, where the server sent no ReadyForQuery and
+    so runs no idle timer; the idle timer, a client alive but stuck (its kernel answers them).
 
     The sidecar keeps its connections open on purpose, quiet ones too (a LISTEN, a relay's ender
     between bursts): a DBA's idle_session_timeout closed them unsaid, and the next use of each
     failed (a batch committed in Kafka then ended by a recovery, a round counted as an error).
 
     Session state: not for a connection through a transaction pooler, which hands the session to
-    other clients (PgBouncer's idle_transaction_timeout bounds its clients' transactions)."""
-    ms = max(1, math.ceil(in_transaction.total_seconds() * 1000))
-    conn.execute(
-        "SELECT set_config(name, CASE WHEN name = 'idle_session_timeout' THEN '0'"
-        " ELSE %(ms)s::text END, false) FROM pg_settings"
-        " WHERE (name = 'idle_in_transaction_session_timeout'"
-        " AND setting::bigint NOT BETWEEN 1 AND %(ms)s)"
-        " OR (name = 'idle_session_timeout' AND setting <> '0')",  # PostgreSQL 14 on
-        {"ms": ms},
-    )
-    conn.commit()  # kept for the session; nothing to commit in autocommit mode
+    other clients (PgBouncer's idle_transaction_timeout and tcp_keepalive do this there)."""
+    dead_peer_s = min(max(1, round(dead_peer_after_s)), MAX_KEEPALIVE_S)
+    params = {
+        "in_transaction_ms": min(_MAX_MS, max(1, math.ceil(in_transaction.total_seconds() * 1000))),
+        "dead_peer_s": dead_peer_s,
+        "dead_peer_ms": dead_peer_s * 1000,
+    }
+    try:
+        conn.execute(_SERVER_BOUNDS, params)
+        conn.commit()  # kept for the session; nothing to commit in autocommit mode
+    except BaseException:
+        conn.close()  # a connection made for nothing: not left for the garbage collector
+        raise
     return conn
 
 

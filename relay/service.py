@@ -222,7 +222,7 @@ class Relay:
         # lease row kept the shard from the heir. Not sooner than a few seconds: a busy machine
         # may pause a live relay for one.
         idle = max(self.settings.relay.lease_duration, MIN_IDLE_TRANSACTION)
-        return bound_idle_time(conn, idle)
+        return bound_idle_time(conn, idle, database.connect_timeout_s)
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -550,7 +550,7 @@ class Relay:
         self._set_wake_relays()  # a worker dropped since the heartbeat (LeaseLost), say
         tried, failed = 0, []
         for shard in owned:
-            if tried and self._stop.is_set():
+            if self._stop.is_set():
                 # Stopped during the round: the shard in flight finished its batch, and no other
                 # starts one, or a recovery (init_transactions alone may take
                 # kafka_transaction_timeout): in a Kafka incident they overran the grace, and

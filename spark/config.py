@@ -312,7 +312,7 @@ class ReconcileSettings(BaseModel):
             out.extend(found)
         return tuple(out)
 
-    @field_validator("topics", "marker_topic", "dead_letter_topic", "ignored_topics")
+    @field_validator("topics", "marker_topic", "dead_letter_topic")
     @classmethod
     def _kafka_topic_names(cls, v: str | tuple[str, ...]) -> str | tuple[str, ...]:
         # Spark's subscribe list drops an empty name unsaid: with an empty marker topic, every

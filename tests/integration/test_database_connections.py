@@ -103,6 +103,14 @@ def test_a_sidecar_transaction_left_idle_is_ended_by_the_server(
     relay.run_once()
     with relay._connect() as made:  # as the ender's and claimer's are made
         assert idle_limit(relay.conn) == idle_limit(made) == "5s"  # at least a few seconds
+        # a host gone is found by the server's keepalives, as by the client's: connect_timeout_s
+        for name, value in {
+            "tcp_keepalives_idle": "10",
+            "tcp_keepalives_interval": "1",
+            "tcp_keepalives_count": "3",
+            "tcp_user_timeout": "10000",
+        }.items():
+            assert setting(made, name) == value, name
     checker = Checker.from_sidecar_settings(relay.settings)
     try:
         assert idle_limit(checker._connection()) == "1min"

@@ -86,7 +86,7 @@ def test_make_run_delivers_checks_back_and_stops_cleanly_on_ctrl_c(services: Ser
         metrics = _metrics()
         assert _sample(metrics, "outbox_relay_records_delivered_total", topic="demo.orders") >= 1
         assert _sample(metrics, "outbox_relay_records_delivered_total", topic="demo.payments") >= 1
-        demo.send_signal(signal.SIGINT)  # Ctrl-C
+        os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C: to the foreground group, sidecar too
         assert demo.wait(90) == 0
     finally:
         if demo.poll() is None:

@@ -1884,14 +1884,19 @@ def test_a_stop_once_every_report_is_in_commits_the_batch(
     relay = relay_factory()
     relay.run_once()
     reports = ShardProducer.reports
-    # every report in before the stop is seen: only the check before the commit meets it
-    monkeypatch.setattr(
-        ShardProducer, "reports", lambda p, stalled=None, waiting=None: reports(p, stalled)
-    )
+
+    def every_report_in_then_a_stop(
+        p: ShardProducer, stalled: Any = None, waiting: Any = None
+    ) -> Any:
+        # every report in before the stop is seen: only the check before the commit meets it
+        done = reports(p, stalled)
+        relay._stop_by = time.monotonic()  # a stop with no grace left
+        relay._stop.set()
+        return done
+
+    monkeypatch.setattr(ShardProducer, "reports", every_report_in_then_a_stop)
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic, "reported before the stop")
-    relay._stop_by = time.monotonic()  # a stop with no grace left
-    relay._stop.set()
     assert relay.run_once().delivered == 1
     delivered = consume_all(kafka_bootstrap, topic, "read_committed")
     assert [m.value() for m in delivered] == [b"reported before the stop"]

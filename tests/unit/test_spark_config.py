@@ -297,7 +297,7 @@ def test_settings_render_the_kafka_source() -> None:
         ({"marker_topic": ""}, r"marker_topic\n.*topic '' is invalid"),
         ({"topics": ("orders", "")}, r"topics\n.*topic '' is invalid"),
         ({"dead_letter_topic": "dead letters"}, "is invalid"),
-        ({"ignored_topics": ("..",)}, "not allowed by Kafka"),
+        ({"topics": ("..",)}, "not allowed by Kafka"),
     ],
 )
 def test_settings_refuse_what_cannot_work(change: dict[str, object], message: str) -> None:
