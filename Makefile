@@ -57,7 +57,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt setuptools wheel
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	# PIP_CONSTRAINT reaches the isolated environments that build sdists (pyspark is one):
+	# -c does not, and they took the newest setuptools, whatever it broke.
+	PIP_CONSTRAINT=$(abspath constraints.txt) $(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 services-up: install

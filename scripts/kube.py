@@ -35,6 +35,7 @@ from services import (
     fail,
     log,
     port_open,
+    reserve_ports,
     run,
     terminate,
     wait_until,
@@ -239,6 +240,7 @@ def up() -> None:
         log(f"kube-apiserver already running on {api_url()}")
         return
     down()
+    reserve_ports(KUBE_PORT, ETCD_PORT, ETCD_PORT + 1)
     for port, setting in (
         (KUBE_PORT, "OUTBOX_KUBE_PORT"),
         (ETCD_PORT, "OUTBOX_ETCD_PORT"),

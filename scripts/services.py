@@ -219,11 +219,59 @@ def pg_ready(bindir: Path) -> bool:
     return r.returncode == 0
 
 
+RESERVED_PORTS = Path("/proc/sys/net/ipv4/ip_local_reserved_ports")
+
+
+def reserve_ports(*ports: int) -> None:
+    """Keeps the kernel from giving these ports to outgoing connections (as root; else
+    nothing). They are in its ephemeral range (32768-60999 by default): a test's connection
+    that happened to get one, still open, made a restart's bind of that service fail."""
+    if os.geteuid() != 0:
+        return
+    try:
+        held = RESERVED_PORTS.read_text().strip()
+        covered: set[int] = set()
+        for item in filter(None, held.split(",")):
+            lo, _, hi = item.partition("-")
+            covered.update(range(int(lo), int(hi or lo) + 1))
+        missing = sorted(set(ports) - covered)
+        if missing:
+            RESERVED_PORTS.write_text(",".join([*filter(None, [held]), *map(str, missing)]))
+    except (OSError, ValueError) as exc:  # a container's read-only /proc/sys: as before
+        log(f"could not reserve ports {sorted(ports)} for the services: {exc}")
+
+
+def rollback_stale_prepared(
+    bindir: Path, *, older_than: str = "10 min", database: str | None = None
+) -> None:
+    """Rolls back transactions prepared (two-phase commit) over `older_than` ago (in `database`
+    only, if given): left by a killed test run, one survives restarts and holds the xid horizon
+    of the whole cluster back, and no relay of this Postgres delivered anything again (a test's
+    lives for seconds)."""
+    psql = [str(bindir / "psql"), "-h", HOST, "-p", str(PG_PORT), "-U", "postgres", "-d"]
+    query = (  # on stdin: psql quotes its variables (:'age') there, not in -c
+        "SELECT database, gid FROM pg_prepared_xacts WHERE prepared < now() - :'age'::interval"
+        " AND database = coalesce(nullif(:'db', ''), database)"
+    )
+    listed = subprocess.run(
+        [*psql, "postgres", "-AtF", "\t", "-v", f"age={older_than}", "-v", f"db={database or ''}"],
+        input=query,
+        capture_output=True,
+        text=True,
+    )
+    for line in listed.stdout.splitlines():
+        name, _, gid = line.partition("\t")
+        log(f"rolling back transaction {gid!r} prepared in {name} by an earlier run")
+        quoted = "'" + gid.replace("'", "''") + "'"
+        subprocess.run([*psql, name, "-c", f"ROLLBACK PREPARED {quoted}"], capture_output=True)
+
+
 def postgres_up() -> None:
     bindir = install_postgres()
     prefix = pg_user_prefix()
     if pg_running() and pg_ready(bindir):
         log(f"postgres already running on {HOST}:{PG_PORT}")
+        rollback_stale_prepared(bindir)
         return
     PG_DIR.mkdir(parents=True, exist_ok=True)
     if prefix:
@@ -270,6 +318,7 @@ def postgres_up() -> None:
         stdout=subprocess.DEVNULL,
     )
     wait_until("postgres", lambda: pg_ready(bindir), 60, PG_LOG)
+    rollback_stale_prepared(bindir)
     log(f"postgres ready on {HOST}:{PG_PORT} (log: {PG_LOG})")
 
 
@@ -818,6 +867,9 @@ def env_lines() -> list[str]:
 
 
 def up() -> None:
+    reserve_ports(
+        PG_PORT, PGBOUNCER_PORT, KAFKA_PORT, CONTROLLER_PORT, KAFKA_SASL_PORT, KAFKA_SSL_PORT
+    )
     heal()  # a run stopped mid-partition left the stack, or a test's Postgres, cut off
     stop_failover_clusters()
     postgres_up()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import psycopg
 import pytest
 
+from scripts import services as local_services
+from tests.fixtures.services import Services
+
 
 def test_settings_the_design_needs(pg_conn: psycopg.Connection) -> None:
     assert pg_conn.execute("SHOW track_commit_timestamp").fetchone() == ("on",)
@@ -44,3 +47,26 @@ def test_each_test_gets_its_own_database(
     assert pg_conn.execute(probe_tables).fetchone() == (0,)
     pg_conn.execute("CREATE TABLE isolation_probe (run int)")
     pg_conn.commit()
+
+
+def test_a_prepared_transaction_a_killed_run_left_is_rolled_back_by_the_next_up(
+    pg_dsn: str, services: Services
+) -> None:
+    """Left by a killed test run, it survived restarts and held the whole cluster's xid horizon
+    back: no relay of the local Postgres delivered anything again (found by a review)."""
+    if services.source != "script":
+        pytest.skip(f"the local services script does not run {services.source}'s Postgres")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        database = conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
+        conn.execute("CREATE TABLE held (id int)")
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO held VALUES (1)")
+        conn.execute("PREPARE TRANSACTION 'left-by-a-killed-run'")
+        bindir = local_services.pg_bindir()
+        assert bindir is not None
+        local_services.rollback_stale_prepared(bindir, database=database)  # not stale yet
+        left = "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+        assert conn.execute(left).fetchall() == [("left-by-a-killed-run",)]
+        local_services.rollback_stale_prepared(bindir, older_than="0 s", database=database)
+        assert conn.execute(left).fetchall() == []
+        assert conn.execute("SELECT count(*) FROM held").fetchone() == (0,)

@@ -75,3 +75,19 @@ def test_a_wait_for_a_process_that_died_fails_at_once_with_the_log_chosen_then(
     said = failed.stdout + failed.stderr
     assert "kafka exited" in said
     assert "could not reserve the heap" in said
+
+
+def test_the_services_ports_are_kept_from_outgoing_connections(tmp_path: Path) -> None:
+    """In the kernel's ephemeral range, a port a test's connection happened to get made a
+    restart's bind of that service fail (found by a review)."""
+    reserved = tmp_path / "ip_local_reserved_ports"
+    reserved.write_text("8080,9000-9010\n")
+    code = (
+        "from pathlib import Path\n"
+        "services.os.geteuid = lambda: 0\n"
+        f"services.RESERVED_PORTS = Path({str(reserved)!r})\n"
+        "services.reserve_ports(9005, 55432, 59092)\n"
+        "services.reserve_ports(55432)\n"  # reserved already: left as it is
+    )
+    run_script(tmp_path / "local", code)
+    assert reserved.read_text() == "8080,9000-9010,55432,59092"
