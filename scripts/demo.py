@@ -301,7 +301,11 @@ def demo(env: dict[str, str]) -> int:
         shop.stop.set()
         if sidecar.poll() is None:
             sidecar.send_signal(signal.SIGTERM)
-            sidecar.wait(60)
+            try:
+                sidecar.wait(60)
+            except subprocess.TimeoutExpired:  # never left running behind the demo
+                sidecar.kill()
+                sidecar.wait()
         stop.set()
         for t in threads:
             t.join(5)
