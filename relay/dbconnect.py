@@ -98,6 +98,8 @@ def bound_idle_time(
     lock on a lease row kept the shard from the others (SKIP LOCKED): nothing of the outbox went
     out. The keepalives cover a pipeline's wait too, where the server sent no ReadyForQuery and
     so runs no idle timer; the idle timer, a client alive but stuck (its kernel answers them).
+    The user timeout also ends a session whose client reads nothing it is sent for that long: a
+    LISTEN left unread through a round that long (the relay listens anew, then rounds).
 
     The sidecar keeps its connections open on purpose, quiet ones too (a LISTEN, a relay's ender
     between bursts): a DBA's idle_session_timeout closed them unsaid, and the next use of each

@@ -730,6 +730,10 @@ class Relay:
         resets = self._stamp_resets
         complete, held, horizon = stamp(with_hold_back=True)
         while not complete:
+            if self._stop.is_set():
+                # The rest is the next owner's: at ~1.5 s a slice, a million rows' stamping
+                # took ~30 s, past the grace. No shard starts a batch after a stop (run_once).
+                return None
             self._keep_alive()  # a backlog of millions is many slices: no stall
             complete, held, horizon = stamp(with_hold_back=False)
         if held is None:

@@ -1937,6 +1937,36 @@ def test_a_stop_during_a_round_starts_no_other_shards_batch_nor_takes_a_shard(
     assert spare.workers == {}
 
 
+def test_a_stop_during_a_backlogs_stamping_leaves_the_rest_of_it(
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stamping of a backlog went on slice after slice after a stop: a million rows' took
+    ~30 s, past the grace (found by a review)."""
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(4):
+            with conn.transaction():
+                outbox.publish(conn, topic, f"v{i}")
+    monkeypatch.setattr(service_module, "STAMP_SLICE", 1)
+    keep_alive = relay._keep_alive
+
+    def stopped_in_the_stamp() -> None:
+        keep_alive()
+        relay._stop.set()  # the SIGTERM, between two slices
+
+    relay._keep_alive = stopped_in_the_stamp  # type: ignore[method-assign]
+    relay._stamp_all_again()  # the next round stamps
+    assert relay.run_once().delivered == 0
+    with psycopg.connect(pg_dsn) as conn:
+        unstamped = "SELECT count(*) FROM outbox.outbox_record WHERE commit_ts IS NULL"
+        assert conn.execute(unstamped).fetchone()[0] >= 2  # type: ignore[index]
+
+
 def test_recovery_skips_what_is_not_a_marker_on_the_marker_topic(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
