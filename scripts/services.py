@@ -248,7 +248,9 @@ def rollback_stale_prepared(
     only, if given): left by a killed test run, one survives restarts and holds the xid horizon
     of the whole cluster back, and no relay of this Postgres delivered anything again (a test's
     lives for seconds)."""
-    psql = [str(bindir / "psql"), "-h", HOST, "-p", str(PG_PORT), "-U", "postgres", "-d"]
+    # -X: a user's ~/.psqlrc (\timing on, say) added lines to the output parsed here
+    psql = [str(bindir / "psql"), "-X", "-v", "ON_ERROR_STOP=1", "-h", HOST, "-p", str(PG_PORT)]
+    psql += ["-U", "postgres", "-d"]
     query = (  # on stdin: psql quotes its variables (:'age') there, not in -c
         "SELECT database, gid FROM pg_prepared_xacts WHERE prepared < now() - :'age'::interval"
         " AND database = coalesce(nullif(:'db', ''), database)"
@@ -259,11 +261,19 @@ def rollback_stale_prepared(
         capture_output=True,
         text=True,
     )
+    if listed.returncode != 0:
+        log(f"could not list the prepared transactions: {listed.stderr.strip()}")
+        return
     for line in listed.stdout.splitlines():
         name, _, gid = line.partition("\t")
-        log(f"rolling back transaction {gid!r} prepared in {name} by an earlier run")
         quoted = "'" + gid.replace("'", "''") + "'"
-        subprocess.run([*psql, name, "-c", f"ROLLBACK PREPARED {quoted}"], capture_output=True)
+        done = subprocess.run(
+            [*psql, name, "-c", f"ROLLBACK PREPARED {quoted}"], capture_output=True, text=True
+        )
+        if done.returncode == 0:
+            log(f"rolled back transaction {gid!r}, prepared in {name} by an earlier run")
+        else:
+            log(f"could not roll back transaction {gid!r} in {name}: {done.stderr.strip()}")
 
 
 def postgres_up() -> None:

@@ -56,17 +56,21 @@ def test_a_prepared_transaction_a_killed_run_left_is_rolled_back_by_the_next_up(
     back: no relay of the local Postgres delivered anything again (found by a review)."""
     if services.source != "script":
         pytest.skip(f"the local services script does not run {services.source}'s Postgres")
+    left = "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         database = conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
         conn.execute("CREATE TABLE held (id int)")
         conn.execute("BEGIN")
         conn.execute("INSERT INTO held VALUES (1)")
         conn.execute("PREPARE TRANSACTION 'left-by-a-killed-run'")
-        bindir = local_services.pg_bindir()
-        assert bindir is not None
-        local_services.rollback_stale_prepared(bindir, database=database)  # not stale yet
-        left = "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
-        assert conn.execute(left).fetchall() == [("left-by-a-killed-run",)]
-        local_services.rollback_stale_prepared(bindir, older_than="0 s", database=database)
-        assert conn.execute(left).fetchall() == []
-        assert conn.execute("SELECT count(*) FROM held").fetchone() == (0,)
+        try:
+            bindir = local_services.pg_bindir()
+            assert bindir is not None
+            local_services.rollback_stale_prepared(bindir, database=database)  # not stale yet
+            assert conn.execute(left).fetchall() == [("left-by-a-killed-run",)]
+            local_services.rollback_stale_prepared(bindir, older_than="0 s", database=database)
+            assert conn.execute(left).fetchall() == []
+            assert conn.execute("SELECT count(*) FROM held").fetchone() == (0,)
+        finally:  # left prepared, it held every later test's horizon (and its database)
+            if conn.execute(left).fetchall():
+                conn.execute("ROLLBACK PREPARED 'left-by-a-killed-run'")
