@@ -54,11 +54,11 @@ soak: install
 
 install: $(STAMP)
 
+# PIP_CONSTRAINT reaches the isolated environments that build sdists (pyspark is one): -c does
+# not, and they took the newest setuptools, whatever it broke.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt setuptools wheel
-	# PIP_CONSTRAINT reaches the isolated environments that build sdists (pyspark is one):
-	# -c does not, and they took the newest setuptools, whatever it broke.
 	PIP_CONSTRAINT=$(abspath constraints.txt) $(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
