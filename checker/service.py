@@ -34,8 +34,9 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
@@ -83,6 +84,14 @@ _MAX_LOGGED_GROUPS = 1000
 _MAX_APPLY_BATCH = 256
 _AGES_STATEMENT_TIMEOUT = "5s"
 APPLY_LOCK_TIMEOUT = "2s"  # how long an answer waits for rows an application holds
+# A batch holds the rows of the answers it applied while it waits for the next one's: an
+# application ending two of them in one transaction, already waiting for the batch's, would be
+# the deadlock's victim when its deadlock_timeout came first. A batch gives up well before that
+# (a quarter of it, 100 ms at most), and its answers go again one transaction each.
+_BATCH_LOCK_TIMEOUT_MS = (
+    "greatest(1, least(100, extract(epoch FROM current_setting('deadlock_timeout')::interval)"
+    " * 250))::int::text"
+)
 
 
 _Note = tuple[Callable[..., None], tuple[Any, ...]]  # a log call to make once committed
@@ -100,6 +109,21 @@ _HELD = (pg_errors.LockNotAvailable, pg_errors.DeadlockDetected)
 def _locked(exc: BaseException) -> bool:
     """The library's database error for rows another transaction holds."""
     return isinstance(exc.__cause__, _HELD)
+
+
+@contextmanager
+def _waiting_for_rows(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """A transaction that waits a little for rows an application holds, not for as long as the
+    application likes (it ends the transaction itself and keeps its own open)."""
+    with conn.transaction():
+        conn.execute(
+            "SELECT set_config('lock_timeout', %s, true),"
+            " set_config('statement_timeout', '0', true)",  # as in the claim
+            (APPLY_LOCK_TIMEOUT,),
+        )
+        yield
+        # not at the commit: its wake-up notification queues for a lock of its own
+        conn.execute("SELECT set_config('lock_timeout', '0', true)")
 
 
 def utc_now() -> datetime:
@@ -585,7 +609,7 @@ class Checker:
             )
         # Answers that arrived together go in one transaction (one WAL flush). An answer in
         # trouble (rows an application holds, rows the library refuses) would undo the others:
-        # then each goes again in a savepoint of its own, which costs two round trips more each.
+        # then each goes again in a transaction of its own, which costs a WAL flush each.
         try:
             applied = self._apply_all(conn, decided, later, careful=False)
         except _AnswerTrouble:
@@ -606,49 +630,58 @@ class Checker:
         *,
         careful: bool,
     ) -> list[tuple[_Note, bool, str]]:
-        """End the decided transactions and reschedule the others, in one database transaction;
-        (what to log, whether the answer came too late, group) of each decided one."""
+        """End the decided transactions and reschedule the others: in one database transaction,
+        or (careful) one each; (what to log, whether the answer came too late, group) of each
+        decided one."""
+        if careful:
+            return self._apply_each(conn, decided, later)
         applied: list[tuple[_Note, bool, str]] = []
         with conn.transaction():
-            # An application ending the transaction itself holds its rows until it commits:
-            # wait a little, not for as long as it likes.
             conn.execute(
-                "SELECT set_config('lock_timeout', %s, true),"
-                " set_config('statement_timeout', '0', true)",  # as in the claim
-                (APPLY_LOCK_TIMEOUT,),
+                f"SELECT set_config('lock_timeout', {_BATCH_LOCK_TIMEOUT_MS}, true),"
+                " set_config('statement_timeout', '0', true)"  # as in the claim
             )
             for claim, outcome in decided:
-                if careful:
-                    note, conflicted = self._apply_one(conn, claim, outcome)
-                else:
-                    try:
-                        note, conflicted = self._end(conn, claim, outcome)
-                    except (OutboxDatabaseError, InvalidRecordError) as exc:
-                        if isinstance(exc, InvalidRecordError) or _locked(exc):
-                            raise _AnswerTrouble from exc
-                        raise
-                applied.append((note, conflicted, claim.producer_group))
-            if careful:  # one at a time: rows held for one must not drop the others'
-                held = [i for i in later if not self._reschedule_one(conn, i)]
-                if held:  # due again when their lease ends
-                    note = (
-                        logger.info,
-                        ("%s unknown answers not rescheduled: their rows are held", len(held)),
-                    )
-                    applied.append((note, False, ""))
-            else:
                 try:
-                    _claim.reschedule(conn, self.schema, later)
-                except _HELD as exc:
-                    raise _AnswerTrouble from exc
+                    note, conflicted = self._end(conn, claim, outcome)
+                except (OutboxDatabaseError, InvalidRecordError) as exc:
+                    if isinstance(exc, InvalidRecordError) or _locked(exc):
+                        raise _AnswerTrouble from exc
+                    raise
+                applied.append((note, conflicted, claim.producer_group))
+            try:
+                _claim.reschedule(conn, self.schema, later)
+            except _HELD as exc:
+                raise _AnswerTrouble from exc
             # not at the commit: its wake-up notification queues for a lock of its own
             conn.execute("SELECT set_config('lock_timeout', '0', true)")
         return applied
 
+    def _apply_each(
+        self,
+        conn: psycopg.Connection[Any],
+        decided: list[tuple[Claim, Outcome]],
+        later: list[Reschedule],
+    ) -> list[tuple[_Note, bool, str]]:
+        """Each answer in a transaction of its own: rows held for one do not drop the others',
+        and a wait for an application's rows holds no other transaction's."""
+        applied = [
+            (*self._apply_one(conn, claim, outcome), claim.producer_group)
+            for claim, outcome in decided
+        ]
+        held = [i for i in later if not self._reschedule_one(conn, i)]
+        if held:  # due again when their lease ends
+            note = (
+                logger.info,
+                ("%s unknown answers not rescheduled: their rows are held", len(held)),
+            )
+            applied.append((note, False, ""))
+        return applied
+
     def _reschedule_one(self, conn: psycopg.Connection[Any], item: Reschedule) -> bool:
-        """One reschedule in a savepoint of its own; False if its rows are held."""
+        """One reschedule in a transaction of its own; False if its rows are held."""
         try:
-            with conn.transaction():
+            with _waiting_for_rows(conn):
                 _claim.reschedule(conn, self.schema, [item])
         except _HELD:
             return False
@@ -657,10 +690,10 @@ class Checker:
     def _apply_one(
         self, conn: psycopg.Connection[Any], claim: Claim, outcome: Outcome
     ) -> tuple[_Note, bool]:
-        """One answer, in a savepoint of its own: its trouble does not undo the others'."""
+        """One answer, in a transaction of its own: its trouble does not undo the others'."""
         group, tx_id = claim.producer_group, claim.tx_id
         try:
-            with conn.transaction():
+            with _waiting_for_rows(conn):
                 return self._end(conn, claim, outcome)
         except OutboxDatabaseError as exc:  # the library wraps psycopg's errors
             if not _locked(exc):

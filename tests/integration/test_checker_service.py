@@ -40,6 +40,8 @@ from checker import (
     rearm,
     resolve,
 )
+from checker._claim import Claim
+from checker._client import CheckAnswer, Outcome
 from checker.config import EndpointSettings
 from checker.service import Checker, utc_now
 from outbox import IllegalTransitionError, Record, UnknownTransactionError
@@ -1194,6 +1196,68 @@ def test_rows_an_application_holds_keep_only_their_own_unknown_answer_unrecorded
         assert recorded["check_lease_until"] is None  # its outcome is recorded
         assert one(pg_dsn, held[0])["check_lease_until"] is not None  # not: held
     assert one(pg_dsn, held[0])["state"] == "committed"
+
+
+def _waits_on_a_lock(dsn: str, pid: int) -> bool:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def test_an_application_ending_two_answered_transactions_is_not_a_deadlocks_victim(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Answers applied together hold the rows of those applied first while the next one waits.
+    An application ending two of the transactions in one of its own had the first's rows and
+    waited for the other's: a deadlock, and the application, which had waited longer, its
+    victim (after deadlock_timeout, the batch waiting up to 2 s). The batch now gives up first,
+    and its answers go again one transaction each."""
+    (first, created), (second, _) = prepare(pg_dsn), prepare(pg_dsn)
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}), Clock(created + 7 * S)
+    )
+    application = psycopg.connect(pg_dsn)
+    ended_by_application: list[BaseException | None] = []
+
+    def application_ends_both() -> None:
+        try:
+            outbox.commit(application, first, producer_group=GROUP)  # waits for the batch
+            application.commit()
+            ended_by_application.append(None)
+        except BaseException as exc:
+            ended_by_application.append(exc)
+
+    ending = threading.Thread(target=application_ends_both, daemon=True)
+    end = checker._end
+
+    def end_then_let_the_application_wait(conn: Any, claim: Any, outcome: Any) -> Any:
+        ended = end(conn, claim, outcome)
+        if claim.tx_id == first and ending.ident is None:  # in the batch, not when again
+            ending.start()
+            wait_for(lambda: _waits_on_a_lock(pg_dsn, application.info.backend_pid), 10)
+        return ended
+
+    def apply_together(conn: Any, claims: list[Claim], result: CheckRoundResult) -> None:
+        by_tx = {c.tx_id: c for c in claims}
+        answers = [(by_tx[t], CheckAnswer(Outcome.COMMIT)) for t in (first, second)]
+        outbox.commit(application, second, producer_group=GROUP)  # its rows, held
+        checker._apply(conn, answers, result)
+
+    monkeypatch.setattr(checker, "_end", end_then_let_the_application_wait)
+    monkeypatch.setattr(checker, "_ask_and_apply", apply_together)
+    try:
+        result = checker.run_once()
+        ending.join(timeout=30)
+    finally:
+        application.close()
+    assert ended_by_application == [None]  # not DeadlockDetected
+    assert result.committed == 2
+    assert {one(pg_dsn, t)["state"] for t in (first, second)} == {"committed"}
 
 
 def test_a_large_transaction_is_checked_under_a_databases_statement_timeout(
