@@ -3,9 +3,10 @@
 Standard library only (``http.client``), which also means: no proxy from the environment, and no
 redirect is ever followed (a 3xx is a failed check). Limits, all explicit:
 
-- connect timeout (TCP and TLS handshake) and a total timeout for the whole exchange, enforced by
-  a watchdog that shuts the socket down at the deadline, so a server dripping bytes cannot hold
-  a worker longer than the total;
+- connect timeout (name lookup and TCP, every address tried included; each read of the TLS
+  handshake) and a total timeout for the whole exchange, enforced by a watchdog that shuts the
+  socket down at the deadline, so a server dripping bytes cannot hold a worker longer than the
+  total;
 - TLS verified (``ssl.create_default_context()``, or the endpoint's ``ca_file``);
 - answers longer than ``max_response_bytes`` are refused without being read further;
 - every answer is authenticated with ``outbox.checkback.verify_response``: signature, timestamp,
@@ -30,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from checker.config import EndpointSettings
 from outbox.checkback import (
@@ -235,6 +236,57 @@ def _ack_at_once(sock: socket.socket | None) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
 
 
+def _said(exc: BaseException) -> str:
+    return f": {exc}" if str(exc) else ""
+
+
+def _lookup(host: str, port: int, by: float) -> list[tuple[Any, ...]]:
+    """getaddrinfo, given up at `by`. A name is looked up on a thread of its own: the system
+    resolver cannot be interrupted, and takes tens of seconds with a nameserver gone."""
+    try:  # an address needs no lookup, nor a thread
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass
+    found: list[list[tuple[Any, ...]] | OSError] = []
+    done = threading.Event()
+
+    def look_up() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            found.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=look_up, name="outbox-checker-lookup", daemon=True).start()
+    if not done.wait(max(0.0, by - time.monotonic())):
+        raise TimeoutError(f"name lookup of {host} unanswered")
+    if isinstance(found[0], OSError):
+        raise found[0]
+    return found[0]
+
+
+def _open_socket(host: str, port: int, by: float) -> socket.socket:
+    """A TCP connection to the first of the host's addresses that accepts one by `by`."""
+    error: OSError | None = None
+    for family, kind, proto, _, address in _lookup(host, port, by):
+        left = by - time.monotonic()
+        if left <= 0:
+            break
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        return sock
+    if error is None or isinstance(error, TimeoutError):
+        raise TimeoutError()  # said as the connect timeout
+    raise error
+
+
 class HttpCheckClient:
     """``CheckClient`` over ``http.client``: signs, sends, bounds, verifies. Thread-safe."""
 
@@ -382,12 +434,20 @@ class HttpCheckClient:
 
     def _connect(self, conn: http.client.HTTPConnection, deadline: float) -> None:
         conn.timeout = max(0.001, min(self._connect_s, deadline - time.monotonic()))
+        by = time.monotonic() + conn.timeout
+
+        # The name lookup and every address tried within the connect timeout, not each of them
+        # within it (http.client's), nor the lookup for as long as the system resolver takes.
+        def open_socket(address: tuple[str, int], *_: object) -> socket.socket:
+            return _open_socket(address[0], address[1], by)
+
+        conn._create_connection = open_socket  # type: ignore[attr-defined]
         try:
             conn.connect()
         except ssl.SSLError as exc:
             raise _Failed(Outcome.CONNECT_ERROR, f"TLS: {exc}") from None
-        except TimeoutError:
-            detail = f"connect timed out ({conn.timeout:.3g}s)"
+        except TimeoutError as exc:
+            detail = f"connect timed out ({conn.timeout:.3g}s{_said(exc)})"
             raise _Failed(Outcome.CONNECT_ERROR, detail) from None
         except OSError as exc:
             raise _Failed(Outcome.CONNECT_ERROR, f"{type(exc).__name__}: {exc}") from None

@@ -58,7 +58,9 @@ class EndpointSettings(BaseModel):
         ),
     )
     connect_timeout: Duration = Field(
-        default=timedelta(seconds=2), description="TCP connect and TLS handshake."
+        default=timedelta(seconds=2),
+        description="Name lookup and TCP connect, all addresses tried included; each read of the"
+        " TLS handshake.",
     )
     timeout: Duration = Field(
         default=timedelta(seconds=5),

@@ -12,6 +12,7 @@ import json
 import logging
 import random
 import shutil
+import socket
 import ssl
 import subprocess
 import threading
@@ -1430,6 +1431,60 @@ def test_total_timeout_holds_against_a_server_dripping_bytes(
         httpd.server_close()
     assert answer.outcome == "timeout"
     assert 0.5 <= elapsed < 5.0  # the total timeout (0.5 s) ended it; the drip never ends
+
+
+def _a_request() -> CheckRequest:
+    return CheckRequest(
+        producer_group=GROUP,
+        tx_id="tx-1",
+        check_count=1,
+        first_prepared_at=datetime.now(UTC),
+        records=[],
+    )
+
+
+def test_a_name_lookup_that_hangs_is_given_up_at_the_connect_timeout(
+    endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The system resolver, its nameserver gone, takes tens of seconds, and the connect timeout
+    did not cover it: the check's worker (and the round, which waits for every answer) waited
+    for as long. There is no nameserver here to lose: the lookup of this name never returns."""
+    looked_up = socket.getaddrinfo
+    release = threading.Event()
+
+    def nameserver_gone(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host == "checks.example" and not kwargs.get("flags", 0) & socket.AI_NUMERICHOST:
+            release.wait(30)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return looked_up(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", nameserver_gone)
+    port = int(endpoint.url.split(":")[2].split("/")[0])
+    unresolved, resolved = (
+        HttpCheckClient(
+            EndpointSettings.model_validate(
+                endpoint_settings(
+                    f"http://{host}:{port}/outbox/check", timeout="PT5S", connect_timeout="PT0.5S"
+                )
+            )
+        )
+        for host in ("checks.example", "localhost")
+    )
+    endpoint.resolver.default = COMMIT
+    try:
+        started = time.monotonic()
+        answer = unresolved.check(_a_request())
+        elapsed = time.monotonic() - started
+        assert resolved.check(_a_request()).outcome == "commit"  # a name looked up, as before
+    finally:
+        release.set()
+        unresolved.close()
+        resolved.close()
+    assert (answer.outcome, answer.detail) == (
+        "connect_error",
+        "connect timed out (0.5s: name lookup of checks.example unanswered)",
+    )
+    assert elapsed < 5.0  # within the connect timeout, not the lookup's 30 s
 
 
 # --- several checkers, crashes, dead endpoints -----------------------------------------------
