@@ -190,10 +190,10 @@ def claim(
     return claimed
 
 
-def reschedule(conn: Conn, schema: str, items: Sequence[Reschedule]) -> int:
-    """Compare-and-set the next check; returns how many transactions it applied to."""
+def reschedule(conn: Conn, schema: str, items: Sequence[Reschedule]) -> set[tuple[str, str]]:
+    """Compare-and-set the next check; returns the (group, tx id) of those it applied to."""
     if not items:
-        return 0
+        return set()
     rows = conn.execute(
         queries.query("checker_reschedule", schema),
         {
@@ -205,7 +205,7 @@ def reschedule(conn: Conn, schema: str, items: Sequence[Reschedule]) -> int:
             "expected_leases": [i.expected_lease for i in items],
         },
     ).fetchall()
-    return len(rows)
+    return {(group, tx_id) for group, tx_id in rows}
 
 
 def discard(

@@ -545,7 +545,8 @@ class Checker:
         now = self._now()
         decided: list[tuple[Claim, Outcome]] = []
         later: list[Reschedule] = []
-        notes: list[_Note] = []  # logged once committed
+        # by (group, tx id): the outcome, and what to log once it is recorded
+        notes: dict[tuple[str, str], tuple[str, _Note]] = {}
         for claim, answer in answers:
             group, tx_id, outcome = claim.producer_group, claim.tx_id, answer.outcome
             if answer.latency_s is not None:
@@ -587,16 +588,17 @@ class Checker:
             later.append(
                 Reschedule(group, tx_id, count, count, next_at, expected_lease=claim.lease_until)
             )
-            notes.append(
+            message = "tx %s of producer group %s: %s%s (check %d of %d); " + (
+                "next check in %.0fs"
+                if count < s.max_checks
+                else "no check is left: discarded in %.0fs unless it is ended first"
+            )
+            notes[(group, tx_id)] = (
+                outcome.value,
                 (
                     logger.info if outcome is Outcome.UNKNOWN else logger.warning,
                     (
-                        "tx %s of producer group %s: %s%s (check %d of %d); "
-                        + (
-                            "next check in %.0fs"
-                            if count < s.max_checks
-                            else "no check is left: discarded in %.0fs unless it is ended first"
-                        ),
+                        message,
                         tx_id,
                         group,
                         outcome.value,
@@ -605,36 +607,41 @@ class Checker:
                         s.max_checks,
                         (next_at - now).total_seconds(),  # the backoff, or less to the discard
                     ),
-                )
+                ),
             )
         # Answers that arrived together go in one transaction (one WAL flush). An answer in
         # trouble (rows an application holds, rows the library refuses) would undo the others:
         # then each goes again in a transaction of its own, which costs a WAL flush each.
         try:
-            applied = self._apply_all(conn, decided, later, careful=False)
+            applied, rescheduled = self._apply_all(conn, decided, later)
         except _AnswerTrouble:
-            applied = self._apply_all(conn, decided, later, careful=True)
+            applied, rescheduled = self._apply_each(conn, decided, later)
         for (log, args), conflicted, group in applied:
             if conflicted:
                 result.conflicts += 1
                 _metrics.CONFLICTS.labels(self._label(group)).inc()
             log(*args)
-        for log, args in notes:
-            log(*args)
+        for (group, tx_id), (said, (log, args)) in notes.items():
+            if (group, tx_id) in rescheduled:
+                log(*args)
+            else:  # its rows held (its application ends it), claimed again, or ended meanwhile
+                logger.info(
+                    "tx %s of producer group %s: %s, not recorded: the transaction was being "
+                    "ended, or was claimed again after its check lease ran out",
+                    tx_id,
+                    group,
+                    said,
+                )
 
     def _apply_all(
         self,
         conn: psycopg.Connection[Any],
         decided: list[tuple[Claim, Outcome]],
         later: list[Reschedule],
-        *,
-        careful: bool,
-    ) -> list[tuple[_Note, bool, str]]:
-        """End the decided transactions and reschedule the others: in one database transaction,
-        or (careful) one each; (what to log, whether the answer came too late, group) of each
-        decided one."""
-        if careful:
-            return self._apply_each(conn, decided, later)
+    ) -> tuple[list[tuple[_Note, bool, str]], set[tuple[str, str]]]:
+        """End the decided transactions and reschedule the others, in one database transaction;
+        (what to log, whether the answer came too late, group) of each decided one, and the
+        (group, tx id) of those rescheduled."""
         applied: list[tuple[_Note, bool, str]] = []
         with conn.transaction():
             conn.execute(
@@ -650,42 +657,39 @@ class Checker:
                     raise
                 applied.append((note, conflicted, claim.producer_group))
             try:
-                _claim.reschedule(conn, self.schema, later)
+                rescheduled = _claim.reschedule(conn, self.schema, later)
             except _HELD as exc:
                 raise _AnswerTrouble from exc
             # not at the commit: its wake-up notification queues for a lock of its own
             conn.execute("SELECT set_config('lock_timeout', '0', true)")
-        return applied
+        return applied, rescheduled
 
     def _apply_each(
         self,
         conn: psycopg.Connection[Any],
         decided: list[tuple[Claim, Outcome]],
         later: list[Reschedule],
-    ) -> list[tuple[_Note, bool, str]]:
+    ) -> tuple[list[tuple[_Note, bool, str]], set[tuple[str, str]]]:
         """Each answer in a transaction of its own: rows held for one do not drop the others',
         and a wait for an application's rows holds no other transaction's."""
         applied = [
             (*self._apply_one(conn, claim, outcome), claim.producer_group)
             for claim, outcome in decided
         ]
-        held = [i for i in later if not self._reschedule_one(conn, i)]
-        if held:  # due again when their lease ends
-            note = (
-                logger.info,
-                ("%s unknown answers not rescheduled: their rows are held", len(held)),
-            )
-            applied.append((note, False, ""))
-        return applied
+        rescheduled: set[tuple[str, str]] = set()
+        for item in later:
+            rescheduled |= self._reschedule_one(conn, item)
+        return applied, rescheduled
 
-    def _reschedule_one(self, conn: psycopg.Connection[Any], item: Reschedule) -> bool:
-        """One reschedule in a transaction of its own; False if its rows are held."""
+    def _reschedule_one(
+        self, conn: psycopg.Connection[Any], item: Reschedule
+    ) -> set[tuple[str, str]]:
+        """One reschedule in a transaction of its own; nothing if its rows are held."""
         try:
             with _waiting_for_rows(conn):
-                _claim.reschedule(conn, self.schema, [item])
+                return _claim.reschedule(conn, self.schema, [item])
         except _HELD:
-            return False
-        return True
+            return set()
 
     def _apply_one(
         self, conn: psycopg.Connection[Any], claim: Claim, outcome: Outcome

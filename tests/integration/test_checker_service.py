@@ -1166,11 +1166,16 @@ def _checker_waits_on_a_lock(dsn: str) -> bool:
 
 
 def test_rows_an_application_holds_keep_only_their_own_unknown_answer_unrecorded(
-    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Two UNKNOWN answers applied together, one transaction's rows held by its application:
     the reschedules went in one statement, and the held rows made it drop the other's too (its
-    check never recorded, asked again uncounted when its lease ran out)."""
+    check never recorded, asked again uncounted when its lease ran out). The log said "next
+    check in" for the answer not recorded as well."""
+    caplog.set_level("INFO", logger="checker.service")
     blocker, held, other = prepare(pg_dsn), prepare(pg_dsn), prepare(pg_dsn)
     holding: list[psycopg.Connection[Any]] = []
 
@@ -1197,6 +1202,9 @@ def test_rows_an_application_holds_keep_only_their_own_unknown_answer_unrecorded
         assert recorded["check_lease_until"] is None  # its outcome is recorded
         assert one(pg_dsn, held[0])["check_lease_until"] is not None  # not: held
     assert one(pg_dsn, held[0])["state"] == "committed"
+    said = {r.args[0]: r.getMessage() for r in caplog.records if r.args and "unknown" in r.args}
+    assert "next check in" in said[other[0]]
+    assert "unknown, not recorded: the transaction was being ended" in said[held[0]]
 
 
 def _waits_on_a_lock(dsn: str, pid: int) -> bool:
