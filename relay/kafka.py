@@ -288,6 +288,7 @@ class ShardProducer:
         self._sent: list[Sent] = []
         self._reported: deque[Sent] = deque()
         self._began = float("inf")  # when the transaction open now began
+        self._committing = False  # its commit was asked for: its outcome may be unknown
 
     def init(self) -> None:
         """(Re)create the producer and init transactions: fences any older instance of us."""
@@ -324,10 +325,17 @@ class ShardProducer:
         self._reported.clear()
         self._call(self.producer.begin_transaction)
         self._began = time.monotonic()
+        self._committing = False
 
     def open_for(self) -> float:
         """Seconds since the transaction open now began (-inf with none open)."""
         return time.monotonic() - self._began
+
+    @property
+    def abortable(self) -> bool:
+        """A transaction is open, its commit not asked for (after that, only the markers
+        tell whether it committed), and not past its timeout (the broker aborts it)."""
+        return not self._committing and 0 <= self.open_for() <= self.timeout_s
 
     def _past_timeout(self, doing: str) -> None:
         # The broker aborts the transaction once it is open this long: what is still produced
@@ -427,6 +435,7 @@ class ShardProducer:
     def commit(self) -> None:
         """Commit; retriable errors are retried within the timeout, then the outcome is unknown."""
         deadline = time.monotonic() + self.timeout_s
+        self._committing = True
         while True:
             try:
                 self.producer.commit_transaction(max(1.0, deadline - time.monotonic()))

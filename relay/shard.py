@@ -915,12 +915,20 @@ class ShardWorker:
             claim_next = functools.partial(self._start_claim_ahead, hold_back, unstamped, batch)
         try:
             return self._ship(conn, batch, claim_next, while_shipping)
-        except (KafkaException, OutcomeUnknown, Fenced, ProducerFailed) as exc:
-            # Whatever Kafka said (a delivery report missing, a message timed out, a fencing
-            # by the coordinator's abort), the cause is the transaction's length.
-            if not batch.transactions or self.producer.open_for() <= self.producer.timeout_s:
-                raise
-            raise self._timed_out(batch, exc) from exc
+        except Exception as exc:
+            kafka = isinstance(exc, (KafkaException, OutcomeUnknown, Fenced, ProducerFailed))
+            too_long = self.producer.open_for() > self.producer.timeout_s
+            gone = (Fenced, ProducerFailed, ShuttingDown)  # dead, or aborted already
+            if self.producer.abortable and not isinstance(exc, gone):
+                # Left open until the shard recovers, after its backoff (or, the relay stopped,
+                # until the broker's timeout), it held back the stable offset of its partitions:
+                # read_committed consumers saw nothing there, other shards' records included.
+                self._abort(timeout_s=STOP_ABORT_S)
+            if kafka and batch.transactions and too_long:
+                # Whatever Kafka said (a delivery report missing, a message timed out, a fencing
+                # by the coordinator's abort), the cause is the transaction's length.
+                raise self._timed_out(batch, exc) from exc
+            raise
 
     def _timed_out(self, batch: _Batch, exc: Exception) -> TransactionTimedOut:
         """Says what the batch held. A batch larger than batch_size holds a transaction that

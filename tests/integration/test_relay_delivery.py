@@ -31,6 +31,7 @@ import outbox
 from checker import redrive
 from outbox import Record
 from relay import service as service_module
+from relay import shard as shard_module
 from relay.config import SidecarSettings
 from relay.kafka import Fenced, ShardProducer, TransactionTimedOut
 from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
@@ -1935,6 +1936,41 @@ def test_a_stop_during_a_round_starts_no_other_shards_batch_nor_takes_a_shard(
     spare._stop.set()
     spare.heartbeat()
     assert spare.workers == {}
+
+
+def test_a_batch_failing_between_produce_and_commit_does_not_hold_back_its_partitions(
+    kafka_bootstrap: str,
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shard's batch failed after its records were produced (here, an error of our own):
+    its Kafka transaction was left open until the shard recovered, after its backoff, and
+    meanwhile read_committed consumers saw nothing of its partition past it, the other
+    shard's committed record included. It is aborted at once now."""
+    topic = topic_factory(partitions=1)
+    relay = relay_factory(shards=2)
+    relay.run_once()  # both shards taken and recovered
+    for key in (keys[0] for keys in keys_by_shard(pg_dsn, 2, 1)):
+        publish_tx(pg_dsn, topic, key)
+    failed: list[str] = []
+    hit = shard_module._failpoints.hit
+
+    def failing_once(name: str) -> None:
+        hit(name)
+        if name == shard_module._failpoints.AFTER_PRODUCE and not failed:
+            failed.append(name)
+            raise RuntimeError("a failure between produce and commit")
+
+    monkeypatch.setattr(shard_module._failpoints, "hit", failing_once)
+    assert relay.run_once().delivered == 1  # the other shard's
+    assert failed
+    assert len(consume_all(kafka_bootstrap, topic, "read_committed")) == 1
+    for worker in relay.workers.values():
+        worker.retry_at = 0.0  # its backoff, over
+    assert relay.run_once().delivered == 1  # recovered, and sent again
+    assert len(consume_all(kafka_bootstrap, topic, "read_committed")) == 2
 
 
 def test_a_stop_during_a_backlogs_stamping_leaves_the_rest_of_it(
