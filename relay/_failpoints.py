@@ -18,7 +18,7 @@ AFTER_PRODUCE = "after_produce"  # records and markers sent, Kafka transaction n
 AFTER_KAFKA_COMMIT = "after_kafka_commit"  # committed in Kafka, rows not yet removed
 # a micro-batch's observations stored, not judged, the batch not committed in the checkpoint
 RECONCILE_AFTER_STORE_WRITE = "reconcile_after_store_write"
-RECONCILE_BEFORE_QUERY = "reconcile_before_query"  # a --once run, before its query starts
+RECONCILE_BEFORE_QUERY = "reconcile_before_query"  # --once: before its query; an audit: its read
 
 _armed, _, _how = os.environ.get("OUTBOX_RELAY_FAILPOINT", "").partition(":")
 

@@ -442,6 +442,7 @@ class ReconcileJob:
             if oldest is None
             else min(window.store_low, oldest - self.settings.deadline)
         )
+        _failpoints.hit(_failpoints.RECONCILE_BEFORE_QUERY)
         with _connector_needed():
             kafka = self._audit_read(since)
         read = self._observations(kafka).where(F.col("ts") <= F.lit(window.as_of))
@@ -1718,7 +1719,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         job = ReconcileJob(settings, spark, on_report=on_report)
         made.append(job)
         if settings.audit:
-            report = job.audit()
+            # As a --once run's: as a container's PID 1, an audit ignored a SIGTERM. Its Spark
+            # jobs are cancelled; findings it wrote meanwhile stay (each is written once).
+            stop = threading.Event()
+            signals = StopOnSignals(stop, "stopping the audit")
+            with signals.installed(), _cancelling_on(stop, spark):
+                try:
+                    report = job.audit()
+                except Exception:
+                    if not stop.is_set():
+                        raise
+                    print(
+                        "spark.job: the audit was stopped before its end: its report is not "
+                        "complete; run it again",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return 128 + (signals.received or signal.SIGTERM)
         elif settings.once:
             # A container's PID 1 ignores a SIGTERM it has no handler for: the pod waited out
             # its grace period, then was killed. Stopped while reading, the run judges nothing.
@@ -1740,6 +1757,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         print(json.dumps(report.as_dict()) if args.json else report.format(), flush=True)
         return EXIT_FINDINGS if args.fail_on_findings and report.found_total else 0
+
+
+@contextmanager
+def _cancelling_on(stop: threading.Event, spark: SparkSession) -> Iterator[None]:
+    """Cancels Spark's jobs once `stop` is set, and those it starts after, while the block
+    runs (an action begun after a cancel runs on, else)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            if stop.is_set():
+                spark.sparkContext.cancelAllJobs()
+
+    watcher = threading.Thread(target=watch, name="audit-stop", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 @contextmanager

@@ -1160,6 +1160,46 @@ def test_a_once_run_stopped_by_sigterm_while_reading_exits_judging_nothing(
     assert not (checkpoint / "commits" / "0").exists()
 
 
+def test_an_audit_stopped_by_sigterm_exits_saying_its_report_is_not_complete(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    spark_jars: list[str],
+    tmp_path: Path,
+) -> None:
+    """As a container's PID 1, an audit (--from/--to) had no handler and ignored a SIGTERM
+    until the kill after the grace period. Its Spark jobs are cancelled now, and it exits 143
+    saying that its report is not complete."""
+    orders, markers = topic_factory(), topic_factory()
+    relay = RelayStandIn(pg_dsn, transactional_producer, markers)
+    sent = datetime.now(UTC) - timedelta(seconds=30)
+    (dropped,) = publish(pg_dsn, [outbox.Record(orders, "dropped", key="d")])
+    relay.deliver([dropped], at=sent, copies=False)  # a finding, were the audit to judge
+    window = ["--from", (sent - timedelta(minutes=1)).isoformat(), "--to", sent.isoformat()]
+    argv = _job_argv(pg_dsn, kafka_bootstrap, orders, markers, tmp_path / "unused", spark_jars)
+    log = tmp_path / "job.log"
+    with log.open("ab") as out:
+        job = subprocess.Popen(
+            [*argv, *window],
+            env=_job_env(OUTBOX_RELAY_FAILPOINT="reconcile_before_query:stop"),
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            until = time.monotonic() + 180
+            while Path(f"/proc/{job.pid}/stat").read_text().split(") ")[1][0] != "T":
+                assert job.poll() is None, log.read_text(errors="replace")
+                assert time.monotonic() < until, "the audit never came to its read"
+                time.sleep(0.2)
+            job.send_signal(signal.SIGTERM)  # pending while stopped: the audit reads after
+            job.send_signal(signal.SIGCONT)
+            assert job.wait(120) == 128 + signal.SIGTERM, log.read_text(errors="replace")
+        finally:
+            job.kill()
+    assert "the audit was stopped before its end" in log.read_text(errors="replace")
+    assert read_findings(pg_dsn) == []
+
+
 def _missing_counted(port: int) -> float:
     """The job's outbox_reconcile_findings_total{kind="missing"}; 0 until it serves it."""
     code, text = get(port, "/metrics")
