@@ -190,6 +190,15 @@ def claim(
     return claimed
 
 
+def lock_answered(conn: Conn, schema: str, txs: Sequence[tuple[str, str]]) -> None:
+    """Lock the rows of these (group, tx id) at once, or raise LockNotAvailable: some are held."""
+    if txs:
+        conn.execute(
+            queries.query("checker_lock_answered", schema),
+            {"producer_groups": [g for g, _ in txs], "tx_ids": [t for _, t in txs]},
+        )
+
+
 def reschedule(conn: Conn, schema: str, items: Sequence[Reschedule]) -> set[tuple[str, str]]:
     """Compare-and-set the next check; returns the (group, tx id) of those it applied to."""
     if not items:

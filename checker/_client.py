@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from checker.config import EndpointSettings
 from outbox.checkback import (
@@ -240,47 +240,75 @@ def _said(exc: BaseException) -> str:
     return f": {exc}" if str(exc) else ""
 
 
+class _Lookup:
+    """One name lookup on a thread of its own, which those of the same name share while it
+    runs: the system resolver cannot be interrupted, and with a nameserver gone each check
+    would leave one more thread waiting on it."""
+
+    _running: ClassVar[dict[tuple[str, int], _Lookup]] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, host: str, port: int) -> None:
+        self.done = threading.Event()
+        self.found: list[tuple[Any, ...]] | OSError = OSError(f"name lookup of {host} unfinished")
+        self._key = (host, port)
+
+    @classmethod
+    def of(cls, host: str, port: int) -> _Lookup:
+        with cls._lock:
+            lookup = cls._running.get((host, port))
+            if lookup is None:
+                lookup = cls._running[(host, port)] = cls(host, port)
+                threading.Thread(
+                    target=lookup._run, name="outbox-checker-lookup", daemon=True
+                ).start()
+            return lookup
+
+    def _run(self) -> None:
+        host, port = self._key
+        try:
+            self.found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            self.found = exc
+        finally:
+            with self._lock:
+                del self._running[self._key]
+            self.done.set()
+
+
 def _lookup(host: str, port: int, by: float) -> list[tuple[Any, ...]]:
-    """getaddrinfo, given up at `by`. A name is looked up on a thread of its own: the system
-    resolver cannot be interrupted, and takes tens of seconds with a nameserver gone."""
+    """getaddrinfo, given up at `by` (see _Lookup)."""
     try:  # an address needs no lookup, nor a thread
         return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
     except socket.gaierror:
         pass
-    found: list[list[tuple[Any, ...]] | OSError] = []
-    done = threading.Event()
-
-    def look_up() -> None:
-        try:
-            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
-        except OSError as exc:
-            found.append(exc)
-        finally:
-            done.set()
-
-    threading.Thread(target=look_up, name="outbox-checker-lookup", daemon=True).start()
-    if not done.wait(max(0.0, by - time.monotonic())):
+    lookup = _Lookup.of(host, port)
+    if not lookup.done.wait(max(0.0, by - time.monotonic())):
         raise TimeoutError(f"name lookup of {host} unanswered")
-    if isinstance(found[0], OSError):
-        raise found[0]
-    return found[0]
+    if isinstance(lookup.found, OSError):
+        raise lookup.found
+    return lookup.found
 
 
-def _open_socket(host: str, port: int, by: float) -> socket.socket:
-    """A TCP connection to the first of the host's addresses that accepts one by `by`."""
+def _open_socket(host: str, port: int, by: float, read_timeout: float) -> socket.socket:
+    """A TCP connection to the first of the host's addresses that accepts one by `by`, each
+    address given an equal share of the time left (one that drops packets must not take it
+    all); its reads (the TLS handshake's) then wait up to `read_timeout` each."""
     error: OSError | None = None
-    for family, kind, proto, _, address in _lookup(host, port, by):
+    addresses = _lookup(host, port, by)
+    for n, (family, kind, proto, _, address) in enumerate(addresses):
         left = by - time.monotonic()
         if left <= 0:
             break
         sock = socket.socket(family, kind, proto)
         try:
-            sock.settimeout(left)
+            sock.settimeout(left / (len(addresses) - n))
             sock.connect(address)
         except OSError as exc:
             sock.close()
             error = exc
             continue
+        sock.settimeout(read_timeout)
         return sock
     if error is None or isinstance(error, TimeoutError):
         raise TimeoutError()  # said as the connect timeout
@@ -439,7 +467,7 @@ class HttpCheckClient:
         # The name lookup and every address tried within the connect timeout, not each of them
         # within it (http.client's), nor the lookup for as long as the system resolver takes.
         def open_socket(address: tuple[str, int], *_: object) -> socket.socket:
-            return _open_socket(address[0], address[1], by)
+            return _open_socket(address[0], address[1], by, conn.timeout or self._connect_s)
 
         conn._create_connection = open_socket  # type: ignore[attr-defined]
         try:

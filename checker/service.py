@@ -84,17 +84,17 @@ _MAX_LOGGED_GROUPS = 1000
 _MAX_APPLY_BATCH = 256
 _AGES_STATEMENT_TIMEOUT = "5s"
 APPLY_LOCK_TIMEOUT = "2s"  # how long an answer waits for rows an application holds
-# A batch holds the rows of the answers it applied while it waits for the next one's: an
-# application ending two of them in one transaction, already waiting for the batch's, would be
-# the deadlock's victim when its deadlock_timeout came first. A batch gives up well before that
-# (a quarter of it, 100 ms at most), and its answers go again one transaction each.
-_BATCH_LOCK_TIMEOUT_MS = (
-    "greatest(1, least(100, extract(epoch FROM current_setting('deadlock_timeout')::interval)"
-    " * 250))::int::text"
-)
 
 
 _Note = tuple[Callable[..., None], tuple[Any, ...]]  # a log call to make once committed
+# how to log an UNKNOWN or failed check, and what once its outcome is recorded, or not
+_CheckNote = tuple[Callable[..., None], tuple[Any, ...], tuple[Any, ...]]
+# an UNKNOWN or failed check whose reschedule did not apply: rows an application holds (it ends
+# the transaction), the transaction claimed again after the lease ran out, or ended meanwhile
+_NOT_RECORDED = (
+    "tx %s of producer group %s: %s%s (check %d of %d), not recorded: the transaction was being "
+    "ended, or was claimed again after its check lease ran out"
+)
 
 
 class _AnswerTrouble(Exception):
@@ -545,8 +545,7 @@ class Checker:
         now = self._now()
         decided: list[tuple[Claim, Outcome]] = []
         later: list[Reschedule] = []
-        # by (group, tx id): the outcome, and what to log once it is recorded
-        notes: dict[tuple[str, str], tuple[str, _Note]] = {}
+        notes: dict[tuple[str, str], _CheckNote] = {}  # by (group, tx id)
         for claim, answer in answers:
             group, tx_id, outcome = claim.producer_group, claim.tx_id, answer.outcome
             if answer.latency_s is not None:
@@ -588,50 +587,51 @@ class Checker:
             later.append(
                 Reschedule(group, tx_id, count, count, next_at, expected_lease=claim.lease_until)
             )
+            said = (
+                tx_id,
+                group,
+                outcome.value,
+                f": {answer.detail}" if answer.detail else "",
+                count,
+                s.max_checks,
+            )
             message = "tx %s of producer group %s: %s%s (check %d of %d); " + (
                 "next check in %.0fs"
                 if count < s.max_checks
                 else "no check is left: discarded in %.0fs unless it is ended first"
             )
             notes[(group, tx_id)] = (
-                outcome.value,
-                (
-                    logger.info if outcome is Outcome.UNKNOWN else logger.warning,
-                    (
-                        message,
-                        tx_id,
-                        group,
-                        outcome.value,
-                        f": {answer.detail}" if answer.detail else "",
-                        count,
-                        s.max_checks,
-                        (next_at - now).total_seconds(),  # the backoff, or less to the discard
-                    ),
-                ),
+                logger.info if outcome is Outcome.UNKNOWN else logger.warning,
+                # the backoff, or less to the discard
+                (message, *said, (next_at - now).total_seconds()),
+                (_NOT_RECORDED, *said),
             )
+
+        def ended(note: _Note, conflicted: bool, group: str) -> None:  # once committed
+            if conflicted:
+                result.conflicts += 1
+                _metrics.CONFLICTS.labels(self._label(group)).inc()
+            log, args = note
+            log(*args)
+
+        def recorded(key: tuple[str, str], done: bool) -> None:  # once committed, if done
+            if key in notes:  # else a check never sent, given back
+                log, if_done, if_not = notes[key]
+                log(*(if_done if done else if_not))
+
         # Answers that arrived together go in one transaction (one WAL flush). An answer in
         # trouble (rows an application holds, rows the library refuses) would undo the others:
         # then each goes again in a transaction of its own, which costs a WAL flush each.
         try:
             applied, rescheduled = self._apply_all(conn, decided, later)
         except _AnswerTrouble:
-            applied, rescheduled = self._apply_each(conn, decided, later)
-        for (log, args), conflicted, group in applied:
-            if conflicted:
-                result.conflicts += 1
-                _metrics.CONFLICTS.labels(self._label(group)).inc()
-            log(*args)
-        for (group, tx_id), (said, (log, args)) in notes.items():
-            if (group, tx_id) in rescheduled:
-                log(*args)
-            else:  # its rows held (its application ends it), claimed again, or ended meanwhile
-                logger.info(
-                    "tx %s of producer group %s: %s, not recorded: the transaction was being "
-                    "ended, or was claimed again after its check lease ran out",
-                    tx_id,
-                    group,
-                    said,
-                )
+            self._apply_each(conn, decided, later, ended, recorded)
+            return
+        for note, conflicted, group in applied:
+            ended(note, conflicted, group)
+        for item in later:
+            key = (item.producer_group, item.tx_id)
+            recorded(key, key in rescheduled)
 
     def _apply_all(
         self,
@@ -643,11 +643,14 @@ class Checker:
         (what to log, whether the answer came too late, group) of each decided one, and the
         (group, tx id) of those rescheduled."""
         applied: list[tuple[_Note, bool, str]] = []
-        with conn.transaction():
-            conn.execute(
-                f"SELECT set_config('lock_timeout', {_BATCH_LOCK_TIMEOUT_MS}, true),"
-                " set_config('statement_timeout', '0', true)"  # as in the claim
-            )
+        with _waiting_for_rows(conn):
+            answered = [(c.producer_group, c.tx_id) for c, _ in decided]
+            try:  # all or none: it never waits for an application's rows while it holds others'
+                _claim.lock_answered(
+                    conn, self.schema, answered + [(i.producer_group, i.tx_id) for i in later]
+                )
+            except _HELD as exc:
+                raise _AnswerTrouble from exc
             for claim, outcome in decided:
                 try:
                     note, conflicted = self._end(conn, claim, outcome)
@@ -660,8 +663,6 @@ class Checker:
                 rescheduled = _claim.reschedule(conn, self.schema, later)
             except _HELD as exc:
                 raise _AnswerTrouble from exc
-            # not at the commit: its wake-up notification queues for a lock of its own
-            conn.execute("SELECT set_config('lock_timeout', '0', true)")
         return applied, rescheduled
 
     def _apply_each(
@@ -669,17 +670,17 @@ class Checker:
         conn: psycopg.Connection[Any],
         decided: list[tuple[Claim, Outcome]],
         later: list[Reschedule],
-    ) -> tuple[list[tuple[_Note, bool, str]], set[tuple[str, str]]]:
+        ended: Callable[[_Note, bool, str], None],
+        recorded: Callable[[tuple[str, str], bool], None],
+    ) -> None:
         """Each answer in a transaction of its own: rows held for one do not drop the others',
-        and a wait for an application's rows holds no other transaction's."""
-        applied = [
-            (*self._apply_one(conn, claim, outcome), claim.producer_group)
-            for claim, outcome in decided
-        ]
-        rescheduled: set[tuple[str, str]] = set()
+        and a wait for an application's rows holds no other transaction's. Each is reported
+        (`ended`, `recorded`) as it commits: a failure of a later one does not hide it."""
+        for claim, outcome in decided:
+            ended(*self._apply_one(conn, claim, outcome), claim.producer_group)
         for item in later:
-            rescheduled |= self._reschedule_one(conn, item)
-        return applied, rescheduled
+            key = (item.producer_group, item.tx_id)
+            recorded(key, key in self._reschedule_one(conn, item))
 
     def _reschedule_one(
         self, conn: psycopg.Connection[Any], item: Reschedule

@@ -288,7 +288,9 @@ class ShardProducer:
         self._sent: list[Sent] = []
         self._reported: deque[Sent] = deque()
         self._began = float("inf")  # when the transaction open now began
-        self._committing = False  # its commit was asked for: its outcome may be unknown
+        # its commit was asked for (its outcome may be unknown), or an abort of it failed: only
+        # a recovery settles it
+        self._settled_by_recovery = False
 
     def init(self) -> None:
         """(Re)create the producer and init transactions: fences any older instance of us."""
@@ -325,7 +327,7 @@ class ShardProducer:
         self._reported.clear()
         self._call(self.producer.begin_transaction)
         self._began = time.monotonic()
-        self._committing = False
+        self._settled_by_recovery = False
 
     def open_for(self) -> float:
         """Seconds since the transaction open now began (-inf with none open)."""
@@ -334,8 +336,9 @@ class ShardProducer:
     @property
     def abortable(self) -> bool:
         """A transaction is open, its commit not asked for (after that, only the markers
-        tell whether it committed), and not past its timeout (the broker aborts it)."""
-        return not self._committing and 0 <= self.open_for() <= self.timeout_s
+        tell whether it committed) nor an abort failed, and not past its timeout (the broker
+        aborts it)."""
+        return not self._settled_by_recovery and 0 <= self.open_for() <= self.timeout_s
 
     def _past_timeout(self, doing: str) -> None:
         # The broker aborts the transaction once it is open this long: what is still produced
@@ -435,7 +438,7 @@ class ShardProducer:
     def commit(self) -> None:
         """Commit; retriable errors are retried within the timeout, then the outcome is unknown."""
         deadline = time.monotonic() + self.timeout_s
-        self._committing = True
+        self._settled_by_recovery = True
         while True:
             try:
                 self.producer.commit_transaction(max(1.0, deadline - time.monotonic()))
@@ -453,8 +456,11 @@ class ShardProducer:
     def abort(self, timeout_s: float | None = None) -> None:
         try:
             self._call(self.producer.abort_transaction, timeout_s or self.timeout_s)
-        except KafkaException as exc:
-            raise OutcomeUnknown(f"abort failed: {exc}") from exc
+        except Exception as exc:  # a fencing too
+            self._settled_by_recovery = True
+            if isinstance(exc, KafkaException):
+                raise OutcomeUnknown(f"abort failed: {exc}") from exc
+            raise
         self._began = float("inf")
 
     def close(self) -> None:

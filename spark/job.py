@@ -1768,7 +1768,11 @@ def _cancelling_on(stop: threading.Event, spark: SparkSession) -> Iterator[None]
     def watch() -> None:
         while not done.wait(0.2):
             if stop.is_set():
-                spark.sparkContext.cancelAllJobs()
+                try:
+                    spark.sparkContext.cancelAllJobs()
+                except Exception as exc:  # the JVM gone, say: nothing left to cancel
+                    logger.warning("could not cancel the audit's Spark jobs: %s", exc)
+                    return
 
     watcher = threading.Thread(target=watch, name="audit-stop", daemon=True)
     watcher.start()

@@ -243,6 +243,17 @@ FROM numbered
 WHERE n <= %(max_records)s
 ORDER BY producer_group, tx_id, id;
 
+-- name: checker_lock_answered
+-- The rows of the transactions a batch of answers ends or reschedules, locked before any is
+-- changed. NOWAIT: rows an application holds fail the batch at once, so that it never waits for
+-- them while it holds others' (an application ending two of them, waiting for the batch's rows,
+-- would be the deadlock's victim).
+SELECT 1
+FROM {schema}.outbox_record AS r
+JOIN unnest(%(producer_groups)s::text[], %(tx_ids)s::text[]) AS t(producer_group, tx_id)
+  ON r.producer_group = t.producer_group AND r.tx_id = t.tx_id
+FOR UPDATE OF r NOWAIT;
+
 -- name: checker_reschedule
 -- Compare-and-set on the check count and the lease a claim gave: sets the next check (after
 -- UNKNOWN or a failed check: the backoff; for a check never sent: the count given back) and

@@ -1204,7 +1204,7 @@ def test_rows_an_application_holds_keep_only_their_own_unknown_answer_unrecorded
     assert one(pg_dsn, held[0])["state"] == "committed"
     said = {r.args[0]: r.getMessage() for r in caplog.records if r.args and "unknown" in r.args}
     assert "next check in" in said[other[0]]
-    assert "unknown, not recorded: the transaction was being ended" in said[held[0]]
+    assert "unknown (check 1 of 15), not recorded: the transaction was being" in said[held[0]]
 
 
 def _waits_on_a_lock(dsn: str, pid: int) -> bool:
@@ -1224,8 +1224,8 @@ def test_an_application_ending_two_answered_transactions_is_not_a_deadlocks_vict
     """Answers applied together hold the rows of those applied first while the next one waits.
     An application ending two of the transactions in one of its own had the first's rows and
     waited for the other's: a deadlock, and the application, which had waited longer, its
-    victim (after deadlock_timeout, the batch waiting up to 2 s). The batch now gives up first,
-    and its answers go again one transaction each."""
+    victim (after deadlock_timeout, the batch waiting up to 2 s). The batch now locks all its
+    rows first, without waiting, and with any held its answers go again one transaction each."""
     (first, created), (second, _) = prepare(pg_dsn), prepare(pg_dsn)
     checker = make_checker(
         settings({GROUP: endpoint_settings(endpoint.url)}), Clock(created + 7 * S)
@@ -1459,9 +1459,11 @@ def test_a_name_lookup_that_hangs_is_given_up_at_the_connect_timeout(
     for as long. There is no nameserver here to lose: the lookup of this name never returns."""
     looked_up = socket.getaddrinfo
     release = threading.Event()
+    asked: list[str] = []
 
     def nameserver_gone(host: str, *args: Any, **kwargs: Any) -> Any:
         if host == "checks.example" and not kwargs.get("flags", 0) & socket.AI_NUMERICHOST:
+            asked.append(host)
             release.wait(30)
             raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
         return looked_up(host, *args, **kwargs)
@@ -1484,6 +1486,8 @@ def test_a_name_lookup_that_hangs_is_given_up_at_the_connect_timeout(
         answer = unresolved.check(_a_request())
         elapsed = time.monotonic() - started
         assert resolved.check(_a_request()).outcome == "commit"  # a name looked up, as before
+        assert unresolved.check(_a_request()).outcome == "connect_error"
+        assert asked == ["checks.example"]  # the second check waited for the same lookup
     finally:
         release.set()
         unresolved.close()
@@ -1493,6 +1497,42 @@ def test_a_name_lookup_that_hangs_is_given_up_at_the_connect_timeout(
         "connect timed out (0.5s: name lookup of checks.example unanswered)",
     )
     assert elapsed < 5.0  # within the connect timeout, not the lookup's 30 s
+
+
+def test_an_address_dropping_connections_leaves_the_next_one_time_to_connect(
+    endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name's first address dropping connections (an IPv6 route gone, say) took the whole
+    connect timeout, and the endpoint, up on the next address, was never reached. Here the
+    first address is a socket whose one place in its queue is taken: it drops the rest."""
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    filler = socket.create_connection(full.getsockname())
+    port = int(endpoint.url.split(":")[2].split("/")[0])
+    looked_up = socket.getaddrinfo
+
+    def two_addresses(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host == "checks.example" and not kwargs.get("flags", 0) & socket.AI_NUMERICHOST:
+            tcp = (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "")
+            return [(*tcp, full.getsockname()), (*tcp, ("127.0.0.1", port))]
+        return looked_up(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", two_addresses)
+    url = f"http://checks.example:{port}/outbox/check"
+    client = HttpCheckClient(
+        EndpointSettings.model_validate(
+            endpoint_settings(url, timeout="PT5S", connect_timeout="PT1S")
+        )
+    )
+    endpoint.resolver.default = COMMIT
+    try:
+        answer = client.check(_a_request())
+    finally:
+        client.close()
+        filler.close()
+        full.close()
+    assert (answer.outcome, answer.detail) == ("commit", "")
 
 
 # --- several checkers, crashes, dead endpoints -----------------------------------------------
