@@ -1723,7 +1723,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # jobs are cancelled; findings it wrote meanwhile stay (each is written once).
             stop = threading.Event()
             signals = StopOnSignals(stop, "stopping the audit")
-            with signals.installed(), _cancelling_on(stop, spark):
+            with signals.installed(), _repeating_on(stop, _cancel_jobs(spark), "audit-stop"):
                 try:
                     report = job.audit()
                 except Exception:
@@ -1741,7 +1741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # its grace period, then was killed. Stopped while reading, the run judges nothing.
             stop = threading.Event()
             signals = StopOnSignals(stop, "stopping the reconciliation")
-            with signals.installed(), _stopping_on(stop, job):
+            with signals.installed(), _repeating_on(stop, job.stop, "reconcile-stop"):
                 try:
                     report = job.run_once()
                 except ReconcileStopped as exc:
@@ -1759,42 +1759,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FINDINGS if args.fail_on_findings and report.found_total else 0
 
 
+def _cancel_jobs(spark: SparkSession) -> Callable[[], None]:
+    """Cancels Spark's jobs; repeated, those started after a cancel too (they run on, else)."""
+
+    failed: list[Exception] = []
+
+    def cancel() -> None:
+        if failed:
+            return
+        try:
+            spark.sparkContext.cancelAllJobs()
+        except Exception as exc:  # the JVM gone, say: nothing left to cancel
+            failed.append(exc)
+            logger.warning("could not cancel the audit's Spark jobs: %s", exc)
+
+    return cancel
+
+
 @contextmanager
-def _cancelling_on(stop: threading.Event, spark: SparkSession) -> Iterator[None]:
-    """Cancels Spark's jobs once `stop` is set, and those it starts after, while the block
-    runs (an action begun after a cancel runs on, else)."""
+def _repeating_on(stop: threading.Event, act: Callable[[], None], name: str) -> Iterator[None]:
+    """Calls `act` once `stop` is set, and again every 0.2 s while the block runs: what the
+    block starts after the first call (a query, a Spark job) is stopped too."""
     done = threading.Event()
 
     def watch() -> None:
         while not done.wait(0.2):
             if stop.is_set():
-                try:
-                    spark.sparkContext.cancelAllJobs()
-                except Exception as exc:  # the JVM gone, say: nothing left to cancel
-                    logger.warning("could not cancel the audit's Spark jobs: %s", exc)
-                    return
+                act()
 
-    watcher = threading.Thread(target=watch, name="audit-stop", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
-        watcher.join()
-
-
-@contextmanager
-def _stopping_on(stop: threading.Event, job: ReconcileJob) -> Iterator[None]:
-    """Stops `job` once `stop` is set, and again while the block runs: a query it starts
-    after the first stop (a signal during its start) is stopped too."""
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.wait(0.2):
-            if stop.is_set():
-                job.stop()
-
-    watcher = threading.Thread(target=watch, name="reconcile-stop", daemon=True)
+    watcher = threading.Thread(target=watch, name=name, daemon=True)
     watcher.start()
     try:
         yield

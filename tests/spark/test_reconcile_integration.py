@@ -1114,6 +1114,30 @@ def test_a_job_killed_in_a_micro_batch_judges_it_once_after_a_restart(
     assert len(list((checkpoint / "observations").glob("batch-*"))) >= 1
 
 
+def _sigterm_at_the_query(argv: list[str], log: Path) -> str:
+    """Runs the job until it stops (SIGSTOP) at its query, or an audit's read (failpoint
+    reconcile_before_query), then sends SIGTERM, pending until its SIGCONT: the signal comes as
+    the query starts. Asserts the exit status 143; returns what the job said."""
+    with log.open("ab") as out:
+        job = subprocess.Popen(
+            argv,
+            env=_job_env(OUTBOX_RELAY_FAILPOINT="reconcile_before_query:stop"),
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            until = time.monotonic() + 180
+            while Path(f"/proc/{job.pid}/stat").read_text().split(") ")[1][0] != "T":
+                assert job.poll() is None, log.read_text(errors="replace")
+                assert time.monotonic() < until, "the job never came to its query"
+                time.sleep(0.2)
+            job.send_signal(signal.SIGTERM)
+            job.send_signal(signal.SIGCONT)
+            assert job.wait(120) == 128 + signal.SIGTERM, log.read_text(errors="replace")
+        finally:
+            job.kill()
+    return log.read_text(errors="replace")
+
+
 def test_a_once_run_stopped_by_sigterm_while_reading_exits_judging_nothing(
     pg_dsn: str,
     kafka_bootstrap: str,
@@ -1134,25 +1158,8 @@ def test_a_once_run_stopped_by_sigterm_while_reading_exits_judging_nothing(
     relay.deliver([dropped], at=sent, copies=False)
     checkpoint = tmp_path / "checkpoint"
     argv = _job_argv(pg_dsn, kafka_bootstrap, orders, markers, checkpoint, spark_jars, "--once")
-    log = tmp_path / "job.log"
-    with log.open("ab") as out:
-        job = subprocess.Popen(
-            argv,
-            env=_job_env(OUTBOX_RELAY_FAILPOINT="reconcile_before_query:stop"),
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            until = time.monotonic() + 180
-            while Path(f"/proc/{job.pid}/stat").read_text().split(") ")[1][0] != "T":
-                assert job.poll() is None, log.read_text(errors="replace")
-                assert time.monotonic() < until, "the run never came to its query"
-                time.sleep(0.2)
-            job.send_signal(signal.SIGTERM)  # pending while stopped: the query starts after
-            job.send_signal(signal.SIGCONT)
-            assert job.wait(120) == 128 + signal.SIGTERM, log.read_text(errors="replace")
-        finally:
-            job.kill()
-    assert "stopped while reading Kafka: nothing judged" in log.read_text(errors="replace")
+    said = _sigterm_at_the_query(argv, tmp_path / "job.log")
+    assert "stopped while reading Kafka: nothing judged" in said
     assert read_findings(pg_dsn) == []
     assert not (checkpoint / "once_judged_to").exists()
     # no micro-batch committed: the next run reads it all (a restart's replay of an uncommitted
@@ -1178,25 +1185,8 @@ def test_an_audit_stopped_by_sigterm_exits_saying_its_report_is_not_complete(
     relay.deliver([dropped], at=sent, copies=False)  # a finding, were the audit to judge
     window = ["--from", (sent - timedelta(minutes=1)).isoformat(), "--to", sent.isoformat()]
     argv = _job_argv(pg_dsn, kafka_bootstrap, orders, markers, tmp_path / "unused", spark_jars)
-    log = tmp_path / "job.log"
-    with log.open("ab") as out:
-        job = subprocess.Popen(
-            [*argv, *window],
-            env=_job_env(OUTBOX_RELAY_FAILPOINT="reconcile_before_query:stop"),
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            until = time.monotonic() + 180
-            while Path(f"/proc/{job.pid}/stat").read_text().split(") ")[1][0] != "T":
-                assert job.poll() is None, log.read_text(errors="replace")
-                assert time.monotonic() < until, "the audit never came to its read"
-                time.sleep(0.2)
-            job.send_signal(signal.SIGTERM)  # pending while stopped: the audit reads after
-            job.send_signal(signal.SIGCONT)
-            assert job.wait(120) == 128 + signal.SIGTERM, log.read_text(errors="replace")
-        finally:
-            job.kill()
-    assert "the audit was stopped before its end" in log.read_text(errors="replace")
+    said = _sigterm_at_the_query([*argv, *window], tmp_path / "job.log")
+    assert "the audit was stopped before its end" in said
     assert read_findings(pg_dsn) == []
 
 
