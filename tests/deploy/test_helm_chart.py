@@ -15,6 +15,7 @@ import promql_parser
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
+from spark.job import EXIT_FINDINGS
 from tests.fixtures.helm import CHART, ROOT, app_chart, render
 
 # The reconciliation's required values; the topics last (refusal tests leave them out)
@@ -376,6 +377,62 @@ def test_the_reconciliation_alerts_only_where_a_running_job_exports_its_metrics(
     alerts = {r["alert"] for group in groups for r in group["rules"]}
     assert "OutboxDeliveryLagging" in alerts
     assert not alerts & RECONCILE_ALERTS
+
+
+# kube-state-metrics' series the scheduled reconciliation's alerts use, and their labels
+KUBE_STATE_SERIES = {
+    "kube_job_status_failed": {"namespace", "job_name", "reason"},
+    "kube_job_status_start_time": {"namespace", "job_name"},
+    "kube_cronjob_status_last_successful_time": {"namespace", "cronjob"},
+}
+
+
+def _run_args(cron: dict[str, Any]) -> list[str]:
+    """The arguments of a CronJob's run."""
+    (container,) = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    return list(container["args"])
+
+
+def test_a_scheduled_reconciliation_is_alerted_on_from_its_cronjobs_runs(helm: str) -> None:
+    """A CronJob's --once runs export no metrics: its alerts would never fire. Its runs' Jobs
+    (named <cronjob>-<minutes>) fail when a run finds something (--fail-on-findings)."""
+    sets = ("existingSecret=s", "reconcile.enabled=true", "reconcile.mode=schedule", *RECONCILE)
+    docs = by_kind(render(helm, *sets, "prometheusRule.enabled=true"))
+    cron = docs["CronJob"]["metadata"]["name"]
+    assert "--fail-on-findings" in _run_args(docs["CronJob"])
+    (rule,) = docs["CronJob"]["spec"]["jobTemplate"]["spec"]["podFailurePolicy"]["rules"]
+    assert rule == {  # not retried: it would judge the same range, and find it again
+        "action": "FailJob",
+        "onExitCodes": {"containerName": "reconcile", "operator": "In", "values": [EXIT_FINDINGS]},
+    }
+    rules = {r["alert"]: r for g in docs["PrometheusRule"]["spec"]["groups"] for r in g["rules"]}
+    scheduled = {"OutboxReconcileRunFailed", "OutboxReconcileUnsucceeded"}
+    assert rules.keys() >= scheduled
+    assert not rules.keys() & RECONCILE_ALERTS  # those of a running job's metrics
+    for name in scheduled:
+        selectors: list[Any] = []
+        grouped: set[str] = set()
+        _walk(promql_parser.parse(rules[name]["expr"]), selectors, grouped)
+        for selector in selectors:
+            labels = KUBE_STATE_SERIES[selector.name]
+            assert not grouped - labels, name
+            matchers = {m.name: m for m in selector.matchers.matchers}
+            assert matchers["namespace"].value == "default"  # the release's
+            if "job_name" in matchers:  # the CronJob's runs, and no other Job
+                runs = re.compile(matchers["job_name"].value)
+                assert runs.fullmatch(f"{cron}-29412345")
+                assert not runs.fullmatch(f"{cron}-x")
+                assert not runs.fullmatch("orders-migrate-1")
+            else:
+                assert matchers["cronjob"].value == cron
+    quiet = by_kind(render(helm, *sets, "reconcile.failOnFindings=false"))
+    assert "--fail-on-findings" not in _run_args(quiet["CronJob"])
+    assert "podFailurePolicy" not in quiet["CronJob"]["spec"]["jobTemplate"]["spec"]
+    continuous = by_kind(
+        render(helm, *sets, "reconcile.mode=continuous", "prometheusRule.enabled=true")
+    )
+    groups = continuous["PrometheusRule"]["spec"]["groups"]
+    assert not {r["alert"] for g in groups for r in g["rules"]} & scheduled
 
 
 def _assert_exported(

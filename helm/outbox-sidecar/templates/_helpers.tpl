@@ -207,6 +207,9 @@ spec:
         - /var/lib/outbox/checkpoint
         {{- if eq $r.mode "schedule" }}
         - --once
+        {{- if $r.failOnFindings }}
+        - --fail-on-findings
+        {{- end }}
         {{- else }}
         - --trigger
         - {{ $r.trigger | quote }}
