@@ -258,10 +258,12 @@ class _Lookup:
         with cls._lock:
             lookup = cls._running.get((host, port))
             if lookup is None:
-                lookup = cls._running[(host, port)] = cls(host, port)
+                lookup = cls(host, port)
+                # started first: a thread that cannot start must not leave a lookup no one runs
                 threading.Thread(
                     target=lookup._run, name="outbox-checker-lookup", daemon=True
                 ).start()
+                cls._running[(host, port)] = lookup
             return lookup
 
     def _run(self) -> None:
@@ -270,9 +272,12 @@ class _Lookup:
             self.found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as exc:
             self.found = exc
+        except Exception as exc:  # a name IDNA cannot encode, say
+            self.found = OSError(f"name lookup of {host} failed: {exc}")
         finally:
             with self._lock:
-                del self._running[self._key]
+                if self._running.get(self._key) is self:
+                    del self._running[self._key]
             self.done.set()
 
 
@@ -290,10 +295,13 @@ def _lookup(host: str, port: int, by: float) -> list[tuple[Any, ...]]:
     return lookup.found
 
 
-def _open_socket(host: str, port: int, by: float, read_timeout: float) -> socket.socket:
+def _open_socket(
+    host: str, port: int, by: float, read_timeout: float, total_by: float
+) -> socket.socket:
     """A TCP connection to the first of the host's addresses that accepts one by `by`, each
     address given an equal share of the time left (one that drops packets must not take it
-    all); its reads (the TLS handshake's) then wait up to `read_timeout` each."""
+    all); its reads (the TLS handshake's) then wait up to `read_timeout` each, and not past
+    `total_by` (the check's whole time)."""
     error: OSError | None = None
     addresses = _lookup(host, port, by)
     for n, (family, kind, proto, _, address) in enumerate(addresses):
@@ -308,7 +316,7 @@ def _open_socket(host: str, port: int, by: float, read_timeout: float) -> socket
             sock.close()
             error = exc
             continue
-        sock.settimeout(read_timeout)
+        sock.settimeout(max(0.001, min(read_timeout, total_by - time.monotonic())))
         return sock
     if error is None or isinstance(error, TimeoutError):
         raise TimeoutError()  # said as the connect timeout
@@ -467,7 +475,7 @@ class HttpCheckClient:
         # The name lookup and every address tried within the connect timeout, not each of them
         # within it (http.client's), nor the lookup for as long as the system resolver takes.
         def open_socket(address: tuple[str, int], *_: object) -> socket.socket:
-            return _open_socket(address[0], address[1], by, conn.timeout or self._connect_s)
+            return _open_socket(address[0], address[1], by, self._connect_s, deadline)
 
         conn._create_connection = open_socket  # type: ignore[attr-defined]
         try:

@@ -252,6 +252,7 @@ SELECT 1
 FROM {schema}.outbox_record AS r
 JOIN unnest(%(producer_groups)s::text[], %(tx_ids)s::text[]) AS t(producer_group, tx_id)
   ON r.producer_group = t.producer_group AND r.tx_id = t.tx_id
+WHERE r.state = 'prepared'  -- the only rows an answer changes
 FOR UPDATE OF r NOWAIT;
 
 -- name: checker_reschedule

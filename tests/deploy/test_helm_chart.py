@@ -381,9 +381,10 @@ def test_the_reconciliation_alerts_only_where_a_running_job_exports_its_metrics(
 
 # kube-state-metrics' series the scheduled reconciliation's alerts use, and their labels
 KUBE_STATE_SERIES = {
-    "kube_job_status_failed": {"namespace", "job_name", "reason"},
+    "kube_job_failed": {"namespace", "job_name", "condition"},
     "kube_job_status_start_time": {"namespace", "job_name"},
     "kube_cronjob_status_last_successful_time": {"namespace", "cronjob"},
+    "kube_cronjob_created": {"namespace", "cronjob"},
 }
 
 
@@ -413,11 +414,12 @@ def test_a_scheduled_reconciliation_is_alerted_on_from_its_cronjobs_runs(helm: s
         selectors: list[Any] = []
         grouped: set[str] = set()
         _walk(promql_parser.parse(rules[name]["expr"]), selectors, grouped)
+        assert not grouped - set().union(*(KUBE_STATE_SERIES[x.name] for x in selectors)), name
         for selector in selectors:
-            labels = KUBE_STATE_SERIES[selector.name]
-            assert not grouped - labels, name
             matchers = {m.name: m for m in selector.matchers.matchers}
             assert matchers["namespace"].value == "default"  # the release's
+            if selector.name == "kube_job_failed":  # the Job failed, not one of its pods
+                assert matchers["condition"].value == "true"
             if "job_name" in matchers:  # the CronJob's runs, and no other Job
                 runs = re.compile(matchers["job_name"].value)
                 assert runs.fullmatch(f"{cron}-29412345")

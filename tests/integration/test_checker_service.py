@@ -1246,7 +1246,7 @@ def test_an_application_ending_two_answered_transactions_is_not_a_deadlocks_vict
 
     def end_then_let_the_application_wait(conn: Any, claim: Any, outcome: Any) -> Any:
         ended = end(conn, claim, outcome)
-        if claim.tx_id == first and ending.ident is None:  # in the batch, not when again
+        if claim.tx_id == first and ending.ident is None:  # the first end, not a later one
             ending.start()
             wait_for(lambda: _waits_on_a_lock(pg_dsn, application.info.backend_pid), 10)
         return ended
