@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import heapq
 import http.client
-import itertools
 import json
 import logging
 import socket
@@ -34,6 +32,7 @@ from datetime import timedelta
 from typing import Any, ClassVar, Protocol
 
 from checker.config import EndpointSettings
+from outbox._watchdog import Watchdog
 from outbox.checkback import (
     HEADER_ID,
     AuthenticationFailed,
@@ -47,6 +46,7 @@ from outbox.checkback import (
     build_request,
     verify_response,
 )
+from outbox.checkback._protocol import length_over
 
 logger = logging.getLogger(__name__)
 
@@ -113,64 +113,7 @@ class CheckClient(Protocol):
     def close(self) -> None: ...
 
 
-class _Watch:
-    __slots__ = ("active", "fired", "sock")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.active = True
-        self.fired = False
-
-
-class _Watchdog:
-    """One daemon thread that shuts down sockets whose exchange ran past its deadline."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, _Watch]] = []
-        self._seq = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    def arm(self, sock: socket.socket, deadline: float) -> _Watch:
-        watch = _Watch(sock)
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="outbox-checker-watchdog", daemon=True
-                )
-                self._thread.start()
-            heapq.heappush(self._heap, (deadline, next(self._seq), watch))
-            self._cond.notify()
-        return watch
-
-    def disarm(self, watch: _Watch) -> bool:
-        """Stop watching; True if the deadline had already fired (the socket is shut down)."""
-        with self._cond:
-            watch.active = False
-            return watch.fired
-
-    def _run(self) -> None:
-        with self._cond:
-            while True:
-                while self._heap and not self._heap[0][2].active:
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._cond.wait()
-                    continue
-                deadline, _, watch = self._heap[0]
-                left = deadline - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
-                    continue
-                heapq.heappop(self._heap)
-                watch.fired = True
-                watch.active = False
-                # Under the lock: the owner cannot disarm and reuse the socket meanwhile.
-                with contextlib.suppress(OSError):
-                    watch.sock.shutdown(socket.SHUT_RDWR)
-
-
-_watchdog = _Watchdog()
+_watchdog = Watchdog("outbox-checker-watchdog")
 
 
 class _FinalResponse(http.client.HTTPResponse):
@@ -514,7 +457,7 @@ class HttpCheckClient:
         if 300 <= status < 400:
             return status, answer_headers, b"", True  # not read, not followed
         declared = answer_headers.get("content-length", "").strip()
-        if declared.isascii() and declared.isdigit() and int(declared) > self._max_bytes:
+        if declared.isascii() and declared.isdigit() and length_over(declared, self._max_bytes):
             raise _Failed(
                 Outcome.TOO_LARGE, f"answer of {declared} bytes exceeds {self._max_bytes}"
             )

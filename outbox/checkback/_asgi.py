@@ -13,6 +13,7 @@ from ._handler import (
     error_result,
     too_large_result,
 )
+from ._protocol import length_over
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -84,7 +85,7 @@ def _headers(scope: Scope) -> dict[str, str]:
 
 async def _read_body(receive: Receive, headers: dict[str, str], limit: int) -> bytes:
     declared = headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and length_over(declared, limit):
         raise _TooLarge
     chunks: list[bytes] = []
     size = 0

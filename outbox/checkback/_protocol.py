@@ -187,3 +187,10 @@ def verify_response(
     if answer.tx_id != tx_id:
         raise ResponseMismatch(f"response is about tx_id {answer.tx_id!r}, not {tx_id!r}")
     return answer
+
+
+def length_over(declared: str, limit: int) -> bool:
+    """A Content-Length of ASCII digits over `limit`, told without int() of it all: Python
+    refuses to convert more than 4,300 digits (ValueError), which a client or endpoint chooses."""
+    digits = declared.lstrip("0")
+    return len(digits) > len(str(limit)) or (digits != "" and int(digits) > limit)

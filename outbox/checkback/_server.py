@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any, Literal, cast
 
 from outbox._errors import InvalidConfigError
+from outbox._watchdog import Watch, Watchdog
 
 try:  # POSIX: how much input waits on a connection, without reading it
     import fcntl
@@ -27,6 +28,7 @@ except ImportError:  # elsewhere no idle connection is closed to make room
     fcntl = termios = None  # type: ignore[assignment]
 
 from ._handler import CheckHandler, HandlerResult, error_result, too_large_result
+from ._protocol import length_over
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,9 @@ _LINGER_S = 1.0
 _LINGER_BYTES = 256 * 1024
 _READ_CHUNK = 65536
 DEFAULT_MAX_CONNECTIONS = 64  # a checker keeps one per worker thread; a few checkers at once
+# A request's line and headers within the timeout in all: the socket's bounds each read, and a
+# client sending a header byte at a time just inside it held its thread for as long as it liked.
+_head_watchdog = Watchdog("outbox-checkback-watchdog")
 
 
 class _Server(ThreadingHTTPServer):
@@ -162,6 +167,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
     check_path: str
     check_timeout_s: float
     _answered = False  # a request of this connection was handled: it is kept alive
+    _head_watch: Watch | None = None  # the deadline of the request line and headers
 
     def do_POST(self) -> None:
         if self._closing():
@@ -210,14 +216,30 @@ class _RequestHandler(BaseHTTPRequestHandler):
         # may be on its way).
         if self._answered:
             self._server.waits(self.connection)
-        super().handle_one_request()
+        self._head_watch = _head_watchdog.arm(
+            self.connection, time.monotonic() + self.check_timeout_s
+        )
+        try:
+            super().handle_one_request()
+        finally:
+            self._head_read()  # a request line never completed, say
         self._answered = True
+
+    def _head_read(self) -> bool:
+        """The request's line and headers are read: True if within the timeout (else the
+        socket is shut down, and the request is not answered)."""
+        watch, self._head_watch = self._head_watch, None
+        return watch is None or not _head_watchdog.disarm(watch)
 
     def parse_request(self) -> bool:
         if self._answered and not self._server.request_came(self.connection):
             self.close_connection = True  # closed unanswered: the client retries elsewhere
             return False
-        return super().parse_request()
+        parsed = super().parse_request()
+        if not self._head_read():
+            self.close_connection = True  # too slow: cut off
+            return False
+        return parsed
 
     @property
     def _server(self) -> _Server:
@@ -269,9 +291,9 @@ class _RequestHandler(BaseHTTPRequestHandler):
         raw = given[0].strip()
         if not (raw.isascii() and raw.isdigit()):
             return error_result(400, "malformed_request", "Content-Length is not a number")
-        if int(raw) > self.check_handler.max_body_bytes:
+        if length_over(raw, self.check_handler.max_body_bytes):
             return too_large_result(self.check_handler.max_body_bytes)
-        return int(raw)
+        return int(raw.lstrip("0") or "0")
 
     def _reply(self, result: HandlerResult, *, body_read: bool = False) -> None:
         # An unread body would be taken for the next request on this connection: close it.
@@ -292,13 +314,17 @@ class _RequestHandler(BaseHTTPRequestHandler):
     def _discard_unread_input(self) -> None:
         # Closing a socket with unread input makes the kernel send RST, which can destroy our
         # answer before the client reads it. Signal the end of the answer, then read and drop a
-        # bounded amount of input, briefly, until the client closes.
+        # bounded amount of input, briefly (in all: a byte a second held the thread for days),
+        # until the client closes.
+        deadline = time.monotonic() + _LINGER_S
         try:
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(_LINGER_S)
             left = _LINGER_BYTES
-            while left > 0 and (chunk := self.rfile.read1(min(left, 65536))):
+            while left > 0 and (remaining := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(remaining)
+                if not (chunk := self.rfile.read1(min(left, 65536))):
+                    break
                 left -= len(chunk)
         except OSError:
             pass  # timeout or reset: the client is gone or slow; we tried
@@ -361,11 +387,13 @@ def serve(
 ) -> RunningServer:
     """Serve ``handler`` on ``http://host:port/path`` (port 0: any free port, see ``.port``).
 
-    ``timeout_s`` bounds each socket read and write, and the reading of a request's body in all,
-    so a slow or silent client only holds its own thread. At most ``max_connections`` are open at
-    once (a thread each): past that, a connection kept alive idle between requests is closed to
-    make room, and with none idle the new one is closed at once. Put TLS in front (ingress,
-    mesh) when the checker is remote.
+    ``timeout_s`` bounds each socket read and write, and in all the reading of a request's line
+    and headers, and of its body, so a slow or silent client holds a thread no longer than that.
+    At most ``max_connections`` are open at once (a thread each): past that, a connection kept
+    alive idle between requests is closed to make room, and with none idle the new one is
+    closed at once; so as many clients that connect and send nothing hold them all for up to
+    ``timeout_s`` at a time. Put a proxy with TLS in front (ingress, mesh) when the endpoint is
+    reachable beyond the checkers.
     """
     if not isinstance(handler, CheckHandler):
         raise TypeError(

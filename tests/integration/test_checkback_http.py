@@ -195,6 +195,74 @@ def test_expect_continue_with_oversized_body_is_413_up_front(server: RunningServ
     assert status == 413
 
 
+def test_a_content_length_too_long_for_python_to_read_is_413(
+    server: RunningServer, resolver: Resolver
+) -> None:
+    """int() refuses more than 4,300 digits: the request got no answer, and a traceback was
+    logged as an unexpected error, for any client to repeat."""
+    for headers in ({"content-length": "9" * 5000}, {"content-length": "1" + "0" * 5000}):
+        status, _, error = raw_exchange(server, "POST", "/outbox/check", headers)
+        assert status == 413
+        assert json.loads(error)["error"] == "payload_too_large"
+    headers, body = build_request(Signer(SECRET), check_request())
+    headers["content-length"] = "0" * 5000 + str(len(body))  # leading zeros: its own length
+    status, _, _ = raw_exchange(server, "POST", "/outbox/check", headers, body)
+    assert status == 200
+    assert len(resolver.asked) == 1
+
+
+def _closed_while_sending(sock: socket.socket, pieces: Iterator[bytes], every_s: float) -> float:
+    """Sends a piece every `every_s` until the server closes the connection; the seconds it
+    took (inf: never, within the pieces)."""
+    started = time.monotonic()
+    for piece in pieces:
+        try:
+            sock.sendall(piece)
+            ready, _, _ = select.select([sock], [], [], every_s)
+            if ready and not sock.recv(65536):  # its end of input
+                return time.monotonic() - started
+        except OSError:  # a reset: a piece came after the server's last read, then its close
+            return time.monotonic() - started
+    return float("inf")
+
+
+def test_headers_sent_a_line_at_a_time_are_given_up_after_the_timeout_in_all(
+    resolver: Resolver,
+) -> None:
+    """The timeout counted per read: a client sending a header line just inside it held its
+    thread for as long as it liked (found by a review; 64 such held every connection)."""
+    with (
+        serve(CheckHandler(resolver, [SECRET]), timeout_s=1.0) as running,
+        socket.create_connection(("127.0.0.1", running.port), timeout=TIMEOUT_S) as sock,
+    ):
+        sock.sendall(b"POST /outbox/check HTTP/1.1\r\n")
+        lines = (f"x-drip-{n}: y\r\n".encode() for n in range(40))
+        took = _closed_while_sending(sock, lines, 0.4)  # each line inside the timeout
+    assert took < 6.0, "the server went on reading headers trickling in for 16 s"
+    assert resolver.asked == []
+
+
+def test_input_after_a_refusal_is_drained_for_a_second_in_all(server: RunningServer) -> None:
+    """After an error answered before the body is read (411 here), the server drains what the
+    client sends for a moment, so that its close does not reset the answer away. The moment
+    counted per read: a byte every 0.9 s held the thread for days (found by a review)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(b"POST /outbox/check HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 411 ")
+        started = time.monotonic()
+        for _ in range(40):
+            try:
+                sock.sendall(b"x")  # each inside the 1 s a read waits
+            except OSError:  # the server closed: its drain is over
+                break
+            time.sleep(0.4)  # the client's slowness, not a synchronisation
+        took = time.monotonic() - started
+    assert took < 6.0, "the server went on draining a byte every 0.4 s for 16 s"
+
+
 def test_bad_content_length_is_400(server: RunningServer) -> None:
     status, _, _ = raw_exchange(server, "POST", "/outbox/check", {"content-length": "12x"})
     assert status == 400

@@ -603,9 +603,13 @@ def test_asgi_other_method_is_405(method: str, handler: CheckHandler) -> None:
     assert headers["allow"] == "POST"
 
 
-def test_asgi_declared_oversize_is_413_without_reading(resolver: Resolver, clock: Clock) -> None:
+@pytest.mark.parametrize("declared", ["101", "9" * 5000, "0" * 5000 + "101"])
+def test_asgi_declared_oversize_is_413_without_reading(
+    declared: str, resolver: Resolver, clock: Clock
+) -> None:
+    """5,000 digits: int() refuses more than 4,300 (ValueError), and the server answered 500."""
     handler = CheckHandler(resolver, [NEW], now=clock, max_body_bytes=100)
-    scope = http_scope(headers={"content-length": "101"})
+    scope = http_scope(headers={"content-length": declared})
     sent, received = call_asgi(asgi_app(handler), scope, [])
     assert response_of(sent)[0] == 413
     assert received == 0
