@@ -191,7 +191,8 @@ def claim(
 
 
 def lock_answered(conn: Conn, schema: str, txs: Sequence[tuple[str, str]]) -> None:
-    """Lock the rows of these (group, tx id) at once, or raise LockNotAvailable: some are held."""
+    """Lock the prepared rows of these (group, tx id) at once, or raise LockNotAvailable: some
+    are held."""
     if txs:
         conn.execute(
             queries.query("checker_lock_answered", schema),
