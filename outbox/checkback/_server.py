@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import select
 import socket
 import struct
@@ -52,6 +53,7 @@ class _Server(ThreadingHTTPServer):
         # kept alive after an answer, waiting for the next request: the longest waiting first
         self._waiting: dict[socket.socket, None] = {}
         self._open_lock = threading.Lock()
+        self._all_closed = threading.Condition(self._open_lock)
         super().__init__(address, handler_class)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -115,7 +117,15 @@ class _Server(ThreadingHTTPServer):
         with self._open_lock:
             self._open.discard(request)
             self._waiting.pop(request, None)
+            if not self._open:
+                self._all_closed.notify_all()
         super().shutdown_request(request)
+
+    def wait_closed(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for every open connection to close: how many are left."""
+        with self._all_closed:
+            self._all_closed.wait_for(lambda: not self._open, timeout_s)
+            return len(self._open)
 
     def stop_reading(self) -> None:
         """Serve no further request on the open connections: a kept-alive one waiting for its
@@ -337,8 +347,9 @@ class RunningServer:
     """A server answering on a background thread. ``close()`` is idempotent; also a context
     manager."""
 
-    def __init__(self, httpd: _Server, path: str) -> None:
+    def __init__(self, httpd: _Server, path: str, timeout_s: float) -> None:
         self._httpd = httpd
+        self._timeout_s = timeout_s
         self._closed = False
         self._lock = threading.Lock()
         address = httpd.server_address
@@ -354,7 +365,12 @@ class RunningServer:
         )
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Take no further connection or request, and wait up to ``timeout_s`` (by default the
+        server's timeout) for the checks being answered: an application that closes its
+        database once this returns must not fail them. A check still being answered then is
+        logged, and its answer may still go out."""
+        wait_s = self._timeout_s if timeout_s is None else _seconds("timeout_s", timeout_s, 0)
         with self._lock:
             if self._closed:
                 return
@@ -363,6 +379,12 @@ class RunningServer:
         self._httpd.stop_reading()  # else a kept-alive connection went on being served
         self._httpd.server_close()
         self._thread.join(timeout=5)
+        if left := self._httpd.wait_closed(wait_s):
+            logger.warning(
+                "check server: closed with %d connection(s) still being answered after %gs",
+                left,
+                wait_s,
+            )
 
     def __enter__(self) -> RunningServer:
         return self
@@ -400,6 +422,7 @@ def serve(
             f"serve() takes a CheckHandler, not {type(handler).__name__}: mount an "
             "AsyncCheckHandler in an ASGI server with asgi_app()"
         )
+    _seconds("timeout_s", timeout_s, None)
     if max_connections < 1:
         raise InvalidConfigError(f"max_connections must be 1 or more, got {max_connections!r}")
     handler_class = type(
@@ -417,4 +440,20 @@ def serve(
         (_Server6 if ":" in host else _Server,),
         {"max_connections": max_connections},
     )
-    return RunningServer(server_class((host, port), handler_class), path)
+    return RunningServer(server_class((host, port), handler_class), path, timeout_s)
+
+
+def _seconds(name: str, value: float, least: float | None) -> float:
+    """``value`` as seconds, finite and at least ``least`` (None: above 0). A socket timeout of
+    0 or None made every read fail or never time out."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if (
+        not number
+        or not math.isfinite(value)
+        or not (value > 0 if least is None else value >= least)
+    ):
+        bound = "above 0" if least is None else f"{least:g} or more"
+        raise InvalidConfigError(
+            f"{name} must be a finite number of seconds, {bound}; got {value!r}"
+        )
+    return float(value)

@@ -6,10 +6,12 @@ import base64
 import fcntl
 import http.client
 import json
+import logging
 import os
 import resource
 import select
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +24,7 @@ import pytest
 
 from checker import HttpCheckClient
 from checker.config import EndpointSettings
+from outbox import InvalidConfigError
 from outbox.checkback import (
     HEADER_ID,
     HEADER_SIGNATURE,
@@ -391,6 +394,81 @@ def test_close_ends_a_kept_alive_connection_too(resolver: Resolver) -> None:
     finally:
         conn.close()
     assert resolver.asked == ["tx-a"]
+
+
+class HeldResolver:
+    """Answers COMMIT once let go: a check being answered while the server closes."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.let_go = threading.Event()
+
+    def __call__(self, request: CheckRequest) -> TransactionStatus:
+        self.entered.set()
+        assert self.let_go.wait(TIMEOUT_S)
+        return TransactionStatus.COMMIT
+
+
+def _post_in_background(running: RunningServer) -> tuple[threading.Thread, list[int]]:
+    statuses: list[int] = []
+    headers, body = build_request(Signer(SECRET), check_request())
+    poster = threading.Thread(target=lambda: statuses.append(post_raw(running, headers, body)))
+    poster.start()
+    return poster, statuses
+
+
+def test_close_waits_for_the_check_being_answered() -> None:
+    """close() returned with a check still in the resolver: an application closing its
+    database pool next failed the check it was answering."""
+    held = HeldResolver()
+    running = serve(CheckHandler(held, [SECRET]))
+    poster, statuses = _post_in_background(running)
+    assert held.entered.wait(TIMEOUT_S)
+    closer = threading.Thread(target=running.close)
+    closer.start()
+    try:
+        closer.join(0.5)
+        assert closer.is_alive(), "close() returned while a check was being answered"
+        with pytest.raises(ConnectionRefusedError):  # new connections refused meanwhile
+            socket.create_connection(("127.0.0.1", running.port), timeout=TIMEOUT_S)
+    finally:
+        held.let_go.set()
+        closer.join(TIMEOUT_S)
+        poster.join(TIMEOUT_S)
+    assert not closer.is_alive()
+    assert statuses == [200]
+
+
+def test_close_gives_up_waiting_after_its_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    held = HeldResolver()
+    running = serve(CheckHandler(held, [SECRET]))
+    poster, statuses = _post_in_background(running)
+    try:
+        assert held.entered.wait(TIMEOUT_S)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="outbox.checkback._server"):
+            running.close(timeout_s=0.3)
+        assert 0.3 <= time.monotonic() - started < TIMEOUT_S
+        assert "closed with 1 connection(s) still being answered after 0.3s" in caplog.text
+    finally:
+        held.let_go.set()
+        poster.join(TIMEOUT_S)
+    assert statuses == [200]  # its answer still went out
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), float("inf"), None, True, "30"])
+def test_serve_refuses_a_timeout_that_is_not_a_number_of_seconds(timeout_s: Any) -> None:
+    with pytest.raises(InvalidConfigError, match=r"timeout_s must be a finite number of seconds"):
+        serve(CheckHandler(Resolver(), [SECRET]), timeout_s=timeout_s)
+
+
+def test_close_refuses_a_negative_timeout() -> None:
+    running = serve(CheckHandler(Resolver(), [SECRET]))
+    try:
+        with pytest.raises(InvalidConfigError, match=r"timeout_s .* 0 or more; got -1"):
+            running.close(timeout_s=-1)
+    finally:
+        running.close()
 
 
 def test_connections_past_the_cap_are_closed_at_once(resolver: Resolver) -> None:
