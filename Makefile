@@ -57,7 +57,8 @@ install: $(STAMP)
 # PIP_CONSTRAINT reaches the isolated environments that build sdists (pyspark is one): -c does
 # not, and they took the newest setuptools, whatever it broke.
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# pip, not the interpreter: a venv whose creation failed (no python3-venv) has the latter
+	$(PY) -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install -q -c constraints.txt setuptools wheel
 	PIP_CONSTRAINT=$(abspath constraints.txt) $(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)

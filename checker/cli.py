@@ -317,6 +317,9 @@ def _cmd_checker(args: argparse.Namespace) -> int:
             checker.stop(settings.relay.shutdown_grace.total_seconds())
             return 1
     checker.stop(settings.relay.shutdown_grace.total_seconds())
+    if checker.running():  # said by the exit status too, as `outboxctl run` says it
+        logger.error("the checker did not stop within the grace period")
+        return 1
     logger.info("checker stopped")
     return 0
 

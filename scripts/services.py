@@ -188,8 +188,14 @@ def install_postgres() -> Path:
     sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
     if sudo and not shutil.which("sudo"):
         fail("PostgreSQL is missing and installing it needs root: run `apt-get install postgresql`")
-    apt_get(sudo, "update", "-q")
-    apt_get(sudo, "install", "-y", "-q", "--no-install-recommends", "postgresql")
+    try:
+        apt_get(sudo, "update", "-q")
+        apt_get(sudo, "install", "-y", "-q", "--no-install-recommends", "postgresql")
+    except subprocess.CalledProcessError as exc:  # sudo wants a password, say
+        fail(
+            f"installing PostgreSQL failed ({' '.join(exc.cmd)} exited {exc.returncode}): "
+            "run `sudo apt-get install postgresql`, then this again"
+        )
     bindir = pg_bindir()
     if not bindir:
         fail("PostgreSQL was installed but no initdb was found under /usr/lib/postgresql")
@@ -217,6 +223,18 @@ def pg_ready(bindir: Path) -> bool:
         capture_output=True,
     )
     return r.returncode == 0
+
+
+def pg_is_ours(bindir: Path) -> bool:
+    psql = [str(bindir / "psql"), "-X", "-At", "-h", HOST, "-p", str(PG_PORT), "-U", "postgres"]
+    shown = subprocess.run(
+        [*psql, "-d", "postgres", "-c", "SHOW data_directory"],
+        capture_output=True,
+        text=True,
+    )
+    if shown.returncode != 0:
+        return False
+    return Path(shown.stdout.strip()).resolve() == PG_DATA.resolve()
 
 
 RESERVED_PORTS = Path("/proc/sys/net/ipv4/ip_local_reserved_ports")
@@ -280,9 +298,17 @@ def postgres_up() -> None:
     bindir = install_postgres()
     prefix = pg_user_prefix()
     if pg_running() and pg_ready(bindir):
+        if not pg_is_ours(bindir):  # another checkout's, say: its prepared transactions and
+            # databases are not ours to roll back and drop
+            fail(
+                f"port {PG_PORT} is taken by a PostgreSQL whose data is not {PG_DATA}; "
+                "set OUTBOX_PG_PORT"
+            )
         log(f"postgres already running on {HOST}:{PG_PORT}")
         rollback_stale_prepared(bindir)
         return
+    if pg_running():
+        fail(f"port {PG_PORT} is taken by another process; set OUTBOX_PG_PORT")
     PG_DIR.mkdir(parents=True, exist_ok=True)
     if prefix:
         # the postgres user must reach its data directory through the checkout
@@ -819,9 +845,12 @@ def spark_jars() -> list[Path]:
     if spark_version is None:
         return []
     dest = SPARK_JARS / spark_version
-    if not (dest / ".complete").exists():
-        mvn_copy(JVM_POMS / "spark" / "pom.xml", dest, f"-Dspark.version={spark_version}")
-        (dest / ".complete").touch()
+    # the POM it was resolved from, as for Kafka's: a changed POM (a driver's version) resolves anew
+    pom = JVM_POMS / "spark" / "pom.xml"
+    stamp = dest / ".complete"
+    if not (stamp.exists() and stamp.read_text() == pom.read_text()):
+        mvn_copy(pom, dest, f"-Dspark.version={spark_version}")
+        stamp.write_text(pom.read_text())
     return sorted(dest.glob("*.jar"))
 
 

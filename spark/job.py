@@ -1601,7 +1601,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"exit with status {EXIT_FINDINGS} when the run found anything (--once, audits)",
     )
-    out.add_argument("--log-level", default="WARNING", help="log level (WARNING)")
+    out.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,  # as OUTBOX_LOG_LEVEL takes it: "info" is INFO
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level (WARNING)",
+    )
     return p
 
 
@@ -1687,7 +1693,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:  # the process's own entry point has not configured it
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("spark").setLevel(args.log_level.upper())
+    logging.getLogger("spark").setLevel(args.log_level)
     try:
         settings = settings_from_args(args)
     except ReconcileConfigError as exc:

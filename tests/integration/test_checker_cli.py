@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -369,6 +371,54 @@ secrets = ["{SECRET}"]
     assert result["outcomes"] == {"commit": 1}
     assert asked == [tx_id]
     assert state(pg_dsn, tx_id) == "committed"
+
+
+def test_a_checker_still_in_its_round_after_the_grace_exits_1(
+    pg_dsn: str, tmp_path: Path, root_logging: None
+) -> None:
+    """`outboxctl checker` exited 0 after SIGTERM with a round still asking an endpoint past
+    shutdown_grace, as after a clean stop; `outboxctl run --only checker` exited 1."""
+    asked, release = threading.Event(), threading.Event()
+
+    def stuck(_request: CheckRequest) -> TransactionStatus:
+        asked.set()
+        release.wait(30)
+        return TransactionStatus.COMMIT
+
+    prepare(pg_dsn, check_immunity=0)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def terminate_while_asked() -> None:
+        if asked.wait(60):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with serve(CheckHandler(stuck, [SECRET])) as server:
+        config = tmp_path / "sidecar.toml"
+        config.write_text(
+            f"""
+log_format = "text"
+
+[database]
+dsn = "{pg_dsn}"
+
+[relay]
+shutdown_grace = "PT1S"
+
+[checker.endpoints.{GROUP}]
+url = "{server.url}"
+secrets = ["{SECRET}"]
+timeout = "PT20S"
+"""
+        )
+        threading.Thread(target=terminate_while_asked, daemon=True).start()
+        try:
+            status = main(["checker", "--config", str(config)])
+        finally:
+            release.set()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+    assert asked.is_set()
+    assert status == 1
 
 
 def test_checker_schema_option_wins_over_the_config_file_even_when_it_says_outbox(

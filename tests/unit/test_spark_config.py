@@ -672,3 +672,20 @@ def test_a_session_the_job_makes_does_not_record_python_call_sites() -> None:
     assert DATAFRAME_DEBUGGING[0] not in submitted  # the --conf given stands
     assert submitted[CODEGEN_CACHE_ENTRIES[0]] == CODEGEN_CACHE_ENTRIES[1]
     assert "spark.ui.showConsoleProgress" not in submitted  # spark-submit's own choice
+
+
+def test_the_log_level_is_one_of_the_sidecars_and_is_refused_by_name_otherwise(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--log-level verbose` ended in a ValueError's traceback from logging, after parsing."""
+    from spark.job import build_parser
+
+    parser = build_parser()
+    assert (
+        parser.parse_args(["--bootstrap", "k", "--topics", "a", "--log-level", "info"]).log_level
+        == "INFO"
+    )
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--bootstrap", "k", "--topics", "a", "--log-level", "verbose"])
+    assert exited.value.code == 2
+    assert "--log-level: invalid choice: 'VERBOSE'" in capsys.readouterr().err
