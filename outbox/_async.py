@@ -23,6 +23,7 @@ from outbox._local import (
     ended_before,
     left_idle,
     parse_status,
+    require_callable,
     require_idle,
     settled_first,
 )
@@ -224,6 +225,7 @@ class AsyncOutbox:
     ) -> LocalTransactionResult:
         """As `Outbox.send_in_transaction`; `local_transaction` may be sync (run in a worker
         thread, so that it does not stall the event loop) or async."""
+        require_callable(local_transaction)
         require_idle(conn, psycopg.AsyncConnection)
         with database_errors():  # its BEGIN and COMMIT fail as ours
             async with conn.transaction():

@@ -86,10 +86,13 @@ def _split_secret(dsn: str) -> bool:
     scheme, sep, rest = dsn.strip().partition("://")
     if not sep or scheme.lower() not in ("postgresql", "postgres"):
         return False
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    authority, path = rest[:end], rest[end:].partition("?")[0]
-    userinfo, _, hosts = authority.rpartition("@")
-    if "@" in userinfo or "@" in path:
+    # As libpq reads it: the user and password end at the first '@' or '/' ('?' and '#' are
+    # theirs), the hosts at the next '/' or '?', the path at '?'
+    cut = min((i for i in (rest.find("@"), rest.find("/")) if i >= 0), default=len(rest))
+    after_user = rest[cut + 1 :] if rest[cut : cut + 1] == "@" else rest
+    end = min((i for i in (after_user.find(c) for c in "/?") if i >= 0), default=len(after_user))
+    hosts, path = after_user[:end], after_user[end:].partition("?")[0]
+    if "@" in hosts or "@" in path:
         return True
     for host in hosts.split(","):
         port = host.rpartition("]")[2] if host.startswith("[") else host

@@ -96,6 +96,16 @@ def ended_before(transition: Transition, written: Written, status: TransactionSt
     return State.PARKED
 
 
+def require_callable(local_transaction: object) -> None:
+    """Before anything is written: records prepared for a call that cannot be made were left
+    for the checker."""
+    if not callable(local_transaction):
+        raise OutboxUsageError(
+            "local_transaction must be a function taking the written records, got "
+            f"{type(local_transaction).__name__} (nothing was written)"
+        )
+
+
 def require_idle(
     conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], expected: type
 ) -> None:

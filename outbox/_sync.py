@@ -18,6 +18,7 @@ from outbox._local import (
     ended_before,
     left_idle,
     parse_status,
+    require_callable,
     require_idle,
     settled_first,
 )
@@ -231,6 +232,7 @@ class Outbox:
                 "local_transaction is async, and Outbox cannot await it: use "
                 "AsyncOutbox.send_in_transaction (nothing was written)"
             )
+        require_callable(local_transaction)
         require_idle(conn, psycopg.Connection)
         with database_errors(), conn.transaction():  # its BEGIN and COMMIT fail as ours
             written = self.prepare_many(

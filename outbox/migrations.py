@@ -98,6 +98,8 @@ def migrate(
                     else ""
                 )
             )
+        if conninfo_or_conn.closed:  # its status, UNKNOWN, read as a transaction open
+            raise OutboxUsageError("migrate() was given a closed connection")
         if in_pipeline(conninfo_or_conn):
             # Its files hold several statements each, which the extended protocol (the only
             # one a pipeline speaks) refuses: a fresh schema failed, an up-to-date one did not.
@@ -155,6 +157,14 @@ def _migrate_once(conn: psycopg.Connection[Any], schema: str) -> MigrationReport
         # migration found no migration applied, and failed creating the schema again.
         cur.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED, READ WRITE")
         cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_LOCK_NAMESPACE, schema))
+        # Migrated meanwhile by the one it waited for: nothing to do, and no DDL, which a role
+        # that may only read the schema cannot run (two releases' hooks at once). The catalog
+        # is read first: this session's caches, not refreshed while it waited for the lock,
+        # still missed a schema created meanwhile (the read refreshes them for the next reads).
+        if _tuples(conn).execute(_SCHEMA_LISTED, (schema,)).fetchone() is not None:
+            found = _up_to_date(conn, schema)
+            if found is not None:
+                return MigrationReport(schema, (), found)
         cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
         cur.execute(
             sql.SQL(
@@ -192,6 +202,9 @@ def _migrate_once(conn: psycopg.Connection[Any], schema: str) -> MigrationReport
                 prepare=False,  # run once per migration; a 5th run was prepared (see above)
             )
     return MigrationReport(schema, tuple(m.version for m in pending), latest_version())
+
+
+_SCHEMA_LISTED = "SELECT FROM pg_catalog.pg_namespace WHERE nspname = %s"
 
 
 def _up_to_date(conn: psycopg.Connection[Any], schema: str) -> int | None:

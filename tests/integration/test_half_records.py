@@ -456,6 +456,27 @@ def test_sync_send_in_transaction_refuses_an_async_local_transaction_before_writ
     assert ran == []
 
 
+@pytest.mark.parametrize("local_transaction", ["COMMIT", None, TransactionStatus.COMMIT])
+def test_send_in_transaction_refuses_what_cannot_be_called_before_writing(
+    pg_dsn: str, local_transaction: Any
+) -> None:
+    """The records were prepared and committed first; then the call failed with a TypeError
+    and they were left for the checker."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with pytest.raises(outbox.OutboxUsageError, match=r"local_transaction must be a function"):
+            outbox.send_in_transaction(conn, [Record("t", "a")], local_transaction)
+
+        async def main() -> None:
+            async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as aconn:
+                with pytest.raises(outbox.OutboxUsageError, match=r"nothing was written"):
+                    await outbox.AsyncOutbox().send_in_transaction(
+                        aconn, [Record("t", "b")], local_transaction
+                    )
+
+        asyncio.run(main())
+        assert conn.execute("SELECT count(*) FROM outbox.outbox_record").fetchone() == (0,)
+
+
 def test_send_in_transaction_needs_a_connection_without_an_open_transaction(pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn) as conn:
         conn.execute("SELECT 1")  # opens a transaction

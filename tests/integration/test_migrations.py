@@ -162,6 +162,14 @@ def test_migrate_refuses_a_connection_in_pipeline_mode_by_name(
         assert outbox.migrate(conn).version == latest_version()  # out of the pipeline: works
 
 
+def test_migrate_refuses_a_closed_connection_by_name(empty_db: str) -> None:
+    """Its status, UNKNOWN, was read as a transaction open: "commit or roll back first"."""
+    conn = psycopg.connect(empty_db)
+    conn.close()
+    with pytest.raises(outbox.OutboxUsageError, match="closed connection"):
+        outbox.migrate(conn)
+
+
 def test_migrate_refuses_an_async_connection_by_name(empty_db: str) -> None:
     """It failed with "'Lock' object does not support the context manager protocol" and a
     coroutine never awaited."""
@@ -238,6 +246,40 @@ def test_concurrent_migrate_under_a_repeatable_read_default(empty_db: str) -> No
         )
         waiting.join(30)
     assert sorted(results, key=str) == [(), tuple(range(1, latest_version() + 1))]
+
+
+def test_a_role_that_may_only_read_waits_out_anothers_migration_and_applies_nothing(
+    empty_db: str,
+) -> None:
+    """Its check without the lock found no schema yet; once the lock was its own, it ran
+    CREATE SCHEMA IF NOT EXISTS all the same: "permission denied for database" (two releases'
+    hooks at once, one of them with the sidecar's role)."""
+    sidecar = f"relay_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(empty_db, autocommit=True) as holder:
+        holder.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(sidecar)))
+        try:
+            holder.execute(
+                "SELECT pg_advisory_lock(%s, hashtext('outbox'))", (migrations._LOCK_NAMESPACE,)
+            )
+            results: list[object] = []
+            waiting = threading.Thread(
+                target=lambda: results.append(
+                    _migrated_or_error(make_conninfo(empty_db, user=sidecar))
+                ),
+                daemon=True,
+            )
+            waiting.start()
+            wait_for_a_lock_wait(holder, "advisory")
+            assert outbox.migrate(holder).applied  # the owner's, while the other waits
+            holder.execute(outbox_sql.grants_sql("outbox", sidecar, sidecar, sidecar))
+            holder.execute(
+                "SELECT pg_advisory_unlock(%s, hashtext('outbox'))", (migrations._LOCK_NAMESPACE,)
+            )
+            waiting.join(30)
+        finally:
+            holder.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(sidecar)))
+            holder.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(sidecar)))
+    assert results == [()]
 
 
 def _migrated_or_error(dsn: str) -> object:

@@ -47,6 +47,11 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         "postgresql://app@[::1]:5432/app",
         "postgresql:///app?host=%2Fvar%2Frun%2Fpg%40x",
         "host=db password=p@ss/w dbname=app",  # a keyword string takes them as they are
+        # libpq's user and password end at '@' or '/' only: these were refused as cut
+        "postgresql://app:pa?ss@db.example/app",
+        "postgresql://app:pa#ss@db.example:5432/app?sslmode=require",
+        "postgresql://app:pa?ss@db.example",
+        "postgresql://db.example/app?options=-c%20x%3Dy&application_name=a@b",
     ],
 )
 def test_valid_dsns_pass(dsn: str) -> None:
