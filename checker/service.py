@@ -392,7 +392,9 @@ class Checker:
                     limits[key] = ("max_checks", f"max checks ({s.max_checks}) reached")
                 elif now - tx.age_from >= s.max_prepared_age:
                     age = _duration(s.max_prepared_age)
-                    limits[key] = ("max_age", f"max prepared age ({age}) reached")
+                    # said apart: its local transaction may have committed, and nobody asked
+                    unasked = "" if tx.checks_made else " with no check made"
+                    limits[key] = ("max_age", f"max prepared age ({age}) reached{unasked}")
                 if key in limits:
                     discards.append((*key, limits[key][1]))
                     continue

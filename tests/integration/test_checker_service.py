@@ -966,7 +966,7 @@ def test_max_prepared_age_discards_even_without_an_endpoint(
         row = one(pg_dsn, tx_id)
         assert (row["state"], row["reason"], row["ended_at"]) == (
             "discarded",
-            "max prepared age (72h) reached",
+            "max prepared age (72h) reached with no check made",
             None,
         )
         assert [a["action"] for a in audit(pg_dsn, tx_id)] == ["discard"]
@@ -992,8 +992,10 @@ def test_a_next_check_is_never_set_past_the_max_prepared_age(
     assert next_at == unknown_created + 45 * S  # not now + the backoff (60 s)
     clock.now = next_at
     assert checker.run_once().discarded == 2
-    for tx_id in (unconfigured, unknown):
-        assert one(pg_dsn, tx_id)["reason"] == "max prepared age (45s) reached"
+    assert one(pg_dsn, unknown)["reason"] == "max prepared age (45s) reached"  # asked twice
+    assert (
+        one(pg_dsn, unconfigured)["reason"] == "max prepared age (45s) reached with no check made"
+    )
 
 
 def test_no_check_immunity_outlasts_the_max_prepared_age(
@@ -1003,7 +1005,8 @@ def test_no_check_immunity_outlasts_the_max_prepared_age(
     clock = Clock(created + timedelta(hours=72, seconds=1))
     checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
     assert checker.run_once().discarded == 1
-    assert one(pg_dsn, tx_id)["reason"] == "max prepared age (72h) reached"
+    assert one(pg_dsn, tx_id)["reason"] == "max prepared age (72h) reached with no check made"
+    assert endpoint.resolver.asked == []
 
 
 def test_group_without_endpoint_is_left_alone_and_logged_once(
