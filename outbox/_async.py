@@ -31,6 +31,7 @@ from outbox._records import Headers, Record, check_immunity_interval, require_re
 from outbox._session import (
     async_statement_cursor,
     database_errors,
+    ends_on_its_own_in_pipeline,
     in_pipeline,
     not_a_connection,
     quiet,
@@ -60,6 +61,7 @@ async def _run(
         require_transaction(conn)
     else:  # commit/rollback: in the caller's transaction, or on their own
         require_not_aborted(conn)
+    on_its_own = not in_transaction and ends_on_its_own_in_pipeline(conn)
     try:
         with database_errors():
             async with async_statement_cursor(target) as cur:
@@ -70,6 +72,9 @@ async def _run(
                         query, params = op.send(rows)
                         params = quiet(conn, params)
                     except StopIteration as done:
+                        if on_its_own:
+                            async with conn.pipeline() as pipeline:
+                                await pipeline.sync()
                         return done.value
     except asyncio.CancelledError:
         await _abort_after_cancel(conn)

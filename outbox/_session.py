@@ -71,6 +71,16 @@ def in_pipeline(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) ->
     return conn.pgconn.pipeline_status != PipelineStatus.OFF
 
 
+def ends_on_its_own_in_pipeline(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+) -> bool:
+    """An autocommit connection in pipeline mode with no transaction open: an end's statements
+    commit at the next Sync only, and a failure of the caller's next statement before one
+    rolled back an end reported changed. So such an end is followed by a Sync of its own."""
+    idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    return conn.autocommit and idle and in_pipeline(conn)
+
+
 def statement_cursor(
     target: psycopg.Connection[Any] | psycopg.Cursor[Any],
 ) -> psycopg.Cursor[tuple[Any, ...]]:

@@ -25,6 +25,7 @@ from outbox._local import (
 from outbox._records import Headers, Record, check_immunity_interval, require_records
 from outbox._session import (
     database_errors,
+    ends_on_its_own_in_pipeline,
     in_pipeline,
     not_a_connection,
     quiet,
@@ -56,6 +57,7 @@ def _run(target: ConnectionOrCursor, op: _core.Operation, *, in_transaction: boo
         require_transaction(conn)
     else:  # commit/rollback: in the caller's transaction, or on their own
         require_not_aborted(conn)
+    on_its_own = not in_transaction and ends_on_its_own_in_pipeline(conn)
     with database_errors(), statement_cursor(target) as cur:
         while True:
             cur.execute(query, params)
@@ -66,6 +68,9 @@ def _run(target: ConnectionOrCursor, op: _core.Operation, *, in_transaction: boo
                 query, params = op.send(rows)
                 params = quiet(conn, params)
             except StopIteration as done:
+                if on_its_own:
+                    with conn.pipeline() as pipeline:
+                        pipeline.sync()
                 return done.value
 
 

@@ -477,6 +477,39 @@ def test_send_in_transaction_refuses_what_cannot_be_called_before_writing(
         assert conn.execute("SELECT count(*) FROM outbox.outbox_record").fetchone() == (0,)
 
 
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+def test_an_end_in_an_autocommit_pipeline_stays_when_the_next_statement_fails(
+    pg_dsn: str, end: str
+) -> None:
+    """In pipeline mode an autocommit connection's statements commit at the next Sync: the
+    end was reported changed, and the caller's next statement failing rolled it back."""
+    sync_written, async_written = prepared(pg_dsn), prepared(pg_dsn)
+    ended = "committed" if end == "commit" else "rolled_back"
+
+    def end_then_fail(conn: psycopg.Connection[Any]) -> None:
+        with conn.pipeline():
+            assert getattr(outbox.Outbox(), end)(conn, sync_written.tx_id).changed
+            conn.execute("SELECT 1 / 0")
+
+    async def end_then_fail_async(aconn: psycopg.AsyncConnection[Any]) -> None:
+        async with aconn.pipeline():
+            assert (await getattr(outbox.AsyncOutbox(), end)(aconn, async_written.tx_id)).changed
+            await aconn.execute("SELECT 1 / 0")
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            end_then_fail(conn)
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as aconn:
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                await end_then_fail_async(aconn)
+
+    asyncio.run(main())
+    assert states(pg_dsn, sync_written.tx_id) == [ended] * 2
+    assert states(pg_dsn, async_written.tx_id) == [ended] * 2
+
+
 def test_send_in_transaction_needs_a_connection_without_an_open_transaction(pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn) as conn:
         conn.execute("SELECT 1")  # opens a transaction
