@@ -496,9 +496,11 @@ def test_an_end_in_an_autocommit_pipeline_stays_when_the_next_statement_fails(
             assert (await getattr(outbox.AsyncOutbox(), end)(aconn, async_written.tx_id)).changed
             await aconn.execute("SELECT 1 / 0")
 
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        with pytest.raises(psycopg.errors.DivisionByZero):
-            end_then_fail(conn)
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as conn,
+        pytest.raises(psycopg.errors.DivisionByZero),
+    ):
+        end_then_fail(conn)
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as aconn:
