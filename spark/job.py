@@ -1081,7 +1081,8 @@ class ReconcileJob:
                 properties={**props, "fetchsize": "10000"},
             )
             .select([F.col(f.name).cast(f.dataType) for f in transform.LEDGER_SCHEMA.fields])
-            # records of the topics it reads only: the others' were all called missing
+            # records of the topics it reads only: the others' were all called missing (and
+            # the judgement leaves them out of the missing ones: see transform.judge)
             .where(transform.watched(F.col("topic"), s.topics, s.topic_pattern))
         ).persist()
         cached.append(window_rows)
@@ -1224,6 +1225,9 @@ class ReconcileJob:
                         summary_window=settings.summary_window,
                         late=late,
                         latency_counted=counted,
+                        watched_topic=transform.watched(
+                            F.col("topic"), settings.topics, settings.topic_pattern
+                        ),
                     )
                     cached.append(judgement.classified.persist())
                 with clock("judge"):

@@ -442,8 +442,11 @@ def classify_copies(
         claimed.isNotNull(), claimed == _position("topic", "partition", "offset")
     ).otherwise(first_copy)
 
+    # A discarded transaction resolved by hand as the relay shipped its discard has both
+    # markers: it was delivered after all, and its copy is no orphan (README, the repair
+    # commands)
     never_committed = F.col("state").isin(*NEVER_COMMITTED_STATES) | (
-        ~known & never_committed_marker
+        ~known & never_committed_marker & (delivered_markers == 0)
     )
     unknown = ~known & (delivered_markers == 0) & ~never_committed_marker
     covered = F.col("ts") >= F.lit(coverage_start) if coverage_start is not None else F.lit(False)
@@ -689,6 +692,7 @@ def judge(
     summary_window: timedelta,
     late: DataFrame | None = None,
     latency_counted: Column | None = None,
+    watched_topic: Column | None = None,
 ) -> Judgement:
     """All findings and the latency histogram of one judgement (see the module docstring).
 
@@ -702,7 +706,10 @@ def judge(
     where its record landed): it arrived after the judgements of its time (the job's choice,
     see ReconcileJob.judge). A copy with a true `late_read` column is classified (its latency
     counted, see `latency_counted`), not judged: read first now, it is judged later.
-    `latency_counted`: see latency_histogram.
+    `latency_counted`: see latency_histogram. `watched_topic`: whether a ledger row's topic is
+    one the job reads (`watched`): only those can be missing. The ledger holds others' rows too,
+    looked up by the id of a copy found on a watched topic (another app's copy forwarding the
+    headers): that copy is judged against them, and they were found missing.
     """
     copy_rows = copies(obs)
     marker_rows = markers(obs)
@@ -727,7 +734,11 @@ def judge(
     )
     findings = (
         copy_findings(classified)
-        .unionByName(missing_records(ledger, present, window))
+        .unionByName(
+            missing_records(
+                ledger if watched_topic is None else ledger.where(watched_topic), present, window
+            )
+        )
         .unionByName(markers_without_record(marker_rows, present, ledger, window))
         .unionByName(out_of_order(classified))
     )

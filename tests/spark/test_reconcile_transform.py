@@ -362,6 +362,49 @@ def test_judge_finds_each_kind_once(spark: SparkSession) -> None:
     assert ("missing", 2, "") in audited
 
 
+def test_a_record_of_a_topic_the_job_does_not_read_is_never_missing(spark: SparkSession) -> None:
+    """A copy on a watched topic carrying the outbox headers of a record of another topic
+    (an app forwarding them, as Kafka Streams does) made the job look that record up; with no
+    copy on its own topic, which the job does not read, it was found missing."""
+    from pyspark.sql import functions as F
+
+    from spark.transform import LEDGER_SCHEMA, judge, observations, watched
+
+    kafka = Kafka()
+    kafka.copy(21, 0, s(2))  # on TOPIC, a copy of record 21 of "payments"
+    obs = observations(kafka.frame(spark), marker_topic=MARKERS, ignored_topics=(DEAD_LETTER,))
+    row = list(ledger_row(21, "delivered", s(0), s(1), offset=3))
+    row[3] = "payments"
+    ledger = spark.createDataFrame([tuple(row)], LEDGER_SCHEMA)
+
+    def kinds(**watching: Any) -> set[tuple[str, str]]:
+        judgement = judge(
+            obs, ledger, STREAM_WINDOW, coverage_start=s(11),
+            summary_window=timedelta(minutes=1), **watching,
+        )  # fmt: skip
+        return {(r.kind, r.topic) for r in judgement.findings.collect()}
+
+    assert kinds() == {("missing", "payments"), ("orphan", TOPIC)}  # as the job judged it
+    watching = watched(F.col("topic"), (TOPIC,), None)
+    assert kinds(watched_topic=watching) == {("orphan", TOPIC)}  # on the wrong topic, still
+
+
+def test_a_discarded_record_resolved_by_hand_and_delivered_is_no_orphan(
+    spark: SparkSession,
+) -> None:
+    """Resolved by hand as the relay shipped its discard, its markers say discarded, then
+    delivered: with its row deleted, its copy was an orphan "never committed"."""
+    from spark.transform import LEDGER_SCHEMA, observations
+
+    kafka = Kafka()
+    kafka.marker(31, s(1), offset=None, commit=None, op=Op.DISCARDED)
+    kafka.copy(31, 0, s(3))
+    kafka.marker(31, s(3), offset=0, commit=s(2))
+    obs = observations(kafka.frame(spark), marker_topic=MARKERS, ignored_topics=(DEAD_LETTER,))
+    empty = spark.createDataFrame([], LEDGER_SCHEMA)
+    assert findings_of(obs, empty, STREAM_WINDOW) == {}
+
+
 def test_nothing_is_judged_before_its_deadline(spark: SparkSession) -> None:
     obs, ledger = scenario(spark)
     early = JudgeWindow.streaming(s(20), DEADLINE, HORIZON)  # judges up to T-40s only
