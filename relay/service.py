@@ -536,7 +536,7 @@ class Relay:
                 # The claims took rows unstamped, and a stamp would lock those whose end runs
                 # meanwhile, in another order than the end: deadlocks, seen under load.
                 ending.settle_quietly()
-            hold_back = self._stamp(ranges)
+            hold_back = self._stamp(self._stamp_params(owned))
             # the stamp leaves unstamped only the committed rows the horizon holds back
             result.held_by_horizon = hold_back is not None
         else:  # the usual round: the claims bound themselves and stamp nothing
@@ -671,6 +671,15 @@ class Relay:
             return self.topics.partitions(self.settings.relay.op_marker_topic, refresh=True) == 0
         except KafkaException:  # the broker unreachable, say: not known to be gone
             return False
+
+    def _stamp_params(self, owned: list[int]) -> dict[str, Any]:
+        """The stamp's shards: their key ranges, and the leases that fence it."""
+        return {
+            **shard_ranges(owned, self.settings.relay.shards),
+            "shards": owned,
+            "epochs": [self.workers[shard].lease.epoch for shard in owned],
+            "owner": self.relay_id,
+        }
 
     def _stamp(self, params: dict[str, Any]) -> datetime | None:
         """Stamp the commit time of the owned shards' rows below the xid horizon; return the

@@ -35,13 +35,23 @@ SELECT set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)
 -- limit-th row bounded it): not told by the count, which rows deleted or changed by others
 -- while the statement ran make short, and a short slice taken for the last one left the rows
 -- above its bound unstamped below `stamped_below`, where no claim looks.
-WITH bound AS (
+-- Only the shards still this relay's (`shards`, with their `epochs`, `lo` and `hi`), their
+-- leases locked until the slice commits: a shard handed over between two slices (a heartbeat),
+-- or taken from a relay paused mid-stamp, is stamped by its owner alone. Another relay's
+-- stamp put rows in its claims past the hold-back its own stamp found: sent out of order.
+WITH held AS (
+    SELECT o.lo, o.hi
+    FROM unnest(%(shards)s::integer[], %(epochs)s::bigint[], %(lo)s::bigint[],
+                %(hi)s::bigint[]) AS o(shard, epoch, lo, hi)
+    JOIN {schema}.shard_lease AS l ON l.shard = o.shard AND l.epoch = o.epoch
+    WHERE l.owner = %(owner)s
+    FOR SHARE OF l
+), bound AS (
     SELECT committed_xid FROM {schema}.outbox_record
     WHERE state = 'committed' AND commit_ts IS NULL
       AND committed_xid >= %(stamped_below)s::xid8
       AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
-      AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
-                  WHERE key_hash BETWEEN o.lo AND o.hi)
+      AND EXISTS (SELECT 1 FROM held AS o WHERE key_hash BETWEEN o.lo AND o.hi)
     ORDER BY committed_xid
     OFFSET %(limit)s - 1 LIMIT 1
 ), stamped AS (
@@ -52,8 +62,7 @@ WITH bound AS (
       AND committed_xid < pg_snapshot_xmin(pg_current_snapshot())
       AND committed_xid <= coalesce((SELECT committed_xid FROM bound),
                                     pg_snapshot_xmin(pg_current_snapshot()))
-      AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
-                  WHERE key_hash BETWEEN o.lo AND o.hi)
+      AND EXISTS (SELECT 1 FROM held AS o WHERE key_hash BETWEEN o.lo AND o.hi)
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM stamped), NOT EXISTS (SELECT 1 FROM bound);

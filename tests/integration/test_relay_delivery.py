@@ -2392,7 +2392,6 @@ def test_a_stamp_slice_cut_short_by_a_row_ended_meanwhile_is_not_taken_for_the_l
     its bound stayed unstamped below `_stamped_below`, where no claim looks, and newer records
     of their keys went out before them (for up to a minute, until a full stamp)."""
     import relay.service
-    from relay.sharding import shard_ranges
 
     monkeypatch.setattr(relay.service, "STAMP_SLICE", 5)
     topic = topic_factory()
@@ -2402,12 +2401,13 @@ def test_a_stamp_slice_cut_short_by_a_row_ended_meanwhile_is_not_taken_for_the_l
             with conn.transaction():
                 ids.append(outbox.publish(conn, topic, f"v{i}", key=f"k{i}"))
     r = relay_factory()
+    r.heartbeat()  # shard 0 is its own
     with psycopg.connect(pg_dsn) as other:
         other.execute("DELETE FROM outbox.outbox_record WHERE id = %s", (ids[1],))
         ended = threading.Timer(0.1, other.commit)  # while the first slice waits for its lock
         ended.start()
         try:
-            r._stamp(shard_ranges([0], 1))
+            r._stamp(r._stamp_params([0]))
         finally:
             ended.join()
     with psycopg.connect(pg_dsn) as conn:
@@ -3508,7 +3508,6 @@ def test_one_shard_in_trouble_backs_off_alone_the_others_go_on(
 
 def test_a_relay_that_lost_its_lease_parks_nothing(pg_dsn: str, relay_factory: Any) -> None:
     from relay.shard import LeaseLost
-    from relay.sharding import shard_ranges
 
     old = relay_factory(lease_duration="PT1S")
     old.run_once()  # owns shard 0
@@ -3518,10 +3517,49 @@ def test_a_relay_that_lost_its_lease_parks_nothing(pg_dsn: str, relay_factory: A
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, "no.such.topic", "the heir's to park")
     (stale,) = old.workers.values()
-    old._stamp(shard_ranges([0], 1))  # as its round would, before the shard's delivery
+    heir._stamp(heir._stamp_params([0]))  # the old one stamps shards of its own only
     with pytest.raises(LeaseLost):
         stale.deliver_once(old.conn, None)
     assert [r[1] for r in rows(pg_dsn)] == ["committed"]
+
+
+def unstamped_count(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        got = conn.execute(
+            "SELECT count(*) FROM outbox.outbox_record"
+            " WHERE state = 'committed' AND commit_ts IS NULL"
+        ).fetchone()
+    assert got is not None
+    return int(got[0])
+
+
+@pytest.mark.parametrize("how", ["taken_over", "handed_over"])
+def test_a_relay_stamps_no_shard_it_no_longer_holds(
+    pg_dsn: str, relay_factory: Any, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A stamp went on stamping, slice after slice, a shard its relay handed over between two
+    slices, or lost while paused: rows of its new owner's came into that owner's claims past
+    the hold-back its own stamp had found, and went out before older rows of their keys."""
+    import relay.service
+
+    old = relay_factory(lease_duration="PT1S")
+    old.run_once()  # owns shard 0
+    params = old._stamp_params([0])  # as its round took them, before the stamp
+    with psycopg.connect(pg_dsn) as conn:
+        for i in range(3):
+            with conn.transaction():
+                outbox.publish(conn, "orders", f"v{i}", key=f"k{i}")
+    if how == "taken_over":
+        time.sleep(1.5)  # its lease expires; it does not know yet
+        heir = same_settings_other_id(relay_factory, old, "heir")
+        heir.heartbeat()  # takes shard 0
+        left = 3  # it stamps nothing
+    else:  # its heartbeat between two slices hands the shard back
+        monkeypatch.setattr(relay.service, "STAMP_SLICE", 1)
+        monkeypatch.setattr(old, "_keep_alive", lambda: old.leases.release(old.conn, 0))
+        left = 2  # the first slice only, while the shard was its own
+    old._stamp(params)
+    assert unstamped_count(pg_dsn) == left
 
 
 def test_the_archive_is_trimmed_after_its_retention_parked_rows_stay(
