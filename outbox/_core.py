@@ -106,7 +106,7 @@ class OutboxConfig(BaseModel):
                 f"{MAX_SCHEMA_NAME} characters: its NOTIFY channel, the name plus "
                 f"{_WAKEUP_SUFFIX!r}, must fit Postgres's 63"
             )
-        if v.lower().startswith("pg_"):  # CREATE SCHEMA refuses it: migrate could never run
+        if v.startswith("pg_"):  # CREATE SCHEMA refuses it (PG_ it takes): no migrate could run
             raise ValueError(f"{v!r} begins with 'pg_', which Postgres keeps for its own schemas")
         return v
 

@@ -226,7 +226,18 @@ def pg_ready(bindir: Path) -> bool:
 
 
 def pg_is_ours(bindir: Path) -> bool:
-    psql = [str(bindir / "psql"), "-X", "-At", "-h", HOST, "-p", str(PG_PORT), "-U", "postgres"]
+    psql = [
+        str(bindir / "psql"),
+        "-X",
+        "-w",
+        "-At",
+        "-h",
+        HOST,
+        "-p",
+        str(PG_PORT),
+        "-U",
+        "postgres",
+    ]
     shown = subprocess.run(
         [*psql, "-d", "postgres", "-c", "SHOW data_directory"],
         capture_output=True,
@@ -297,6 +308,9 @@ def rollback_stale_prepared(
 def postgres_up() -> None:
     bindir = install_postgres()
     prefix = pg_user_prefix()
+    if pg_running() and (PG_DATA / "postmaster.pid").exists():
+        # ours, starting or in crash recovery (an `up` of another process): wait for it
+        wait_until("postgres", lambda: pg_ready(bindir), 60, PG_LOG)
     if pg_running() and pg_ready(bindir):
         if not pg_is_ours(bindir):  # another checkout's, say: its prepared transactions and
             # databases are not ours to roll back and drop

@@ -125,7 +125,7 @@ def test_config_validates_at_construction() -> None:
         ({"shema_name": "typo"}, "shema_name: Extra inputs are not permitted"),
         ({"schema_name": "my-schema"}, "schema_name: 'my-schema' is not a plain identifier"),
         # migrated, CREATE SCHEMA refused it: every publish said to migrate, which never could
-        ({"schema_name": "PG_outbox"}, "schema_name: 'PG_outbox' begins with 'pg_'"),
+        ({"schema_name": "pg_outbox"}, "schema_name: 'pg_outbox' begins with 'pg_'"),
         ({"max_record_bytes": True}, "max_record_bytes: True is not a number of bytes"),
     ],
 )
