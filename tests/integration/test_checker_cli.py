@@ -337,6 +337,28 @@ def root_logging() -> Iterator[None]:
     root.setLevel(level)
 
 
+def checker_config(tmp_path: Path, dsn: str, url: str, relay: str = "", endpoint: str = "") -> Path:
+    """A sidecar's TOML file with the checker's endpoint for GROUP at `url`."""
+    config = tmp_path / "sidecar.toml"
+    config.write_text(
+        f"""
+log_format = "text"
+
+[database]
+dsn = "{dsn}"
+
+[relay]
+{relay}
+
+[checker.endpoints.{GROUP}]
+url = "{url}"
+secrets = ["{SECRET}"]
+{endpoint}
+"""
+    )
+    return config
+
+
 def test_checker_once_from_a_config_file(
     pg_dsn: str,
     tmp_path: Path,
@@ -352,19 +374,7 @@ def test_checker_once_from_a_config_file(
 
     tx_id = prepare(pg_dsn, check_immunity=0)
     with serve(CheckHandler(resolver, [SECRET])) as server:
-        config = tmp_path / "sidecar.toml"
-        config.write_text(
-            f"""
-log_format = "text"
-
-[database]
-dsn = "{pg_dsn}"
-
-[checker.endpoints.{GROUP}]
-url = "{server.url}"
-secrets = ["{SECRET}"]
-"""
-        )
+        config = checker_config(tmp_path, pg_dsn, server.url)
         monkeypatch.setenv("OUTBOX_CONFIG_FILE", str(config))  # restored after the test
         assert main(["checker", "--config", str(config), "--once", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -393,22 +403,12 @@ def test_a_checker_still_in_its_round_after_the_grace_exits_1(
             os.kill(os.getpid(), signal.SIGTERM)
 
     with serve(CheckHandler(stuck, [SECRET])) as server:
-        config = tmp_path / "sidecar.toml"
-        config.write_text(
-            f"""
-log_format = "text"
-
-[database]
-dsn = "{pg_dsn}"
-
-[relay]
-shutdown_grace = "PT1S"
-
-[checker.endpoints.{GROUP}]
-url = "{server.url}"
-secrets = ["{SECRET}"]
-timeout = "PT20S"
-"""
+        config = checker_config(
+            tmp_path,
+            pg_dsn,
+            server.url,
+            relay='shutdown_grace = "PT1S"',
+            endpoint='timeout = "PT20S"',
         )
         threading.Thread(target=terminate_while_asked, daemon=True).start()
         try:

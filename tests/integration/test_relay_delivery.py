@@ -2410,12 +2410,7 @@ def test_a_stamp_slice_cut_short_by_a_row_ended_meanwhile_is_not_taken_for_the_l
             r._stamp(r._stamp_params([0]))
         finally:
             ended.join()
-    with psycopg.connect(pg_dsn) as conn:
-        left = conn.execute(
-            "SELECT count(*) FROM outbox.outbox_record"
-            " WHERE state = 'committed' AND commit_ts IS NULL"
-        ).fetchone()
-    assert left == (0,)
+    assert unstamped_count(pg_dsn) == 0
 
 
 def test_a_complete_stamp_is_not_scanned_again_below_its_horizon_until_a_full_stamp(
