@@ -28,6 +28,7 @@ LOST = Counter(
     "database, mid-check): given back, not counted, and asked again.",
     ["producer_group"],
 )
+DISCARD_LIMITS = ("max_checks", "max_age")  # the `limit` label's values
 DISCARDS = Counter(
     "outbox_checker_discards",
     "Transactions discarded (handed to the relay for the dead-letter topic), by limit reached.",

@@ -258,6 +258,11 @@ class Checker:
                 ),
             )
             _metrics.CIRCUIT_STATE.labels(group).set(CircuitState.CLOSED)
+        # At 0 from the start: increase() does not see a discard whose series first shows at 1,
+        # and a first discard since the start is the usual one
+        for label in (*settings.endpoints, _metrics.OTHER_GROUP):
+            for limit in _metrics.DISCARD_LIMITS:
+                _metrics.DISCARDS.labels(label, limit)
         self._conn: psycopg.Connection[Any] | None = None
         self._round_lock = threading.Lock()
         self._unconfigured_logged: set[str] = set()

@@ -136,6 +136,10 @@ _REASON_KINDS = (
     ("its stored headers", "malformed_headers"),
     ("the relay's op-marker topic", "op_marker_topic"),
 )
+# At 0 from the start: increase() does not see a parking whose series first shows at 1, and a
+# first parking since the start is the usual one
+for _kind in (*(kind for _, kind in _REASON_KINDS), "other"):
+    metrics.PARKED.labels(_kind)
 
 
 def _transaction_failed(exc: KafkaException) -> bool:

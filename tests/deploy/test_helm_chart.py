@@ -216,6 +216,48 @@ def test_a_dashboard_without_labels_renders(helm: str) -> None:
     assert "grafana_dashboard" not in dashboard["metadata"]["labels"]
 
 
+def _pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every pod template of the rendered documents, by kind/name."""
+    pods = {}
+    for doc in docs:
+        spec = doc.get("spec", {})
+        if doc["kind"] == "CronJob":
+            spec = spec["jobTemplate"]["spec"]
+        if "template" in spec:
+            pods[f"{doc['kind']}/{doc['metadata']['name']}"] = spec["template"]["spec"]
+    return pods
+
+
+@pytest.mark.parametrize("reconcile_mode", ["continuous", "schedule"])
+def test_every_pod_meets_pod_securitys_restricted_level(
+    helm: str, reconcile_mode: str, tmp_path: Path
+) -> None:
+    """Without a seccomp profile, a namespace enforcing `restricted` refused every pod: the
+    migration hook's first, and `helm install` timed out."""
+    docs = render(
+        helm, "existingSecret=s", "reconcile.enabled=true", f"reconcile.mode={reconcile_mode}",
+        *RECONCILE,
+    )  # fmt: skip
+    pods = _pod_specs(docs)
+    assert {name.split("/")[0] for name in pods} == {
+        "Deployment", "Job", "CronJob" if reconcile_mode == "schedule" else "Deployment",
+    }  # fmt: skip
+    for name, pod in pods.items():
+        assert pod["automountServiceAccountToken"] is False, name  # nothing calls the API
+        for container in pod["containers"]:
+            own = container["securityContext"]
+            context = {**pod["securityContext"], **own}
+            assert context["runAsNonRoot"] is True, name
+            assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
+            assert own["allowPrivilegeEscalation"] is False, name
+            assert own["capabilities"]["drop"] == ["ALL"], name
+    # sidecar mode: in the application's pod, the container's own context says it all
+    app = [d for d in render(helm, chart=app_chart(helm, tmp_path)) if d["kind"] == "Deployment"]
+    (pod,) = _pod_specs(app).values()
+    sidecar = pod["containers"][1]["securityContext"]
+    assert sidecar["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
 def test_sidecar_mode_renders_no_deployment_and_an_app_chart_includes_the_container(
     helm: str, tmp_path: Path
 ) -> None:

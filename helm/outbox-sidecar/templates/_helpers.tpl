@@ -158,6 +158,7 @@ spec:
   # stop() lets a judgement finish and joins the idle ticker (up to 60 s)
   terminationGracePeriodSeconds: {{ $r.terminationGracePeriodSeconds }}
   enableServiceLinks: false
+  automountServiceAccountToken: false  # Spark runs local[*]: no Kubernetes API
   securityContext: {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
   {{- with $root.Values.imagePullSecrets }}
   imagePullSecrets: {{- toYaml . | nindent 4 }}
