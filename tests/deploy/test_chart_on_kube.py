@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.helm import CHART, app_chart, render
+from tests.fixtures.helm import CHART, app_chart, pod_specs, render
 from tests.fixtures.kube import KubeApi
 
 RECONCILE = (
@@ -110,6 +110,36 @@ def test_the_api_server_admits_an_application_running_the_sidecar_in_its_pods(
     for doc in docs:
         status, said = kube.create(doc, namespace, dry_run=True)
         assert status == 201, (doc["kind"], said.get("message", said))
+
+
+def test_every_pod_the_chart_makes_is_admitted_where_pod_security_is_restricted(
+    kube: KubeApi, helm: str, tmp_path: Path
+) -> None:
+    """Without a seccomp profile, a namespace enforcing `restricted` refused every pod, the
+    migration hook's first, and `helm install` timed out. The server runs no controllers: each
+    pod template goes in as the Pod a controller would make of it, which Pod Security judges."""
+    namespace = kube.namespace({"pod-security.kubernetes.io/enforce": "restricted"})
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}
+    status, said = kube.create(account, namespace, dry_run=False)  # a controller's, elsewhere
+    assert status == 201, said
+    rendered = [
+        *render(helm, *EVERYTHING),
+        *render(helm, *EVERYTHING, "reconcile.mode=schedule"),
+        *render(helm, chart=app_chart(helm, tmp_path)),
+    ]
+    pods = pod_specs(rendered)
+    # the application's pod, without its own container: the sidecar's context alone must do
+    pods["Deployment/app"]["containers"] = [
+        c for c in pods["Deployment/app"]["containers"] if c["name"] != "app"
+    ]
+    assert {name.split("/")[0] for name in pods} == {"Deployment", "Job", "CronJob"}
+    refused = {}
+    for i, (name, pod) in enumerate(sorted(pods.items())):
+        body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"pod-{i}"}, "spec": pod}
+        status, said = kube.create(body, namespace, dry_run=True)
+        if status != 201:
+            refused[name] = said.get("message", said)
+    assert not refused
 
 
 def _helm(helm: str, kube: KubeApi, *args: str) -> str:

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
 from spark.job import EXIT_FINDINGS
-from tests.fixtures.helm import CHART, ROOT, app_chart, render
+from tests.fixtures.helm import CHART, ROOT, app_chart, pod_specs, render
 
 # The reconciliation's required values; the topics last (refusal tests leave them out)
 RECONCILE = (
@@ -216,18 +216,6 @@ def test_a_dashboard_without_labels_renders(helm: str) -> None:
     assert "grafana_dashboard" not in dashboard["metadata"]["labels"]
 
 
-def _pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every pod template of the rendered documents, by kind/name."""
-    pods = {}
-    for doc in docs:
-        spec = doc.get("spec", {})
-        if doc["kind"] == "CronJob":
-            spec = spec["jobTemplate"]["spec"]
-        if "template" in spec:
-            pods[f"{doc['kind']}/{doc['metadata']['name']}"] = spec["template"]["spec"]
-    return pods
-
-
 @pytest.mark.parametrize("reconcile_mode", ["continuous", "schedule"])
 def test_every_pod_meets_pod_securitys_restricted_level(
     helm: str, reconcile_mode: str, tmp_path: Path
@@ -238,7 +226,7 @@ def test_every_pod_meets_pod_securitys_restricted_level(
         helm, "existingSecret=s", "reconcile.enabled=true", f"reconcile.mode={reconcile_mode}",
         *RECONCILE,
     )  # fmt: skip
-    pods = _pod_specs(docs)
+    pods = pod_specs(docs)
     assert {name.split("/")[0] for name in pods} == {
         "Deployment", "Job", "CronJob" if reconcile_mode == "schedule" else "Deployment",
     }  # fmt: skip
@@ -253,9 +241,10 @@ def test_every_pod_meets_pod_securitys_restricted_level(
             assert own["capabilities"]["drop"] == ["ALL"], name
     # sidecar mode: in the application's pod, the container's own context says it all
     app = [d for d in render(helm, chart=app_chart(helm, tmp_path)) if d["kind"] == "Deployment"]
-    (pod,) = _pod_specs(app).values()
+    (pod,) = pod_specs(app).values()
     sidecar = pod["containers"][1]["securityContext"]
     assert sidecar["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert sidecar["runAsNonRoot"] is True
 
 
 def test_sidecar_mode_renders_no_deployment_and_an_app_chart_includes_the_container(
