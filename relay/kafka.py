@@ -680,6 +680,9 @@ class Topics:
     def reachable(self) -> bool:
         self._admin.poll(0)  # the readiness probe's: the lines of an outage come out as it goes
         try:
-            return bool(self._admin.list_topics(timeout=3).brokers)
-        except KafkaException:
+            # Metadata of the brokers only: list_topics() asked for every topic's, at every probe
+            # of every pod (a large response, a load on the broker, on a cluster of many topics).
+            cluster = self._admin.describe_cluster(request_timeout=3).result(timeout=4)
+        except (KafkaException, TimeoutError):
             return False
+        return bool(cluster.nodes)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg.conninfo import make_conninfo
 
 from relay.dbprobe import DatabaseProbe
+from relay.kafka import CLIENT_LOGGER, Topics
 from relay.service import Relay
 
 APP = "outbox-probe-test"
@@ -168,3 +171,24 @@ def test_a_relays_database_and_broker_are_probed_at_once(
     relay.topics.reachable = broker_noted  # type: ignore[method-assign]
     report = relay.ready()
     assert (report["database"], report["broker"]) == (True, True)
+
+
+def test_the_brokers_probe_asks_for_no_topics_metadata(
+    kafka_bootstrap: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every topic's metadata at every probe of every pod was a large response and a load on the
+    broker on a cluster of many topics; the brokers' alone say it answers."""
+    topics = Topics({"bootstrap.servers": kafka_bootstrap, "debug": "metadata"})
+    with caplog.at_level(logging.DEBUG, logger=CLIENT_LOGGER.name):
+        assert topics.reachable()
+        topics.reachable()  # the lines of the first come out at the next call's poll
+    asked = [r.getMessage() for r in caplog.records if "Request metadata for" in r.getMessage()]
+    assert any("brokers only" in line for line in asked), asked
+    assert not [line for line in asked if "all topics" in line]
+
+
+def test_a_broker_that_does_not_answer_is_down_within_the_probes_wait() -> None:
+    topics = Topics({"bootstrap.servers": "127.0.0.1:1"})  # nothing listens there
+    began = time.monotonic()
+    assert not topics.reachable()
+    assert time.monotonic() - began < 6
