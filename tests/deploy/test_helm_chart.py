@@ -616,7 +616,8 @@ def test_the_reconciliation_runs_as_one_writer_of_its_checkpoint_with_args_the_j
     checkpoint = volumes[mounts["/var/lib/outbox/checkpoint"]]["persistentVolumeClaim"]
     assert checkpoint["claimName"] == claim["metadata"]["name"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert "emptyDir" in volumes[mounts["/tmp"]]  # Spark's local directory, writable
+    # Spark's local directory, writable; bounded, not the node's whole disk
+    assert volumes[mounts["/tmp"]]["emptyDir"] == {"sizeLimit": "4Gi"}
     # Spark 4 writes artifacts/ under the working directory: `/` failed every query's start
     assert mounts[container["workingDir"]] == "tmp"
     assert pod["spec"]["terminationGracePeriodSeconds"] > 60  # stop() joins its ticker 60 s
@@ -679,6 +680,21 @@ def test_a_scheduled_reconciliation_runs_once_at_a_time_on_a_claim_given(
     (checkpoint,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
     assert checkpoint["persistentVolumeClaim"]["claimName"] == "mine"
     assert "activeDeadlineSeconds" not in cron["jobTemplate"]["spec"]  # unbounded by default
+
+
+@pytest.mark.parametrize(("given", "volume"), [("8Gi", {"sizeLimit": "8Gi"}), ("", {})])
+def test_the_reconciliations_scratch_space_is_bounded_as_given(
+    helm: str, given: str, volume: dict[str, str]
+) -> None:
+    for mode in ("continuous", "schedule"):
+        docs = reconcile_docs(helm, f"reconcile.mode={mode}", f"reconcile.scratchSizeLimit={given}")
+        if mode == "schedule":
+            cron = docs["CronJob/orders-outbox-sidecar-reconcile"]["spec"]
+            spec = cron["jobTemplate"]["spec"]["template"]["spec"]
+        else:
+            spec = docs["Deployment/orders-outbox-sidecar-reconcile"]["spec"]["template"]["spec"]
+        (scratch,) = [v for v in spec.get("volumes", []) if v["name"] == "tmp"]
+        assert scratch["emptyDir"] == volume
 
 
 def test_a_scheduled_run_can_be_bounded_so_that_one_hanging_holds_back_no_later_run(

@@ -258,7 +258,11 @@ spec:
     - name: checkpoint
       persistentVolumeClaim: {claimName: {{ .claim }}}
     - name: tmp
+      {{- if $r.scratchSizeLimit }}
+      emptyDir: {sizeLimit: {{ $r.scratchSizeLimit | quote }}}
+      {{- else }}
       emptyDir: {}
+      {{- end }}
     {{- with $r.kafkaConfigSecret.name }}
     - name: kafka-config
       # every key: a truststore or keystore beside the properties file that names it
