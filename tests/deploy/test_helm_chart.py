@@ -555,6 +555,19 @@ def test_the_dashboard_is_off_by_default(helm: str) -> None:
                 (("reconcile.topics=a", "reconcile.bootstrapServers="), "reconcile.bootstrap"),
             ]
         ],
+        *[
+            (
+                ("existingSecret=s", *more),
+                f"terminationGracePeriodSeconds ({given}) must be above "
+                f"relay.shutdown_grace ({grace})",
+            )
+            for more, given, grace in [
+                (('config=[relay]\nshutdown_grace = "PT30S"',), 30, "PT30S, 30 s"),
+                (("config=[relay]\n  shutdown_grace = 30.5  # s",), 30, "30.5, 30.5 s"),
+                (("env.outbox_relay__shutdown_grace=pt1m",), 30, "PT1M, 60 s"),  # env wins
+                (("terminationGracePeriodSeconds=20", "config=[kafka]"), 20, "25, 25 s"),
+            ]
+        ],
         (
             ("existingSecret=s", "mode=sidecar", "podMonitor.enabled=true"),
             "podMonitor.selector: the labels of the application's pods",
@@ -570,6 +583,22 @@ def test_bad_values_are_refused_with_what_is_wrong(
     )
     assert out.returncode != 0
     assert message in out.stderr
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ('config=[relay]\nshutdown_grace = "PT29S"',),
+        ('config=[relay]\nshutdown_grace = "PT1M30S"', "terminationGracePeriodSeconds=91"),
+        ("env.OUTBOX_RELAY__SHUTDOWN_GRACE=PT5S", 'config=[relay]\nshutdown_grace = "PT1M"'),
+        ('config=[relay]\nshutdown_grace = "P1D"',),  # a form the sidecar judges, not the chart
+        ("mode=sidecar", 'config=[relay]\nshutdown_grace = "PT1M"'),  # the application's pod
+    ],
+)
+def test_a_shutdown_grace_the_pods_termination_outlasts_is_taken(
+    helm: str, sets: tuple[str, ...]
+) -> None:
+    assert render(helm, "existingSecret=s", *sets)
 
 
 def reconcile_docs(helm: str, *sets: str) -> dict[str, dict[str, Any]]:
