@@ -357,6 +357,22 @@ class _FoldedSecrets(NestedSecretsSettingsSource):
     def __call__(self) -> dict[str, Any]:
         return _fold_endpoints(super().__call__())
 
+    @classmethod
+    def load_secrets(cls, path: Path) -> dict[str, str]:
+        """The outbox_* files only: the Secret mounted there may hold a TLS setup's files too (a
+        PKCS#12 keystore, a DER certificate), and pydantic-settings read every file as text:
+        one not UTF-8 failed every command's start."""
+        found: dict[str, str] = {}
+        for file in cls._iter_secret_files(path):
+            name = str(file.relative_to(path))
+            if not name.lower().startswith("outbox_"):
+                continue
+            try:
+                found[name] = file.read_text(encoding="utf-8").strip()
+            except UnicodeDecodeError:
+                raise SettingsError(f"the secret file {file} is not UTF-8 text") from None
+        return found
+
 
 class _FoldedToml(TomlConfigSettingsSource):
     def __call__(self) -> dict[str, Any]:
@@ -511,6 +527,12 @@ def _load(kind: type[_S], config_file: str | Path | None, overrides: dict[str, A
         return chosen(_secrets_dir=secrets_dir, **overrides)
     except tomllib.TOMLDecodeError as exc:  # it named no file
         raise SettingsUnreadable(f"config file {config_file} is not TOML: {exc}") from None
+    except UnicodeDecodeError:  # TOML is UTF-8; it named no file either
+        raise SettingsUnreadable(f"config file {config_file} is not UTF-8 text") from None
+    except OSError as exc:  # a file of the secrets or the config the process may not read
+        raise SettingsUnreadable(
+            f"{exc.filename or config_file} cannot be read: {exc.strerror}"
+        ) from None
     except SettingsError as exc:  # e.g. OUTBOX_KAFKA__EXTRA not JSON; it names the setting
         why = f": {exc.__cause__}" if exc.__cause__ else ""  # where the JSON broke, no value
         raise SettingsUnreadable(f"{_where(exc)}{why}") from None

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from relay.config import KafkaSettings, RelaySettings, SidecarSettings, load_settings
+from relay.config import (
+    KafkaSettings,
+    RelaySettings,
+    SettingsUnreadable,
+    SidecarSettings,
+    load_settings,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +43,35 @@ def test_secrets_mounted_as_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     settings = load_settings()
     assert settings.database.dsn.get_secret_value() == "postgresql://secret@db/app"
     assert settings.kafka.to_librdkafka()["sasl.password"] == "hunter2"
+
+
+def test_files_of_a_tls_setup_beside_the_secrets_are_not_read_as_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The chart's Secret may hold a keystore too (values.yaml says so): read as UTF-8 text,
+    a binary one failed every command's start."""
+    (tmp_path / "outbox_database__dsn").write_text("postgresql://secret@db/app")
+    (tmp_path / "keystore.p12").write_bytes(bytes(range(256)) * 4)  # not UTF-8
+    (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
+    assert load_settings().database.dsn.get_secret_value() == "postgresql://secret@db/app"
+
+
+def test_a_secret_file_or_config_file_not_utf8_is_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "outbox_database__dsn").write_text("postgresql://secret@db/app")
+    (secrets / "outbox_kafka__sasl_password").write_bytes(b"hunter\xff")
+    monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(secrets))
+    with pytest.raises(SettingsUnreadable, match=r"secret file .*outbox_kafka__sasl_password is"):
+        load_settings()
+    (secrets / "outbox_kafka__sasl_password").unlink()
+    config = tmp_path / "sidecar.toml"
+    config.write_bytes(b"[relay]\nrelay_id = '\xe9'\n")  # Latin-1
+    with pytest.raises(SettingsUnreadable, match=r"sidecar\.toml is not UTF-8 text"):
+        load_settings(config)
 
 
 def test_toml_file_and_env_overrides_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
