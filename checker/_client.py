@@ -442,7 +442,15 @@ class HttpCheckClient:
             conn.request("POST", self._target, body=body, headers=headers)
             _ack_at_once(conn.sock)
             response = conn.getresponse()
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
+        except (
+            http.client.RemoteDisconnected,
+            ConnectionResetError,
+            ConnectionAbortedError,
+            BrokenPipeError,
+            # a TLS server's keep-alive timeout closes with no close_notify (Python's, gunicorn's)
+            ssl.SSLEOFError,
+            ssl.SSLZeroReturnError,
+        ) as exc:
             if may_be_stale:
                 raise _Stale from None
             raise _Failed(Outcome.TRANSPORT_ERROR, f"{type(exc).__name__}: {exc}") from None

@@ -117,8 +117,14 @@ Reply = tuple[int, dict[str, str], bytes]
 
 
 class _QuietServer(ThreadingHTTPServer):
+    closed = threading.Semaphore(0)  # released as each connection is closed (set per server)
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a checker that dropped the connection on purpose: not worth a traceback
+
+    def shutdown_request(self, request: Any) -> None:
+        super().shutdown_request(request)
+        self.closed.release()
 
 
 class RawServer:
@@ -129,6 +135,7 @@ class RawServer:
         reply: Callable[[dict[str, str], bytes], Reply],
         tls: ssl.SSLContext | None = None,
         interim: bytes = b"",
+        keep_alive: bool = True,
     ) -> None:
         self.requests = 0
 
@@ -148,11 +155,15 @@ class RawServer:
                 self.send_header("content-length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+                # not kept after all, unsaid (no Connection: close): closed as a server's
+                # keep-alive timeout closes it, over TLS with no close_notify
+                self.close_connection = not keep_alive
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
         self.httpd = _QuietServer(("127.0.0.1", 0), Handler)
+        self.httpd.closed = threading.Semaphore(0)
         self.httpd.daemon_threads = True
         if tls is not None:
             self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
@@ -838,15 +849,11 @@ def test_replayed_answer_to_another_request_changes_nothing(
         assert (one(pg_dsn, tx_id)["state"], one(pg_dsn, tx_id)["check_count"]) == ("prepared", 1)
 
 
-def test_tls_is_verified(
-    pg_dsn: str,
-    raw_servers: Callable[..., RawServer],
-    make_checker: Callable[..., Checker],
-    tmp_path: Path,
-) -> None:
+def self_signed(where: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key."""
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert, key = where / "cert.pem", where / "key.pem"
     subprocess.run(
         [
             "openssl",
@@ -871,6 +878,16 @@ def test_tls_is_verified(
         check=True,
         capture_output=True,
     )
+    return cert, key
+
+
+def test_tls_is_verified(
+    pg_dsn: str,
+    raw_servers: Callable[..., RawServer],
+    make_checker: Callable[..., Checker],
+    tmp_path: Path,
+) -> None:
+    cert, key = self_signed(tmp_path)
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     tls.load_cert_chain(cert, key)
     url = raw_servers(lambda h, b: signed_answer(h, b, COMMIT), tls=tls).url
@@ -885,6 +902,39 @@ def test_tls_is_verified(
     )
     assert trusted.run_once().committed == 1
     assert one(pg_dsn, untrusted)["state"] == "committed"
+
+
+def test_a_tls_connection_the_server_closed_without_notice_is_opened_again(
+    pg_dsn: str,
+    raw_servers: Callable[..., RawServer],
+    make_checker: Callable[..., Checker],
+    tmp_path: Path,
+) -> None:
+    """A TLS server's keep-alive timeout ends a connection with no close_notify (Python's, as
+    gunicorn's): the next check on it failed with SSLEOFError, counted against max_checks and
+    the circuit, where a plain connection's reset was tried again on a new one."""
+    cert, key = self_signed(tmp_path)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    server = raw_servers(lambda h, b: signed_answer(h, b, COMMIT), tls=tls, keep_alive=False)
+    client = HttpCheckClient(
+        EndpointSettings.model_validate(endpoint_settings(server.url, ca_file=str(cert)))
+    )
+    try:
+        for n in range(1, 4):
+            request = CheckRequest(
+                producer_group=GROUP,
+                tx_id=f"tx-{n}",
+                check_count=1,
+                first_prepared_at=datetime.now(UTC),
+                records=[],
+            )
+            answer = client.check(request)
+            assert (answer.outcome, answer.detail) == ("commit", "")
+            assert server.httpd.closed.acquire(timeout=10)  # before the next check is sent
+        assert server.requests == 3
+    finally:
+        client.close()
 
 
 # --- limits: discard -------------------------------------------------------------------------
