@@ -506,6 +506,8 @@ class Checker:
         open. Exceptions other than ``Exception`` (a simulated crash) propagate to the round."""
         if self._now() > claim.send_by:
             return claim, CheckAnswer(Outcome.DEFERRED, "could not start within the lease")
+        if self._stop.is_set():  # each would take up to its timeout, past the stop's grace
+            return claim, CheckAnswer(Outcome.DEFERRED, "the checker is stopping")
         if not endpoint.breaker.allow():
             return claim, CheckAnswer(Outcome.CIRCUIT_OPEN, "circuit open")
         try:
@@ -833,8 +835,9 @@ class Checker:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop after the round in flight (its requests are bounded by their timeouts), then
-        close connections and workers. Safe to call twice, and without ``start()``."""
+        """Stop after the round in flight (its requests sent are bounded by their timeouts; those
+        not begun are given back), then close connections and workers. Safe to call twice, and
+        without ``start()``."""
         self._stop.set()
         if self._thread is not None:
             grace = 30.0 if timeout is None else timeout

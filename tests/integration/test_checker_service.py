@@ -2093,6 +2093,39 @@ def test_start_stop_and_probes(
         checker.run_once()
 
 
+def test_a_stopping_checker_sends_no_further_check_and_gives_the_rest_back(
+    pg_dsn: str, raw_servers: Callable[..., RawServer], make_checker: Callable[..., Checker]
+) -> None:
+    """A round's requests queued behind a worker went on being sent after SIGTERM, each up to
+    its timeout, and the stop overran its grace; those not begun are given back, uncounted."""
+    entered, release = threading.Event(), threading.Event()
+
+    def held(headers: dict[str, str], body: bytes) -> Reply:
+        entered.set()
+        release.wait(20)
+        return signed_answer(headers, body, COMMIT)
+
+    server = raw_servers(held)
+    first, _ = prepare(pg_dsn, check_immunity=0)
+    second, _ = prepare(pg_dsn, check_immunity=0)
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(server.url, concurrency=1)}, poll_interval="PT0.05S"),
+        utc_now,
+    )
+    checker.start()
+    assert entered.wait(30)
+    stopping = threading.Thread(target=checker.stop, args=(30,))
+    stopping.start()
+    wait_for(checker._stop.is_set, 10)
+    release.set()  # the check in flight is answered; the one queued behind it must not go out
+    stopping.join(40)
+    assert not checker.alive()
+    assert server.requests == 1
+    ended, given_back = sorted([one(pg_dsn, first), one(pg_dsn, second)], key=lambda r: r["state"])
+    assert (ended["state"], given_back["state"]) == ("committed", "prepared")
+    assert given_back["check_count"] == 0
+
+
 def test_a_checker_waiting_a_long_poll_interval_is_alive(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
