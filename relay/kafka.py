@@ -448,6 +448,9 @@ class ShardProducer:
                 err: KafkaError = exc.args[0]
                 _raise_if_fenced_or_fatal(err, exc)
                 if err.txn_requires_abort():
+                    # Known not committed: aborted now (the caller's), not left open until a
+                    # recovery, holding back the stable offset of its partitions meanwhile.
+                    self._settled_by_recovery = False
                     raise
                 if err.retriable() and time.monotonic() < deadline:
                     continue

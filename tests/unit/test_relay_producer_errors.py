@@ -3,6 +3,7 @@ which a fatal error of this producer instance only (ProducerFailed)."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -80,6 +81,28 @@ def test_a_retriable_commit_error_past_the_timeout_leaves_the_outcome_unknown() 
     error: Any = KafkaError(KafkaError._TIMED_OUT, retriable=True)
     with pytest.raises(OutcomeUnknown):
         producer_failing_with(error).commit()
+
+
+def test_a_commit_refused_as_must_abort_leaves_the_transaction_to_be_aborted() -> None:
+    """Its outcome is known (not committed): left open until the shard's recovery after its
+    backoff, it held back the stable offset of its partitions, the op-marker partition other
+    shards share included."""
+    error: Any = KafkaError(KafkaError._STATE, txn_requires_abort=True)
+    producer = producer_failing_with(error)
+    producer._began = time.monotonic()  # a transaction open since now
+    with pytest.raises(KafkaException):
+        producer.commit()
+    assert producer.abortable
+
+
+def test_a_commit_of_unknown_outcome_is_not_aborted() -> None:
+    """Only a recovery settles it: its markers say whether it committed."""
+    error: Any = KafkaError(KafkaError._TIMED_OUT, retriable=True)
+    producer = producer_failing_with(error)
+    producer._began = time.monotonic()
+    with pytest.raises(OutcomeUnknown):
+        producer.commit()
+    assert not producer.abortable
 
 
 def test_extra_may_tune_the_producer_but_not_loosen_exactly_once(
