@@ -7,6 +7,7 @@ shards back so another relay takes them at once, and tolerates being called twic
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -189,6 +190,9 @@ class Relay:
         self._marker_topic_checked_at = -float("inf")
         self._holder_warned: tuple[int, str] | None = None  # (pid, xid) last logged
         self._gauge_conn: psycopg.Connection[Any] | None = None  # refresh_gauges' own
+        # held by a refresh using _gauge_conn: the stop must not close it under the refresh
+        # (libpq's connection freed while another thread reads on it)
+        self._gauge_lock = threading.Lock()
         self._db_probe = DatabaseProbe(
             lambda: self._connect(autocommit=True),
             wait_s=self.settings.database.connect_timeout_s,
@@ -1070,9 +1074,10 @@ class Relay:
             self.leases.leave(self._hand_back_connection())
         except psycopg.Error as exc:
             logger.warning("could not hand the shards back (they expire instead): %s", exc)
-        for conn in (self._conn, self._listen, self._gauge_conn):
+        for conn in (self._conn, self._listen):
             if conn is not None:
                 conn.close()
+        self._close_gauge_conn()
         self._db_probe.close()
         logger.info("relay %s stopped", self.relay_id)
 
@@ -1147,6 +1152,28 @@ class Relay:
         every relay. On a connection kept for this: a new one each refresh was churn."""
         metrics.SHARDS_OWNED.set(len(self.held_shards()))  # first: without the database too
         metrics.SHARDS.set(self.settings.relay.shards)
+        with self._gauge_lock:
+            if self._closed_if_stopped():
+                return
+            holder = self._read_gauges()
+            self._closed_if_stopped()  # stopped while reading: the stop left it to us
+        metrics.HORIZON_HOLDER_PID.set(holder[0] if holder else 0)
+        held = self._horizon_held(holder)
+        metrics.HORIZON_HELD.set(held)
+        if holder is not None and held >= HORIZON_WARN_S and self._holder_warned != holder[:2]:
+            # The gauges name a pid only, 0 for a prepared transaction: the log says which
+            # transaction, once, so an operator can end it.
+            self._holder_warned = holder[:2]
+            logger.warning(
+                "the xid horizon has been held for %.0f s by %s (xid %s): records of "
+                "transactions that took their xid after it wait until it ends",
+                held,
+                holder[3],
+                holder[1],
+            )
+
+    def _read_gauges(self) -> tuple[Any, ...] | None:
+        """The backlog gauges set; returns the horizon's holder. With _gauge_lock held."""
         conn = self._gauge_conn
         if conn is None or conn.closed or conn.broken:
             conn = self._gauge_conn = self._connect(autocommit=True)
@@ -1166,25 +1193,37 @@ class Relay:
             else:
                 metrics.BACKLOG.set(0)
                 metrics.OLDEST_AGE.set(0)
-            holder = conn.execute(queries.query("relay_horizon_holder", self.schema)).fetchone()
+            holder: tuple[Any, ...] | None = conn.execute(
+                queries.query("relay_horizon_holder", self.schema)
+            ).fetchone()
         except psycopg.Error:
-            conn.close()
-            self._gauge_conn = None
+            self._close_gauge_conn_held()
             raise
-        metrics.HORIZON_HOLDER_PID.set(holder[0] if holder else 0)
-        held = self._horizon_held(holder)
-        metrics.HORIZON_HELD.set(held)
-        if holder is not None and held >= HORIZON_WARN_S and self._holder_warned != holder[:2]:
-            # The gauges name a pid only, 0 for a prepared transaction: the log says which
-            # transaction, once, so an operator can end it.
-            self._holder_warned = holder[:2]
-            logger.warning(
-                "the xid horizon has been held for %.0f s by %s (xid %s): records of "
-                "transactions that took their xid after it wait until it ends",
-                held,
-                holder[3],
-                holder[1],
-            )
+        return holder
+
+    def _close_gauge_conn(self) -> None:
+        """At the stop: closed now, or, a refresh reading on it, its query cancelled and the
+        connection left to the refresh to close (it sees the relay stopped)."""
+        if self._gauge_lock.acquire(blocking=False):
+            try:
+                self._close_gauge_conn_held()
+            finally:
+                self._gauge_lock.release()
+        elif (conn := self._gauge_conn) is not None:
+            # the database unreachable: the refresh ends at its own timeout
+            with contextlib.suppress(psycopg.Error):
+                conn.cancel_safe(timeout=1.0)
+
+    def _closed_if_stopped(self) -> bool:
+        """With _gauge_lock held: the relay stopped, its gauges' connection is closed."""
+        if self._stopped:
+            self._close_gauge_conn_held()
+        return self._stopped
+
+    def _close_gauge_conn_held(self) -> None:
+        if self._gauge_conn is not None:
+            self._gauge_conn.close()
+            self._gauge_conn = None
 
     def _horizon_held(self, holder: tuple[Any, ...] | None) -> float:
         """Seconds the oldest running transaction has held the horizon. Its start is hidden

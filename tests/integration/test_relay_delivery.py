@@ -2706,6 +2706,48 @@ def test_the_backlog_gauges_count_committed_rows_and_age_the_oldest_stamped_or_n
         assert REGISTRY.get_sample_value("outbox_relay_oldest_undelivered_seconds") == 0
 
 
+def test_a_stop_during_a_gauges_refresh_cuts_it_short_and_closes_its_connection(
+    pg_dsn: str, relay_factory: Any
+) -> None:
+    """The stop closed the gauges' connection while the gauges' thread read on it (counting a
+    large backlog takes seconds): libpq's connection freed under a query in progress."""
+    relay = relay_factory()
+    relay.run_once()
+    failed: list[Exception] = []
+
+    def refresh() -> None:
+        try:
+            relay.refresh_gauges()
+        except psycopg.Error as exc:
+            failed.append(exc)
+
+    def waiting_on_a_lock(admin: psycopg.Connection[Any], pid: int) -> bool:
+        row = admin.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
+        return row is not None and row[0] == "Lock"
+
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as admin,
+        psycopg.connect(pg_dsn) as locker,
+    ):
+        locker.execute("LOCK TABLE outbox.outbox_record IN ACCESS EXCLUSIVE MODE")
+        reading = threading.Thread(target=refresh)
+        reading.start()
+        wait_for(lambda: relay._gauge_conn is not None, 10)
+        pid = relay._gauge_conn.info.backend_pid
+        wait_for(lambda: waiting_on_a_lock(admin, pid), 10)
+        relay.stop(timeout=10)
+        reading.join(10)
+        assert not reading.is_alive()
+        assert [type(e) for e in failed] == [psycopg.errors.QueryCanceled]
+        assert relay._gauge_conn is None
+        gone = "SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = %s"
+        wait_for(lambda: admin.execute(gone, (pid,)).fetchone() == (True,), 10)
+        relay.refresh_gauges()  # after the stop: nothing read, no connection made
+        assert relay._gauge_conn is None
+
+
 def test_one_relay_counts_the_backlog_for_the_gauges_on_a_connection_it_keeps(
     pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
