@@ -1108,11 +1108,13 @@ class Relay:
         wait between rounds (a poll interval above the allowance failed the liveness probe of
         a relay that was only waiting), plus the longest Kafka call a round makes without
         coming up for air (a commit waits up to kafka_transaction_timeout: raised to 5 min for
-        a large transaction, as its error says to, the probe killed the relay in its commit)."""
+        a large transaction, as its error says to, the probe killed the relay in its commit).
+        The linger waited after a wake-up too: a long one failed the probe every quiet cycle."""
         rs = self.settings.relay
         return (
             ROUND_ALLOWANCE_S
             + rs.poll_interval.total_seconds()
+            + rs.linger.total_seconds()
             + rs.kafka_transaction_timeout.total_seconds()
         )
 

@@ -1733,11 +1733,13 @@ def test_a_shard_whose_worker_cannot_be_built_is_handed_back(
 def test_a_relay_waiting_a_long_poll_interval_is_alive(relay_factory: Any) -> None:
     """Liveness allowed 120 s without a finished round, whatever the poll interval: with one
     above that, /healthz failed while the relay only waited for work. (And the longest Kafka
-    commit: it blocks up to kafka_transaction_timeout.)"""
+    commit: it blocks up to kafka_transaction_timeout, and the linger after a wake-up.)"""
     relay = relay_factory(
         poll_interval="PT150S", listen_notify=False, kafka_transaction_timeout="PT30S"
     )
     assert relay.stale_after_s() == 120 + 150 + 30
+    lingering = relay_factory(poll_interval="PT1S", linger="PT300S")
+    assert lingering.stale_after_s() == 120 + 1 + 300 + 60
     first_round = threading.Event()
     run_once = relay.run_once
 
