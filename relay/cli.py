@@ -366,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _settings_error(exc: ValidationError) -> str:
     """One line naming each bad setting, not pydantic's dump of our classes and its links; a
     missing database names where the DSN goes."""
-    said = f"settings: {describe(exc, 'settings')}"
+    said = f"settings: {describe(exc, '')}"  # an error of no field names its settings itself
     if any(err["loc"][:1] == ("database",) and err["type"] == "missing" for err in exc.errors()):
         said += (
             " (set OUTBOX_DATABASE__DSN, or the secret file outbox_database__dsn, or "

@@ -44,6 +44,7 @@ from outbox._dsn import MASK, check_dsn_setting, masked_dsn
 from outbox._errors import InvalidTopicError
 from outbox._records import check_topic
 from relay.durations import Duration
+from relay.markers import MARKER_MESSAGE_MARGIN
 
 DEFAULT_SECRETS_DIR = Path("/run/secrets/outbox")
 # OUTBOX_* variables that are not settings: the commands' own, and the project's scripts' and tests'
@@ -105,6 +106,25 @@ class KafkaSettings(BaseModel):
     def _mechanism_any_case(cls, v: Any) -> Any:
         return v.upper() if isinstance(v, str) else v
 
+    @model_validator(mode="after")
+    def _logins_the_protocol_uses(self) -> Self:
+        """A SASL login or TLS files under a protocol that uses none were dropped, unsaid
+        (librdkafka warns in its log, once): the client connected without them."""
+        protocol = str(self.extra.get("security.protocol", self.security_protocol)).lower()
+        given = [f for f in type(self).model_fields if f != "extra" and getattr(self, f)]
+        sasl = [f for f in given if f.startswith("sasl_")] if "sasl" not in protocol else []
+        ssl = [f for f in given if f.startswith("ssl_")] if "ssl" not in protocol else []
+        if sasl or ssl:
+            wanted = "sasl" in protocol or sasl, "ssl" in protocol or ssl
+            fix = {(True, True): "sasl_ssl", (True, False): "sasl_ssl or sasl_plaintext"}.get(
+                (bool(wanted[0]), bool(wanted[1])), "ssl"
+            )
+            raise ValueError(
+                f"kafka.{', kafka.'.join(sasl + ssl)}: not used with security_protocol "
+                f"{protocol}; set security_protocol to {fix}"
+            )
+        return self
+
     @field_serializer("extra")
     def _masked_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
         return {k: MASK if _SECRET_PROPERTY.search(k) else v for k, v in extra.items()}
@@ -138,7 +158,7 @@ class DatabaseSettings(BaseModel):
         min_length=1, description="libpq connection string of the application's database."
     )
     schema_name: str = Field(default="outbox", description="Schema of the outbox tables.")
-    connect_timeout_s: float = Field(default=10.0, gt=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0, le=3600, allow_inf_nan=False)
     transaction_pooling: bool = Field(
         default=False,
         description="The DSN goes through a pooler in transaction pooling (PgBouncer's "
@@ -177,6 +197,7 @@ class HttpSettings(BaseModel):
 
 
 MIN_OP_MARKER_MESSAGE_BYTES = 1024
+LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
 
 
 class RelaySettings(BaseModel):
@@ -407,12 +428,44 @@ class SidecarSettings(_FromEverywhere):
             )
         return self
 
+    @model_validator(mode="after")
+    def _markers_fit_the_producers_messages(self) -> Self:
+        """The producer's side of the op-marker message limit needs no broker: refused here,
+        by `outboxctl config` too, not at the relay's start (the topic's side is checked there)."""
+        given = self.kafka.extra.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES)
+        try:
+            limit = int(given)
+        except ValueError:
+            return self  # not a number: the Kafka client says so
+        name = "the producer's message.max.bytes (kafka.extra)"
+        if self.relay.enabled and (why := marker_size_refused(self.relay, name, limit)):
+            raise ValueError(why)
+        return self
+
     @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _any_case(cls, v: Any, info: ValidationInfo) -> Any:
         if not isinstance(v, str):
             return v
         return v.upper() if info.field_name == "log_level" else v.lower()
+
+
+def marker_size_refused(relay: RelaySettings, name: str, limit: int) -> str | None:
+    """Why relay.op_marker_message_bytes cannot work under `limit` (`name`'s), or None."""
+    needed = relay.op_marker_message_bytes + MARKER_MESSAGE_MARGIN
+    if needed <= limit:
+        return None
+    fits = limit - MARKER_MESSAGE_MARGIN
+    fix = (
+        f"set it to at most {fits}"
+        if fits >= MIN_OP_MARKER_MESSAGE_BYTES
+        else f"raise {name} to at least {needed}"  # below the setting's least: refused too
+    )
+    return (
+        f"relay.op_marker_message_bytes is {relay.op_marker_message_bytes}, but {name} is "
+        f"{limit}: {fix} (a message may exceed it by one entry and the envelope, "
+        f"{MARKER_MESSAGE_MARGIN} bytes at most)"
+    )
 
 
 class DatabaseLookupSettings(DatabaseSettings):

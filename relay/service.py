@@ -28,7 +28,7 @@ from outbox import wakeup_channel
 from outbox.migrations import schema_problem
 from relay import metrics
 from relay.background import BackgroundConnection
-from relay.config import MIN_OP_MARKER_MESSAGE_BYTES, SidecarSettings
+from relay.config import LIBRDKAFKA_MESSAGE_MAX_BYTES, SidecarSettings, marker_size_refused
 from relay.dbconnect import bound_idle_time, dead_peer_options, own_transaction_mode
 from relay.dbprobe import DatabaseProbe
 from relay.http import gather
@@ -42,7 +42,7 @@ from relay.kafka import (
     TransactionTimedOut,
 )
 from relay.leases import LeaseManager, ShardCountMismatch
-from relay.markers import MARKER_MESSAGE_MARGIN, marker_partition, outbox_name
+from relay.markers import marker_partition, outbox_name
 from relay.pipelined import pipelined_transaction
 from relay.shard import (
     DeadLetterUnwritable,
@@ -70,7 +70,6 @@ MIN_IDLE_TRANSACTION = timedelta(seconds=5)  # see _connect
 # an end holds its rows for milliseconds.
 STAMP_LOCK_TIMEOUT = {"lock_timeout": "200ms"}
 STAMP_LOCK_ATTEMPTS = 25  # ~5 s of waiting for locks, with the leases renewed in between
-LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
 # A round that held transactions back for another relay's shard looks again this soon (that
 # relay's rounds take tens of ms), not after the poll interval.
 HELD_BACK_POLL_S = 0.05
@@ -356,20 +355,8 @@ class Relay:
             ),
         }
         for name, limit in limits.items():
-            if limit is not None and rs.op_marker_message_bytes + MARKER_MESSAGE_MARGIN > limit:
-                fits = limit - MARKER_MESSAGE_MARGIN
-                fix = (
-                    f"set it to at most {fits}"
-                    if fits >= MIN_OP_MARKER_MESSAGE_BYTES
-                    # below the setting's least: that would be refused too
-                    else f"raise {name} to at least "
-                    f"{rs.op_marker_message_bytes + MARKER_MESSAGE_MARGIN}"
-                )
-                raise RelayConfigError(
-                    f"relay.op_marker_message_bytes is {rs.op_marker_message_bytes}, but {name} "
-                    f"is {limit}: {fix} (a message may exceed it by one entry and the envelope, "
-                    f"{MARKER_MESSAGE_MARGIN} bytes at most)"
-                )
+            if limit is not None and (why := marker_size_refused(rs, name, limit)):
+                raise RelayConfigError(why)
 
     def heartbeat(self) -> None:
         asked_at = time.monotonic()  # the leases run from about then, not from this end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ def test_secrets_mounted_as_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     (tmp_path / "outbox_database__dsn").write_text("postgresql://secret@db/app")
     (tmp_path / "outbox_kafka__sasl_password").write_text("hunter2")
     monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
+    monkeypatch.setenv("OUTBOX_KAFKA__SECURITY_PROTOCOL", "sasl_ssl")
     settings = load_settings()
     assert settings.database.dsn.get_secret_value() == "postgresql://secret@db/app"
     assert settings.kafka.to_librdkafka()["sasl.password"] == "hunter2"
@@ -201,6 +203,7 @@ def test_names_of_no_setting_are_said_once(
     monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
     (tmp_path / "outbox_kafka_sasl_password").write_text("s3cret")
     (tmp_path / "outbox_kafka__sasl_password").write_text("s3cret")
+    monkeypatch.setenv("OUTBOX_KAFKA__SECURITY_PROTOCOL", "sasl_ssl")
     (tmp_path / "other_app_key").write_text("x")
     caplog.set_level("WARNING", logger="relay.config")
     settings = load_settings()
@@ -284,3 +287,57 @@ def test_listen_asked_for_through_a_transaction_pooler_is_refused_by_name(
         load_settings(config)
     monkeypatch.setenv("OUTBOX_RELAY__LISTEN_NOTIFY", "false")  # said off: taken
     assert load_settings(config).relay.listen_notify is False
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (
+            {"sasl_mechanism": "PLAIN", "sasl_username": "u", "sasl_password": "p"},
+            "kafka.sasl_mechanism, kafka.sasl_username, kafka.sasl_password: not used with "
+            "security_protocol plaintext; set security_protocol to sasl_ssl or sasl_plaintext",
+        ),
+        (
+            {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN",
+             "ssl_ca_location": "/ca.pem"},
+            "kafka.ssl_ca_location: not used with security_protocol sasl_plaintext; set "
+            "security_protocol to sasl_ssl",
+        ),
+        (
+            {"ssl_ca_location": "/ca.pem"},
+            "not used with security_protocol plaintext; set security_protocol to ssl",
+        ),
+    ],
+)  # fmt: skip
+def test_a_login_or_tls_files_the_protocol_would_not_use_are_refused(
+    given: dict[str, str], said: str
+) -> None:
+    """They were dropped, unsaid: the client connected without them (librdkafka's warning went
+    to a log nobody reads at `outboxctl config`)."""
+    with pytest.raises(ValidationError, match=re.escape(said)):
+        KafkaSettings.model_validate(given)
+    # the protocol given through extra, as Kafka's own properties name it, counts
+    protocol = {"extra": {"security.protocol": "SASL_SSL"}}
+    assert KafkaSettings.model_validate({**given, **protocol}).to_librdkafka()
+
+
+@pytest.mark.parametrize("timeout", ["inf", "nan", "86400"])
+def test_a_connect_timeout_past_an_hour_or_not_finite_is_refused(timeout: str) -> None:
+    """inf passed `outboxctl config`, then every connection failed (OverflowError)."""
+    with pytest.raises(ValidationError, match="connect_timeout_s"):
+        SidecarSettings.model_validate(
+            {"database": {"dsn": "postgresql://db/app", "connect_timeout_s": timeout}}
+        )
+
+
+def test_marker_messages_larger_than_the_producer_sends_are_refused_before_any_broker() -> None:
+    """The producer's limit needs no broker: `outboxctl config` passed it, and the relay
+    stopped at its start."""
+    base = {"database": {"dsn": "postgresql://db/app"}}
+    too_large = {**base, "relay": {"op_marker_message_bytes": 2_000_000}}
+    with pytest.raises(ValidationError, match="set it to at most 967232"):
+        SidecarSettings.model_validate(too_large)
+    raised = {**too_large, "kafka": {"extra": {"message.max.bytes": 4_000_000}}}
+    assert SidecarSettings.model_validate(raised).relay.op_marker_message_bytes == 2_000_000
+    checker_only = {**too_large, "relay": {**too_large["relay"], "enabled": False}}
+    assert SidecarSettings.model_validate(checker_only)
