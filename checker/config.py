@@ -24,8 +24,10 @@ would ever be asked) and a ``check_interval`` above ``max_backoff`` (it would ne
 
 from __future__ import annotations
 
+import ssl
 from datetime import timedelta
 from typing import Self
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 from pydantic import (
     AnyHttpUrl,
@@ -33,10 +35,12 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    field_serializer,
     field_validator,
     model_validator,
 )
 
+from outbox._dsn import MASK
 from outbox.checkback import Signer
 from relay.durations import Duration
 
@@ -94,6 +98,31 @@ class EndpointSettings(BaseModel):
                 "signed with `secrets`), and `outboxctl config` would print them; remove them"
             )
         return url
+
+    @field_serializer("url", when_used="json")
+    def _query_masked(self, url: AnyHttpUrl) -> str:
+        """`outboxctl config` shows the URL with its query's values masked: an API key or a
+        function's code often rides there (?code=...)."""
+        if not url.query:
+            return str(url)
+        pairs = parse_qsl(url.query, keep_blank_values=True)
+        masked = "&".join(f"{quote(name)}={MASK}" for name, _ in pairs)
+        return urlunsplit(urlsplit(str(url))._replace(query=masked))
+
+    @model_validator(mode="after")
+    def _ca_file_usable(self) -> Self:
+        """A CA file missing or not PEM passed `outboxctl config`, then failed every check
+        (a traceback, or "No such file or directory" naming neither the file nor the setting)."""
+        if self.ca_file is None:
+            return self
+        if self.url.scheme != "https":
+            raise ValueError(f"ca_file is for an https URL; this one is {self.url.scheme}")
+        try:
+            ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ValueError(f"ca_file {self.ca_file} cannot be used: {why}") from None
+        return self
 
     @model_validator(mode="after")
     def _timeouts(self) -> Self:

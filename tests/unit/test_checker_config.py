@@ -63,6 +63,29 @@ def test_an_endpoint_url_with_credentials_is_refused_without_echoing_them() -> N
     assert "s3cret" not in str(caught.value)
 
 
+def test_an_endpoint_urls_query_is_masked_where_it_is_shown() -> None:
+    """An API key or a function's code rides in a query string (Azure Functions' ?code=):
+    `outboxctl config` printed it; the requests still carry it."""
+    settings = EndpointSettings.model_validate(
+        endpoint(url="https://fn.example/api/check?code=s3cret&v=2")
+    )
+    shown = json.loads(settings.model_dump_json())["url"]
+    assert shown == "https://fn.example/api/check?code=**********&v=**********"
+    assert str(settings.url) == "https://fn.example/api/check?code=s3cret&v=2"
+
+
+def test_a_ca_file_that_cannot_be_used_is_refused_naming_it(tmp_path: Path) -> None:
+    """Missing or not PEM, it passed `outboxctl config`, then every check failed with a
+    traceback or "No such file or directory" naming neither the file nor the setting."""
+    missing, not_pem = tmp_path / "missing.pem", tmp_path / "ca.txt"
+    not_pem.write_text("not a certificate\n")
+    for path, why in [(missing, "No such file or directory"), (not_pem, "NO_CERTIFICATE")]:
+        with pytest.raises(ValidationError, match=f"ca_file {path} cannot be used: .*{why}"):
+            EndpointSettings.model_validate(endpoint(url="https://x/y", ca_file=str(path)))
+    with pytest.raises(ValidationError, match="ca_file is for an https URL; this one is http"):
+        EndpointSettings.model_validate(endpoint(url="http://x/y", ca_file=str(not_pem)))
+
+
 @pytest.mark.parametrize(
     "bad",
     [
