@@ -337,8 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.configure_from_environment()
     if "schema" in args:
         args.schema_given = args.schema is not None  # `checker --config` reads its own settings
-    if "schema" in args:
-        args.schema = command_schema(args)
+        # A serving command given no --schema reads all its settings anyway: a failure to read
+        # them is its own to say (logged as the sidecar logs, naming what is wrong), not
+        # "cannot be read for the schema; pass --schema", in plain text.
+        if args.schema_given or not serving:
+            args.schema = command_schema(args)
     try:
         return int(args.func(args))
     except BrokenPipeError:

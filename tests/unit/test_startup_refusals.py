@@ -118,6 +118,20 @@ def test_a_config_file_that_is_not_toml_is_named(
     assert f"config file {bad} is not TOML" in err
 
 
+def test_the_checker_says_its_settings_cannot_be_read_as_the_sidecar_logs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """It read them for the schema first, and said in plain text that they "cannot be read for
+    the schema; pass --schema", where `run` logs a JSON line naming what is wrong."""
+    bad = tmp_path / "sidecar.toml"
+    bad.write_text("[relay\n")
+    assert main(["checker", "--once", "--config", str(bad)]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    logged = json.loads(line)
+    assert logged["level"] == "CRITICAL"
+    assert logged["message"].startswith(f"outboxctl checker: config file {bad} is not TOML")
+
+
 def test_a_probe_port_taken_names_the_setting() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
