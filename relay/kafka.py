@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from relay.logs import RepeatFilter
 
 logger = logging.getLogger(__name__)
+INIT_POLL_S = 0.1  # how often an init a stop may cut short asks whether to go on waiting
 # librdkafka's own lines (connection failures, fatal errors), through logging: written to stderr
 # by the C library they broke the sidecar's one-JSON-object-per-line logs. A client passes them
 # on when it is polled (Topics polls its admin client at each call).
@@ -114,6 +116,12 @@ _PROPAGATING = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.LEADER_NO
 _TOPIC_MISSING = frozenset(
     {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.TOPIC_AUTHORIZATION_FAILED}
 )
+
+
+class ShuttingDown(Exception):
+    """The relay stops, and the batch in flight cannot finish within its grace: it is aborted
+    (its rows go again, from the next owner), not left open to pin its partitions' stable
+    offset until the broker's timeout. Or a recovery is cut short: the next owner's does it."""
 
 
 class Fenced(Exception):
@@ -292,19 +300,26 @@ class ShardProducer:
         # a recovery settles it
         self._settled_by_recovery = False
 
-    def init(self) -> None:
-        """(Re)create the producer and init transactions: fences any older instance of us."""
+    def init(self, stopping: Callable[[], bool] | None = None) -> None:
+        """(Re)create the producer and init transactions: fences any older instance of us.
+        With `stopping`, given up once it says so (the producer left to finish its init on a
+        thread of its own, and never used): with the coordinator unreachable, the wait alone,
+        up to the transaction timeout, overran a stop's grace. Not in slices: a timed-out init
+        called again failed with CONCURRENT_TRANSACTIONS where one call rode it out."""
         self.close()
         self._began = float("inf")
         try:
-            self._producer = Producer(self._conf)
+            producer = self._producer = Producer(self._conf)
         except KafkaException as exc:  # settings librdkafka refuses, e.g. a message.timeout.ms
             # in kafka.extra above transaction.timeout.ms: never good, for any shard
             raise ProducerMisconfigured(
                 f"the Kafka client refuses the producer's settings: {exc.args[0].str()}"
             ) from exc
         try:
-            self._producer.init_transactions(self.timeout_s)
+            if stopping is None:
+                producer.init_transactions(self.timeout_s)
+            else:
+                self._init_unless_stopping(producer, stopping)
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
             hint = _MISCONFIGURED.get(err.code())
@@ -315,6 +330,25 @@ class ShardProducer:
                 ) from exc
             _raise_if_fenced_or_fatal(err, exc)
             raise
+
+    def _init_unless_stopping(self, producer: Producer, stopping: Callable[[], bool]) -> None:
+        failed: list[Exception] = []
+
+        def init() -> None:
+            try:
+                producer.init_transactions(self.timeout_s)
+            except Exception as exc:  # raised again on the caller's thread
+                failed.append(exc)
+
+        waiting = threading.Thread(target=init, name=f"init-{self.transactional_id}", daemon=True)
+        waiting.start()
+        while waiting.is_alive():
+            waiting.join(INIT_POLL_S)
+            if waiting.is_alive() and stopping():
+                self._producer = None  # its thread's alone now
+                raise ShuttingDown("the relay stops: the producer's init is left to the next owner")
+        if failed:
+            raise failed[0]
 
     @property
     def producer(self) -> Producer:

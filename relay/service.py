@@ -38,6 +38,7 @@ from relay.kafka import (
     OutcomeUnknown,
     ProducerFailed,
     ProducerMisconfigured,
+    ShuttingDown,
     Topics,
     TransactionTimedOut,
 )
@@ -53,7 +54,6 @@ from relay.shard import (
     OutElsewhere,
     ShardRound,
     ShardWorker,
-    ShuttingDown,
     Unstamped,
     UnstampedSeen,
 )
@@ -399,6 +399,7 @@ class Relay:
                     self.claimer,
                     self.outbox,
                     ending_elsewhere=functools.partial(self._ending_elsewhere, lease.shard),
+                    stopping=self._stop.is_set,
                 )
             except Exception:
                 # Held without a worker, a shard was renewed for ever and never delivered,
@@ -580,7 +581,8 @@ class Relay:
                 # so for every shard
                 raise RelayConfigError(str(exc)) from exc
             except Exception as exc:
-                if self._marker_topic_gone(exc):
+                # not looked up while stopping: the broker unreachable, it waited 10 s more
+                if not self._stop.is_set() and self._marker_topic_gone(exc):
                     raise self._marker_topic_deleted() from exc
                 # One shard's trouble (a topic without a leader, a marker partition stuck)
                 # must not stop the others: it backs off alone, and recovers before it goes on.

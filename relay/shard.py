@@ -58,6 +58,7 @@ from relay.kafka import (
     ProducerMisconfigured,
     Sent,
     ShardProducer,
+    ShuttingDown,
     Topics,
     TransactionTimedOut,
     recovery_consumer_conf,
@@ -154,12 +155,6 @@ STOP_ABORT_S = 2.0  # a stop's abort of the batch in flight: the broker times ou
 
 class LeaseLost(Exception):
     """The shard's lease changed hands: its rows are not ours to touch any more."""
-
-
-class ShuttingDown(Exception):
-    """The relay stops, and the batch in flight cannot finish within its grace: it is aborted
-    (its rows go again, from the next owner), not left open to pin its partitions' stable
-    offset until the broker's timeout."""
 
 
 class EndFailed(Exception):
@@ -365,6 +360,7 @@ class ShardWorker:
         outbox: str | None = None,
         *,
         ending_elsewhere: Callable[[], OutElsewhere],
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         # Its epoch only: where its markers are recorded up to is read from the lease row
         # (_lock_lease), which batch ends and idle moves keep current.
@@ -384,6 +380,9 @@ class ShardWorker:
             f"{settings.transactional_id_prefix}-{self.shard}",
             settings.kafka_transaction_timeout,
         )
+        # the relay stops: a recovery's waits (the producer's init, a marker read stuck behind
+        # an open transaction), each up to kafka_transaction_timeout, are cut short
+        self._stopping = stopping
         self.needs_recovery = True
         self.failures = 0  # rounds failed in a row; the relay backs this shard off until retry_at
         self.retry_at = 0.0
@@ -484,7 +483,7 @@ class ShardWorker:
             )
         if recorded_producer not in (None, self.producer.transactional_id):
             self._fence_earlier_producer(recorded_producer)
-        self.producer.init()
+        self.producer.init(self._stopping)
         # A lease that never recovered never shipped: no marker is this shard's yet (a new
         # lease row, or one made anew for a new shard count), and its offset 0 would mean
         # reading the partition's whole history, other shards' traffic included.
@@ -561,7 +560,7 @@ class ShardWorker:
             self.kafka_conf, transactional_id, self.settings.kafka_transaction_timeout
         )
         try:
-            earlier.init()  # aborts its open transaction, refuses its commits from now on
+            earlier.init(self._stopping)  # aborts its open transaction, refuses its commits
         except ProducerMisconfigured as exc:
             raise ProducerMisconfigured(
                 f"shard {self.shard} cannot go on until the producer its op markers were last "
@@ -638,6 +637,8 @@ class ShardWorker:
                     )
                 if keep_alive is not None:
                     keep_alive()  # a long read must not let this relay's leases lapse
+                if self._stopping():
+                    raise ShuttingDown("the relay stops: this shard's recovery is left to the next")
                 msg = consumer.poll(0.2)
                 if msg is None:
                     continue

@@ -1874,6 +1874,50 @@ def test_a_stop_aborts_a_batch_that_cannot_finish_within_the_grace(
     assert [m.value() for m in delivered] == [b"in flight at the stop"]
 
 
+def test_a_stop_cuts_short_a_recovery_stuck_behind_a_transaction_open_on_its_markers(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A recovery reads its markers up to the log's end, waiting (up to the transaction
+    timeout) for every transaction on the partition to be decided: a stop then waited too,
+    past its grace, and the shards were not handed back."""
+    topic = topic_factory()
+    first = relay_factory(relay_id="relay-a")
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "before")
+    assert first.run_once().delivered == 1  # its markers' offset recorded
+    first.stop()
+    other = Producer({"bootstrap.servers": kafka_bootstrap, "transactional.id": f"{topic}-open"})
+    other.init_transactions(30)
+    other.begin_transaction()
+    other.produce(first.settings.relay.op_marker_topic, b"another producer's", partition=0)
+    other.flush(30)  # open on the marker partition, after the recorded offset
+    reading = threading.Event()
+    read_markers = ShardWorker._read_markers
+
+    def noted(worker: ShardWorker, *args: Any, **kwargs: Any) -> Any:
+        reading.set()
+        return read_markers(worker, *args, **kwargs)
+
+    monkeypatch.setattr(ShardWorker, "_read_markers", noted)
+    heir = relay_factory(relay_id="relay-b", kafka_transaction_timeout="PT60S")
+    try:
+        heir.start()
+        assert reading.wait(30)  # its recovery reads up to the open transaction
+        asked = time.monotonic()
+        heir.stop(5)
+        assert not heir.running()
+        assert time.monotonic() - asked < 5
+        with psycopg.connect(pg_dsn) as conn:
+            owners = conn.execute("SELECT owner FROM outbox.shard_lease").fetchall()
+        assert owners == [(None,)]  # handed back
+    finally:
+        other.abort_transaction(30)
+
+
 def test_a_stop_once_every_report_is_in_commits_the_batch(
     pg_dsn: str,
     kafka_bootstrap: str,

@@ -16,6 +16,7 @@ from relay.kafka import (
     ProducerFailed,
     ProducerMisconfigured,
     ShardProducer,
+    ShuttingDown,
 )
 
 
@@ -103,6 +104,44 @@ def test_a_commit_of_unknown_outcome_is_not_aborted() -> None:
     with pytest.raises(OutcomeUnknown):
         producer.commit()
     assert not producer.abortable
+
+
+class _CoordinatorUnreachable:
+    """A librdkafka producer whose init_transactions waits its whole timeout, then fails."""
+
+    def __init__(self, conf: dict[str, Any]) -> None:
+        self.asked: list[float] = []
+
+    def init_transactions(self, timeout: float) -> None:
+        self.asked.append(timeout)
+        time.sleep(timeout)
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, retriable=True))
+
+    def flush(self, timeout: float) -> int:
+        return 0
+
+
+def test_a_stop_cuts_an_init_waiting_for_an_unreachable_coordinator_short(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """init_transactions waited up to the transaction timeout (60 s) whatever a stop said: a
+    SIGTERM in a broker outage, landing in a shard's recovery, overran the grace."""
+    monkeypatch.setattr("relay.kafka.Producer", _CoordinatorUnreachable)
+    producer = ShardProducer({}, "test-0", timedelta(seconds=30))
+    stop_at = time.monotonic() + 0.3
+    with pytest.raises(ShuttingDown):
+        producer.init(stopping=lambda: time.monotonic() >= stop_at)
+    assert time.monotonic() - stop_at < 1
+    assert not producer.abortable
+    with pytest.raises(RuntimeError, match="init"):
+        producer.begin()  # left to its init's thread, never used again
+    # Not stopped, the init's outcome is the caller's, as without a stop to heed
+    unstopped = ShardProducer({}, "test-0", timedelta(seconds=0.3))
+    with pytest.raises(KafkaException, match="_TIMED_OUT"):
+        unstopped.init(stopping=lambda: False)
+    with pytest.raises(KafkaException, match="_TIMED_OUT"):
+        unstopped.init()
+    assert unstopped.producer.asked == [0.3]  # type: ignore[attr-defined]
 
 
 def test_extra_may_tune_the_producer_but_not_loosen_exactly_once(
