@@ -779,3 +779,37 @@ def test_the_reconcile_image_resolves_the_connector_of_the_pinned_pyspark() -> N
 def test_no_reconciliation_by_default(helm: str) -> None:
     docs = render(helm, "existingSecret=s")
     assert not [d for d in docs if "reconcile" in d["metadata"]["name"]]
+
+
+def test_the_relays_spread_over_nodes_unless_told_otherwise(helm: str, tmp_path: Path) -> None:
+    """Two relays on one node were both lost with it; a preference only, never a pod pending."""
+
+    def constraints(values: str | None = None) -> Any:
+        given = None
+        if values is not None:
+            given = tmp_path / "values.yaml"
+            given.write_text(values)
+        (deployment,) = [d for d in render(helm, "existingSecret=s", values=given)
+                         if d["kind"] == "Deployment"]  # fmt: skip
+        return deployment["spec"]["template"]["spec"].get("topologySpreadConstraints")
+
+    relays = {"app.kubernetes.io/name": "outbox-sidecar", "app.kubernetes.io/instance": "orders"}
+    assert constraints() == [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": relays},
+        }
+    ]
+    own = (
+        "topologySpreadConstraints:\n"
+        "  - {maxSkew: 2, topologyKey: topology.kubernetes.io/zone,"
+        " whenUnsatisfiable: DoNotSchedule, labelSelector: {matchLabels: {tier: relay}}}\n"
+    )
+    (zone,) = constraints(own)
+    assert (zone["topologyKey"], zone["labelSelector"]) == (
+        "topology.kubernetes.io/zone",
+        {"matchLabels": {"tier": "relay"}},
+    )
+    assert constraints("topologySpreadConstraints: []\n") is None
