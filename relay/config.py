@@ -10,13 +10,15 @@ file (`--config` or `OUTBOX_CONFIG_FILE`). Nothing is read at import time: call
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import tomllib
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from types import UnionType
+from typing import Annotated, Any, Literal, Self, TypeVar, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -556,7 +558,61 @@ def _where(exc: SettingsError) -> str:
     if found is None or found.group(2) not in _SOURCES:
         return str(exc)
     field, source = found.groups()
-    return f"{_SOURCES[source].format(field=field, FIELD=field.upper())} cannot be read"
+    named = _SOURCES[source].format(field=field, FIELD=field.upper())
+    if source == "_FoldedEnv":  # the one that is not JSON, where a setting takes JSON
+        culprits = [
+            name
+            for name, value in os.environ.items()
+            if name.upper().startswith(f"OUTBOX_{field.upper()}")
+            and _takes_json(SidecarSettings, name.upper().removeprefix("OUTBOX_").split("__"))
+            and not _is_json(value)
+        ]
+        if culprits:
+            named = f"the environment variable {', '.join(sorted(culprits))} (JSON expected)"
+    return f"{named} cannot be read"
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _takes_json(model: type[BaseModel], path: list[str]) -> bool:
+    """Whether the setting at `path` (an environment variable's parts) is a list, a mapping or a
+    section, which pydantic-settings reads from the environment as JSON."""
+    annotation: Any = model
+    for part in path:
+        annotation = _unwrapped(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(part.lower())
+            if field is None:
+                return False
+            annotation = field.annotation
+        elif get_origin(annotation) is dict:
+            annotation = get_args(annotation)[1]  # `part` is a key of the mapping
+        else:
+            return False
+    annotation = _unwrapped(annotation)
+    return get_origin(annotation) in (list, dict, tuple, set) or (
+        isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    )
+
+
+def _unwrapped(annotation: Any) -> Any:
+    """X of `X | None` and of `Annotated[X, ...]`."""
+    while True:
+        if get_origin(annotation) is Annotated:
+            annotation = get_args(annotation)[0]
+        elif get_origin(annotation) in (Union, UnionType):
+            kept = [a for a in get_args(annotation) if a is not type(None)]
+            if len(kept) != 1:
+                return annotation
+            annotation = kept[0]
+        else:
+            return annotation
 
 
 def _load(kind: type[_S], config_file: str | Path | None, overrides: dict[str, Any]) -> _S:

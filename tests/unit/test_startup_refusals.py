@@ -102,10 +102,27 @@ def test_a_value_that_is_not_json_names_its_setting(
     monkeypatch.setenv("OUTBOX_KAFKA__EXTRA", '{"compression.type": zstd}')
     code, _, err = config(capsys)
     assert code == 1
-    assert "the environment variable OUTBOX_KAFKA (or an OUTBOX_KAFKA__...) cannot be read" in err
+    assert "the environment variable OUTBOX_KAFKA__EXTRA (JSON expected) cannot be read" in err
     assert "line 1 column" in err
     assert "_FoldedEnv" not in err  # a class of ours, not what the operator set
     assert "Traceback" not in err
+
+
+def test_a_value_not_json_among_a_sections_variables_is_the_one_named(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An endpoint's secrets given as the bare secret, not a JSON list: the error named only
+    "OUTBOX_CHECKER (or an OUTBOX_CHECKER__...)", among a dozen variables of the section."""
+    monkeypatch.setenv("OUTBOX_CHECKER__ENDPOINTS__orders__URL", "https://orders/check")
+    monkeypatch.setenv("OUTBOX_CHECKER__ENDPOINTS__orders__SECRETS", "whsec_abc")
+    monkeypatch.setenv("OUTBOX_CHECKER__MAX_CHECKS", "5")
+    code, _, err = config(capsys)
+    assert code == 1
+    assert (
+        "the environment variable OUTBOX_CHECKER__ENDPOINTS__orders__SECRETS (JSON expected) "
+        "cannot be read"
+    ) in err
+    assert "whsec_abc" not in err
 
 
 def test_a_config_file_that_is_not_toml_is_named(
