@@ -341,3 +341,22 @@ def test_marker_messages_larger_than_the_producer_sends_are_refused_before_any_b
     assert SidecarSettings.model_validate(raised).relay.op_marker_message_bytes == 2_000_000
     checker_only = {**too_large, "relay": {**too_large["relay"], "enabled": False}}
     assert SidecarSettings.model_validate(checker_only)
+
+
+def test_a_value_every_member_of_a_union_refuses_is_one_error_not_four(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kafka.extra value none of str, int, float and bool takes was four errors, which used
+    up those reported and hid the next setting's ('and 1 more')."""
+    from relay.cli import main
+
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://db/app")
+    monkeypatch.setenv("OUTBOX_KAFKA__EXTRA", '{"linger.ms": [5]}')
+    monkeypatch.setenv("OUTBOX_RELAY__SHARD", "2")  # a typo of shards
+    assert main(["config"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "kafka.extra.linger.ms: Input should be a string or an integer or a number or a boolean; "
+        "relay.shard: Extra inputs are not permitted"
+    ) in err
+    assert "more" not in err
