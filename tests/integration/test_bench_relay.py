@@ -57,6 +57,16 @@ def test_a_small_run_reports_every_figure_for_the_batch_size_asked(kafka_bootstr
     assert lowest - 0.0005 <= report["ratio_relay_vs_min_b1_b2"] <= highest + 0.0005
     assert 0 < report["latency_p50_ms"] <= report["latency_p99_ms"]
     assert report["latency_rate_achieved_per_s"] > 0
+    assert isinstance(report["latency_rate_reached"], bool)
+    # the latency load is half the rate the relay kept once going (both rounded to whole)
+    assert abs(report["latency_rate_per_s"] - report["relay_steady_per_s"] / 2) <= 1
+    small, large = report["relay_small_backlog_per_s"], report["relay_large_backlog_per_s"]
+    drop = report["throughput_drop_small_to_large"]
+    assert (
+        1 - (large + 0.5) / (small - 0.5) - 0.0005
+        <= drop
+        <= 1 - (large - 0.5) / (small + 0.5) + 0.0005
+    )
     assert 0 < report["peak_rss_mb"] < 1000
     assert set(report["cpu_us_per_record"]) == {"b1", "b2", "relay"}
 
