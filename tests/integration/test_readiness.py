@@ -191,4 +191,4 @@ def test_a_broker_that_does_not_answer_is_down_within_the_probes_wait() -> None:
     topics = Topics({"bootstrap.servers": "127.0.0.1:1"})  # nothing listens there
     began = time.monotonic()
     assert not topics.reachable()
-    assert time.monotonic() - began < 6
+    assert time.monotonic() - began < 10  # its wait is 4 s

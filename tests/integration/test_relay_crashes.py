@@ -284,7 +284,7 @@ def test_a_transaction_open_on_the_marker_partition_hides_no_committed_marker(
     # Reading only to the last stable offset, its recovery ends at once, having read no
     # marker; reading to the log's end, it waits for the open transaction. So: aborted once
     # it recovered, or after a while.
-    waited_until = time.monotonic() + 8
+    waited_until = time.monotonic() + 4
     while "recovered" not in survivor.output() and time.monotonic() < waited_until:
         time.sleep(0.1)
     other.abort_transaction(30)
@@ -370,7 +370,8 @@ def test_a_stop_with_the_broker_unreachable_spends_one_allowance_on_the_hand_ove
     monkeypatch.setattr(relay.topics, "log_end", unreachable)
     began = time.monotonic()
     relay.stop()
-    assert time.monotonic() - began < 6, asked  # was 6 x 3 s
+    # was 6 x 3 s; one allowance (3 s), with room for the rest of the stop on a loaded machine
+    assert time.monotonic() - began < 9, asked
     assert len(asked) == 1  # none tried after the first failed
 
 
