@@ -109,20 +109,20 @@ class EndpointSettings(BaseModel):
         masked = "&".join(f"{quote(name)}={MASK}" for name, _ in pairs)
         return urlunsplit(urlsplit(str(url))._replace(query=masked))
 
-    @model_validator(mode="after")
-    def _ca_file_usable(self) -> Self:
-        """A CA file missing or not PEM passed `outboxctl config`, then failed every check
-        (a traceback, or "No such file or directory" naming neither the file nor the setting)."""
+    def ca_file_problem(self) -> str | None:
+        """Why its ca_file cannot be used, if it cannot: missing or not PEM, it passed
+        `outboxctl config`, then failed every check (a traceback, or "No such file or
+        directory" naming neither the file nor the setting)."""
         if self.ca_file is None:
-            return self
+            return None
         if self.url.scheme != "https":
-            raise ValueError(f"ca_file is for an https URL; this one is {self.url.scheme}")
+            return f"ca_file is for an https URL; this one is {self.url.scheme}"
         try:
             ssl.create_default_context(cafile=self.ca_file)
         except (OSError, ssl.SSLError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise ValueError(f"ca_file {self.ca_file} cannot be used: {why}") from None
-        return self
+            return f"ca_file {self.ca_file} cannot be used: {why}"
+        return None
 
     @model_validator(mode="after")
     def _timeouts(self) -> Self:
@@ -228,6 +228,8 @@ class CheckerSettings(BaseModel):
         traceback that named no setting and took the whole sidecar down (relay included),
         while `outboxctl config` said all was well; or never said, only acted on."""
         for group, endpoint in self.endpoints.items():
+            if problem := endpoint.ca_file_problem():
+                raise ValueError(f"endpoints.{group}.{problem}")
             for i, secret in enumerate(endpoint.secrets):
                 try:
                     Signer(secret)  # decodes the key as the checker will

@@ -112,6 +112,7 @@ class KafkaSettings(BaseModel):
     def _logins_the_protocol_uses(self) -> Self:
         """A SASL login or TLS files under a protocol that uses none were dropped, unsaid
         (librdkafka warns in its log, once): the client connected without them."""
+        in_extra = "security.protocol" in self.extra  # there, it wins (to_librdkafka)
         protocol = str(self.extra.get("security.protocol", self.security_protocol)).lower()
         given = [f for f in type(self).model_fields if f != "extra" and getattr(self, f)]
         sasl = [f for f in given if f.startswith("sasl_")] if "sasl" not in protocol else []
@@ -123,7 +124,9 @@ class KafkaSettings(BaseModel):
             )
             raise ValueError(
                 f"kafka.{', kafka.'.join(sasl + ssl)}: not used with security_protocol "
-                f"{protocol}; set security_protocol to {fix}"
+                f"{protocol}; set "
+                + ("kafka.extra's security.protocol" if in_extra else "security_protocol")
+                + f" to {fix}"
             )
         return self
 
@@ -386,12 +389,13 @@ class _FoldedSecrets(NestedSecretsSettingsSource):
         PKCS#12 keystore, a DER certificate), and pydantic-settings read every file as text:
         one not UTF-8 failed every command's start."""
         found: dict[str, str] = {}
-        for file in cls._iter_secret_files(path):
-            name = str(file.relative_to(path))
-            if not name.lower().startswith("outbox_"):
+        # The directory's own entries (a Secret's volume links each key to ..data/<key>; its
+        # hidden entries are not keys), walked here: pydantic-settings' walk is its own.
+        for file in sorted(path.iterdir()):
+            if not file.name.lower().startswith("outbox_") or not file.is_file():
                 continue
             try:
-                found[name] = file.read_text(encoding="utf-8").strip()
+                found[file.name] = file.read_text(encoding="utf-8").strip()
             except UnicodeDecodeError:
                 raise SettingsError(f"the secret file {file} is not UTF-8 text") from None
         return found

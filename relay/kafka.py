@@ -345,7 +345,10 @@ class ShardProducer:
         while waiting.is_alive():
             waiting.join(INIT_POLL_S)
             if waiting.is_alive() and stopping():
-                self._producer = None  # its thread's alone now
+                # Its thread's alone now. Its init may yet finish after the shard is handed
+                # back (the coordinator back within the process's last seconds) and fence the
+                # next owner's producer once: that one recovers and goes on.
+                self._producer = None
                 raise ShuttingDown("the relay stops: the producer's init is left to the next owner")
         if failed:
             raise failed[0]

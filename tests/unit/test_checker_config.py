@@ -79,11 +79,19 @@ def test_a_ca_file_that_cannot_be_used_is_refused_naming_it(tmp_path: Path) -> N
     traceback or "No such file or directory" naming neither the file nor the setting."""
     missing, not_pem = tmp_path / "missing.pem", tmp_path / "ca.txt"
     not_pem.write_text("not a certificate\n")
+
+    def checker(url: str, ca_file: Path, enabled: bool = True) -> CheckerSettings:
+        given = {"orders": endpoint(url=url, ca_file=str(ca_file))}
+        return CheckerSettings.model_validate({"enabled": enabled, "endpoints": given})
+
     for path, why in [(missing, "No such file or directory"), (not_pem, "NO_CERTIFICATE")]:
-        with pytest.raises(ValidationError, match=f"ca_file {path} cannot be used: .*{why}"):
-            EndpointSettings.model_validate(endpoint(url="https://x/y", ca_file=str(path)))
+        said = f"endpoints.orders.ca_file {path} cannot be used: .*{why}"
+        with pytest.raises(ValidationError, match=said):
+            checker("https://x/y", path)
     with pytest.raises(ValidationError, match="ca_file is for an https URL; this one is http"):
-        EndpointSettings.model_validate(endpoint(url="http://x/y", ca_file=str(not_pem)))
+        checker("http://x/y", not_pem)
+    # a relay alone (the checker off) runs whatever its checker's endpoints would need
+    assert not checker("https://x/y", missing, enabled=False).enabled
 
 
 @pytest.mark.parametrize(

@@ -52,9 +52,16 @@ def test_files_of_a_tls_setup_beside_the_secrets_are_not_read_as_settings(
 ) -> None:
     """The chart's Secret may hold a keystore too (values.yaml says so): read as UTF-8 text,
     a binary one failed every command's start."""
-    (tmp_path / "outbox_database__dsn").write_text("postgresql://secret@db/app")
-    (tmp_path / "keystore.p12").write_bytes(bytes(range(256)) * 4)  # not UTF-8
-    (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    # as a Secret's volume lays its keys out: each a link to ..data/<key>, ..data a link to
+    # the current version's directory
+    version = tmp_path / "..2026_11_30_18_00_00.123"
+    version.mkdir()
+    (version / "outbox_database__dsn").write_text("postgresql://secret@db/app")
+    (version / "keystore.p12").write_bytes(bytes(range(256)) * 4)  # not UTF-8
+    (version / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    (tmp_path / "..data").symlink_to(version.name)
+    for key in ("outbox_database__dsn", "keystore.p12", "ca.pem"):
+        (tmp_path / key).symlink_to(f"..data/{key}")
     monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
     assert load_settings().database.dsn.get_secret_value() == "postgresql://secret@db/app"
 

@@ -124,17 +124,22 @@ schema, the sidecar reading another). */}}
 {{- end -}}
 {{- end -}}
 
-{{/* The Deployment's terminationGracePeriodSeconds above relay.shutdown_grace (`env` wins over
-`config`, and its default is 25 s), when given as seconds or as ISO 8601 of hours, minutes and seconds (other forms are
-the sidecar's to judge): at or below it, Kubernetes killed the relay in its stop, before it
-handed its shards back, and they waited out relay.lease_duration. */}}
+{{/* The Deployment's terminationGracePeriodSeconds at least 2 s above relay.shutdown_grace
+(`env` wins over `config`; 25 s by default), when given as seconds or as ISO 8601 hours, minutes
+and seconds (other forms are the sidecar's to judge): Kubernetes killed the relay in its stop,
+before it handed its shards back, and they waited out relay.lease_duration. */}}
 {{- define "outbox-sidecar.checkGrace" -}}
 {{- $text := regexFind `(?m)^[ \t]*shutdown_grace[ \t]*=[^\n]*` .Values.config -}}
 {{- $text = regexReplaceAll `^[ \t]*shutdown_grace[ \t]*=[ \t]*"?([^"#]*)"?.*$` $text "${1}" -}}
 {{- range $name, $value := .Values.env -}}
 {{- if eq (upper $name) "OUTBOX_RELAY__SHUTDOWN_GRACE" }}{{ $text = toString $value }}{{ end -}}
 {{- end -}}
-{{- $text = upper (trim $text) | default "25" -}}  {{- /* the relay's default */}}
+{{- /* the relay's default, when no form of the key is anywhere (a dotted key or an inline
+table the line's pattern misses: their value is the sidecar's to judge) */}}
+{{- if and (not $text) (not (contains "shutdown_grace" (cat .Values.config (toJson .Values.env)))) -}}
+{{- $text = "25" -}}
+{{- end -}}
+{{- $text = upper (trim $text) -}}
 {{- $seconds := -1.0 -}}
 {{- if regexMatch `^[0-9]+([.][0-9]+)?$` $text -}}
 {{- $seconds = float64 $text -}}
@@ -144,8 +149,9 @@ handed its shards back, and they waited out relay.lease_duration. */}}
 {{- $s := float64 (default "0" (regexReplaceAll `^PT(?:[0-9]+H)?(?:[0-9]+M)?(?:([0-9.]+)S)?$` $text "${1}")) -}}
 {{- $seconds = addf (mulf $h 3600) (mulf $m 60) $s -}}
 {{- end -}}
-{{- if and (ge $seconds 0.0) (le (float64 .Values.terminationGracePeriodSeconds) $seconds) -}}
-{{- fail (printf "terminationGracePeriodSeconds (%v) must be above relay.shutdown_grace (%s, %v s): Kubernetes kills the sidecar when it ends, before the relay's stop has handed its shards back" .Values.terminationGracePeriodSeconds $text $seconds) -}}
+{{- $period := .Values.terminationGracePeriodSeconds -}}
+{{- if and (ge $seconds 0.0) (not (kindIs "invalid" $period)) (lt (float64 $period) (addf $seconds 2)) -}}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must be at least 2 s above relay.shutdown_grace (%s, %v s): Kubernetes kills the sidecar when it ends, before the relay's stop has handed its shards back and the process has exited" $period $text $seconds) -}}
 {{- end -}}
 {{- end -}}
 
