@@ -47,9 +47,15 @@ def test_a_heartbeat_waiting_for_its_own_lease_row_holds_up_no_other_relay(
                 sql.Identifier(schema)
             )
         )
+        a_pid = a_conn.info.backend_pid
         renewing = threading.Thread(target=a.heartbeat, args=(a_conn,))
         renewing.start()
-        time.sleep(0.3)  # A's renewal now waits for the ender
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:  # A's renewal waits for it
+            waiting = "SELECT count(*) > 0 FROM pg_locks WHERE pid = %s AND NOT granted"
+            deadline = time.monotonic() + 10
+            while admin.execute(waiting, (a_pid,)).fetchone() != (True,):
+                assert time.monotonic() < deadline, "A's renewal never waited for the ender"
+                time.sleep(0.02)
         b_conn.execute("SET lock_timeout = '3s'")
         b_conn.commit()
         b = LeaseManager(schema, "relay-b", 4, LEASE)
