@@ -83,7 +83,10 @@ ROUND_ALLOWANCE_S = 120.0  # how long a round may take before the liveness probe
 _MAX_LOGGED_GROUPS = 1000
 _MAX_APPLY_BATCH = 256
 _AGES_STATEMENT_TIMEOUT = "5s"
-APPLY_LOCK_TIMEOUT = "2s"  # how long an answer waits for rows an application holds
+# How long a round's answers wait, all told, for rows an application holds: each waiting its
+# own 2 s, one after the other on the round's thread, answers queued behind them outlived their
+# leases (asked again by another checker) when an application held many.
+APPLY_LOCK_WAIT_S = 2.0
 
 
 _Note = tuple[Callable[..., None], tuple[Any, ...]]  # a log call to make once committed
@@ -112,14 +115,16 @@ def _locked(exc: BaseException) -> bool:
 
 
 @contextmanager
-def _waiting_for_rows(conn: psycopg.Connection[Any]) -> Iterator[None]:
-    """A transaction that waits a little for rows an application holds, not for as long as the
-    application likes (it ends the transaction itself and keeps its own open)."""
+def _waiting_for_rows(
+    conn: psycopg.Connection[Any], wait_s: float = APPLY_LOCK_WAIT_S
+) -> Iterator[None]:
+    """A transaction that waits a little (`wait_s`) for rows an application holds, not for as
+    long as the application likes (it ends the transaction itself and keeps its own open)."""
     with conn.transaction():
         conn.execute(
             "SELECT set_config('lock_timeout', %s, true),"
             " set_config('statement_timeout', '0', true)",  # as in the claim
-            (APPLY_LOCK_TIMEOUT,),
+            (f"{max(1, round(wait_s * 1000))}ms",),  # 0 would be no timeout at all
         )
         yield
         # not at the commit: its wake-up notification queues for a lock of its own
@@ -265,6 +270,7 @@ class Checker:
                 _metrics.DISCARDS.labels(label, limit)
         self._conn: psycopg.Connection[Any] | None = None
         self._round_lock = threading.Lock()
+        self._lock_wait_by = 0.0  # until when a round's answers may wait for held rows
         self._unconfigured_logged: set[str] = set()
         self._ages_refreshed_at: float | None = None
         self._stop = threading.Event()
@@ -528,6 +534,7 @@ class Checker:
         together in one database transaction (one WAL flush for many, not one each)."""
         if not claims:
             return
+        self._lock_wait_by = time.monotonic() + APPLY_LOCK_WAIT_S  # this round's, all told
         arrived: queue.SimpleQueue[Future[tuple[Claim, CheckAnswer]]] = queue.SimpleQueue()
         for c in claims:
             endpoint = self._endpoints[c.producer_group.casefold()]
@@ -691,12 +698,16 @@ class Checker:
             key = (item.producer_group, item.tx_id)
             recorded(key, key in self._reschedule_one(conn, item))
 
+    def _lock_wait_left(self) -> float:
+        """What is left of this round's wait for rows applications hold (0: none at all)."""
+        return max(0.0, self._lock_wait_by - time.monotonic())
+
     def _reschedule_one(
         self, conn: psycopg.Connection[Any], item: Reschedule
     ) -> set[tuple[str, str]]:
         """One reschedule in a transaction of its own; nothing if its rows are held."""
         try:
-            with _waiting_for_rows(conn):
+            with _waiting_for_rows(conn, self._lock_wait_left()):
                 return _claim.reschedule(conn, self.schema, [item])
         except _HELD:
             return set()
@@ -707,7 +718,7 @@ class Checker:
         """One answer, in a transaction of its own: its trouble does not undo the others'."""
         group, tx_id = claim.producer_group, claim.tx_id
         try:
-            with _waiting_for_rows(conn):
+            with _waiting_for_rows(conn, self._lock_wait_left()):
                 return self._end(conn, claim, outcome)
         except OutboxDatabaseError as exc:  # the library wraps psycopg's errors
             if not _locked(exc):

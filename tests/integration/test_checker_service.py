@@ -1212,6 +1212,32 @@ def test_rows_an_application_holds_delay_only_their_own_answer(
     assert one(pg_dsn, held[0])["state"] == "committed"
 
 
+def test_a_rounds_answers_wait_for_rows_applications_hold_two_seconds_in_all(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """Each answer whose rows an application held waited 2 s of its own, one after the other
+    on the round's thread: with many held, answers queued behind them outlived their leases
+    and were asked again by another checker."""
+    txs = [prepare(pg_dsn) for _ in range(4)]
+    holding: list[psycopg.Connection[Any]] = []
+
+    def commit_and_hold(request: CheckRequest) -> None:  # the application ends each itself
+        conn = psycopg.connect(pg_dsn)
+        outbox.commit(conn, request.tx_id, producer_group=GROUP)  # not committed yet
+        holding.append(conn)
+
+    endpoint.resolver.before_answer = commit_and_hold
+    endpoint.resolver.default = COMMIT
+    due = max(created for _, created in txs) + 7 * S
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), Clock(due))
+    began = time.monotonic()
+    with _a_round_beside(checker, holding):
+        took = time.monotonic() - began
+        assert [one(pg_dsn, tx)["state"] for tx, _ in txs] == ["prepared"] * 4  # theirs to end
+    assert took < 2 + 3  # the round's 2 s, and room for a loaded machine; was 4 x 2 s
+    assert [one(pg_dsn, tx)["state"] for tx, _ in txs] == ["committed"] * 4
+
+
 def _checker_waits_on_a_lock(dsn: str) -> bool:
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
