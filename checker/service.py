@@ -270,7 +270,8 @@ class Checker:
                 _metrics.DISCARDS.labels(label, limit)
         self._conn: psycopg.Connection[Any] | None = None
         self._round_lock = threading.Lock()
-        self._lock_wait_by = 0.0  # until when a round's answers may wait for held rows
+        # until when a round's answers may wait for held rows: from its first such wait
+        self._lock_wait_by: float | None = None
         self._unconfigured_logged: set[str] = set()
         self._ages_refreshed_at: float | None = None
         self._stop = threading.Event()
@@ -534,7 +535,7 @@ class Checker:
         together in one database transaction (one WAL flush for many, not one each)."""
         if not claims:
             return
-        self._lock_wait_by = time.monotonic() + APPLY_LOCK_WAIT_S  # this round's, all told
+        self._lock_wait_by = None  # this round's, all told, from its first wait
         arrived: queue.SimpleQueue[Future[tuple[Claim, CheckAnswer]]] = queue.SimpleQueue()
         for c in claims:
             endpoint = self._endpoints[c.producer_group.casefold()]
@@ -699,7 +700,11 @@ class Checker:
             recorded(key, key in self._reschedule_one(conn, item))
 
     def _lock_wait_left(self) -> float:
-        """What is left of this round's wait for rows applications hold (0: none at all)."""
+        """What is left of this round's wait for rows applications hold (0: none at all),
+        counted from the first answer applied on its own: not from the round's start, which a
+        slow endpoint's answers could outlast before any of them waited."""
+        if self._lock_wait_by is None:
+            self._lock_wait_by = time.monotonic() + APPLY_LOCK_WAIT_S
         return max(0.0, self._lock_wait_by - time.monotonic())
 
     def _reschedule_one(
