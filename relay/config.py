@@ -288,7 +288,9 @@ class RelaySettings(BaseModel):
         description="Kafka's transaction.timeout.ms (kafka.extra may set it apart), and how "
         "long the relay waits on Kafka for a batch's reports, commit or abort.",
     )
-    shutdown_grace: Duration = Field(default=timedelta(seconds=25), ge=timedelta(0))
+    # at least a second: with none, no stop could end within it, every SIGTERM exited 1 and
+    # the shards were left to expire
+    shutdown_grace: Duration = Field(default=timedelta(seconds=25), ge=timedelta(seconds=1))
 
     @field_validator("op_marker_topic", "dead_letter_topic")
     @classmethod

@@ -166,6 +166,7 @@ def test_a_setting_refused_does_not_print_its_value(
         ({"lease_duration": "PT10S", "heartbeat_interval": "PT5S"}, "must be under half of"),
         ({"poll_interval": "PT0S"}, "poll_interval"),  # rounds back to back, for nothing
         ({"shutdown_grace": "-PT5S"}, "shutdown_grace"),  # a SIGTERM skipped the graceful stop
+        ({"shutdown_grace": "PT0S"}, "shutdown_grace"),  # no stop ends within none: exit 1
         ({"delivered_retention": "-PT1S"}, "delivered_retention"),
         ({"lease_duration": "PT0S"}, "lease_duration"),
         # the broker refused to make these, and the relay retried that for ever
