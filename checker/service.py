@@ -270,8 +270,7 @@ class Checker:
                 _metrics.DISCARDS.labels(label, limit)
         self._conn: psycopg.Connection[Any] | None = None
         self._round_lock = threading.Lock()
-        # until when a round's answers may wait for held rows: from its first such wait
-        self._lock_wait_by: float | None = None
+        self._lock_wait_left_s = APPLY_LOCK_WAIT_S  # what a round's answers may yet wait
         self._unconfigured_logged: set[str] = set()
         self._ages_refreshed_at: float | None = None
         self._stop = threading.Event()
@@ -535,7 +534,7 @@ class Checker:
         together in one database transaction (one WAL flush for many, not one each)."""
         if not claims:
             return
-        self._lock_wait_by = None  # this round's, all told, from its first wait
+        self._lock_wait_left_s = APPLY_LOCK_WAIT_S  # this round's, all told
         arrived: queue.SimpleQueue[Future[tuple[Claim, CheckAnswer]]] = queue.SimpleQueue()
         for c in claims:
             endpoint = self._endpoints[c.producer_group.casefold()]
@@ -699,20 +698,25 @@ class Checker:
             key = (item.producer_group, item.tx_id)
             recorded(key, key in self._reschedule_one(conn, item))
 
-    def _lock_wait_left(self) -> float:
-        """What is left of this round's wait for rows applications hold (0: none at all),
-        counted from the first answer applied on its own: not from the round's start, which a
-        slow endpoint's answers could outlast before any of them waited."""
-        if self._lock_wait_by is None:
-            self._lock_wait_by = time.monotonic() + APPLY_LOCK_WAIT_S
-        return max(0.0, self._lock_wait_by - time.monotonic())
+    @contextmanager
+    def _waiting_out_of_the_rounds_budget(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """_waiting_for_rows with what is left of the round's wait, and the time taken (its wait
+        for held rows, the rest a statement's few ms) taken off it: a budget of time spent, not
+        a deadline, which a slow endpoint's answers, arriving late, would find passed."""
+        began = time.monotonic()
+        try:
+            with _waiting_for_rows(conn, self._lock_wait_left_s):
+                yield
+        finally:
+            spent = time.monotonic() - began
+            self._lock_wait_left_s = max(0.0, self._lock_wait_left_s - spent)
 
     def _reschedule_one(
         self, conn: psycopg.Connection[Any], item: Reschedule
     ) -> set[tuple[str, str]]:
         """One reschedule in a transaction of its own; nothing if its rows are held."""
         try:
-            with _waiting_for_rows(conn, self._lock_wait_left()):
+            with self._waiting_out_of_the_rounds_budget(conn):
                 return _claim.reschedule(conn, self.schema, [item])
         except _HELD:
             return set()
@@ -723,7 +727,7 @@ class Checker:
         """One answer, in a transaction of its own: its trouble does not undo the others'."""
         group, tx_id = claim.producer_group, claim.tx_id
         try:
-            with _waiting_for_rows(conn, self._lock_wait_left()):
+            with self._waiting_out_of_the_rounds_budget(conn):
                 return self._end(conn, claim, outcome)
         except OutboxDatabaseError as exc:  # the library wraps psycopg's errors
             if not _locked(exc):

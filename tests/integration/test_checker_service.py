@@ -1238,6 +1238,44 @@ def test_a_rounds_answers_wait_for_rows_applications_hold_two_seconds_in_all(
     assert [one(pg_dsn, tx)["state"] for tx, _ in txs] == ["committed"] * 4
 
 
+def test_a_late_answer_whose_rows_are_held_a_moment_still_waits_for_them(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """The round's 2 s for held rows are time spent waiting, not a deadline: as a deadline from
+    the first answer applied on its own, a slow endpoint's answer arriving later found it
+    passed, and a row an application held for a moment dropped that answer."""
+    (early, _), (late, created) = prepare(pg_dsn), prepare(pg_dsn)
+    apps: list[psycopg.Connection[Any]] = []
+    releases: list[threading.Timer] = []
+
+    def held_a_moment(tx_id: str, seconds: float) -> None:  # the application's, then released
+        conn = psycopg.connect(pg_dsn)
+        conn.execute("SELECT 1 FROM outbox.outbox_record WHERE tx_id = %s FOR UPDATE", (tx_id,))
+        apps.append(conn)
+        releases.append(threading.Timer(seconds, conn.rollback))
+        releases[-1].start()
+
+    def before_answer(request: CheckRequest) -> None:
+        if request.tx_id == late:
+            time.sleep(2.5)  # a slow endpoint's answer, past a deadline of 2 s
+        held_a_moment(request.tx_id, 0.3)
+
+    endpoint.resolver.before_answer = before_answer
+    endpoint.resolver.default = COMMIT
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}), Clock(created + 7 * S)
+    )
+    try:
+        result = checker.run_once()
+    finally:
+        for release in releases:
+            release.join(5)  # released before its connection closes
+        for conn in apps:
+            conn.close()
+    assert result.outcomes == Counter({"commit": 2})
+    assert [one(pg_dsn, tx)["state"] for tx in (early, late)] == ["committed"] * 2  # applied
+
+
 def _checker_waits_on_a_lock(dsn: str) -> bool:
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
