@@ -2351,6 +2351,10 @@ def test_an_end_that_postgres_ends_to_break_a_deadlock_is_made_again(
     deadlocks = REGISTRY.get_sample_value("outbox_relay_errors_total", {"kind": "end_deadlock"})
     failed: list[BaseException] = []
     with psycopg.connect(pg_dsn, autocommit=True) as probe, psycopg.connect(pg_dsn) as other:
+        # The other looks for a deadlock long after the end does, whenever each began to wait:
+        # the end's wait may begin anew (a lock it waited for a moment, then Y), and with the
+        # same 5 s the other's look came first in a fresh-clone run, and ended the other.
+        other.execute("SET LOCAL deadlock_timeout = '60s'")
         other.execute("SELECT 1 FROM outbox.outbox_record WHERE id = %s FOR UPDATE", (y,))
 
         def end_waits() -> bool:
