@@ -39,7 +39,8 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from relay.logs import RepeatFilter
 
 logger = logging.getLogger(__name__)
-INIT_POLL_S = 0.1  # how often an init a stop may cut short asks whether to go on waiting
+# how often a wait for an init or a commit asks whether to go on (and renews the leases)
+WAIT_POLL_S = 0.1
 # librdkafka's own lines (connection failures, fatal errors), through logging: written to stderr
 # by the C library they broke the sidecar's one-JSON-object-per-line logs. A client passes them
 # on when it is polled (Topics polls its admin client at each call).
@@ -332,24 +333,37 @@ class ShardProducer:
             raise
 
     def _init_unless_stopping(self, producer: Producer, stopping: Callable[[], bool]) -> None:
+        def unless_stopping() -> None:
+            if stopping():
+                # Its init may yet finish after the shard is handed back (the coordinator back
+                # within the process's last seconds) and fence the next owner's producer once:
+                # that one recovers and goes on.
+                raise ShuttingDown("the relay stops: the producer's init is left to the next owner")
+
+        self._beside(lambda: producer.init_transactions(self.timeout_s), "init", unless_stopping)
+
+    def _beside(self, call: Callable[[], object], name: str, meanwhile: Callable[[], None]) -> None:
+        """`call` on a thread of its own, `meanwhile` called every WAIT_POLL_S while it runs.
+        What `meanwhile` raises gives the call up: its thread goes on alone, and the producer
+        with it is never used again (the next init makes a new one)."""
         failed: list[Exception] = []
 
-        def init() -> None:
+        def run() -> None:
             try:
-                producer.init_transactions(self.timeout_s)
+                call()
             except Exception as exc:  # raised again on the caller's thread
                 failed.append(exc)
 
-        waiting = threading.Thread(target=init, name=f"init-{self.transactional_id}", daemon=True)
+        waiting = threading.Thread(target=run, name=f"{name}-{self.transactional_id}", daemon=True)
         waiting.start()
         while waiting.is_alive():
-            waiting.join(INIT_POLL_S)
-            if waiting.is_alive() and stopping():
-                # Its thread's alone now. Its init may yet finish after the shard is handed
-                # back (the coordinator back within the process's last seconds) and fence the
-                # next owner's producer once: that one recovers and goes on.
-                self._producer = None
-                raise ShuttingDown("the relay stops: the producer's init is left to the next owner")
+            waiting.join(WAIT_POLL_S)
+            if waiting.is_alive():
+                try:
+                    meanwhile()
+                except BaseException:
+                    self._producer = None
+                    raise
         if failed:
             raise failed[0]
 
@@ -472,22 +486,45 @@ class ShardProducer:
             if waiting is not None:
                 waiting()
 
-    def commit(self) -> None:
-        """Commit; retriable errors are retried within the timeout, then the outcome is unknown."""
-        deadline = time.monotonic() + self.timeout_s
+    def commit(self, waiting: Callable[[], None] | None = None) -> None:
+        """Commit; retriable errors are retried within the timeout, then the outcome is unknown.
+
+        With `waiting`, it is called every WAIT_POLL_S while the commit runs on a thread of its
+        own: the relay renews its leases (a commit longer than lease_duration lost them, and the
+        next owner fenced the batch), and a stop near the end of its grace raises ShuttingDown,
+        which leaves the commit to finish alone and its outcome to the next owner's recovery
+        (a stop waited out a coordinator that did not answer, up to the transaction timeout)."""
         self._settled_by_recovery = True
+        producer = self.producer
+        try:
+            if waiting is None:
+                self._commit(producer)
+            else:
+                self._beside(lambda: self._commit(producer), "commit", waiting)
+        except ShuttingDown as exc:
+            raise ShuttingDown(
+                "the relay stops: the batch's commit is left to finish alone, its outcome to the "
+                "next owner's recovery"
+            ) from exc
+        except KafkaException as exc:
+            if exc.args[0].txn_requires_abort():
+                # Known not committed: aborted now (the caller's), not left open until a
+                # recovery, holding back the stable offset of its partitions meanwhile.
+                self._settled_by_recovery = False
+            raise
+        self._began = float("inf")
+
+    def _commit(self, producer: Producer) -> None:
+        """On any thread: touches none of this object's state."""
+        deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                self.producer.commit_transaction(max(1.0, deadline - time.monotonic()))
-                self._began = float("inf")
+                producer.commit_transaction(max(1.0, deadline - time.monotonic()))
                 return
             except KafkaException as exc:
                 err: KafkaError = exc.args[0]
                 _raise_if_fenced_or_fatal(err, exc)
                 if err.txn_requires_abort():
-                    # Known not committed: aborted now (the caller's), not left open until a
-                    # recovery, holding back the stable offset of its partitions meanwhile.
-                    self._settled_by_recovery = False
                     raise
                 if err.retriable() and time.monotonic() < deadline:
                     continue

@@ -1343,13 +1343,14 @@ class ShardWorker:
         _failpoints.hit(_failpoints.AFTER_PRODUCE)
         self._settle_before_commit()
         if waiting is not None:
-            # the leases then last through a commit shorter than lease_duration; a stop lets
-            # it go on: every report is in, and a commit ends the batch as soon as an abort
+            # A stop lets the commit begin: every report is in, and a commit ends the batch as
+            # soon as an abort. It is given up (left to the next owner) only if it outlasts
+            # what is left of the grace.
             with contextlib.suppress(ShuttingDown):
                 waiting()
         started = time.perf_counter()  # the commit's own latency, not a lease renewal's
         try:
-            self.producer.commit()
+            self.producer.commit(waiting)
         except Exception:
             self.needs_recovery = True  # outcome unknown: settle it from the markers
             raise

@@ -97,7 +97,7 @@ def test_a_claim_made_during_a_batch_whose_commit_failed_is_dropped_and_order_ho
     (worker,) = relay.workers.values()
     commit = worker.producer.commit
 
-    def unknown_once() -> None:  # as a broker that went away during the commit
+    def unknown_once(*waiting: Any) -> None:  # as a broker that went away during the commit
         worker.producer.commit = commit  # type: ignore[method-assign]
         raise OutcomeUnknown("the commit's outcome is unknown (test)")
 

@@ -3,6 +3,7 @@ which a fatal error of this producer instance only (ProducerFailed)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -142,6 +143,56 @@ def test_a_stop_cuts_an_init_waiting_for_an_unreachable_coordinator_short(
     with pytest.raises(KafkaException, match="_TIMED_OUT"):
         unstopped.init()
     assert unstopped.producer.asked == [0.3]  # type: ignore[attr-defined]
+
+
+class _SlowCommit:
+    """A librdkafka producer whose commit_transaction answers after `takes` seconds."""
+
+    def __init__(self, takes: float) -> None:
+        self.takes = takes
+        self.committed = threading.Event()
+
+    def commit_transaction(self, timeout: float) -> None:
+        time.sleep(self.takes)
+        self.committed.set()
+
+    def flush(self, timeout: float) -> int:
+        return 0
+
+
+def test_a_commit_calls_its_waiting_hook_while_it_runs() -> None:
+    """The relay renews its leases from it: renewed only before the commit, a commit longer
+    than lease_duration lost them, and another relay fenced the batch."""
+    producer = ShardProducer({}, "test-0", timedelta(seconds=30))
+    slow = _SlowCommit(0.5)
+    producer._producer = slow  # type: ignore[assignment]
+    producer._began = time.monotonic()
+    called: list[float] = []
+    producer.commit(lambda: called.append(time.monotonic()))
+    assert slow.committed.is_set()
+    assert len(called) >= 3, called  # every 0.1 s of the 0.5 s
+    assert producer.open_for() < 0  # none open
+
+
+def test_a_stop_leaves_a_commit_the_coordinator_does_not_answer_to_finish_alone() -> None:
+    """commit_transaction waited up to the transaction timeout whatever a stop said."""
+    producer = ShardProducer({}, "test-0", timedelta(seconds=30))
+    stuck = _SlowCommit(30)
+    producer._producer = stuck  # type: ignore[assignment]
+    producer._began = time.monotonic()
+    stop_at = time.monotonic() + 0.3
+
+    def waiting() -> None:
+        if time.monotonic() >= stop_at:
+            raise ShuttingDown("the relay stops")
+
+    with pytest.raises(ShuttingDown, match="next owner's recovery"):
+        producer.commit(waiting)
+    assert time.monotonic() - stop_at < 1
+    assert not stuck.committed.is_set()
+    assert not producer.abortable  # its outcome is unknown: only a recovery settles it
+    with pytest.raises(RuntimeError, match="init"):
+        producer.begin()  # left to its commit's thread, never used again
 
 
 def test_extra_may_tune_the_producer_but_not_loosen_exactly_once(

@@ -1,0 +1,136 @@
+"""A Kafka commit the broker does not answer for a while (the broker's process stopped with
+SIGSTOP, as a long GC pause or a frozen VM would): the relay keeps its leases through it, and a
+stop within its grace does not wait it out."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from relay import _failpoints
+from relay.service import Relay
+from scripts import services as local_services
+from tests.fixtures.kafka import consume_all
+from tests.fixtures.services import Services
+from tests.integration.test_relay_crashes import assert_exactly_once, publish, undelivered
+
+
+@pytest.fixture
+def broker_pid(services: Services) -> int:
+    if services.source != "script":  # scripts/services.py pauses only the broker it started
+        pytest.skip(f"the broker is not ours to pause (it comes from {services.source})")
+    pid = local_services.kafka_pid()
+    assert pid is not None, "scripts/services.py started no broker"
+    return pid
+
+
+@contextlib.contextmanager
+def paused_after_produce(
+    monkeypatch: pytest.MonkeyPatch, broker_pid: int
+) -> Iterator[threading.Event]:
+    """The broker stopped once a batch is produced, before its commit; resumed on leaving."""
+    produced = threading.Event()
+    hit = _failpoints.hit
+
+    def pause_there(name: str) -> None:
+        if name == _failpoints.AFTER_PRODUCE and not produced.is_set():
+            os.kill(broker_pid, signal.SIGSTOP)
+            produced.set()
+        hit(name)
+
+    monkeypatch.setattr(_failpoints, "hit", pause_there)
+    try:
+        yield produced
+    finally:
+        os.kill(broker_pid, signal.SIGCONT)
+
+
+def lease_owners(dsn: str) -> list[str | None]:
+    with psycopg.connect(dsn) as conn:
+        return [row[0] for row in conn.execute("SELECT owner FROM outbox.shard_lease")]
+
+
+def drained(relay: Relay, dsn: str, timeout_s: float = 60) -> None:
+    until = time.monotonic() + timeout_s
+    while undelivered(dsn):
+        assert time.monotonic() < until, f"{undelivered(dsn)} records still undelivered"
+        relay.run_once()
+
+
+def test_a_stop_during_a_commit_the_broker_does_not_answer_keeps_within_its_grace(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Callable[..., Relay],
+    monkeypatch: pytest.MonkeyPatch,
+    broker_pid: int,
+) -> None:
+    """The commit was waited for up to kafka_transaction_timeout (60 s) whatever the stop said:
+    a SIGTERM in a Kafka incident overran the grace, the process exited 1, and the shards were
+    not handed back (the other relays waited for their leases to expire)."""
+    topic = topic_factory()
+    relay = relay_factory(lease_duration="PT3S", poll_interval="PT0.2S")
+    assert relay.run_once().shards == 1  # recovered before the broker stops
+    expected = publish(pg_dsn, topic, transactions=2, per_tx=2)
+    with paused_after_produce(monkeypatch, broker_pid) as produced:
+        relay.start()
+        assert produced.wait(30), "no batch was produced"
+        began = time.monotonic()
+        relay.stop(timeout=10)  # the commit is given up 8 s before the end (STOP_RESERVE_S)
+        took = time.monotonic() - began
+        assert not relay.running(), f"still committing after {took:.1f}s"
+    assert took < 8, took
+    assert lease_owners(pg_dsn) == [None]  # handed back, not left to expire
+    heir = relay_factory(relay.settings)
+    drained(heir, pg_dsn)
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+
+
+def test_a_commit_longer_than_the_lease_keeps_the_shard(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Callable[..., Relay],
+    monkeypatch: pytest.MonkeyPatch,
+    broker_pid: int,
+) -> None:
+    """The leases were renewed before a commit, not during it: a commit longer than the lease
+    lost them all, another relay took the shard and fenced the batch, and the next owner met
+    the same slow broker."""
+    timing: dict[str, Any] = {
+        "lease_duration": "PT3S",
+        "heartbeat_interval": "PT1S",
+        "poll_interval": "PT0.2S",
+    }
+    owner = relay_factory(relay_id="owner", **timing)
+    assert owner.run_once().shards == 1
+    rival = relay_factory(relay_id="rival", **timing)  # the same outbox, topics and prefix
+    # Set up while the broker answers, a member with no shard: it takes the shard only once
+    # the owner's lease and membership expire.
+    assert rival.run_once().shards == 0
+    topic = topic_factory()
+    expected = publish(pg_dsn, topic, transactions=2, per_tx=2)
+    seen: set[str | None] = set()
+    with paused_after_produce(monkeypatch, broker_pid) as produced:
+        owner.start()
+        assert produced.wait(30), "no batch was produced"
+        rival.start()
+        until = time.monotonic() + 5  # past the lease, within the broker's session timeout (9 s)
+        while time.monotonic() < until:
+            seen.update(lease_owners(pg_dsn))
+            time.sleep(0.2)
+    assert seen == {"owner"}
+    until = time.monotonic() + 60
+    while undelivered(pg_dsn):  # the owner's commit goes through once the broker is back
+        assert time.monotonic() < until, f"{undelivered(pg_dsn)} records still undelivered"
+        time.sleep(0.1)
+    assert lease_owners(pg_dsn) == ["owner"]
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
