@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 _GAUGE_INTERVAL_S = 10.0
 _WATCH_INTERVAL_S = 1.0  # how soon a part that ended by itself ends the process
+# What a stop takes beyond a database wait it is caught in (each shard's hand-over, the last
+# ends): a SIGTERM in a database outage exits within about connect_timeout_s plus this
+# (tests/integration/test_relay_failover.py)
+STOP_BEYOND_A_DATABASE_WAIT_S = 2.0
 
 
 class Component(Protocol):
@@ -44,6 +48,25 @@ def check_settings(settings: SidecarSettings) -> None:
     if settings.relay.enabled:
         check_client_settings(
             settings.kafka.to_librdkafka(), settings.relay.kafka_transaction_timeout
+        )
+        _warn_if_a_database_wait_outlasts_the_grace(settings)
+
+
+def _warn_if_a_database_wait_outlasts_the_grace(settings: SidecarSettings) -> None:
+    """Said, not refused: it matters only in a database outage, and costs a slower hand-over
+    then (the shards move when their leases expire), not a record."""
+    wait = settings.database.connect_timeout_s
+    grace = settings.relay.shutdown_grace.total_seconds()
+    if wait + STOP_BEYOND_A_DATABASE_WAIT_S > grace:
+        logger.warning(
+            "database.connect_timeout_s (%gs) is not %gs below relay.shutdown_grace (%gs): a "
+            "SIGTERM during a database outage waits up to connect_timeout_s for the database, "
+            "overruns the grace and exits 1 without handing its shards back (they move when "
+            "their leases expire); lower database.connect_timeout_s or raise "
+            "relay.shutdown_grace",
+            wait,
+            STOP_BEYOND_A_DATABASE_WAIT_S,
+            grace,
         )
 
 

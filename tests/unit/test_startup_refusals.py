@@ -187,3 +187,30 @@ def test_the_check_sends_no_oidc_credentials(
         with pytest.raises(TimeoutError):
             token_endpoint.accept()  # nobody came
     assert code == 0
+
+
+@pytest.mark.parametrize(
+    ("grace", "connect_timeout", "warned"),
+    [("PT5S", "10", True), ("PT12S", "10", False), ("PT5S", "2", False), ("PT25S", None, False)],
+)
+def test_a_database_wait_the_stop_cannot_outlast_is_said(
+    grace: str,
+    connect_timeout: str | None,
+    warned: bool,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SIGTERM in a database outage waits up to connect_timeout_s, then ~2 s more: with a
+    grace shorter than that, it exited 1 with the shards held, and nothing had said why."""
+    monkeypatch.setenv("OUTBOX_RELAY__SHUTDOWN_GRACE", grace)
+    if connect_timeout is not None:
+        monkeypatch.setenv("OUTBOX_DATABASE__CONNECT_TIMEOUT_S", connect_timeout)
+    code, out, _ = config(capsys)
+    assert code == 0  # said, not refused
+    assert out
+    said = [r.getMessage() for r in caplog.records if "relay.shutdown_grace" in r.getMessage()]
+    assert bool(said) == warned, said
+    if warned:
+        assert f"database.connect_timeout_s ({connect_timeout}s)" in said[0]
+        assert "lower database.connect_timeout_s or raise relay.shutdown_grace" in said[0]
