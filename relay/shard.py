@@ -1183,7 +1183,7 @@ class ShardWorker:
                     if alone:
                         self.producer.send_queued()
                 except DeadLetterUnwritable:
-                    self.producer.abort()
+                    self._abort()  # one that fails is logged: this is what to say
                     raise
                 except KafkaException as exc:
                     if not _transaction_failed(exc):
@@ -1491,7 +1491,11 @@ class ShardWorker:
         """Abort the batch's Kafka transaction. An abort that fails (a timeout, a fencing) is
         logged, not raised: what the failed batch leaves to do (park its poison, send markers
         alone) must not wait for an abort that may keep failing, every round aborted again.
-        The transaction cannot commit: recovery, next, fences it with the producer."""
+        The transaction cannot commit: recovery, next, fences it with the producer. While the
+        relay stops, it waits STOP_ABORT_S at most, as a stop's own abort: the broker aborts the
+        rest at its timeout, and a longer wait overran the grace."""
+        if timeout_s is None and self._stopping():
+            timeout_s = STOP_ABORT_S
         try:
             self.producer.abort(timeout_s)
         except Exception as exc:
@@ -1504,10 +1508,7 @@ class ShardWorker:
         try:
             self.settle()
         except BaseException:
-            try:
-                self.producer.abort()
-            except Exception as exc:  # recovery fences this producer anyway
-                logger.warning("shard %s: abort after a failed end: %s", self.shard, exc)
+            self._abort()  # settle() marked the shard for recovery, which fences it anyway
             raise
 
     def settle_quietly(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from relay.kafka import (
     ShardProducer,
     ShuttingDown,
 )
+from relay.shard import STOP_ABORT_S, ShardWorker
 
 
 class _Failing:
@@ -280,3 +282,29 @@ def test_a_record_refused_for_a_topic_deleted_since_is_parked_as_of_a_missing_to
     for _ in range(2):  # two records of the topic in one batch
         assert ShardWorker._gone(worker, "orders", KafkaError(error), looked_up) is gone
     assert topics.asked == (0 if error == KafkaError.MSG_SIZE_TOO_LARGE else 1)
+
+
+class _AbortTimesOut:
+    """A librdkafka producer whose abort_transaction waits its whole timeout, then fails."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+
+    def abort_transaction(self, timeout: float) -> None:
+        self.asked.append(timeout)
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, retriable=True))
+
+
+@pytest.mark.parametrize(("stopping", "waited"), [(True, STOP_ABORT_S), (False, 30.0)])
+def test_a_shards_abort_waits_briefly_once_the_relay_stops(stopping: bool, waited: float) -> None:
+    """An abort after a failed batch waited up to the transaction timeout whatever the stop
+    said, as the commit did: in a Kafka incident, past the stop's grace."""
+    producer = ShardProducer({}, "test-0", timedelta(seconds=30))
+    librdkafka = _AbortTimesOut()
+    producer._producer = librdkafka  # type: ignore[assignment]
+    worker: Any = SimpleNamespace(
+        producer=producer, shard=0, needs_recovery=False, _stopping=lambda: stopping
+    )
+    ShardWorker._abort(worker)  # a failed abort is logged, not raised
+    assert librdkafka.asked == [waited]
+    assert worker.needs_recovery  # recovery fences what the abort left
