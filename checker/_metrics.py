@@ -25,7 +25,8 @@ NOT_SENT = Counter(
 LOST = Counter(
     "outbox_checker_checks_lost",
     "Checks whose lease ran out with no outcome recorded (a checker killed, or cut from the "
-    "database, mid-check): given back, not counted, and asked again.",
+    "database, mid-check): given back, not counted, and asked again. Not those whose answer "
+    "this checker dropped because their application held the rows and then did not end them.",
     ["producer_group"],
 )
 DISCARD_LIMITS = ("max_checks", "max_age")  # the `limit` label's values

@@ -87,6 +87,9 @@ _AGES_STATEMENT_TIMEOUT = "5s"
 # own 2 s, one after the other on the round's thread, answers queued behind them outlived their
 # leases (asked again by another checker) when an application held many.
 APPLY_LOCK_WAIT_S = 2.0
+# Answers this checker dropped for rows an application held, kept to tell their lapsed leases
+# from lost checks; forgotten past this many (a lapse then said lost: a label, not a count)
+_MAX_REMEMBERED_DROPS = 10_000
 
 
 _Note = tuple[Callable[..., None], tuple[Any, ...]]  # a log call to make once committed
@@ -271,6 +274,8 @@ class Checker:
         self._conn: psycopg.Connection[Any] | None = None
         self._round_lock = threading.Lock()
         self._lock_wait_left_s = APPLY_LOCK_WAIT_S  # what a round's answers may yet wait
+        # (group, tx id) -> the claimed check count of an answer dropped for held rows
+        self._dropped_for_held_rows: dict[tuple[str, str], int] = {}
         self._unconfigured_logged: set[str] = set()
         self._ages_refreshed_at: float | None = None
         self._stop = threading.Event()
@@ -390,7 +395,18 @@ class Checker:
                     continue
                 result.due += 1
                 key = (tx.producer_group, tx.tx_id)
-                if tx.check_lost:
+                dropped = self._dropped_for_held_rows.pop(key, None)
+                if tx.check_lost and dropped == tx.check_count:
+                    # Its application held the rows and then did not end it (rolled back):
+                    # not a lost check, which blames a checker killed or cut off.
+                    logger.info(
+                        "tx %s of producer group %s: check %d's outcome was not recorded while "
+                        "its application held its rows, and it is still prepared; not counted",
+                        tx.tx_id,
+                        tx.producer_group,
+                        tx.check_count,
+                    )
+                elif tx.check_lost:
                     logger.warning(
                         "tx %s of producer group %s: check %d was lost (its lease ran out with no "
                         "outcome recorded: a checker killed or cut from the database); not counted",
@@ -719,7 +735,13 @@ class Checker:
             with self._waiting_out_of_the_rounds_budget(conn):
                 return _claim.reschedule(conn, self.schema, [item])
         except _HELD:
+            self._remember_dropped(item.producer_group, item.tx_id, item.expected_count)
             return set()
+
+    def _remember_dropped(self, group: str, tx_id: str, claimed_count: int) -> None:
+        if len(self._dropped_for_held_rows) >= _MAX_REMEMBERED_DROPS:
+            self._dropped_for_held_rows.clear()
+        self._dropped_for_held_rows[(group, tx_id)] = claimed_count
 
     def _apply_one(
         self, conn: psycopg.Connection[Any], claim: Claim, outcome: Outcome
@@ -733,6 +755,7 @@ class Checker:
             if not _locked(exc):
                 raise  # the round fails, as for any other database error
             _metrics.NOT_APPLIED.labels(self._label(group), "locked").inc()
+            self._remember_dropped(group, tx_id, claim.check_count)
             message = (
                 "tx %s of producer group %s: its rows are locked (its application is ending "
                 "it); answer %s dropped, the transaction is due again when its lease ends"

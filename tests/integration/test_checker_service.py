@@ -1212,6 +1212,47 @@ def test_rows_an_application_holds_delay_only_their_own_answer(
     assert one(pg_dsn, held[0])["state"] == "committed"
 
 
+def test_a_check_whose_answer_held_rows_dropped_is_not_said_lost(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The application held the rows (it was ending the transaction), so the answer was
+    dropped; then it rolled back instead: the check's lease ran out with nothing recorded, and
+    the next round blamed a checker killed or cut from the database, counting a lost check."""
+    tx_id, created = prepare(pg_dsn)
+    holding: list[psycopg.Connection[Any]] = []
+
+    def commit_and_hold(request: CheckRequest) -> None:
+        if not holding:
+            conn = psycopg.connect(pg_dsn)
+            outbox.commit(conn, request.tx_id, producer_group=GROUP)  # not committed yet
+            holding.append(conn)
+
+    endpoint.resolver.before_answer = commit_and_hold
+    endpoint.resolver.default = COMMIT
+    clock = Clock(created + 7 * S)
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+    lost_before = metric("outbox_checker_checks_lost_total", producer_group=GROUP) or 0
+    try:
+        checker.run_once()  # waits the round's 2 s for the rows, then drops the answer
+    finally:
+        for conn in holding:
+            conn.rollback()  # the application's transaction fails after all
+            conn.close()
+    assert holding, "the endpoint was not asked"
+    assert one(pg_dsn, tx_id)["state"] == "prepared"
+    clock.now += LEASE
+    caplog.set_level("INFO", logger="checker.service")
+    assert checker.run_once().committed == 1  # asked again, and applied
+    said = f"tx {tx_id} of producer group {GROUP}: check 1's outcome was not recorded while"
+    assert said in caplog.text
+    assert "was lost" not in caplog.text
+    assert (metric("outbox_checker_checks_lost_total", producer_group=GROUP) or 0) == lost_before
+    assert [r.check_count for r in endpoint.resolver.asked] == [1, 1]  # the first not counted
+
+
 def test_a_rounds_answers_wait_for_rows_applications_hold_two_seconds_in_all(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
