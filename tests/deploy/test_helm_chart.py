@@ -567,8 +567,30 @@ def test_the_dashboard_is_off_by_default(helm: str) -> None:
                 (("env.outbox_relay__shutdown_grace=pt1m",), 30, "PT1M, 60 s"),  # env wins
                 (("terminationGracePeriodSeconds=20", "config=[kafka]"), 20, "25, 25 s"),
                 (("terminationGracePeriodSeconds=26",), 26, "PT25S, 25 s"),  # too little room
+                # a comment naming the key is no form of it: the default stands
+                (
+                    ("terminationGracePeriodSeconds=10", "config=[relay]\n# above shutdown_grace"),
+                    10,
+                    "25, 25 s",
+                ),
+                (("config=[relay]\nshutdown_grace = 'PT60S'",), 30, "PT60S, 60 s"),  # TOML's '
             ]
         ],
+        *[
+            (("existingSecret=s", f"config={config}"), f"config: {key} holds a secret")
+            for config, key in [
+                ('[database]\ndsn = "postgresql://app:pw@db/app"', "dsn"),
+                ('[kafka]\nsasl_password = "pw"', "sasl_password"),
+                ('[kafka]\nextra = {"sasl.password" = "pw"}', '"sasl.password"'),
+                ('[checker.endpoints.orders]\nsecrets = ["whsec_x"]', "secrets"),
+            ]
+        ],
+        (
+            ("existingSecret=s", "env.OUTBOX_KAFKA__SASL_PASSWORD=pw"),
+            "env.OUTBOX_KAFKA__SASL_PASSWORD holds a secret, and the pod's spec shows it to "
+            "anyone who may read it; put it in the Secret (existingSecret) as the key "
+            "outbox_kafka__sasl_password",
+        ),
         (
             ("existingSecret=s", "mode=sidecar", "podMonitor.enabled=true"),
             "podMonitor.selector: the labels of the application's pods",
@@ -604,6 +626,19 @@ def test_a_shutdown_grace_the_pods_termination_outlasts_is_taken(
     helm: str, sets: tuple[str, ...]
 ) -> None:
     assert render(helm, "existingSecret=s", *sets)
+
+
+def test_a_comment_naming_a_secret_setting_is_no_secret(helm: str) -> None:
+    assert render(helm, "existingSecret=s", 'config=# dsn = "in the Secret"\n[relay]\nshards = 2')
+
+
+def test_an_image_tag_given_as_a_number_names_the_image(helm: str) -> None:
+    """Rendered "outbox-sidecar:%!s(int64=2)": the API server took it, and every pod (the
+    migration hook's too) failed with InvalidImageName."""
+    docs = reconcile_docs(helm, "image.tag=2", "reconcile.image.tag=2")  # --set: an int64
+    for name, image in [("", "outbox-sidecar"), ("-reconcile", "outbox-reconcile")]:
+        pod = docs[f"Deployment/orders-outbox-sidecar{name}"]["spec"]["template"]["spec"]
+        assert [c["image"] for c in pod["containers"]] == [f"{image}:2"]
 
 
 def reconcile_docs(helm: str, *sets: str) -> dict[str, dict[str, Any]]:
@@ -702,6 +737,8 @@ def test_a_scheduled_reconciliation_runs_once_at_a_time_on_a_claim_given(
     assert not [k for k in docs if k.startswith("PersistentVolumeClaim/")]
     cron = docs["CronJob/orders-outbox-sidecar-reconcile"]["spec"]
     assert cron["concurrencyPolicy"] == "Forbid"
+    # a retry's pod not while the last one terminates (deleted, preempted): one writer
+    assert cron["jobTemplate"]["spec"]["podReplacementPolicy"] == "Failed"
     pod = cron["jobTemplate"]["spec"]["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     (container,) = pod["containers"]

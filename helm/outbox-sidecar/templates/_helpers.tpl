@@ -57,7 +57,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "outbox-sidecar.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- /* toString: a tag YAML reads as a number (2, 1.10) rendered as "%!s(int64=2)" */ -}}
+{{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion .Values.image.tag)) -}}
 {{- end -}}
 
 {{- define "outbox-sidecar.secretName" -}}
@@ -122,6 +123,16 @@ schema, the sidecar reading another). */}}
 {{- if regexMatch "(?m)^\\s*schema_name\\s*=" .Values.config -}}
 {{- fail "config: database.schema_name is set from migrations.schema (the hook and the sidecar use it both); set that instead" -}}
 {{- end -}}
+{{- /* Secrets in the ConfigMap or the pod's spec are shown to whoever may read those */ -}}
+{{- $secret := regexFind `(?m)^[^#\n]*?(\bdsn|\bsasl_password|\bssl_key_password|\bsecrets|"(sasl\.password|ssl\.key\.password|ssl\.keystore\.password|sasl\.oauthbearer\.client\.secret)")[ \t]*=` .Values.config -}}
+{{- if $secret -}}
+{{- fail (printf "config: %s holds a secret, and the ConfigMap shows it to anyone who may read ConfigMaps; put it in the Secret (existingSecret), one key per setting named like its variable in lower case (outbox_database__dsn, outbox_kafka__sasl_password, ...)" (regexReplaceAll `^[^#\n]*?(\bdsn|\bsasl_password|\bssl_key_password|\bsecrets|"[^"]*")[ \t]*=$` $secret "${1}")) -}}
+{{- end -}}
+{{- range $name, $value := .Values.env -}}
+{{- if regexMatch `(?i)(__DSN|PASSWORD|__SECRETS)$` $name -}}
+{{- fail (printf "env.%s holds a secret, and the pod's spec shows it to anyone who may read it; put it in the Secret (existingSecret) as the key %s" $name (lower $name)) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The Deployment's terminationGracePeriodSeconds at least 2 s above relay.shutdown_grace
@@ -130,13 +141,13 @@ and seconds (other forms are the sidecar's to judge): Kubernetes killed the rela
 before it handed its shards back, and they waited out relay.lease_duration. */}}
 {{- define "outbox-sidecar.checkGrace" -}}
 {{- $text := regexFind `(?m)^[ \t]*shutdown_grace[ \t]*=[^\n]*` .Values.config -}}
-{{- $text = regexReplaceAll `^[ \t]*shutdown_grace[ \t]*=[ \t]*"?([^"#]*)"?.*$` $text "${1}" -}}
+{{- $text = regexReplaceAll `^[ \t]*shutdown_grace[ \t]*=[ \t]*["']?([^"'#]*)["']?.*$` $text "${1}" -}}
 {{- range $name, $value := .Values.env -}}
 {{- if eq (upper $name) "OUTBOX_RELAY__SHUTDOWN_GRACE" }}{{ $text = toString $value }}{{ end -}}
 {{- end -}}
-{{- /* the relay's default, when no form of the key is anywhere (a dotted key or an inline
-table the line's pattern misses: their value is the sidecar's to judge) */}}
-{{- if and (not $text) (not (contains "shutdown_grace" (cat .Values.config (toJson .Values.env)))) -}}
+{{- /* the relay's default, when no form of the key is anywhere outside comments (a dotted
+key or an inline table the line's pattern misses: their value is the sidecar's to judge) */}}
+{{- if and (not $text) (not (regexMatch "(?m)^[^#\n]*shutdown_grace" .Values.config)) -}}
 {{- $text = "25" -}}
 {{- end -}}
 {{- $text = upper (trim $text) -}}
@@ -196,7 +207,7 @@ spec:
   {{- end }}
   containers:
     - name: reconcile
-      image: {{ printf "%s:%s" $r.image.repository (default $root.Chart.AppVersion $r.image.tag) }}
+      image: {{ printf "%s:%s" $r.image.repository (toString (default $root.Chart.AppVersion $r.image.tag)) }}
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
       # the DSN from the Secret, never on the command line (ps shows it)
       command: [outboxctl, reconcile]
