@@ -277,7 +277,12 @@ def _refuse_reused_tx_id(
             tx_id=tx_id,
         )
     if other_kind:
-        kinds = ("prepared", "published") if state is State.COMMITTED else ("published", "prepared")
+        # rows not prepared, for a prepare: published ones, or prepared ones ended since
+        kinds = (
+            ("prepared", "published")
+            if state is State.COMMITTED
+            else ("published or already ended", "prepared")
+        )
         raise OutboxUsageError(
             f"tx id {tx_id!r} of producer group {group!r} already holds {kinds[0]} records "
             f"in this transaction; {kinds[1]} ones need a tx id of their own (a commit or "

@@ -216,7 +216,11 @@ def _headers_to_rows(headers: Headers | None) -> list[list[str | None]]:
         )
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, tuple | list) and len(pair) == 2):
-            raise InvalidHeaderError(f"header #{i} must be a (name, value) pair, got {pair!r}")
+            # its type and length only: a header's value may be a token, and errors are logged
+            shape = f" of {len(pair)} items" if isinstance(pair, Sequence | Mapping) else ""
+            raise InvalidHeaderError(
+                f"header #{i} must be a (name, value) pair, got a {type(pair).__name__}{shape}"
+            )
     try:
         parsed = _HeaderList.model_validate({"items": [{"name": n, "value": v} for n, v in pairs]})
     except PydanticValidationError as exc:

@@ -11,11 +11,12 @@ import asyncio
 import inspect
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from outbox._callbacks import call_back
+from outbox._callbacks import call_back, is_async
 from outbox._errors import InvalidConfigError
 
 from ._protocol import CheckRequest, TransactionStatus, build_response, parse_request
@@ -76,8 +77,11 @@ class _HandlerBase:
         now: Callable[[], float],
         max_body_bytes: int,
     ) -> None:
-        if max_body_bytes <= 0:
-            raise InvalidConfigError(f"max_body_bytes must be positive, got {max_body_bytes!r}")
+        # not `<= 0` alone: NaN passed it and turned the limit off, and inf as well
+        if not (math.isfinite(max_body_bytes) and max_body_bytes > 0):
+            raise InvalidConfigError(
+                f"max_body_bytes must be positive and finite, got {max_body_bytes!r}"
+            )
         # Verifier first: it rejects an empty secret list with a clear message.
         self._verifier = Verifier(
             secrets, tolerance_s=tolerance_s, replay_cache=replay_cache, now=now
@@ -172,6 +176,14 @@ class CheckHandler(_HandlerBase):
             now=now,
             max_body_bytes=max_body_bytes,
         )
+        if not callable(resolver) or is_async(resolver):
+            # else every check answered 500, said only in the log, and counted against
+            # max_checks: every unresolved transaction was discarded
+            raise InvalidConfigError(
+                "CheckHandler's resolver must be a plain function of the CheckRequest, got "
+                f"{type(resolver).__name__}"
+                + (": an async one goes with AsyncCheckHandler" if is_async(resolver) else "")
+            )
         self._resolver = resolver
 
     def handle(self, headers: Mapping[str, str], body: bytes) -> HandlerResult:
@@ -214,6 +226,11 @@ class AsyncCheckHandler(_HandlerBase):
             now=now,
             max_body_bytes=max_body_bytes,
         )
+        if not callable(resolver):
+            raise InvalidConfigError(
+                "AsyncCheckHandler's resolver must be a function (async or not) of the "
+                f"CheckRequest, got {type(resolver).__name__}"
+            )
         self._resolver = resolver
         self._verify_in_thread = replay_cache is not None
 

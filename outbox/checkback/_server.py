@@ -418,7 +418,7 @@ def serve(
     reachable beyond the checkers.
     """
     if not isinstance(handler, CheckHandler):
-        raise TypeError(
+        raise InvalidConfigError(
             f"serve() takes a CheckHandler, not {type(handler).__name__}: mount an "
             "AsyncCheckHandler in an ASGI server with asgi_app()"
         )

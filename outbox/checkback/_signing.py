@@ -24,6 +24,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import inspect
 import math
 import re
 import secrets as _secrets
@@ -35,6 +36,7 @@ from typing import Final, Protocol, TypeAlias
 
 from pydantic import SecretBytes, SecretStr
 
+from outbox._callbacks import is_async
 from outbox._errors import InvalidConfigError, OutboxError
 
 HEADER_ID: Final = "webhook-id"
@@ -258,6 +260,13 @@ class Verifier:
             )
         self._keys = [decode_secret(s) for s in secrets]
         self._tolerance_s = tolerance_s
+        if replay_cache is not None and is_async(getattr(replay_cache, "seen", None)):
+            # its coroutine, never awaited, is true: every request was refused as replayed
+            raise InvalidConfigError(
+                f"replay_cache {type(replay_cache).__name__}.seen is a coroutine function; it must "
+                "be synchronous (AsyncCheckHandler runs it in a worker thread, so a blocking "
+                "client such as redis.Redis fits, an asyncio one does not)"
+            )
         # `or` would swap an empty (falsy) cache the caller gave for a new one
         self._replay_cache = InMemoryReplayCache() if replay_cache is None else replay_cache
         if isinstance(self._replay_cache, InMemoryReplayCache):
@@ -300,7 +309,15 @@ class Verifier:
                 f"{HEADER_TIMESTAMP} is {timestamp - now:.0f}s in the future; "
                 f"tolerance is {self._tolerance_s:.0f}s"
             )
-        if self._replay_cache.seen(msg_id, now):
+        seen: object = self._replay_cache.seen(msg_id, now)  # checked: callers' code
+        if inspect.isawaitable(seen):  # a plain function returning one: refused as above
+            if inspect.iscoroutine(seen):
+                seen.close()
+            raise TypeError(
+                f"replay_cache {type(self._replay_cache).__name__}.seen returned an "
+                "awaitable; it must be synchronous and return a bool"
+            )
+        if seen:
             raise ReplayedMessage(f"{HEADER_ID} was already used within the tolerance window")
 
 

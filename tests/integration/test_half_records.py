@@ -801,3 +801,16 @@ def test_published_and_prepared_records_do_not_share_a_tx_id(pg_dsn: str, first:
             write[second](conn, "t", "two", tx_id="shared")
         write[first](conn, "t", "three", tx_id="shared")  # the same kind again is fine
     assert len(states(pg_dsn, "shared")) == 2
+
+
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+def test_a_tx_id_prepared_again_after_its_end_is_refused_naming_what_it_holds(
+    pg_dsn: str, end: str
+) -> None:
+    """Its ended half records were called "published records", which it never had."""
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.prepare(conn, "t", "one", tx_id="again")
+        getattr(outbox, end)(conn, "again")
+        with pytest.raises(outbox.OutboxUsageError) as refused:
+            outbox.prepare(conn, "t", "two", tx_id="again")
+        assert "already holds published or already ended records" in str(refused.value)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from outbox import InvalidConfigError, OutboxError
 from outbox.checkback import (
     HEADER_ID,
     HEADER_SIGNATURE,
@@ -36,6 +37,7 @@ from outbox.checkback import (
     build_request,
     build_response,
     generate_secret,
+    serve,
     verify_response,
 )
 
@@ -367,6 +369,52 @@ def test_oversized_body_is_413_before_anything_else(clock: Clock, resolver: Reso
 def test_empty_secret_list_is_refused(resolver: Resolver) -> None:
     with pytest.raises(ValueError, match="non-empty list of secrets"):
         CheckHandler(resolver, [])
+
+
+def test_a_resolver_the_handler_cannot_call_is_refused_when_it_is_built() -> None:
+    """Built without a word, every check answered 500 (said only in the log, per request) and
+    counted against max_checks: every transaction not ended by then was discarded."""
+
+    async def resolve_async(request: CheckRequest) -> str:
+        return "COMMIT"
+
+    with pytest.raises(InvalidConfigError, match="an async one goes with AsyncCheckHandler"):
+        CheckHandler(resolve_async, [NEW])  # type: ignore[arg-type]
+    for handler_class in (CheckHandler, AsyncCheckHandler):
+        with pytest.raises(InvalidConfigError, match=r"resolver must be a .*function.* got str"):
+            handler_class("COMMIT", [NEW])  # type: ignore[arg-type]
+    assert AsyncCheckHandler(resolve_async, [NEW])  # its own kind
+    with pytest.raises(OutboxError, match="serve\\(\\) takes a CheckHandler"):
+        serve(AsyncCheckHandler(resolve_async, [NEW]))  # type: ignore[arg-type]
+
+
+def test_an_async_replay_store_is_refused_when_the_handler_is_built(clock: Clock) -> None:
+    """Its coroutine, never awaited, was true: every request was refused as replayed."""
+
+    class AsyncStore:
+        async def seen(self, msg_id: str, now: float) -> bool:
+            return False
+
+    with pytest.raises(InvalidConfigError, match=r"AsyncStore\.seen is a coroutine function"):
+        AsyncCheckHandler(Resolver(), [NEW], replay_cache=AsyncStore())  # type: ignore[arg-type]
+
+    class HiddenAsyncStore:  # a plain method that returns a coroutine
+        def seen(self, msg_id: str, now: float) -> Any:
+            return AsyncStore().seen(msg_id, now)
+
+    resolver = Resolver()
+    handler = CheckHandler(resolver, [NEW], replay_cache=HiddenAsyncStore(), now=clock)
+    headers, body = build_request(Signer(NEW), make_request(), now=clock)
+    result = handler.handle(headers, body)
+    assert result.status_code == 503  # the store's fault, not a replay (401)
+    assert resolver.asked == []
+
+
+@pytest.mark.parametrize("limit", [float("nan"), float("inf"), 0, -1])
+def test_a_body_limit_that_limits_nothing_is_refused(limit: float) -> None:
+    """NaN passed `<= 0` and turned the limit off: any body was read and verified."""
+    with pytest.raises(InvalidConfigError, match="max_body_bytes must be positive and finite"):
+        CheckHandler(Resolver(), [NEW], max_body_bytes=limit)  # type: ignore[arg-type]
 
 
 def test_async_handler_awaits_async_resolver(clock: Clock) -> None:

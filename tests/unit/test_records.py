@@ -199,3 +199,20 @@ def test_check_immunity_is_finite_and_bounded(immunity: object, says: str) -> No
     with pytest.raises(outbox.InvalidRecordError, match=says):
         check_immunity_interval(immunity)
     assert check_immunity_interval(timedelta(days=365)) == timedelta(days=365)
+
+
+@pytest.mark.parametrize(
+    ("headers", "shape"),
+    [
+        ([("authorization", "Bearer s3cr3t", "x")], "a tuple of 3 items"),
+        ([{"key": "authorization", "value": "Bearer s3cr3t"}], "a dict of 2 items"),
+        (["Bearer s3cr3t"], "a str of 13 items"),
+    ],
+)
+def test_a_malformed_header_pair_is_described_without_its_value(headers: Any, shape: str) -> None:
+    """The pair itself was quoted in the error, and applications log errors: a header's value
+    may be a token (the relay never shows one either)."""
+    with pytest.raises(outbox.InvalidHeaderError, match="must be a \\(name, value\\) pair") as err:
+        encode(Record("t", "v", headers=headers))
+    assert "s3cr3t" not in str(err.value)
+    assert shape in str(err.value)
