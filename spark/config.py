@@ -357,6 +357,13 @@ class ReconcileSettings(BaseModel):
             raise ValueError("give the delivered topics either by name or by pattern")
         if self.marker_topic in self.topics:
             raise ValueError("the op-marker topic is not a delivered topic")
+        if self.marker_topic in self.not_deliveries:
+            # its records dropped, every copy was a record without its marker
+            raise ValueError(
+                f"the op-marker topic {self.marker_topic!r} cannot be ignored (--ignore-topic, "
+                "--dead-letter-topic): its markers are what is judged, and a pattern that "
+                "matches it takes none of its records for deliveries"
+            )
         if (self.audit_from is None) != (self.audit_to is None):
             raise ValueError("an audit needs both --from and --to")
         if self.audit_from is not None and self.audit_to is not None:
@@ -383,6 +390,11 @@ class ReconcileSettings(BaseModel):
     @property
     def audit(self) -> bool:
         return self.audit_from is not None
+
+    @property
+    def not_deliveries(self) -> tuple[str, ...]:
+        """Topics a pattern may match whose records are not deliveries: none judged."""
+        return (self.dead_letter_topic, *self.ignored_topics)
 
     def kafka_source_options(self) -> dict[str, str]:
         """Options of Spark's Kafka source shared by the streaming and the audit reads."""

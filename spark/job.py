@@ -549,7 +549,7 @@ class ReconcileJob:
         return transform.observations(
             kafka,
             marker_topic=self.settings.marker_topic,
-            ignored_topics=(self.settings.dead_letter_topic, *self.settings.ignored_topics),
+            ignored_topics=self.settings.not_deliveries,
             topics=self.settings.topics,
             topic_pattern=self.settings.topic_pattern,
             outbox=self._outbox_name(),
@@ -1083,7 +1083,7 @@ class ReconcileJob:
             .select([F.col(f.name).cast(f.dataType) for f in transform.LEDGER_SCHEMA.fields])
             # records of the topics it reads only: the others' were all called missing (and
             # the judgement leaves them out of the missing ones: see transform.judge)
-            .where(transform.watched(F.col("topic"), s.topics, s.topic_pattern))
+            .where(transform.watched(F.col("topic"), s.topics, s.topic_pattern, s.not_deliveries))
         ).persist()
         cached.append(window_rows)
         others = (
@@ -1226,7 +1226,10 @@ class ReconcileJob:
                         late=late,
                         latency_counted=counted,
                         watched_topic=transform.watched(
-                            F.col("topic"), settings.topics, settings.topic_pattern
+                            F.col("topic"),
+                            settings.topics,
+                            settings.topic_pattern,
+                            settings.not_deliveries,
                         ),
                     )
                     cached.append(judgement.classified.persist())

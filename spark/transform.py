@@ -204,12 +204,17 @@ def _header(name: str) -> Column:
     return F.get("headers", (position - 1).cast("int"))["value"].cast("string")
 
 
-def watched(topic: Column, topics: tuple[str, ...], pattern: str | None) -> Column:
+def watched(
+    topic: Column, topics: tuple[str, ...], pattern: str | None, ignored: tuple[str, ...] = ()
+) -> Column:
     """Whether `topic` is one the job reads: by name, or a whole match of the Java regex, as
-    Kafka's subscribePattern matches (Spark's rlike is Java's regex too)."""
+    Kafka's subscribePattern matches (Spark's rlike is Java's regex too); not one `ignored`
+    (its copies are dropped: its markers and ledger rows, judged, were all findings)."""
     if pattern is not None:
-        return topic.rlike(f"^(?:{pattern})$")
-    return topic.isin(list(topics)) if topics else F.lit(True)
+        read = topic.rlike(f"^(?:{pattern})$")
+    else:
+        read = topic.isin(list(topics)) if topics else F.lit(True)
+    return read & ~topic.isin(list(ignored)) if ignored else read
 
 
 def observations(
@@ -251,6 +256,8 @@ def observations(
             F.array(F.struct(*[message[f.name].alias(f.name) for f in _MARKER_ENTRY_FIELDS])),
         )
     )
+    # ignored topics' records dropped before the markers are parsed; never the marker topic's
+    # (the settings refuse to ignore it)
     rows = kafka.where(~F.col("topic").isin(list(ignored_topics))) if ignored_topics else kafka
     rows = rows.select(
         "topic", "partition", "offset", "timestamp", "key", "headers",
@@ -289,11 +296,13 @@ def observations(
     if outbox is not None:
         ours = F.coalesce(F.col("outbox_name") == F.lit(outbox), F.lit(True))
     complete = (
-        (F.col("source") == RECORD) & watched(F.col("topic"), topics, topic_pattern) & ours
+        (F.col("source") == RECORD)
+        & watched(F.col("topic"), topics, topic_pattern, ignored_topics)
+        & ours
     ) | (
         F.col("op").isNotNull()
         & F.col("target_topic").isNotNull()
-        & watched(F.col("target_topic"), topics, topic_pattern)
+        & watched(F.col("target_topic"), topics, topic_pattern, ignored_topics)
     )
     return obs.where(F.col("outbox_id").isNotNull() & complete).drop("outbox_name")
 

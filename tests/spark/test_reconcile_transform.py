@@ -244,6 +244,10 @@ def test_markers_of_records_on_topics_the_job_does_not_read_are_dropped(
     # matched only part of, and their copies were judged, all without their markers
     assert seen(topics=("payments",)) == []
     assert seen(topic_pattern="ord") == []  # a prefix is no match, as in Kafka
+    # a topic the pattern matches but that is ignored: its markers go with its copies (judged
+    # alone, each was a marker without its record, and its ledger rows missing)
+    assert seen(topic_pattern="ord.*", ignored_topics=(TOPIC,)) == []
+    assert seen(topic_pattern=".*", ignored_topics=("payments",)) == both
 
 
 def test_a_copy_s_outbox_headers_are_read_wherever_they_are_and_the_first_of_a_name_wins(
@@ -387,6 +391,8 @@ def test_a_record_of_a_topic_the_job_does_not_read_is_never_missing(spark: Spark
     assert kinds() == {("missing", "payments"), ("orphan", TOPIC)}  # as the job judged it
     watching = watched(F.col("topic"), (TOPIC,), None)
     assert kinds(watched_topic=watching) == {("orphan", TOPIC)}  # on the wrong topic, still
+    ignoring = watched(F.col("topic"), (), ".*", ("payments",))  # matched, but ignored
+    assert kinds(watched_topic=ignoring) == {("orphan", TOPIC)}
 
 
 def test_a_discarded_record_resolved_by_hand_and_delivered_is_no_orphan(

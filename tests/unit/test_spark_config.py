@@ -298,6 +298,12 @@ def test_settings_render_the_kafka_source() -> None:
         ({"topics": ("orders", "")}, r"topics\n.*topic '' is invalid"),
         ({"dead_letter_topic": "dead letters"}, "is invalid"),
         ({"topics": ("..",)}, "not allowed by Kafka"),
+        # its records dropped before the markers were parsed: every copy without its marker
+        (
+            {"topics": (), "topic_pattern": ".*", "ignored_topics": ("outbox.op-markers",)},
+            "the op-marker topic 'outbox.op-markers' cannot be ignored",
+        ),
+        ({"dead_letter_topic": "outbox.op-markers"}, "cannot be ignored"),
     ],
 )
 def test_settings_refuse_what_cannot_work(change: dict[str, object], message: str) -> None:
