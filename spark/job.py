@@ -340,7 +340,9 @@ class ReconcileJob:
                 # interrupted (a Ctrl-C, a py4j error): left running, its later micro-batches
                 # were judged as a continuous job's, on a session not the job's own
                 query.stop()
-        with self._lock:
+        # said in a line, as an audit's is: a ledger read that fails (a login the JDBC driver
+        # is refused, its read timeout) came out as a Py4JJavaError with the JVM's stack
+        with self._lock, _query_failure("the judgement"):
             report = self.judge(as_of, "final")
         self._write_checkpoint_file(_ONCE_JUDGED_TO, window.hi.isoformat())
         return report
@@ -1678,12 +1680,16 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
         "shuffle_partitions": args.shuffle_partitions,
     }
     try:
-        return ReconcileSettings(**values)
+        settings = ReconcileSettings(**values)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
         )
         raise ReconcileConfigError(problems) from None
+    # What the JDBC driver cannot take (a Unix socket's DSN, a service without its file) is
+    # said now, not at the first ledger read, after Kafka was read and the Spark session built.
+    settings.jdbc()
+    return settings
 
 
 def _as_delta(value: timedelta | str) -> timedelta:

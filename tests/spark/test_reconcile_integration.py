@@ -1027,6 +1027,14 @@ def test_bad_topic_input_is_said_in_a_line(
     with pytest.raises(ReconcileQueryError, match=f"the audit of {missing} failed: ") as raised:
         ReconcileJob(audit, spark).audit()
     assert len(str(raised.value).splitlines()) == 1
+    # a --once run's judgement, its ledger read refused: it was the Py4JJavaError too
+    refused = running_settings(
+        pg_dsn, kafka_bootstrap, topic_factory(), markers, tmp_path / "once",
+        jdbc_url="jdbc:postgresql://127.0.0.1:1/nowhere",
+    )  # fmt: skip
+    with pytest.raises(ReconcileQueryError, match="the judgement failed: ") as raised:
+        ReconcileJob(refused, spark).run_once()
+    assert len(str(raised.value).splitlines()) == 1
 
 
 ROOT = Path(__file__).resolve().parents[2]

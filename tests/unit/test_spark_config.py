@@ -516,6 +516,12 @@ def test_command_line_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert exited.value.code == 2
     assert "'ever' is not a duration (e.g." in (err := capsys.readouterr().err)
     assert err.rstrip().endswith(", or none")
+    # what the JDBC driver cannot reach, before any session is built or Kafka read
+    with pytest.raises(SystemExit) as exited:
+        main(["--dsn", "host=/var/run/postgresql dbname=x", "--bootstrap", "k", "--topics", "a",
+              "--checkpoint", "cp"])  # fmt: skip
+    assert exited.value.code == 2
+    assert "Unix socket" in capsys.readouterr().err
 
 
 def test_every_query_renders() -> None:
