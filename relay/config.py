@@ -418,6 +418,18 @@ class SidecarSettings(_FromEverywhere):
     checker: CheckerSettings = CheckerSettings()
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = "json"
+    on_part_stopped: Literal["exit", "retry"] = Field(
+        default="exit",
+        description="When the relay or the checker stops on something that cannot work (a "
+        "schema not migrated, a setting the broker refuses): exit 1, to be restarted with the "
+        "error in the log; or retry: the process stays up (/healthz alive, /readyz not ready, "
+        "outbox_sidecar_part_stopped 1) and starts the part again every part_retry_interval. "
+        "The chart's sidecar mode retries: a sidecar that exits takes its application's pod "
+        "out of its Service.",
+    )
+    part_retry_interval: Duration = Field(
+        default=timedelta(seconds=60), ge=timedelta(seconds=1), le=timedelta(hours=1)
+    )
 
     @model_validator(mode="after")
     def _poll_only_through_a_pooler(self) -> Self:
@@ -450,7 +462,7 @@ class SidecarSettings(_FromEverywhere):
             raise ValueError(why)
         return self
 
-    @field_validator("log_level", "log_format", mode="before")
+    @field_validator("log_level", "log_format", "on_part_stopped", mode="before")
     @classmethod
     def _any_case(cls, v: Any, info: ValidationInfo) -> Any:
         if not isinstance(v, str):

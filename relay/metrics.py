@@ -53,3 +53,9 @@ STAMP_LOCK_WAITS = Counter(
 )
 ERRORS = Counter("outbox_relay_errors", "Errors by kind.", ["kind"])
 RECOVERIES = Counter("outbox_relay_recoveries", "Recoveries from the op-marker topic.")
+PART_STOPPED = Gauge(
+    "outbox_sidecar_part_stopped",
+    "1 while a part of the sidecar (relay, checker) stopped on something that cannot work waits "
+    "to be started again (on_part_stopped = retry): it delivers or checks nothing meanwhile.",
+    ["part"],
+)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from relay import logs
+from relay import logs, metrics
 from relay.config import SidecarSettings
 from relay.http import ProbeServer
 from relay.kafka import check_client_settings
@@ -74,11 +75,9 @@ def build_components(settings: SidecarSettings, only: str | None = None) -> dict
     components: dict[str, Component] = {}
     if settings.relay.enabled and only in (None, "relay"):
         check_settings(settings)
-        components["relay"] = Relay(settings)
+        components["relay"] = _build("relay", settings)
     if settings.checker.enabled and only in (None, "checker"):
-        from checker.service import Checker
-
-        components["checker"] = Checker.from_sidecar_settings(settings)
+        components["checker"] = _build("checker", settings)
     if not components:
         # logged, not a SystemExit's message: a raw line in the sidecar's JSON logs
         logger.critical(
@@ -91,10 +90,80 @@ def build_components(settings: SidecarSettings, only: str | None = None) -> dict
     return components
 
 
+def _build(part: str, settings: SidecarSettings) -> Component:
+    if part == "relay":
+        return Relay(settings)
+    from checker.service import Checker
+
+    return Checker.from_sidecar_settings(settings)
+
+
+class _Parts:
+    """The running parts, and those stopped by themselves that wait to be started again
+    (on_part_stopped = retry): a stopped part is alive for the liveness probe (restarting the
+    process would not mend it, and in an application's pod it made the pod unready) and not
+    ready, whatever it reported before it stopped."""
+
+    def __init__(self, settings: SidecarSettings, components: dict[str, Component]) -> None:
+        self.settings = settings
+        self.components = components
+        self.stopped_at: dict[str, float] = {}
+        for name in components:
+            metrics.PART_STOPPED.labels(name).set(0)
+
+    def alive(self, name: str) -> Callable[[], bool]:
+        return lambda: name in self.stopped_at or self.components[name].alive()
+
+    def ready(self, name: str) -> Callable[[], dict[str, Any]]:
+        def report() -> dict[str, Any]:
+            if name in self.stopped_at:
+                return {"ready": False, "stopped": True}
+            return self.components[name].ready()
+
+        return report
+
+    def newly_stopped(self) -> list[str]:
+        return [
+            name
+            for name, c in self.components.items()
+            if name not in self.stopped_at and c.ended_by_itself()
+        ]
+
+    def wait_to_retry(self, names: list[str]) -> None:
+        interval = self.settings.part_retry_interval.total_seconds()
+        for name in names:
+            self.stopped_at[name] = time.monotonic()
+            metrics.PART_STOPPED.labels(name).set(1)
+            logger.critical(
+                "%s stopped (why is logged above): started again in %gs (on_part_stopped = "
+                "retry); the sidecar stays up",
+                name,
+                interval,
+            )
+
+    def retry_due(self) -> None:
+        interval = self.settings.part_retry_interval.total_seconds()
+        for name, at in list(self.stopped_at.items()):
+            if time.monotonic() - at < interval:
+                continue
+            try:
+                component = _build(name, self.settings)
+                component.start()
+            except Exception as exc:  # tried again after another interval
+                self.stopped_at[name] = time.monotonic()
+                logger.critical("%s could not be started again: %s", name, exc, exc_info=True)
+                continue
+            self.components[name] = component
+            del self.stopped_at[name]
+            metrics.PART_STOPPED.labels(name).set(0)
+            logger.info("%s started again", name)
+
+
 def run(settings: SidecarSettings, only: str | None = None) -> int:
     """Run until SIGTERM / SIGINT. Returns the process exit code."""
     logs.configure(settings.log_level, settings.log_format)
-    components = build_components(settings, only)
+    parts = _Parts(settings, build_components(settings, only))
+    components = parts.components  # the current ones: a part started again replaces its own
     stop = threading.Event()
     StopOnSignals(stop, "shutting down").install()
 
@@ -103,28 +172,33 @@ def run(settings: SidecarSettings, only: str | None = None) -> int:
         probes = ProbeServer(
             settings.http.host,
             settings.http.port,
-            alive={name: c.alive for name, c in components.items()},
-            ready={name: c.ready for name, c in components.items()},
+            alive={name: parts.alive(name) for name in components},
+            ready={name: parts.ready(name) for name in components},
         )
         probes.start()
     for name, component in components.items():
         component.start()
         logger.info("%s started", name)
 
-    relay = components.get("relay")
-    if isinstance(relay, Relay):
+    if "relay" in components:
         # On a thread of its own: a refresh waits for a new connection and three queries (up to
         # the connect timeout in an outage), and in the main loop a SIGTERM waited for it.
         threading.Thread(
-            target=_refresh_gauges, args=(relay, stop), name="outbox-gauges", daemon=True
+            target=_refresh_gauges,
+            args=(lambda: components.get("relay"), stop),
+            name="outbox-gauges",
+            daemon=True,
         ).start()
     status = 0
     while not stop.wait(_WATCH_INTERVAL_S):
-        dead = [name for name, c in components.items() if c.ended_by_itself()]
-        if dead:  # e.g. a relay that stopped on a setting that cannot work: exit, be restarted
+        dead = parts.newly_stopped()
+        if dead and settings.on_part_stopped == "exit":
+            # e.g. a relay that stopped on a setting that cannot work: exit, be restarted
             logger.critical("%s no longer running: the sidecar exits", ", ".join(dead))
             status = 1
             break
+        parts.wait_to_retry(dead)
+        parts.retry_due()
 
     # All at once, within one grace period: one after the other, each with the whole grace,
     # ran past the pod's terminationGracePeriodSeconds.
@@ -151,9 +225,12 @@ def run(settings: SidecarSettings, only: str | None = None) -> int:
     return status
 
 
-def _refresh_gauges(relay: Relay, stop: threading.Event) -> None:
+def _refresh_gauges(relay: Callable[[], Component | None], stop: threading.Event) -> None:
     while not stop.wait(_GAUGE_INTERVAL_S):
+        current = relay()  # a relay started again is another object
+        if not isinstance(current, Relay) or not current.running():
+            continue
         try:
-            relay.refresh_gauges()
+            current.refresh_gauges()
         except Exception as exc:  # gauges are best effort; the relay reports its own errors
             logger.warning("could not refresh gauges: %s", exc)

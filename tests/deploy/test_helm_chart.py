@@ -260,6 +260,18 @@ def test_sidecar_mode_renders_no_deployment_and_an_app_chart_includes_the_contai
     assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "outbox-http"}
     # a broker outage must not take the application's pod out of its Service
     assert "readinessProbe" not in sidecar
+    # nor a part that stopped on something that cannot work: the sidecar stays up, retrying
+    env = {e["name"]: e["value"] for e in sidecar["env"]}
+    assert env["OUTBOX_ON_PART_STOPPED"] == "retry"
+    standalone = by_kind(render(helm, "existingSecret=s"))["Deployment"]
+    (relay,) = standalone["spec"]["template"]["spec"]["containers"]
+    assert "OUTBOX_ON_PART_STOPPED" not in {e["name"] for e in relay["env"]}  # exits, restarted
+    (given,) = [  # the application's choice wins, as one variable, not two
+        d for d in render(helm, "outbox.env.OUTBOX_ON_PART_STOPPED=exit", chart=app)
+        if d["kind"] == "Deployment"
+    ]  # fmt: skip
+    chosen = given["spec"]["template"]["spec"]["containers"][1]["env"]
+    assert [e["value"] for e in chosen if e["name"] == "OUTBOX_ON_PART_STOPPED"] == ["exit"]
     secrets = [v for v in pod["volumes"] if "secret" in v]
     assert secrets == [{"name": "outbox-secrets", "secret": {"secretName": "app-outbox"}}]
     # port names are the pod's: the application's own "http" stays the only one

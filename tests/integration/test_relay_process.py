@@ -83,6 +83,52 @@ def test_a_relay_stopped_by_a_setting_that_cannot_work_ends_the_process(
     assert "no longer running" in proc.output()
 
 
+def test_a_sidecar_told_to_retry_stays_up_while_its_relay_cannot_run(
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    relay_settings: Callable[..., SidecarSettings],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """In an application's pod (the chart's sidecar mode) the sidecar's exit made the pod
+    unready, out of its Service: an outbox not migrated yet made the application unavailable.
+    With on_part_stopped = retry it stays up, says so, and starts the relay once it can run."""
+    port = free_port()
+    settings = relay_settings(schema_name="migrated_later", **FAST)
+    retrying = {"OUTBOX_ON_PART_STOPPED": "retry", "OUTBOX_PART_RETRY_INTERVAL": "PT1S"}
+    proc = relay_process(settings=settings, http_port=port, env=retrying)
+
+    def stopped() -> float | None:
+        status, body = get(port, "/metrics")
+        for line in body.decode().splitlines() if status == 200 else ():
+            if line.startswith('outbox_sidecar_part_stopped{part="relay"}'):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    wait_for(lambda: stopped() == 1.0, 60, "the relay to stop and wait", proc)
+    assert "run `outboxctl migrate --schema migrated_later`" in proc.output()
+    assert proc.proc.poll() is None, proc.output()  # up, not exited
+    assert get(port, "/healthz")[0] == 200  # not restarted by the liveness probe
+    assert json.loads(get(port, "/readyz")[1])["relay"] == {"ready": False, "stopped": True}
+    outbox.migrate(pg_dsn, "migrated_later")
+    wait_for(lambda: stopped() == 0.0, 60, "the relay to start again", proc)
+    topic = topic_factory()
+    later = outbox.Outbox(outbox.OutboxConfig(schema_name="migrated_later"))
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        later.publish(conn, topic, "delivered once the schema is there")
+    wait_for(lambda: get(port, "/readyz")[0] == 200, 60, "the relay to be ready", proc)
+
+    def waiting() -> int:
+        with psycopg.connect(pg_dsn) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM migrated_later.outbox_record WHERE state = 'committed'"
+            ).fetchone()
+        return int(row[0]) if row else -1
+
+    wait_for(lambda: waiting() == 0, 60, "the delivery", proc)
+    assert "relay started again" in proc.output()
+    assert proc.terminate() == 0, proc.output()
+
+
 def test_a_sigterm_during_a_slow_gauge_refresh_stops_the_sidecar_at_once(
     relay_settings: Callable[..., SidecarSettings], monkeypatch: pytest.MonkeyPatch
 ) -> None:

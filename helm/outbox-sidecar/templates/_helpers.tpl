@@ -82,6 +82,14 @@ chart, to run one relay in each of its pods (add the volumes of outbox-sidecar.v
     - name: OUTBOX_DATABASE__SCHEMA_NAME
       value: {{ .Values.migrations.schema | quote }}
     {{- include "outbox-sidecar.checkEnv" . }}
+    {{- $given := dict -}}
+    {{- range $name, $value := .Values.env }}{{ $_ := set $given (upper $name) true }}{{ end }}
+    {{- if and (eq .Values.mode "sidecar") (not (hasKey $given "OUTBOX_ON_PART_STOPPED")) }}
+    {{- /* A sidecar that exits (a schema not migrated yet, a setting the broker refuses) is
+           a container not running: its application's pod unready, out of its Service. */}}
+    - name: OUTBOX_ON_PART_STOPPED
+      value: retry
+    {{- end }}
     {{- range $name, $value := .Values.env }}
     - name: {{ $name }}
       value: {{ include "outbox-sidecar.text" $value | quote }}
