@@ -393,6 +393,7 @@ def test_alert_rules_use_only_series_and_labels_the_sidecar_exports(helm: str, m
     assert rules.keys() >= RECONCILE_ALERTS
     assert rules["OutboxReconcileStalled"]["expr"].endswith("> 600")
     assert "absent(outbox_relay_shards_owned" in rules["OutboxShardsUnowned"]["expr"]
+    assert "outbox_sidecar_part_stopped" in rules["OutboxSidecarPartStopped"]["expr"]
     exported = _exported_series()
     for name, r in rules.items():
         _assert_exported(name, r["expr"], exported, ("namespace", "orders"))
