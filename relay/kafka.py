@@ -347,10 +347,12 @@ class ShardProducer:
         What `meanwhile` raises gives the call up: its thread goes on alone, and the producer
         with it is never used again (the next init makes a new one)."""
         failed: list[Exception] = []
+        done: list[bool] = []
 
         def run() -> None:
             try:
                 call()
+                done.append(True)
             except Exception as exc:  # raised again on the caller's thread
                 failed.append(exc)
 
@@ -366,6 +368,8 @@ class ShardProducer:
                     raise
         if failed:
             raise failed[0]
+        if not done:  # its thread ended by a BaseException: no outcome, not a success
+            raise ProducerFailed(f"the producer's {name} on its thread ended without an outcome")
 
     @property
     def producer(self) -> Producer:
@@ -486,21 +490,23 @@ class ShardProducer:
             if waiting is not None:
                 waiting()
 
-    def commit(self, waiting: Callable[[], None] | None = None) -> None:
+    def commit(self, waiting: Callable[[], None] | None = None) -> float:
         """Commit; retriable errors are retried within the timeout, then the outcome is unknown.
 
         With `waiting`, it is called every WAIT_POLL_S while the commit runs on a thread of its
         own: the relay renews its leases (a commit longer than lease_duration lost them, and the
         next owner fenced the batch), and a stop near the end of its grace raises ShuttingDown,
         which leaves the commit to finish alone and its outcome to the next owner's recovery
-        (a stop waited out a coordinator that did not answer, up to the transaction timeout)."""
+        (a stop waited out a coordinator that did not answer, up to the transaction timeout).
+        Returns the seconds the commit itself took (not the renewals meanwhile)."""
         self._settled_by_recovery = True
         producer = self.producer
+        took: list[float] = []
         try:
             if waiting is None:
-                self._commit(producer)
+                took.append(self._commit(producer))
             else:
-                self._beside(lambda: self._commit(producer), "commit", waiting)
+                self._beside(lambda: took.append(self._commit(producer)), "commit", waiting)
         except ShuttingDown as exc:
             raise ShuttingDown(
                 "the relay stops: the batch's commit is left to finish alone, its outcome to the "
@@ -513,14 +519,16 @@ class ShardProducer:
                 self._settled_by_recovery = False
             raise
         self._began = float("inf")
+        return took[0]
 
-    def _commit(self, producer: Producer) -> None:
-        """On any thread: touches none of this object's state."""
+    def _commit(self, producer: Producer) -> float:
+        """On any thread: touches none of this object's state. Returns the seconds it took."""
+        started = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
                 producer.commit_transaction(max(1.0, deadline - time.monotonic()))
-                return
+                return time.perf_counter() - started
             except KafkaException as exc:
                 err: KafkaError = exc.args[0]
                 _raise_if_fenced_or_fatal(err, exc)

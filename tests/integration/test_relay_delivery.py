@@ -149,9 +149,9 @@ def test_records_of_one_transaction_share_one_kafka_transaction(
     commits: list[None] = []
     commit = worker.producer.commit
 
-    def counted(*waiting: Any) -> None:
+    def counted(*waiting: Any) -> float:
         commits.append(None)
-        commit(*waiting)
+        return commit(*waiting)
 
     worker.producer.commit = counted  # type: ignore[method-assign]
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
@@ -3823,10 +3823,10 @@ def test_a_discarded_record_resolved_by_hand_while_the_relay_ships_it_is_not_los
     written = discarded(pg_dsn, topic, "late but wanted")
     commit = worker.producer.commit
 
-    def resolved_meanwhile(*waiting: Any) -> None:
+    def resolved_meanwhile(*waiting: Any) -> float:
         with psycopg.connect(pg_dsn) as conn:
             resolve(conn, "default", written.tx_id, "COMMIT", actor="ops", reason="it was paid")
-        commit(*waiting)
+        return commit(*waiting)
 
     worker.producer.commit = resolved_meanwhile  # type: ignore[method-assign]
     assert relay.run_once().ended == 1  # the dead-letter copy and its marker
@@ -3873,7 +3873,7 @@ def test_a_fenced_producer_whose_lease_is_still_ours_recovers_instead_of_idling(
     (worker,) = relay.workers.values()
     commit = worker.producer.commit
 
-    def fenced_first(*waiting: Any) -> None:
+    def fenced_first(*waiting: Any) -> float:
         worker.producer.commit = commit  # type: ignore[method-assign]
         intruder = Producer(
             {
@@ -3882,7 +3882,7 @@ def test_a_fenced_producer_whose_lease_is_still_ours_recovers_instead_of_idling(
             }
         )
         intruder.init_transactions(30)  # a newer epoch: ours is fenced, its transaction aborted
-        commit(*waiting)
+        return commit(*waiting)
 
     worker.producer.commit = fenced_first  # type: ignore[method-assign]
     with psycopg.connect(pg_dsn) as conn, conn.transaction():

@@ -166,14 +166,33 @@ def test_a_commit_calls_its_waiting_hook_while_it_runs() -> None:
     """The relay renews its leases from it: renewed only before the commit, a commit longer
     than lease_duration lost them, and another relay fenced the batch."""
     producer = ShardProducer({}, "test-0", timedelta(seconds=30))
-    slow = _SlowCommit(0.5)
+    slow = _SlowCommit(1.0)
     producer._producer = slow  # type: ignore[assignment]
     producer._began = time.monotonic()
     called: list[float] = []
-    producer.commit(lambda: called.append(time.monotonic()))
+
+    def renewing() -> None:
+        called.append(time.monotonic())
+        time.sleep(0.05)  # a renewal's round trip: not the commit's latency
+
+    took = producer.commit(renewing)
     assert slow.committed.is_set()
-    assert len(called) >= 3, called  # every 0.1 s of the 0.5 s
+    assert len(called) >= 3, called  # every 0.1 s of the 1 s
+    assert 1.0 <= took < 1.0 + 0.05 * len(called)  # the commit's own time
     assert producer.open_for() < 0  # none open
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_commit_whose_thread_ends_without_an_outcome_is_no_success() -> None:
+    class _Interrupted:
+        def commit_transaction(self, timeout: float) -> None:
+            raise SystemExit  # a BaseException: its thread just ends, silently
+
+    producer = ShardProducer({}, "test-0", timedelta(seconds=30))
+    producer._producer = _Interrupted()  # type: ignore[assignment]
+    producer._began = time.monotonic()
+    with pytest.raises(ProducerFailed, match="commit on its thread ended without an outcome"):
+        producer.commit(lambda: None)
 
 
 def test_a_stop_leaves_a_commit_the_coordinator_does_not_answer_to_finish_alone() -> None:
