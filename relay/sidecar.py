@@ -108,6 +108,10 @@ class _Parts:
         self.settings = settings
         self.components = components
         self.stopped_at: dict[str, float] = {}
+        # started again, on trial: still said stopped until it has run a retry interval (set to
+        # 0 at the restart, a part failing again within seconds read 0 at most scrapes, and
+        # the alert's `for` never ran out)
+        self.restarted_at: dict[str, float] = {}
         for name in components:
             metrics.PART_STOPPED.labels(name).set(0)
 
@@ -143,6 +147,13 @@ class _Parts:
 
     def retry_due(self) -> None:
         interval = self.settings.part_retry_interval.total_seconds()
+        for name, at in list(self.restarted_at.items()):
+            if name in self.stopped_at:  # failed again on trial: its gauge stayed 1
+                del self.restarted_at[name]
+            elif time.monotonic() - at >= interval:
+                del self.restarted_at[name]
+                metrics.PART_STOPPED.labels(name).set(0)
+                logger.info("%s has run %gs since it was started again", name, interval)
         for name, at in list(self.stopped_at.items()):
             if time.monotonic() - at < interval:
                 continue
@@ -155,7 +166,7 @@ class _Parts:
                 continue
             self.components[name] = component
             del self.stopped_at[name]
-            metrics.PART_STOPPED.labels(name).set(0)
+            self.restarted_at[name] = time.monotonic()
             logger.info("%s started again", name)
 
 
