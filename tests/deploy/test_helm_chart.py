@@ -13,6 +13,7 @@ from typing import Any
 
 import promql_parser
 import pytest
+import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from spark.job import EXIT_FINDINGS
@@ -272,6 +273,12 @@ def test_sidecar_mode_renders_no_deployment_and_an_app_chart_includes_the_contai
     ]  # fmt: skip
     chosen = given["spec"]["template"]["spec"]["containers"][1]["env"]
     assert [e["value"] for e in chosen if e["name"] == "OUTBOX_ON_PART_STOPPED"] == ["exit"]
+    (in_config,) = [  # and so does its config's, which the chart's variable would override
+        d for d in render(helm, 'outbox.config=on_part_stopped = "exit"', chart=app)
+        if d["kind"] == "Deployment"
+    ]  # fmt: skip
+    env_names = [e["name"] for e in in_config["spec"]["template"]["spec"]["containers"][1]["env"]]
+    assert "OUTBOX_ON_PART_STOPPED" not in env_names
     secrets = [v for v in pod["volumes"] if "secret" in v]
     assert secrets == [{"name": "outbox-secrets", "secret": {"secretName": "app-outbox"}}]
     # port names are the pod's: the application's own "http" stays the only one
@@ -596,8 +603,14 @@ def test_the_dashboard_is_off_by_default(helm: str) -> None:
                 ('[kafka]\nsasl_password = "pw"', "sasl_password"),
                 ('[kafka]\nextra = {"sasl.password" = "pw"}', '"sasl.password"'),
                 ('[checker.endpoints.orders]\nsecrets = ["whsec_x"]', "secrets"),
+                ('database.dsn = "postgresql://app:pw@db/app"', "dsn"),  # dotted
+                ("[kafka]\nextra = {'ssl.key.pem' = 'pem'}", "'ssl.key.pem'"),  # TOML's quotes
             ]
         ],
+        (
+            ("existingSecret=s", 'env.OUTBOX_KAFKA__EXTRA={"sasl.password": "pw"}'),
+            "env.OUTBOX_KAFKA__EXTRA holds a secret",
+        ),
         (
             ("existingSecret=s", "env.OUTBOX_KAFKA__SASL_PASSWORD=pw"),
             "env.OUTBOX_KAFKA__SASL_PASSWORD holds a secret, and the pod's spec shows it to "
@@ -641,8 +654,46 @@ def test_a_shutdown_grace_the_pods_termination_outlasts_is_taken(
     assert render(helm, "existingSecret=s", *sets)
 
 
-def test_a_comment_naming_a_secret_setting_is_no_secret(helm: str) -> None:
-    assert render(helm, "existingSecret=s", 'config=# dsn = "in the Secret"\n[relay]\nshards = 2')
+@pytest.mark.parametrize(
+    "config",
+    [
+        '# dsn = "in the Secret"\n[relay]\nshards = 2',  # a comment
+        '[checker.endpoints.orders]\nurl = "https://orders/check?dsn=1"',  # a word of a value
+    ],
+)
+def test_what_only_names_a_secret_setting_is_no_secret(helm: str, config: str) -> None:
+    assert render(helm, "existingSecret=s", f"config={config}")
+
+
+def test_an_image_tag_a_values_file_gives_as_a_number_is_refused(helm: str, tmp_path: Path) -> None:
+    """YAML reads 1.10 as 1.1 (and 0123 as 83): the pods would pull another image."""
+    values = tmp_path / "values.yaml"
+    values.write_text("existingSecret: s\nimage:\n  tag: 1.10\n")
+    out = subprocess.run(
+        [helm, "template", "orders", str(CHART), "--values", str(values)],
+        text=True, capture_output=True,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert 'image.tag: give it as a string (quoted, e.g. "1.10")' in out.stderr
+
+
+def test_a_retry_replacing_a_pod_still_there_is_asked_only_of_kubernetes_that_knows_it(
+    helm: str,
+) -> None:
+    """podReplacementPolicy is beta from 1.29: an older API server's schema refused it."""
+
+    def job(kube: str) -> dict[str, Any]:
+        sets = ["existingSecret=s", "reconcile.enabled=true", *RECONCILE, "reconcile.mode=schedule"]
+        out = subprocess.run(
+            [helm, "template", "orders", str(CHART), "--kube-version", kube,
+             *(a for x in sets for a in ("--set", x))],
+            check=True, text=True, capture_output=True,
+        ).stdout  # fmt: skip
+        (cron,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "CronJob"]
+        return cron["spec"]["jobTemplate"]["spec"]  # type: ignore[no-any-return]
+
+    assert job("1.29.0")["podReplacementPolicy"] == "Failed"
+    assert "podReplacementPolicy" not in job("1.28.5")
 
 
 def test_an_image_tag_given_as_a_number_names_the_image(helm: str) -> None:
@@ -750,8 +801,6 @@ def test_a_scheduled_reconciliation_runs_once_at_a_time_on_a_claim_given(
     assert not [k for k in docs if k.startswith("PersistentVolumeClaim/")]
     cron = docs["CronJob/orders-outbox-sidecar-reconcile"]["spec"]
     assert cron["concurrencyPolicy"] == "Forbid"
-    # a retry's pod not while the last one terminates (deleted, preempted): one writer
-    assert cron["jobTemplate"]["spec"]["podReplacementPolicy"] == "Failed"
     pod = cron["jobTemplate"]["spec"]["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     (container,) = pod["containers"]

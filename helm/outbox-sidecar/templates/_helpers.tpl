@@ -57,8 +57,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "outbox-sidecar.image" -}}
-{{- /* toString: a tag YAML reads as a number (2, 1.10) rendered as "%!s(int64=2)" */ -}}
-{{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion .Values.image.tag)) -}}
+{{- printf "%s:%s" .Values.image.repository (include "outbox-sidecar.tag" (dict "tag" .Values.image.tag "root" . "name" "image.tag")) -}}
+{{- end -}}
+
+{{- /* An image tag as given: a string, or an integer from --set (printf "%s" rendered one as
+"%!s(int64=2)"). One a values file gives as a number is refused: YAML read it as one, and its
+text is lost (1.10 is 1.1, 0123 is 83), so the pods would pull another image. */ -}}
+{{- define "outbox-sidecar.tag" -}}
+{{- $tag := default .root.Chart.AppVersion .tag -}}
+{{- if or (kindIs "int64" $tag) (kindIs "int" $tag) -}}
+{{- toString $tag -}}
+{{- else if kindIs "string" $tag -}}
+{{- $tag -}}
+{{- else -}}
+{{- fail (printf "%s: give it as a string (quoted, e.g. \"1.10\"): YAML read %v as a number, and the image it names would be another" .name $tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "outbox-sidecar.secretName" -}}
@@ -84,7 +97,8 @@ chart, to run one relay in each of its pods (add the volumes of outbox-sidecar.v
     {{- include "outbox-sidecar.checkEnv" . }}
     {{- $given := dict -}}
     {{- range $name, $value := .Values.env }}{{ $_ := set $given (upper $name) true }}{{ end }}
-    {{- if and (eq .Values.mode "sidecar") (not (hasKey $given "OUTBOX_ON_PART_STOPPED")) }}
+    {{- $chosen := or (hasKey $given "OUTBOX_ON_PART_STOPPED") (regexMatch "(?m)^[ \t]*on_part_stopped[ \t]*=" .Values.config) }}
+    {{- if and (eq .Values.mode "sidecar") (not $chosen) }}
     {{- /* A sidecar that exits (a schema not migrated yet, a setting the broker refuses) is
            a container not running: its application's pod unready, out of its Service. */}}
     - name: OUTBOX_ON_PART_STOPPED
@@ -131,13 +145,20 @@ schema, the sidecar reading another). */}}
 {{- if regexMatch "(?m)^\\s*schema_name\\s*=" .Values.config -}}
 {{- fail "config: database.schema_name is set from migrations.schema (the hook and the sidecar use it both); set that instead" -}}
 {{- end -}}
-{{- /* Secrets in the ConfigMap or the pod's spec are shown to whoever may read those */ -}}
-{{- $secret := regexFind `(?m)^[^#\n]*?(\bdsn|\bsasl_password|\bssl_key_password|\bsecrets|"(sasl\.password|ssl\.key\.password|ssl\.keystore\.password|sasl\.oauthbearer\.client\.secret)")[ \t]*=` .Values.config -}}
-{{- if $secret -}}
-{{- fail (printf "config: %s holds a secret, and the ConfigMap shows it to anyone who may read ConfigMaps; put it in the Secret (existingSecret), one key per setting named like its variable in lower case (outbox_database__dsn, outbox_kafka__sasl_password, ...)" (regexReplaceAll `^[^#\n]*?(\bdsn|\bsasl_password|\bssl_key_password|\bsecrets|"[^"]*")[ \t]*=$` $secret "${1}")) -}}
+{{- /* Secrets in the ConfigMap or the pod's spec are shown to whoever may read those: the
+keys of settings that hold one, bare, dotted or quoted, at a line's start or in an inline table
+(not a word of a value, as in a URL's "?dsn=") */ -}}
+{{- $key := `(?:^|[{,])[ \t]*(?:[A-Za-z0-9_]+[ \t]*\.[ \t]*)*(dsn|sasl_password|ssl_key_password|secrets|["'](?:sasl\.password|sasl\.jaas\.config|sasl\.oauthbearer\.client\.secret|sasl\.oauthbearer\.config|ssl\.key\.password|ssl\.key\.pem|ssl\.keystore\.password)["'])[ \t]*=` -}}
+{{- $found := regexFind (printf "(?m)%s" $key) .Values.config -}}
+{{- if $found -}}
+{{- fail (printf "config: %s holds a secret, and the ConfigMap shows it to anyone who may read ConfigMaps; put it in the Secret (existingSecret), one key per setting named like its variable in lower case (outbox_database__dsn, outbox_kafka__sasl_password, ...)" (regexReplaceAll (printf "^%s$" $key) (trim $found) "${1}")) -}}
 {{- end -}}
 {{- range $name, $value := .Values.env -}}
-{{- if regexMatch `(?i)(__DSN|PASSWORD|__SECRETS)$` $name -}}
+{{- $secret := regexMatch `(?i)(__DSN|PASSWORD|__SECRETS)$` $name -}}
+{{- if and (eq (upper $name) "OUTBOX_KAFKA__EXTRA") (regexMatch `(?i)password|secret|jaas|oauthbearer\.config|key\.pem` (toString $value)) -}}
+{{- $secret = true -}}
+{{- end -}}
+{{- if $secret -}}
 {{- fail (printf "env.%s holds a secret, and the pod's spec shows it to anyone who may read it; put it in the Secret (existingSecret) as the key %s" $name (lower $name)) -}}
 {{- end -}}
 {{- end -}}
@@ -215,7 +236,7 @@ spec:
   {{- end }}
   containers:
     - name: reconcile
-      image: {{ printf "%s:%s" $r.image.repository (toString (default $root.Chart.AppVersion $r.image.tag)) }}
+      image: {{ printf "%s:%s" $r.image.repository (include "outbox-sidecar.tag" (dict "tag" $r.image.tag "root" $root "name" "reconcile.image.tag")) }}
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
       # the DSN from the Secret, never on the command line (ps shows it)
       command: [outboxctl, reconcile]
