@@ -761,9 +761,24 @@ def java_cmd(main: str, *args: str, heap: str = "256m") -> list[str]:
     ]
 
 
+def resume_if_stopped(pid: int | None, name: str) -> None:
+    """A process stopped by SIGSTOP (a test pauses the broker mid-commit, and resumes it; one
+    killed meanwhile left it stopped): resumed, not waited for as if it were starting."""
+    if pid is None:
+        return
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return
+    if state == "T":
+        log(f"{name} was stopped (SIGSTOP): resuming it")
+        os.kill(pid, signal.SIGCONT)
+
+
 def kafka_up() -> None:
     props = KAFKA_DIR / "server.properties"
     starting = kafka_pid()
+    resume_if_stopped(starting, "kafka")
     if starting is not None and not kafka_answers():
         # Still starting (an `up` cut short by Ctrl-C, say): waited for, not started twice (the
         # second failed on the first's data, and the first ran on with no pid file to stop it).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,21 +37,39 @@ def broker_pid(services: Services) -> int:
 def paused_after_produce(
     monkeypatch: pytest.MonkeyPatch, broker_pid: int
 ) -> Iterator[threading.Event]:
-    """The broker stopped once a batch is produced, before its commit; resumed on leaving."""
-    produced = threading.Event()
+    """The broker stopped once a batch is produced, before its commit; resumed on leaving, and
+    by a watchdog of its own 30 s later should this process die first (scripts/services.py
+    `up` resumes a stopped broker too)."""
+    produced, over = threading.Event(), threading.Event()
+    lock = threading.Lock()
+    watchdog: list[subprocess.Popen[bytes]] = []
     hit = _failpoints.hit
 
     def pause_there(name: str) -> None:
-        if name == _failpoints.AFTER_PRODUCE and not produced.is_set():
-            os.kill(broker_pid, signal.SIGSTOP)
-            produced.set()
+        with lock:  # never paused again once the block is left
+            if name == _failpoints.AFTER_PRODUCE and not produced.is_set() and not over.is_set():
+                watchdog.append(
+                    subprocess.Popen(
+                        ["sh", "-c", f"sleep 30; kill -CONT {broker_pid}"],
+                        start_new_session=True,  # outlives a killed test run
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
+                os.kill(broker_pid, signal.SIGSTOP)
+                produced.set()
         hit(name)
 
     monkeypatch.setattr(_failpoints, "hit", pause_there)
     try:
         yield produced
     finally:
+        with lock:
+            over.set()
         os.kill(broker_pid, signal.SIGCONT)
+        for dog in watchdog:
+            dog.kill()
+            dog.wait()
 
 
 def lease_owners(dsn: str) -> list[str | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -91,3 +92,20 @@ def test_the_services_ports_are_kept_from_outgoing_connections(tmp_path: Path) -
     )
     run_script(tmp_path / "local", code)
     assert reserved.read_text() == "8080,9000-9010,55432,59092"
+
+
+def test_a_process_left_stopped_is_resumed_not_waited_for(tmp_path: Path, sleeper: Any) -> None:
+    """A test pauses the broker (SIGSTOP) mid-commit; killed meanwhile, it left the broker
+    stopped, and `up` waited 120 s for it as for one starting, then failed every later run."""
+    pid = sleeper("paused")
+    os.kill(pid, signal.SIGSTOP)
+
+    def state() -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    assert state() == "T"
+    out = run_script(tmp_path, f"services.resume_if_stopped({pid}, 'kafka')")
+    assert "kafka was stopped (SIGSTOP): resuming it" in out.stdout + out.stderr
+    assert state() != "T"
+    run_script(tmp_path, f"services.resume_if_stopped({pid}, 'kafka')")  # running: left alone
+    run_script(tmp_path, "services.resume_if_stopped(None, 'kafka')")  # no broker: nothing
