@@ -315,7 +315,8 @@ def test_close_is_idempotent_and_stops_serving(resolver: Resolver) -> None:
 
 def test_an_async_handler_given_to_serve_is_refused_by_name(resolver: Resolver) -> None:
     """It was served: every check got a dropped connection, from an AttributeError."""
-    with pytest.raises(TypeError, match="AsyncCheckHandler in an ASGI server"):
+    # an OutboxError as every error of the library: an InvalidConfigError
+    with pytest.raises(InvalidConfigError, match="AsyncCheckHandler in an ASGI server"):
         serve(AsyncCheckHandler(resolver, [SECRET]))  # type: ignore[arg-type]
 
 
