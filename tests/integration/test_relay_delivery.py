@@ -3065,7 +3065,10 @@ def same_settings_other_id(relay_factory: Any, relay: Relay, relay_id: str) -> R
 
 
 def _two_relays_a_shard_each(relay_factory: Any) -> tuple[Relay, Relay]:
-    first = relay_factory(shards=2)
+    # Rounds driven by hand, one relay at a time: with the 15 s lease, a slow machine (one
+    # relay's setup took 11 s in a CI run) let the idle one's lapse, and the other took its
+    # shard mid-test.
+    first = relay_factory(shards=2, lease_duration="PT2M")
     second = same_settings_other_id(relay_factory, first, "second")
     for r in (first, second, first, second):  # the first takes both, hands one back
         r.heartbeat()
