@@ -112,6 +112,8 @@ class Reschedule:
     new_count: int
     next_check_at: datetime
     expected_lease: datetime | None = None  # None: under the claim transaction's own locks
+    #: A claimed check's transaction's first record time: its tx id may be used again later.
+    first_created_at: datetime | None = None
 
 
 def lock_due(

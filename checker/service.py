@@ -274,8 +274,9 @@ class Checker:
         self._conn: psycopg.Connection[Any] | None = None
         self._round_lock = threading.Lock()
         self._lock_wait_left_s = APPLY_LOCK_WAIT_S  # what a round's answers may yet wait
-        # (group, tx id) -> the claimed check count of an answer dropped for held rows
-        self._dropped_for_held_rows: dict[tuple[str, str], int] = {}
+        # (group, tx id) -> the claimed check count and first record time of the transaction
+        # whose answer was dropped for held rows (the time tells a tx id used again apart)
+        self._dropped_for_held_rows: dict[tuple[str, str], tuple[int, datetime | None]] = {}
         self._unconfigured_logged: set[str] = set()
         self._ages_refreshed_at: float | None = None
         self._stop = threading.Event()
@@ -396,7 +397,7 @@ class Checker:
                 result.due += 1
                 key = (tx.producer_group, tx.tx_id)
                 dropped = self._dropped_for_held_rows.pop(key, None)
-                if tx.check_lost and dropped == tx.check_count:
+                if tx.check_lost and dropped == (tx.check_count, tx.first_created_at):
                     # Its application held the rows and then did not end it (rolled back):
                     # not a lost check, which blames a checker killed or cut off.
                     logger.info(
@@ -595,6 +596,7 @@ class Checker:
                         count - 1,
                         min(retry_at, claim.discard_at),
                         expected_lease=claim.lease_until,
+                        first_created_at=claim.first_created_at,
                     )
                 )
                 result.not_sent += 1
@@ -617,7 +619,15 @@ class Checker:
             count = claim.check_count
             next_at = min(now + wait, claim.discard_at)
             later.append(
-                Reschedule(group, tx_id, count, count, next_at, expected_lease=claim.lease_until)
+                Reschedule(
+                    group,
+                    tx_id,
+                    count,
+                    count,
+                    next_at,
+                    expected_lease=claim.lease_until,
+                    first_created_at=claim.first_created_at,
+                )
             )
             said = (
                 tx_id,
@@ -735,13 +745,17 @@ class Checker:
             with self._waiting_out_of_the_rounds_budget(conn):
                 return _claim.reschedule(conn, self.schema, [item])
         except _HELD:
-            self._remember_dropped(item.producer_group, item.tx_id, item.expected_count)
+            self._remember_dropped(
+                item.producer_group, item.tx_id, item.expected_count, item.first_created_at
+            )
             return set()
 
-    def _remember_dropped(self, group: str, tx_id: str, claimed_count: int) -> None:
+    def _remember_dropped(
+        self, group: str, tx_id: str, claimed_count: int, first_created_at: datetime | None
+    ) -> None:
         if len(self._dropped_for_held_rows) >= _MAX_REMEMBERED_DROPS:
             self._dropped_for_held_rows.clear()
-        self._dropped_for_held_rows[(group, tx_id)] = claimed_count
+        self._dropped_for_held_rows[(group, tx_id)] = (claimed_count, first_created_at)
 
     def _apply_one(
         self, conn: psycopg.Connection[Any], claim: Claim, outcome: Outcome
@@ -755,7 +769,7 @@ class Checker:
             if not _locked(exc):
                 raise  # the round fails, as for any other database error
             _metrics.NOT_APPLIED.labels(self._label(group), "locked").inc()
-            self._remember_dropped(group, tx_id, claim.check_count)
+            self._remember_dropped(group, tx_id, claim.check_count, claim.first_created_at)
             message = (
                 "tx %s of producer group %s: its rows are locked (its application is ending "
                 "it); answer %s dropped, the transaction is due again when its lease ends"

@@ -1253,6 +1253,53 @@ def test_a_check_whose_answer_held_rows_dropped_is_not_said_lost(
     assert [r.check_count for r in endpoint.resolver.asked] == [1, 1]  # the first not counted
 
 
+def test_a_tx_id_used_again_after_an_answer_dropped_for_held_rows_has_its_lost_check_said(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The checker remembered the dropped answer by producer group and tx id alone: a later
+    transaction given the same tx id, whose first check a killed checker lost, was logged as
+    held by its application and not counted lost."""
+    tx_id, created = prepare(pg_dsn, tx_id="used-twice")
+    holding: list[psycopg.Connection[Any]] = []
+
+    def commit_and_hold(request: CheckRequest) -> None:
+        if not holding:
+            conn = psycopg.connect(pg_dsn)
+            outbox.commit(conn, request.tx_id, producer_group=GROUP)  # not committed yet
+            holding.append(conn)
+
+    endpoint.resolver.before_answer = commit_and_hold
+    endpoint.resolver.default = COMMIT
+    clock = Clock(created + 7 * S)
+    s = settings({GROUP: endpoint_settings(endpoint.url)})
+    checker = make_checker(s, clock)
+    try:
+        checker.run_once()  # the answer dropped for the held rows
+    finally:
+        for conn in holding:
+            conn.rollback()
+            conn.close()
+    assert holding, "the endpoint was not asked"
+    with psycopg.connect(pg_dsn) as conn:  # the application rolls it back, the relay ends it
+        outbox.rollback(conn, tx_id, producer_group=GROUP)
+        conn.execute("DELETE FROM outbox.outbox_record WHERE tx_id = %s", (tx_id,))
+    again, created_again = prepare(pg_dsn, tx_id=tx_id)
+    assert (again, created_again > created) == (tx_id, True)
+    clock.now = created_again + 7 * S
+    with pytest.raises(SimulatedCrash):  # its first check lost by another checker
+        make_checker(s, clock, http=lambda _g, _e: Crashing()).run_once()
+    lost_before = metric("outbox_checker_checks_lost_total", producer_group=GROUP) or 0
+    clock.now += LEASE
+    caplog.set_level("INFO", logger="checker.service")
+    assert checker.run_once().committed == 1
+    assert f"tx {tx_id} of producer group {GROUP}: check 1 was lost" in caplog.text
+    assert "while its application held its rows" not in caplog.text
+    assert metric("outbox_checker_checks_lost_total", producer_group=GROUP) == lost_before + 1
+
+
 def test_a_rounds_answers_wait_for_rows_applications_hold_two_seconds_in_all(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
