@@ -243,6 +243,11 @@ class ReconcileSettings(BaseModel):
         default=(),
         description="Further topics a pattern may match whose records are not deliveries.",
     )
+    former_outbox_names: tuple[str, ...] = Field(
+        default=(),
+        description='Names ("<database>/<schema>") this outbox had before a rename of its '
+        "database or schema: markers and copies written under them are this outbox's too.",
+    )
     deadline: timedelta = Field(
         default=timedelta(seconds=60),
         description="How long a record may take to appear on its topic (and a marker or copy "
@@ -364,6 +369,13 @@ class ReconcileSettings(BaseModel):
                 "--dead-letter-topic): its markers are what is judged, and a pattern that "
                 "matches it takes none of its records for deliveries"
             )
+        for name in self.former_outbox_names:
+            database, slash, schema = name.rpartition("/")
+            if not (database and slash and schema):
+                raise ValueError(
+                    f'--former-outbox-name {name!r} is not "<database>/<schema>" (as the '
+                    "relay names an outbox in its markers, e.g. app/outbox)"
+                )
         if (self.audit_from is None) != (self.audit_to is None):
             raise ValueError("an audit needs both --from and --to")
         if self.audit_from is not None and self.audit_to is not None:

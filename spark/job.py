@@ -555,6 +555,7 @@ class ReconcileJob:
             topics=self.settings.topics,
             topic_pattern=self.settings.topic_pattern,
             outbox=self._outbox_name(),
+            former_outboxes=self.settings.former_outbox_names,
         )
 
     def _outbox_name(self) -> str:
@@ -1557,6 +1558,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a further topic whose records are not deliveries (repeatable)",
     )
     k.add_argument(
+        "--former-outbox-name",
+        action="append",
+        default=[],
+        metavar="DATABASE/SCHEMA",
+        help="a name this outbox had before its database or schema was renamed: its markers "
+        "and copies are this outbox's too (repeatable)",
+    )
+    k.add_argument(
         "--kafka-option",
         action="append",
         type=_key_value,
@@ -1665,6 +1674,7 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
         "marker_topic": args.marker_topic,
         "dead_letter_topic": args.dead_letter_topic,
         "ignored_topics": tuple(args.ignore_topic),
+        "former_outbox_names": tuple(args.former_outbox_name),
         "deadline": _as_delta(args.deadline),
         "horizon": _as_delta(args.horizon),
         "ledger_retention": args.ledger_retention,

@@ -225,6 +225,7 @@ def observations(
     topics: tuple[str, ...] = (),
     topic_pattern: str | None = None,
     outbox: str | None = None,
+    former_outboxes: tuple[str, ...] = (),
 ) -> DataFrame:
     """Kafka source rows (KAFKA_SCHEMA) as observations (OBSERVATION_SCHEMA), in one pass.
 
@@ -237,13 +238,17 @@ def observations(
     it) on a marker topic shared by mistake, and the copies of another outbox on a topic both
     write (their OUTBOX_NAME_HEADER; a copy without one is judged): its ids are not this
     ledger's, and were judged orphans, records without markers or duplicates.
+    `former_outboxes`: names `outbox` had before a rename of its database or schema, whose
+    markers and copies are its own (judged foreign, the records archived before the rename
+    were reported missing).
     """
+    names = [F.lit(n) for n in (outbox, *former_outboxes)] if outbox is not None else []
     is_marker = F.col("topic") == F.lit(marker_topic)
     message = F.from_json(F.when(is_marker, F.col("value").cast("string")), MARKER_VALUE_SCHEMA)
     version = F.coalesce(message["v"], F.lit(1))
     foreign = F.lit(False)
     if outbox is not None:
-        foreign = F.coalesce(message["outbox"] != F.lit(outbox), F.lit(False))
+        foreign = F.coalesce(~message["outbox"].isin(*names), F.lit(False))
     # One row per copy, and per marker of a message: a copy's row carries a null entry; a
     # message of a version not known here, or of another outbox, yields none (dropped, like a
     # malformed one).
@@ -294,7 +299,7 @@ def observations(
     # copies of topics not read here too: a source may read more than the pattern's whole match
     ours = F.lit(True)
     if outbox is not None:
-        ours = F.coalesce(F.col("outbox_name") == F.lit(outbox), F.lit(True))
+        ours = F.coalesce(F.col("outbox_name").isin(*names), F.lit(True))
     complete = (
         (F.col("source") == RECORD)
         & watched(F.col("topic"), topics, topic_pattern, ignored_topics)

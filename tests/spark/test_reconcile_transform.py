@@ -601,6 +601,33 @@ def test_markers_and_copies_of_another_outbox_sharing_the_topics_are_not_judged(
     }
 
 
+def test_markers_and_copies_written_before_a_rename_are_this_outboxs_when_named_former(
+    spark: SparkSession,
+) -> None:
+    """After a rename of the database, the job took what the relay wrote under the old name for
+    another outbox's: the records archived before the rename were reported missing."""
+    from spark.transform import LEDGER_SCHEMA, observations
+
+    kafka, ledger = Kafka(), []
+    ledger.append(ledger_row(1, "delivered", s(0), s(1), offset=0))  # before the rename
+    kafka.copy(1, 0, s(1), outbox="orders-old/outbox")
+    kafka.marker(1, s(1), offset=0, commit=s(0), outbox="orders-old/outbox")
+    ledger.append(ledger_row(2, "delivered", s(2), s(3), offset=1))  # after it
+    kafka.copy(2, 1, s(3), outbox="orders/outbox")
+    kafka.marker(2, s(3), offset=1, commit=s(2), outbox="orders/outbox")
+    kafka.marker(3, s(4), offset=9, commit=s(3), outbox="billing/outbox")  # another's still
+    frame, ledger_frame = kafka.frame(spark), spark.createDataFrame(ledger, LEDGER_SCHEMA)
+
+    def found(former: tuple[str, ...]) -> set[tuple[str, int, str]]:
+        obs = observations(
+            frame, marker_topic=MARKERS, outbox="orders/outbox", former_outboxes=former
+        )
+        return set(findings_of(obs, ledger_frame, STREAM_WINDOW))
+
+    assert found(()) == {("missing", 1, "")}
+    assert found(("orders-old/outbox",)) == set()
+
+
 def test_a_late_copy_stamped_before_the_one_judged_already_is_the_duplicate(
     spark: SparkSession,
 ) -> None:

@@ -304,6 +304,9 @@ def test_settings_render_the_kafka_source() -> None:
             "the op-marker topic 'outbox.op-markers' cannot be ignored",
         ),
         ({"dead_letter_topic": "outbox.op-markers"}, "cannot be ignored"),
+        # never any marker's name: the rename's copies and markers stayed another outbox's
+        ({"former_outbox_names": ("app",)}, "'app' is not \"<database>/<schema>\""),
+        ({"former_outbox_names": ("app/",)}, "is not"),
     ],
 )
 def test_settings_refuse_what_cannot_work(change: dict[str, object], message: str) -> None:
@@ -461,9 +464,11 @@ def test_command_line_to_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(
         ["--bootstrap", "k:9092", "--topic-pattern", "orders.*", "--deadline", "30s",
          "--trigger", "5s", "--checkpoint", "s3a://b/cp", "--once", "--kafka-option",
-         "security.protocol=SSL", "--ignore-topic", "dlq", "--jars", "a.jar,b.jar"]
+         "security.protocol=SSL", "--ignore-topic", "dlq", "--jars", "a.jar,b.jar",
+         "--former-outbox-name", "shop/outbox", "--former-outbox-name", "app/outbox"]
     )  # fmt: skip
     settings = settings_from_args(args)
+    assert settings.former_outbox_names == ("shop/outbox", "app/outbox")
     assert settings.dsn.get_secret_value() == "postgresql://u@db/app"
     assert (settings.deadline, settings.trigger) == (timedelta(seconds=30), timedelta(seconds=5))
     assert (settings.once, settings.ignored_topics, settings.jars) == (
