@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,9 +104,15 @@ def test_a_process_left_stopped_is_resumed_not_waited_for(tmp_path: Path, sleepe
     def state() -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
-    assert state() == "T"
+    def becomes(stopped: bool) -> None:  # signals land asynchronously: the state lags a moment
+        until = time.monotonic() + 10
+        while (state() == "T") != stopped:
+            assert time.monotonic() < until, f"state {state()}, stopped={stopped} expected"
+            time.sleep(0.01)
+
+    becomes(stopped=True)
     out = run_script(tmp_path, f"services.resume_if_stopped({pid}, 'kafka')")
     assert "kafka was stopped (SIGSTOP): resuming it" in out.stdout + out.stderr
-    assert state() != "T"
+    becomes(stopped=False)
     run_script(tmp_path, f"services.resume_if_stopped({pid}, 'kafka')")  # running: left alone
     run_script(tmp_path, "services.resume_if_stopped(None, 'kafka')")  # no broker: nothing
