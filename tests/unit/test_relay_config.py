@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,39 @@ def test_durations_of_days_weeks_and_fractions_pass() -> None:
     relay = RelaySettings(audit_retention="P2W", delivered_retention="P1DT12H", linger="PT0.005S")  # type: ignore[arg-type]
     assert relay.audit_retention.days == 14
     assert relay.delivered_retention.total_seconds() == 36 * 3600
+
+
+def test_a_number_of_seconds_is_a_duration_in_the_environment_as_in_the_toml_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chart reads `env`'s grace as TOML does (a number: seconds) and passed "20" on; the
+    sidecar refused it ("day" identifier) and never started."""
+    monkeypatch.setenv("OUTBOX_DATABASE__DSN", "postgresql://db/app")
+    monkeypatch.setenv("OUTBOX_RELAY__SHUTDOWN_GRACE", "20")
+    monkeypatch.setenv("OUTBOX_RELAY__LINGER", " 0.005 ")
+    settings = load_settings()
+    assert settings.relay.shutdown_grace == timedelta(seconds=20)
+    assert settings.relay.linger == timedelta(milliseconds=5)
+
+
+def test_printed_durations_are_read_back_as_they_were() -> None:
+    """A retention of a year or more was printed with years (`P1Y35D`), which the settings
+    refuse: `outboxctl config`'s output given back as settings stopped the sidecar."""
+    relay = RelaySettings(
+        delivered_retention="P400D",  # type: ignore[arg-type]
+        audit_retention="P36500D",  # type: ignore[arg-type]
+        lease_duration="PT1H2M3.25S",  # type: ignore[arg-type]
+    )
+    printed = relay.model_dump(mode="json")
+    assert printed["delivered_retention"] == "P400D"
+    assert printed["audit_retention"] == "P36500D"
+    assert printed["lease_duration"] == "PT1H2M3.25S"
+    assert printed["linger"] == "PT0S"
+    again = RelaySettings(**printed)
+    assert (again.delivered_retention, again.audit_retention) == (
+        relay.delivered_retention,
+        relay.audit_retention,
+    )
 
 
 def test_a_relay_id_longer_than_its_wake_ups_may_carry_is_refused_by_name() -> None:
