@@ -37,10 +37,15 @@ def dead_peer_options(dsn: str, after_s: float) -> dict[str, int]:
         "keepalives_interval": 1,
         "keepalives_count": 3,
     }
+    taken = dsn_keys(dsn)
+    return {name: value for name, value in options.items() if name not in taken}
+
+
+def dsn_keys(dsn: str) -> set[str]:
+    """The libpq keys `dsn` sets, itself or through the service file it names."""
     given = conninfo_to_dict(dsn)
     service = given.get("service") or os.environ.get("PGSERVICE")
-    taken = set(given) | (_service_keys(str(service)) if service else set())
-    return {name: value for name, value in options.items() if name not in taken}
+    return set(given) | (_service_keys(str(service)) if service else set())
 
 
 def _service_keys(service: str) -> set[str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 
-from relay.dbconnect import dead_peer_options, own_transaction_mode
+from relay.dbconnect import dead_peer_options, dsn_keys, own_transaction_mode
 from spark import _sql
 from spark._errors import ReconcileConfigError
 
@@ -35,9 +35,12 @@ SEEN_EVERY = timedelta(hours=1)
 def connect(dsn: str, *, write: bool = True) -> psycopg.Connection[Any]:
     """Its transactions READ COMMITTED (and READ WRITE to `write`), whatever the database's
     defaults: under default_transaction_read_only the job's findings failed to be written. A
-    database gone silent (a failover) fails a micro-batch's write in seconds, not ~15 minutes."""
+    database gone silent (a failover) fails a micro-batch's write in seconds, not ~15 minutes.
+    A `connect_timeout` the DSN (or its service file) gives wins over CONNECT_TIMEOUT_S."""
     options: dict[str, Any] = dead_peer_options(dsn, CONNECT_TIMEOUT_S)
-    conn = psycopg.connect(dsn, connect_timeout=CONNECT_TIMEOUT_S, **options)
+    if "connect_timeout" not in dsn_keys(dsn):
+        options["connect_timeout"] = CONNECT_TIMEOUT_S
+    conn = psycopg.connect(dsn, **options)
     return own_transaction_mode(conn, write=write)
 
 

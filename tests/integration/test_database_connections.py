@@ -65,6 +65,14 @@ def test_the_checkers_outboxctls_and_the_reconciliations_connections_too(
         assert tcp_options(conn).items() >= EXPECTED.items()
     with sink.connect(pg_dsn) as conn:  # its own 10 s
         assert tcp_options(conn)["tcp_user_timeout"] == "10000"
+        assert conn.info.get_parameters()["connect_timeout"] == "10"
+
+
+def test_the_reconciliations_connections_take_the_dsns_connect_timeout(pg_dsn: str) -> None:
+    """The sink passed its 10 s over the DSN's `connect_timeout`: a database further away than
+    that could not be reached by the job or `outboxctl findings`, whatever the DSN said."""
+    with sink.connect(make_conninfo(pg_dsn, connect_timeout=25)) as conn:
+        assert conn.info.get_parameters()["connect_timeout"] == "25"
 
 
 def test_the_dsns_own_values_win(
