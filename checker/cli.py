@@ -4,7 +4,7 @@
     outboxctl rearm   --producer-group G --tx-id T [--checks N] [--actor NAME] [--reason TEXT]
     outboxctl resolve --producer-group G --tx-id T (--commit | --rollback)
                       --actor NAME --reason TEXT
-    outboxctl redrive (--producer-group G --tx-id T [--id N ...] | --topic X)
+    outboxctl redrive (--producer-group G --tx-id T [--id N]... | --topic X)   (--id: one each)
                       --actor NAME --reason TEXT
 
 `rearm` puts a discarded transaction that the relay has not shipped yet (none of its records:
