@@ -191,7 +191,8 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     try:  # PySpark is an optional extra (not in the sidecar's image): import late
         from spark.job import main as reconcile_main
     except ModuleNotFoundError as exc:
-        if exc.name != "pyspark" and not (exc.name or "").startswith("pyspark."):
+        # py4j comes with PySpark, and the job imports it first
+        if (exc.name or "").partition(".")[0] not in ("pyspark", "py4j"):
             raise
         raise SystemExit(
             "outboxctl reconcile: PySpark is not installed: "

@@ -621,12 +621,18 @@ def test_a_summary_window_older_than_the_store_makes_the_next_judgement_a_whole_
     assert short.store_low <= short.windows_from
 
 
-def test_reconcile_without_pyspark_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("missing", [("pyspark",), ("pyspark", "py4j")])
+def test_reconcile_without_pyspark_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, missing: tuple[str, ...]
+) -> None:
+    """Without the extra (the sidecar's image), py4j is missing too, and the job imports it
+    first: the command ended in a ModuleNotFoundError's traceback."""
     from relay.cli import main
 
-    for name in [m for m in sys.modules if m == "spark.job" or m.split(".")[0] == "pyspark"]:
+    for name in [m for m in sys.modules if m == "spark.job" or m.split(".")[0] in missing]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "pyspark", None)  # as if not installed
+    for package in missing:
+        monkeypatch.setitem(sys.modules, package, None)  # as if not installed
     with pytest.raises(SystemExit, match=r"pip install 'kafka-outbox-sidecar\[spark\]'"):
         main(["reconcile", "--help"])
 
