@@ -52,8 +52,9 @@ DEFAULT_SECRETS_DIR = Path("/run/secrets/outbox")
 # OUTBOX_* variables that are not settings: the commands' own, and the project's scripts' and tests'
 _NOT_SETTINGS = {
     "OUTBOX_CONFIG_FILE", "OUTBOX_SECRETS_DIR", "OUTBOX_DATABASE_URL", "OUTBOX_SPARK_JARS",
-    "OUTBOX_RELAY_FAILPOINT", "OUTBOX_PG_PORT", "OUTBOX_KAFKA_PORT",
-    "OUTBOX_KAFKA_CONTROLLER_PORT",
+    "OUTBOX_RELAY_FAILPOINT", "OUTBOX_LOCAL_DIR", "OUTBOX_PG_PORT", "OUTBOX_PGBOUNCER_PORT",
+    "OUTBOX_KAFKA_PORT", "OUTBOX_KAFKA_CONTROLLER_PORT", "OUTBOX_KAFKA_SASL_PORT",
+    "OUTBOX_KAFKA_SSL_PORT", "OUTBOX_KUBE_PORT", "OUTBOX_ETCD_PORT", "OUTBOX_DEBIAN_MIRROR",
 }  # fmt: skip
 _NOT_SETTINGS_PREFIXES = ("OUTBOX_TEST_",)
 # what Kubernetes sets for each Service of the namespace (service links), for a Service named

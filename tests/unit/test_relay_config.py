@@ -227,6 +227,20 @@ def test_names_of_no_setting_are_said_once(
     assert "s3cret" not in caplog.text
 
 
+def test_the_project_scripts_variables_are_not_said_to_be_no_setting() -> None:
+    """The local stack's variables (README, "The local services"), exported in a shell that then
+    ran the sidecar, were each logged as "not a setting and is ignored"."""
+    import relay.config
+
+    read = re.compile(r"environ(?:\.get\(|\[)\"(OUTBOX_[A-Z0-9_]+)\"")
+    scripts = Path(__file__).parents[2] / "scripts"
+    names = {n for f in scripts.glob("*.py") for n in read.findall(f.read_text())}
+    assert {"OUTBOX_LOCAL_DIR", "OUTBOX_KAFKA_SSL_PORT"} <= names  # the pattern finds them
+    settings = {n for n in names if "__" in n}  # OUTBOX_DATABASE__DSN and the like
+    prefixed = {n for n in names if n.startswith(relay.config._NOT_SETTINGS_PREFIXES)}
+    assert names - settings - prefixed - relay.config._NOT_SETTINGS == set()
+
+
 @pytest.mark.parametrize(
     ("setting", "value", "said"),
     [
