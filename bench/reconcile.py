@@ -17,8 +17,9 @@ One run, one scratch database, one broker, N records of 1 KiB on a 3-partition t
   streaming  the continuous job (trigger T) while --stream-records more records and their
              markers stream in, written as a relay writes them (a transaction of 500 at a time:
              ledger rows committed, records and markers on Kafka, rows marked delivered):
-             records reconciled per second of micro-batch time (store write and judgement
-             included) over the micro-batches with data, until it has caught up.
+             records reconciled per second of the job's busy time (micro-batches, their store
+             writes and judgements, and the idle ticks' judgements) until a judgement has
+             covered the last record.
              A running job judges only what became due since its last judgement, so this is its
              capacity to keep up with traffic, the figure to hold against the relay's rate.
 Final line: JSON.
@@ -37,6 +38,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -216,46 +218,74 @@ def idle_cpu_cores(settle: float) -> float:
 
 
 def streaming_capacity(
-    job: Any, dsn: str, bootstrap: str, topic: str, markers: str, count: int, first: int
+    make_job: Callable[[Callable[[Any], None]], Any],
+    dsn: str,
+    bootstrap: str,
+    topic: str,
+    markers: str,
+    count: int,
+    first: int,
 ) -> dict[str, Any]:
     """The continuous job while `count` records (and their markers) stream in as fast as the
-    stand-in delivers them (deliver_like_the_relay): records reconciled per second of
-    micro-batch time (store write and judgement included), over the micro-batches with data
-    after the first one."""
+    stand-in delivers them (deliver_like_the_relay): records reconciled per second of the
+    job's busy time, until a judgement has covered the last of them: every micro-batch after
+    the first one (store write and the judgements they run), with or without input, and the
+    judgements of idle ticks between them. A micro-batch that waited for a tick's judgement
+    counts that wait twice (the rate errs low). Counted over the micro-batches with input
+    alone, it left out the last deadline's judgements, which ticks make."""
     from spark.config import parse_time
 
+    reports: list[Any] = []  # appended on the job's threads; read here once it is caught up
+    job = make_job(reports.append)
     job.start()
+    progress: dict[int, Any] = {}  # by batch id: recentProgress keeps only the last 100
+
+    def collect() -> None:
+        for p in job._query.recentProgress:
+            progress.setdefault(p.batchId, p)
+
     try:
         # the first micro-batch (what the topics held before), judged and reported
         while job.last_report is None or job._query.lastProgress is None:
             time.sleep(0.2)
-        before = {p.batchId for p in job._query.recentProgress if p.numInputRows > 0}
+        collect()
+        before, reported_before = set(progress), len(reports)
         cpu_before = _cpu.sample(children="spark")
         produce_s = deliver_like_the_relay(dsn, bootstrap, topic, markers, count, first)
         produced = datetime.now(UTC)
         started = time.monotonic()
-        while True:  # until a trigger that started after the last commit finds nothing new
+        while True:  # until a judgement covers what was produced, and its micro-batch ended
+            collect()
             last = job._query.lastProgress
-            if last.numInputRows == 0 and parse_time(last.timestamp) > produced:
+            covered = any(r.window.hi >= produced for r in reports[reported_before:])
+            if covered and last.numInputRows == 0 and parse_time(last.timestamp) > produced:
                 break
             if time.monotonic() - started > 600:
                 raise TimeoutError("the running job did not catch up in 600 s")
             time.sleep(0.5)
         cpu = _cpu.per_record(cpu_before, _cpu.sample(children="spark"), count)
-        batches = [
-            p for p in job._query.recentProgress if p.numInputRows > 0 and p.batchId not in before
-        ]
-        last_report = job.last_report
+        judged = reports[reported_before:]
     finally:
         job.stop()
+    batches = [p for i, p in sorted(progress.items()) if i not in before]
+    if batches and batches[0].batchId != max(before) + 1:
+        raise RuntimeError("micro-batches went unseen between two reads of recentProgress")
+    with_input = [p for p in batches if p.numInputRows > 0]
+    batch_s = sum(p.durationMs["triggerExecution"] / 1000 for p in batches)
+    tick_s = sum(sum(r.seconds.values()) for r in judged if r.detected_in == "tick")
+    last_report = judged[-1] if judged else None
     # Every streamed record is in these micro-batches (they came after `before`); the rows they
     # read are the records and a few marker messages (many markers each), so count the records.
-    durations = [p.durationMs["triggerExecution"] / 1000 for p in batches]
+    durations = [p.durationMs["triggerExecution"] / 1000 for p in with_input]
+    busy_s = batch_s + tick_s
     return {
         "records": count,
         "produced_per_s": round(count / produce_s),
-        "batches": len(batches),
-        "records_per_s": round(count / sum(durations)) if durations else 0,
+        "batches": len(with_input),
+        "batches_without_input": len(batches) - len(with_input),
+        "tick_judgements": sum(1 for r in judged if r.detected_in == "tick"),
+        "busy_seconds": round(busy_s, 2),
+        "records_per_s": round(count / busy_s) if busy_s else 0,
         "batch_seconds_median": round(statistics.median(durations), 2) if durations else 0.0,
         "last_judgement_copies": last_report.copies if last_report else None,
         # where a judgement spends its time (prepare, store read, ledger, plan, judge, sink, trim)
@@ -383,8 +413,10 @@ def main() -> None:
                 job.stop()
             goal = deadline.total_seconds() + 2 * trigger.total_seconds()
             steady = streaming_capacity(
-                ReconcileJob(settings(f"{tmp.name}/steady"), spark), dsn, bootstrap, topic,
-                markers, args.stream_records, first=n,
+                lambda on_report: ReconcileJob(
+                    settings(f"{tmp.name}/steady"), spark, on_report=on_report
+                ),
+                dsn, bootstrap, topic, markers, args.stream_records, first=n,
             )  # fmt: skip
             print(
                 f"streaming: {steady['records_per_s']:,.0f} records/s over "
