@@ -282,6 +282,35 @@ def test_a_role_that_may_only_read_waits_out_anothers_migration_and_applies_noth
     assert results == [()]
 
 
+def test_a_migrate_waits_out_anothers_past_its_roles_statement_timeout(
+    empty_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait for another's migration (index builds over an archive) ran under the role's
+    statement_timeout: cancelled, and tried again a few times, migrate failed meanwhile."""
+    monkeypatch.setattr(migrations, "_LOCK_ATTEMPTS", 1)
+    hurried = make_conninfo(empty_db, options="-c statement_timeout=200")
+    with psycopg.connect(empty_db, autocommit=True) as holder:
+        holder.execute(
+            "SELECT pg_advisory_lock(%s, hashtext('outbox'))", (migrations._LOCK_NAMESPACE,)
+        )
+        results: list[object] = []
+        waiting = threading.Thread(
+            target=lambda: results.append(_migrated_or_error(hurried)), daemon=True
+        )
+        waiting.start()
+        wait_for_a_lock_wait(holder, "advisory")
+        waited_past = time.monotonic() + 1.0  # five times its statement_timeout
+        while time.monotonic() < waited_past:
+            assert not results, results  # cancelled, it returned an error
+            time.sleep(0.05)
+        results.append(outbox.migrate(holder).applied)  # its session holds the lock already
+        holder.execute(
+            "SELECT pg_advisory_unlock(%s, hashtext('outbox'))", (migrations._LOCK_NAMESPACE,)
+        )
+        waiting.join(30)
+    assert sorted(results, key=str) == [(), tuple(range(1, latest_version() + 1))]
+
+
 def _migrated_or_error(dsn: str) -> object:
     try:
         return outbox.migrate(dsn).applied
