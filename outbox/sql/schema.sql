@@ -12,7 +12,7 @@ CREATE TABLE {schema}.outbox_record (
     -- Kafka headers in order, duplicates allowed: [[name, base64 value or null], ...]
     headers         jsonb       NOT NULL DEFAULT '[]'::jsonb,
     partition       integer,
-    -- stable hash of the key (of the tx id for keyless records): shards are key_hash mod N
+    -- stable hash of the key (of the tx id for keyless records): a shard is a range of it
     key_hash        bigint      NOT NULL,
     state           text        NOT NULL,
     -- the transaction that inserted the row (a caller-given tx id belongs to it alone)
