@@ -382,12 +382,15 @@ SELECT set_config('statement_timeout', '0', true);
 
 -- name: relay_trim_archive
 -- Ended rows past the archive's retention, a bounded slice at a time (parked rows stay until
--- they are redriven or resolved).
+-- they are redriven or resolved). SKIP LOCKED: every relay trims, and each waited for the
+-- other's slice; a row another session holds (an operator's UPDATE of the archive) held the
+-- relay's round, with no statement timeout, until that session ended.
 DELETE FROM {schema}.outbox_record
 WHERE id IN (
     SELECT id FROM {schema}.outbox_record
     WHERE ended_at < now() - make_interval(secs => %(retention_s)s) AND state <> 'parked'
     LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
 );
 
 -- name: relay_trim_audit_log

@@ -3684,6 +3684,34 @@ def test_the_archive_is_trimmed_after_its_retention_parked_rows_stay(
     assert sorted(r[1] for r in rows(pg_dsn)) == ["delivered"] * 2 + ["parked"]
 
 
+def test_a_trim_passes_over_archived_rows_another_session_holds(
+    pg_dsn: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """The trim waited for every row lock in its slice, with no statement timeout: another
+    relay's trim, or an operator's transaction on an archived row, held the relay's round."""
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        for i in range(4):
+            outbox.publish(conn, topic, f"v{i}")
+    relay = relay_factory(delivered_retention="PT1H")
+    relay.run_once()
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("UPDATE outbox.outbox_record SET ended_at = ended_at - interval '2 hours'")
+    held_id = min(r[0] for r in rows(pg_dsn))
+    with psycopg.connect(pg_dsn) as holder:
+        holder.execute("SELECT FROM outbox.outbox_record WHERE id = %s FOR UPDATE", (held_id,))
+        trimmed: list[int] = []
+        trim = threading.Thread(target=lambda: trimmed.append(relay.trim_archive()), daemon=True)
+        trim.start()
+        trim.join(15)
+        blocked = trim.is_alive()
+        holder.rollback()  # lets a blocked trim end
+        trim.join(15)
+    assert not blocked, "the trim waited for the row the other session held"
+    assert trimmed == [3]
+    assert [r[0] for r in rows(pg_dsn)] == [held_id]  # trimmed by a later round
+
+
 @pytest.mark.parametrize("listen_notify", [True, False])
 def test_the_running_relay_wakes_on_commit_or_polls(
     pg_dsn: str,
