@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 10.0
 STAMP_SLICE = 50_000  # rows per stamping transaction: ~1.5 s here, well inside a lease
+FAR_XIDS_COUNTED = 100_000  # records of another cluster's transaction ids counted at most
 FULL_STAMP_EVERY_S = 60.0  # a stamp of every unstamped row, not only above the last horizon
 MIN_IDLE_TRANSACTION = timedelta(seconds=5)  # see _connect
 # A stamp gives up waiting for a row lock after this (relay_stamp_plan), well before Postgres's
@@ -728,6 +729,7 @@ class Relay:
 
         if time.monotonic() >= self._next_full_stamp:
             self._stamp_all_again()
+            self._say_xids_of_another_cluster(params)
             self._next_full_stamp = time.monotonic() + FULL_STAMP_EVERY_S
         resets = self._stamp_resets
         complete, held, horizon = stamp(with_hold_back=True)
@@ -771,6 +773,33 @@ class Relay:
         self._backlog_unstamped = seen.backlog
         if self._stamp_resets == seen.resets:  # else a shard was gained since, or the like
             self._stamped_below = seen.lowest or seen.horizon
+
+    def _say_xids_of_another_cluster(self, params: dict[str, Any]) -> None:
+        """Records no claim will ever take, said at each full stamp while they are there
+        (relay.sql, relay_xids_of_another_cluster): they were waited for in silence."""
+        with pipelined_transaction(self.conn):
+            # the unstamped index, as the stamp: statistics may make a scan of the whole table
+            self.conn.execute(queries.query("relay_stamp_plan", self.schema), STAMP_LOCK_TIMEOUT)
+            count, first_id, first_xid = self.conn.execute(
+                queries.query("relay_xids_of_another_cluster", self.schema),
+                {"lo": params["lo"], "hi": params["hi"], "limit": FAR_XIDS_COUNTED},
+                prepare=False,
+            ).fetchone()  # type: ignore[misc]
+        if not count:
+            return
+        metrics.ERRORS.labels("xid_of_another_cluster").inc()
+        logger.error(
+            "%s%d committed records of shards %s (the first id %d) carry transaction ids this "
+            "database has not given yet (from %s): they were written in another Postgres "
+            "cluster (a dump restored, a logical replica promoted), and no xid horizon passes "
+            "them, so they are not delivered. Give them this cluster's transaction ids (README, "
+            '"Moving the database to another cluster")',
+            "at least " if count >= FAR_XIDS_COUNTED else "",
+            count,
+            ", ".join(map(str, params["shards"])),
+            first_id,
+            first_xid,
+        )
 
     def _stamp_all_again(self) -> None:
         """The next stamp and hold-back look at every unstamped row, not only above the last

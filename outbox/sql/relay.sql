@@ -67,6 +67,22 @@ WITH held AS (
 )
 SELECT (SELECT count(*) FROM stamped), NOT EXISTS (SELECT 1 FROM bound);
 
+-- name: relay_xids_of_another_cluster
+-- Committed rows of the owned shards, not stamped, whose transaction id this cluster has not
+-- given yet (at or above the snapshot's xmax, which no transaction it has run reaches): written
+-- in another Postgres cluster, whose ids a logical move (a dump restored, a logical replica
+-- promoted) carries over as they were. No xid horizon passes them until this cluster has run
+-- as many transactions, so no claim takes them. Counted up to `limit`, through the unstamped
+-- index's range.
+SELECT count(*), min(id), min(committed_xid)::text FROM (
+    SELECT id, committed_xid FROM {schema}.outbox_record
+    WHERE state = 'committed' AND commit_ts IS NULL
+      AND committed_xid >= pg_snapshot_xmax(pg_current_snapshot())
+      AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
+                  WHERE key_hash BETWEEN o.lo AND o.hi)
+    LIMIT %(limit)s
+) AS far;
+
 -- name: relay_hold_back
 -- Committed rows not stamped yet (their transaction id is above the horizon, or they were not
 -- reached yet): nothing that committed after the earliest of them may go out before it does.
