@@ -1267,6 +1267,23 @@ class ShardWorker:
             self.needs_recovery = True
             self._abort(timeout_s=STOP_ABORT_S)
             raise
+        marker_error = next(
+            (
+                m.error
+                for m in marker_sends
+                if m.error is not None and m.error.code() not in _PURGED
+            ),
+            None,
+        )
+        if marker_error is not None and all(
+            r.error is not None and r.error.code() in _PURGED for r in failed
+        ):
+            # The markers' own fault: the records that failed were purged with the transaction
+            # the refusal doomed (taken for their own failure, the batch went again every
+            # round, the markers never sent alone nor the relay stopped).
+            self._abort()
+            self.needs_recovery = True
+            raise self._markers_refused(marker_error)
         refused = any(
             r.error is not None and r.error.code() in PERMANENT_RECORD_ERRORS for r in failed
         )
@@ -1303,18 +1320,6 @@ class ShardWorker:
         if unwritable is not None:
             self._abort()
             raise self._dead_letter_refused(unwritable)
-        marker_error = next(
-            (
-                m.error
-                for m in marker_sends
-                if m.error is not None and m.error.code() not in _PURGED
-            ),
-            None,
-        )
-        if marker_error is not None and not failed:  # the markers' own fault
-            self._abort()
-            self.needs_recovery = True
-            raise self._markers_refused(marker_error)
         if doomed:
             # A record failed in flight: the transaction is lost. Abort, park, go again, with
             # a new producer: after a broker's refusal librdkafka bumps the producer epoch and
