@@ -83,6 +83,9 @@ TOPIC_REFUSED_ERRORS = frozenset(
     }
 )
 DEAD_LETTER_TOPIC_CONFIG = {"cleanup.policy": "delete"}
+# What the broker's default max.message.bytes (1 MiB and 12 bytes) leaves above librdkafka's
+# default message.max.bytes: a copy's own headers (its reason) and its batch's framing.
+DEAD_LETTER_HEADROOM = 48_588
 _ANY_PARTITION = -1  # librdkafka's RD_KAFKA_PARTITION_UA: the partitioner chooses
 _FENCED_ERRORS = frozenset(
     {KafkaError._FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError.PRODUCER_FENCED}
@@ -214,6 +217,17 @@ def _size(conf: dict[str, Any], name: str, default: int) -> int | None:
         return int(conf.get(name, default))
     except (TypeError, ValueError):
         return None  # librdkafka says what is wrong with it
+
+
+def dead_letter_topic_config(producer: dict[str, Any]) -> dict[str, str]:
+    """The dead-letter topic's settings when the relay makes it: room for a copy of the largest
+    record the producer sends where `message.max.bytes` was raised for large records. Made
+    with the broker's default, it refused their copies: a discarded record's went without its
+    value, and with no archive its row was deleted, the value lost."""
+    message = _size(producer, "message.max.bytes", _MESSAGE_MAX_BYTES)
+    if message is None or message <= _MESSAGE_MAX_BYTES:  # the broker's default has room
+        return dict(DEAD_LETTER_TOPIC_CONFIG)
+    return {**DEAD_LETTER_TOPIC_CONFIG, "max.message.bytes": str(message + DEAD_LETTER_HEADROOM)}
 
 
 def recovery_consumer_conf(conf: dict[str, Any], group_id: str) -> dict[str, Any]:

@@ -33,7 +33,6 @@ from relay.dbconnect import bound_idle_time, dead_peer_options, own_transaction_
 from relay.dbprobe import DatabaseProbe
 from relay.http import gather
 from relay.kafka import (
-    DEAD_LETTER_TOPIC_CONFIG,
     Fenced,
     OutcomeUnknown,
     ProducerFailed,
@@ -41,6 +40,7 @@ from relay.kafka import (
     ShuttingDown,
     Topics,
     TransactionTimedOut,
+    dead_letter_topic_config,
 )
 from relay.leases import LeaseManager, ShardCountMismatch
 from relay.markers import marker_partition, outbox_name
@@ -254,7 +254,7 @@ class Relay:
         }
         for topic, partitions, config in (
             (rs.op_marker_topic, rs.op_marker_partitions, marker_config),
-            (rs.dead_letter_topic, 1, DEAD_LETTER_TOPIC_CONFIG),
+            (rs.dead_letter_topic, 1, dead_letter_topic_config(self.kafka_conf)),
         ):
             try:
                 self.topics.ensure(topic, partitions, config)

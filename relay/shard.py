@@ -48,7 +48,6 @@ from relay import _failpoints, metrics, pgarray
 from relay.background import BackgroundConnection
 from relay.config import RelaySettings
 from relay.kafka import (
-    DEAD_LETTER_TOPIC_CONFIG,
     PERMANENT_RECORD_ERRORS,
     REPORT_STALL_S,
     TOPIC_REFUSED_ERRORS,
@@ -61,6 +60,7 @@ from relay.kafka import (
     ShuttingDown,
     Topics,
     TransactionTimedOut,
+    dead_letter_topic_config,
     recovery_consumer_conf,
 )
 from relay.leases import Lease
@@ -1642,7 +1642,8 @@ class ShardWorker:
             try:
                 # its creation not waited for: a Kafka transaction may be open, the shard's
                 # lease unrenewed, and the rows wait DEAD_LETTER_RETRY_S anyway
-                self.topics.ensure(topic, 1, DEAD_LETTER_TOPIC_CONFIG, await_leaders=False)
+                config = dead_letter_topic_config(self.kafka_conf)
+                self.topics.ensure(topic, 1, config, await_leaders=False)
             except (KafkaException, TimeoutError) as exc:  # the metadata's look-up, timed out
                 logger.warning("shard %s: could not create %s: %s", self.shard, topic, exc)
         return DeadLetterUnwritable(

@@ -1063,6 +1063,30 @@ def test_the_marker_topic_the_relay_makes_keeps_markers_by_time_only(
     assert entries["retention.bytes"].source == ConfigSource.DYNAMIC_TOPIC_CONFIG.value
 
 
+@pytest.mark.parametrize(("message_max", "topic_max"), [(None, None), (3_000_000, "3048588")])
+def test_the_dead_letter_topic_the_relay_makes_takes_copies_of_its_largest_records(
+    kafka_admin: AdminClient,
+    relay_settings: Callable[..., SidecarSettings],
+    relay_factory: Any,
+    message_max: int | None,
+    topic_max: str | None,
+) -> None:
+    """Made with the broker's default max.message.bytes, it refused the copies of records the
+    producer's raised message.max.bytes let through: a discarded record's copy went without
+    its value, and with no archive its row was deleted, the value lost."""
+    settings = relay_settings()
+    extra = {} if message_max is None else {"message.max.bytes": message_max}
+    kafka = settings.kafka.model_copy(update={"extra": extra})
+    relay = relay_factory(settings.model_copy(update={"kafka": kafka}))
+    relay.run_once()
+    resource = ConfigResource(ResourceType.TOPIC, relay.settings.relay.dead_letter_topic)
+    entry = kafka_admin.describe_configs([resource])[resource].result(30)["max.message.bytes"]
+    if topic_max is None:  # the broker's, however it is set
+        assert entry.source != ConfigSource.DYNAMIC_TOPIC_CONFIG.value
+    else:
+        assert (entry.value, entry.source) == (topic_max, ConfigSource.DYNAMIC_TOPIC_CONFIG.value)
+
+
 def test_a_relay_with_another_op_marker_partitions_is_refused_at_start(
     topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
