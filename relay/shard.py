@@ -346,6 +346,17 @@ def _range_params(shard: int, shards: int) -> dict[str, int]:
     return {"lo": lo, "hi": hi}
 
 
+def _partitions_now(topics: Topics, topic: str, looked_up: dict[str, int]) -> int:
+    """The topic's partitions as the broker says them now (0: none; -1: no answer to trust, so
+    the broker's own words stand), looked up once a batch."""
+    if topic not in looked_up:
+        try:
+            looked_up[topic] = topics.partitions(topic, refresh=True)
+        except KafkaException:
+            looked_up[topic] = -1
+    return looked_up[topic]
+
+
 class ShardWorker:
     def __init__(
         self,
@@ -393,6 +404,9 @@ class ShardWorker:
         # records refused in a batch too large for their topic: each goes again in a batch of
         # its own, and only one refused alone is parked
         self._alone: set[int] = set()
+        # records the broker refused as of an unknown topic that was there once looked up (made
+        # again meanwhile): each goes again once, and is parked only if refused so again
+        self._unknown_topic_retried: set[int] = set()
         self._markers_alone = False  # each marker message in a batch of its own (_markers_refused)
         self._marker_topic_id: str | None = None  # as recovery found it; recorded with offsets
         # Until then the dead-letter topic is taken to refuse everything (DeadLetterUnwritable):
@@ -1288,7 +1302,7 @@ class ShardWorker:
             r.error is not None and r.error.code() in PERMANENT_RECORD_ERRORS for r in failed
         )
         unwritable: KafkaError | None = None
-        looked_up: dict[str, bool] = {}  # topic -> gone, asked once a batch
+        looked_up: dict[str, int] = {}  # topic -> its partitions (-1: unknown), asked once a batch
         for report in failed:
             error, row = report.error, report.tag
             if error is not None and error.code() in _PURGED and refused:
@@ -1296,6 +1310,15 @@ class ShardWorker:
             if error is None or error.code() not in PERMANENT_RECORD_ERRORS:
                 self._abort()
                 raise KafkaException(error)
+            if (
+                row.state == "committed"
+                and row.id not in self._unknown_topic_retried
+                and self._there_again(row, error, looked_up)
+            ):
+                # The topic was deleted and made again while the record was in flight: it goes
+                # again with the batch (doomed), not parked for a topic that is there.
+                self._unknown_topic_retried.add(row.id)
+                continue
             if error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
                 reason = topic_refused(row.topic)
             elif row.state == "committed" and self._gone(row.topic, error, looked_up):
@@ -1469,6 +1492,9 @@ class ShardWorker:
 
     def _after_end(self, ending: _Ending) -> None:
         """What this worker keeps about rows, once they ended (in its own thread)."""
+        if self._unknown_topic_retried:
+            self._unknown_topic_retried.difference_update(m.id for m in ending.markers)
+            self._unknown_topic_retried.difference_update(ending.poison)
         if self._alone:
             self._alone.difference_update(m.id for m in ending.markers)
             self._alone.difference_update(ending.poison)
@@ -1617,20 +1643,22 @@ class ShardWorker:
             return MarkerTopicRefused(f"{said}, by a policy of the broker")
         return KafkaException(KafkaError(err.code(), said))
 
-    def _gone(self, topic: str, error: KafkaError, looked_up: dict[str, bool]) -> bool:
+    def _gone(self, topic: str, error: KafkaError, looked_up: dict[str, int]) -> bool:
         """Whether a record refused as of an unknown topic was refused because its topic is
         gone: deleted after the relay last looked, so the check before the transaction passed
         it. Said as that check says it ("does not exist", counted as unknown_topic), not as
         whichever of the two found it first."""
         if error.code() not in _UNKNOWN_TOPIC_ERRORS:
             return False
-        if topic not in looked_up:
-            try:
-                partitions = self.topics.partitions(topic, refresh=True)
-            except KafkaException:  # no answer to trust: the broker's own words stand
-                partitions = -1
-            looked_up[topic] = partitions == 0 and not self.topics.denied(topic)
-        return looked_up[topic]
+        return _partitions_now(self.topics, topic, looked_up) == 0 and not self.topics.denied(topic)
+
+    def _there_again(self, row: Row, error: KafkaError, looked_up: dict[str, int]) -> bool:
+        """Whether a record refused as of an unknown topic has its topic, and its partition,
+        there now: the topic was made again while the record was in flight."""
+        if error.code() not in _UNKNOWN_TOPIC_ERRORS:
+            return False
+        partitions = _partitions_now(self.topics, row.topic, looked_up)
+        return partitions > 0 and (row.partition is None or row.partition < partitions)
 
     def _dead_letter_refused(self, err: KafkaError) -> DeadLetterUnwritable:
         """The dead-letter topic refused a copy for what it is, not for the copy's size. Made

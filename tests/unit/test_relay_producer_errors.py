@@ -297,7 +297,7 @@ def test_a_record_refused_for_a_topic_deleted_since_is_parked_as_of_a_missing_to
     from relay.shard import ShardWorker
 
     worker: Any = SimpleNamespace(topics=topics)
-    looked_up: dict[str, bool] = {}
+    looked_up: dict[str, int] = {}
     for _ in range(2):  # two records of the topic in one batch
         assert ShardWorker._gone(worker, "orders", KafkaError(error), looked_up) is gone
     assert topics.asked == (0 if error == KafkaError.MSG_SIZE_TOO_LARGE else 1)

@@ -1,6 +1,7 @@
-"""A marker message the broker refuses while records of the batch are still in flight: the
-client purges them with the transaction, and the refusal is the markers' own (pure logic: the
-refusal's timing against the records' reports cannot be staged on a real broker)."""
+"""Refusals that come back while a batch is in flight (pure logic: their timing against the
+other reports cannot be staged on a real broker): a marker message refused while records of the
+batch are purged with the transaction; a record refused as of an unknown topic that is there
+again once looked up."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from relay.shard import Row, ShardWorker, _Batch
 class _Topics:
     """Every topic there, writable, of 3 partitions."""
 
+    asked = 0
+
     def partitions(self, name: str, *, refresh: bool = False) -> int:
+        self.asked += refresh
         return 3
 
     def known_partitions(self, name: str) -> int:
@@ -120,3 +124,74 @@ def test_a_marker_message_refused_as_too_large_makes_the_markers_go_alone(
     assert shard._markers_alone
     assert shard.needs_recovery
     assert producer.aborted == 1
+
+
+class _UnknownTopicInFlight:
+    """A shard producer whose first record the broker refuses as of an unknown topic (deleted
+    and made again while it was in flight), in `refusals` batches in a row; the others go."""
+
+    transactional_id = "test-0"
+    timeout_s = 60.0
+    abortable = True
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.sent: list[Sent] = []
+        self.aborted = self.committed = 0
+
+    def begin(self) -> None:
+        self.sent = []
+
+    def open_for(self) -> float:
+        return 1.0
+
+    def send(self, topic: str, value: Any, key: Any, headers: Any, partition: Any = None,
+             tag: Any = None) -> Sent:  # fmt: skip
+        self.sent.append(Sent(tag, topic=topic))
+        return self.sent[-1]
+
+    def send_queued(self) -> None:
+        pass
+
+    def reports(self, stalled: Any = None, waiting: Any = None) -> Iterator[Sent]:
+        refused = self.refusals > 0
+        self.refusals -= refused
+        for i, sent in enumerate(self.sent):
+            sent.reported = True
+            if sent.tag is not None and sent.tag.id == 1 and refused:
+                sent.error = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
+            elif refused and sent.tag is not None:
+                sent.error = KafkaError(KafkaError._PURGE_INFLIGHT)
+            else:
+                sent.partition, sent.offset = 0, i
+            yield sent
+
+    def abort(self, timeout_s: float | None = None) -> None:
+        self.aborted += 1
+
+    def commit(self, waiting: Any = None) -> float:
+        self.committed += 1
+        return 0.0
+
+
+@pytest.mark.parametrize("refusals", [1, 2])
+def test_a_record_refused_as_of_a_topic_made_again_in_flight_goes_again_once(
+    refusals: int,
+) -> None:
+    """Refused as of an unknown topic that a look-up found there (deleted and made again while
+    the record was in flight), it was parked, to wait for a redrive by hand. It goes again
+    with its batch now; refused so a second time, it is parked."""
+    producer = _UnknownTopicInFlight(refusals)
+    shard = worker(producer)  # type: ignore[arg-type]
+    parked: list[dict[int, str]] = []
+    shard._park = lambda conn, poison: parked.append(dict(poison))  # type: ignore[method-assign]
+    ended: list[list[int]] = []  # the rows' end in Postgres, once committed in Kafka
+    shard._end_or_recover = lambda ending, conn: ended.append([m.id for m in ending.markers])  # type: ignore[method-assign]
+    first = shard._ship(None, batch(3))  # type: ignore[arg-type]
+    assert (first.full, parked, producer.aborted) == (True, [{}], 1)  # all go again at once
+    second = shard._ship(None, batch(3))  # type: ignore[arg-type]
+    if refusals == 1:
+        assert (producer.committed, ended) == (1, [[1, 2, 3]])
+    else:
+        assert second.parked == 1
+        assert parked[-1] == {1: "refused by the broker: Broker: Unknown topic or partition"}
