@@ -1212,6 +1212,21 @@ def test_rows_an_application_holds_delay_only_their_own_answer(
     assert one(pg_dsn, held[0])["state"] == "committed"
 
 
+def its_application_ending_the_first_asked(
+    dsn: str, holding: list[psycopg.Connection[Any]]
+) -> Callable[[CheckRequest], None]:
+    """For the endpoint, before it answers: the application commits the first transaction asked
+    about on a connection of its own, not committed yet (its rows held; in `holding`)."""
+
+    def commit_and_hold(request: CheckRequest) -> None:
+        if not holding:
+            conn = psycopg.connect(dsn)
+            outbox.commit(conn, request.tx_id, producer_group=GROUP)  # not committed yet
+            holding.append(conn)
+
+    return commit_and_hold
+
+
 def test_a_check_whose_answer_held_rows_dropped_is_not_said_lost(
     pg_dsn: str,
     endpoint: Endpoint,
@@ -1223,14 +1238,7 @@ def test_a_check_whose_answer_held_rows_dropped_is_not_said_lost(
     the next round blamed a checker killed or cut from the database, counting a lost check."""
     tx_id, created = prepare(pg_dsn)
     holding: list[psycopg.Connection[Any]] = []
-
-    def commit_and_hold(request: CheckRequest) -> None:
-        if not holding:
-            conn = psycopg.connect(pg_dsn)
-            outbox.commit(conn, request.tx_id, producer_group=GROUP)  # not committed yet
-            holding.append(conn)
-
-    endpoint.resolver.before_answer = commit_and_hold
+    endpoint.resolver.before_answer = its_application_ending_the_first_asked(pg_dsn, holding)
     endpoint.resolver.default = COMMIT
     clock = Clock(created + 7 * S)
     checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
@@ -1264,14 +1272,7 @@ def test_a_tx_id_used_again_after_an_answer_dropped_for_held_rows_has_its_lost_c
     held by its application and not counted lost."""
     tx_id, created = prepare(pg_dsn, tx_id="used-twice")
     holding: list[psycopg.Connection[Any]] = []
-
-    def commit_and_hold(request: CheckRequest) -> None:
-        if not holding:
-            conn = psycopg.connect(pg_dsn)
-            outbox.commit(conn, request.tx_id, producer_group=GROUP)  # not committed yet
-            holding.append(conn)
-
-    endpoint.resolver.before_answer = commit_and_hold
+    endpoint.resolver.before_answer = its_application_ending_the_first_asked(pg_dsn, holding)
     endpoint.resolver.default = COMMIT
     clock = Clock(created + 7 * S)
     s = settings({GROUP: endpoint_settings(endpoint.url)})
