@@ -1353,6 +1353,7 @@ class ShardWorker:
                 raise KafkaException(KafkaError(KafkaError._STATE, "the transaction failed"))
             self._park(conn, poison)
             self._alone.difference_update(poison)
+            self._unknown_topic_retried.difference_update(poison)
             result.parked = len(poison)
             # At once, not after the poll interval: the batch's other records (purged with
             # it) go again, and the refused one alone or parked; each pass settles one of them.
@@ -1362,6 +1363,7 @@ class ShardWorker:
             self._abort()
             self._park(conn, poison)
             self._alone.difference_update(poison)
+            self._unknown_topic_retried.difference_update(poison)
             result.parked = len(poison)
             result.full = True  # their dead-letter copies and markers, next round
             return result
