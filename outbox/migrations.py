@@ -157,9 +157,10 @@ def _migrate_once(conn: psycopg.Connection[Any], schema: str) -> MigrationReport
         # migration found no migration applied, and failed creating the schema again.
         cur.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED, READ WRITE")
         # Another's migration is waited out however long it runs (index builds over an
-        # archive): under a role's statement_timeout the wait was cancelled and, tried again
-        # 8 times, migrate failed while the other went on.
+        # archive): under a role's statement_timeout or lock_timeout the wait was cancelled
+        # and, tried again 8 times, migrate failed while the other went on.
         cur.execute("SET LOCAL statement_timeout = 0")
+        cur.execute("SET LOCAL lock_timeout = 0")
         cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_LOCK_NAMESPACE, schema))
         # Migrated meanwhile by the one it waited for: nothing to do, and no DDL, which a role
         # that may only read the schema cannot run (two releases' hooks at once). The catalog

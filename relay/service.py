@@ -789,11 +789,12 @@ class Relay:
             return
         metrics.ERRORS.labels("xid_of_another_cluster").inc()
         logger.error(
-            "%s%d committed records of shards %s (the first id %d) carry transaction ids this "
+            "%s%d committed records of shards %s (id %d among them) carry transaction ids this "
             "database has not given yet (from %s): they were written in another Postgres "
             "cluster (a dump restored, a logical replica promoted), and no xid horizon passes "
-            "them, so they are not delivered. Give them this cluster's transaction ids (README, "
-            '"Moving the database to another cluster")',
+            "them, so neither they nor what their shards committed after them is delivered. "
+            "Give them this cluster's transaction ids (README, \"Moving the database to another "
+            'cluster")',
             "at least " if count >= FAR_XIDS_COUNTED else "",
             count,
             ", ".join(map(str, params["shards"])),

@@ -282,13 +282,15 @@ def test_a_role_that_may_only_read_waits_out_anothers_migration_and_applies_noth
     assert results == [()]
 
 
-def test_a_migrate_waits_out_anothers_past_its_roles_statement_timeout(
-    empty_db: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("timeout", ["statement_timeout", "lock_timeout"])
+def test_a_migrate_waits_out_anothers_past_its_roles_timeouts(
+    empty_db: str, monkeypatch: pytest.MonkeyPatch, timeout: str
 ) -> None:
     """The wait for another's migration (index builds over an archive) ran under the role's
-    statement_timeout: cancelled, and tried again a few times, migrate failed meanwhile."""
+    statement_timeout and lock_timeout: cancelled, and tried again a few times, migrate failed
+    meanwhile."""
     monkeypatch.setattr(migrations, "_LOCK_ATTEMPTS", 1)
-    hurried = make_conninfo(empty_db, options="-c statement_timeout=200")
+    hurried = make_conninfo(empty_db, options=f"-c {timeout}=200")
     with psycopg.connect(empty_db, autocommit=True) as holder:
         holder.execute(
             "SELECT pg_advisory_lock(%s, hashtext('outbox'))", (migrations._LOCK_NAMESPACE,)
