@@ -201,6 +201,7 @@ def drop_one(dsn: str, topic: str) -> int:
 
 
 IDLE_SECONDS = 20.0
+RECENT_PROGRESS_KEPT = 100  # spark.sql.streaming.numRecentProgressUpdates, Spark's default
 
 
 def cpu_seconds() -> float:
@@ -238,11 +239,17 @@ def streaming_capacity(
     reports: list[Any] = []  # appended on the job's threads; read here once it is caught up
     job = make_job(reports.append)
     job.start()
-    progress: dict[int, Any] = {}  # by batch id: recentProgress keeps only the last 100
+    # By trigger (its start time), not by batch id: a trigger that finds nothing reports the
+    # id of the batch to come, which the next one with data reports again. recentProgress keeps
+    # only the last RECENT_PROGRESS_KEPT.
+    progress: dict[str, Any] = {}
 
     def collect() -> None:
-        for p in job._query.recentProgress:
-            progress.setdefault(p.batchId, p)
+        recent = job._query.recentProgress
+        if len(recent) >= RECENT_PROGRESS_KEPT and progress and recent[0].timestamp not in progress:
+            raise RuntimeError("micro-batches went unseen between two reads of recentProgress")
+        for p in recent:
+            progress.setdefault(p.timestamp, p)
 
     try:
         # the first micro-batch (what the topics held before), judged and reported
@@ -267,9 +274,7 @@ def streaming_capacity(
         judged = reports[reported_before:]
     finally:
         job.stop()
-    batches = [p for i, p in sorted(progress.items()) if i not in before]
-    if batches and batches[0].batchId != max(before) + 1:
-        raise RuntimeError("micro-batches went unseen between two reads of recentProgress")
+    batches = [p for t, p in sorted(progress.items()) if t not in before]
     with_input = [p for p in batches if p.numInputRows > 0]
     batch_s = sum(p.durationMs["triggerExecution"] / 1000 for p in batches)
     tick_s = sum(sum(r.seconds.values()) for r in judged if r.detected_in == "tick")
