@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -230,22 +230,33 @@ def test_concurrent_migrate_under_a_repeatable_read_default(empty_db: str) -> No
     repeatable = make_conninfo(
         empty_db, options="-c default_transaction_isolation=repeatable\\ read"
     )
-    with psycopg.connect(empty_db, autocommit=True) as holder:
+    results = migrated_while_another_waits(empty_db, repeatable)
+    assert sorted(results, key=str) == [(), tuple(range(1, latest_version() + 1))]
+
+
+def migrated_while_another_waits(
+    dsn: str, waiter: str, meanwhile: Callable[[list[object]], None] = lambda _: None
+) -> list[object]:
+    """Migrate from a session that holds the migration lock while another (`waiter`, a DSN)
+    runs migrate and waits for it; `meanwhile` is given the results once it waits. The
+    results of both, or the waiter's error."""
+    with psycopg.connect(dsn, autocommit=True) as holder:
         holder.execute(
             "SELECT pg_advisory_lock(%s, hashtext('outbox'))", (migrations._LOCK_NAMESPACE,)
         )
         results: list[object] = []
         waiting = threading.Thread(
-            target=lambda: results.append(_migrated_or_error(repeatable)), daemon=True
+            target=lambda: results.append(_migrated_or_error(waiter)), daemon=True
         )
         waiting.start()
         wait_for_a_lock_wait(holder, "advisory")
+        meanwhile(results)
         results.append(outbox.migrate(holder).applied)  # its session holds the lock already
         holder.execute(
             "SELECT pg_advisory_unlock(%s, hashtext('outbox'))", (migrations._LOCK_NAMESPACE,)
         )
         waiting.join(30)
-    assert sorted(results, key=str) == [(), tuple(range(1, latest_version() + 1))]
+    return results
 
 
 def test_a_role_that_may_only_read_waits_out_anothers_migration_and_applies_nothing(
@@ -291,25 +302,14 @@ def test_a_migrate_waits_out_anothers_past_its_roles_timeouts(
     meanwhile."""
     monkeypatch.setattr(migrations, "_LOCK_ATTEMPTS", 1)
     hurried = make_conninfo(empty_db, options=f"-c {timeout}=200")
-    with psycopg.connect(empty_db, autocommit=True) as holder:
-        holder.execute(
-            "SELECT pg_advisory_lock(%s, hashtext('outbox'))", (migrations._LOCK_NAMESPACE,)
-        )
-        results: list[object] = []
-        waiting = threading.Thread(
-            target=lambda: results.append(_migrated_or_error(hurried)), daemon=True
-        )
-        waiting.start()
-        wait_for_a_lock_wait(holder, "advisory")
-        waited_past = time.monotonic() + 1.0  # five times its statement_timeout
+
+    def still_waiting(results: list[object]) -> None:
+        waited_past = time.monotonic() + 1.0  # five times its timeout
         while time.monotonic() < waited_past:
             assert not results, results  # cancelled, it returned an error
             time.sleep(0.05)
-        results.append(outbox.migrate(holder).applied)  # its session holds the lock already
-        holder.execute(
-            "SELECT pg_advisory_unlock(%s, hashtext('outbox'))", (migrations._LOCK_NAMESPACE,)
-        )
-        waiting.join(30)
+
+    results = migrated_while_another_waits(empty_db, hurried, still_waiting)
     assert sorted(results, key=str) == [(), tuple(range(1, latest_version() + 1))]
 
 
