@@ -139,14 +139,22 @@ def wait_until(
     fail(f"{what} {'exited' if ended else f'did not answer within {timeout:.0f}s'}{tail}")
 
 
+KILLED_GONE_S = 10.0  # a SIGKILLed process is gone within this (its sockets with it)
+
+
 def terminate(pid: int, alive: Callable[[], object], timeout_s: float) -> None:
-    """SIGTERM, then SIGKILL if `alive()` still holds after `timeout_s`."""
+    """SIGTERM, then SIGKILL if `alive()` still holds after `timeout_s`, and a wait for it to
+    be gone: a port check right after the SIGKILL saw the dying process's socket ("taken by
+    another process")."""
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and alive():
         time.sleep(0.1)
     if alive():
         os.kill(pid, signal.SIGKILL)
+        killed_by = time.monotonic() + KILLED_GONE_S
+        while time.monotonic() < killed_by and alive():
+            time.sleep(0.1)
 
 
 def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:

@@ -19,7 +19,8 @@ from tests.integration.test_relay_crashes import FAST, assert_exactly_once, unde
 
 
 def restart(service: str) -> None:
-    subprocess.run([sys.executable, str(SERVICES), "restart", service], check=True, timeout=180)
+    # a broker's stop may take 60 s and its start 120 s (scripts/services.py), on a slow machine
+    subprocess.run([sys.executable, str(SERVICES), "restart", service], check=True, timeout=240)
 
 
 @pytest.fixture

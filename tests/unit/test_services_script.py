@@ -116,3 +116,18 @@ def test_a_process_left_stopped_is_resumed_not_waited_for(tmp_path: Path, sleepe
     becomes(stopped=False)
     run_script(tmp_path, f"services.resume_if_stopped({pid}, 'kafka')")  # running: left alone
     run_script(tmp_path, "services.resume_if_stopped(None, 'kafka')")  # no broker: nothing
+
+
+def test_a_process_killed_for_not_stopping_is_gone_when_terminate_returns(tmp_path: Path) -> None:
+    """SIGKILL was sent and not waited for: `down` then `up` (a restart) checked the port while
+    the dying broker still held it, and failed ("taken by another process")."""
+    code = (
+        "import subprocess, sys\n"
+        "stubborn = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(120)'],"
+        " stdout=subprocess.PIPE)\n"
+        "stubborn.stdout.readline()  # its SIGTERM handler is set\n"
+        "services.terminate(stubborn.pid, lambda: stubborn.poll() is None, 0.2)\n"
+        "print('gone' if stubborn.poll() is not None else 'alive')\n"
+    )
+    assert run_script(tmp_path, code).stdout.strip() == "gone"
