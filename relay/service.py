@@ -707,6 +707,10 @@ class Relay:
                 )
                 held = None
                 if with_hold_back:
+                    # Read after the stamp: a transaction that took its commit time before a
+                    # stamped row's transaction ended had its xid by then; still running, it is
+                    # in the list, and ended since, relay_hold_back's own snapshot sees its rows.
+                    self.conn.execute(queries.query("relay_running_xids", self.schema))
                     held = self.conn.execute(
                         queries.query("relay_hold_back", self.schema), bounded, prepare=False
                     )
@@ -745,6 +749,7 @@ class Relay:
                 self.conn.execute(
                     queries.query("relay_stamp_plan", self.schema), STAMP_LOCK_TIMEOUT
                 )
+                self.conn.execute(queries.query("relay_running_xids", self.schema))
                 held = self.conn.execute(
                     queries.query("relay_hold_back", self.schema),
                     {**params, "stamped_below": self._stamped_below},

@@ -738,6 +738,9 @@ class ShardWorker:
         batch = _Batch()
         out = out_elsewhere or OutElsewhere([], [])
         by_tx: dict[str, list[Row]] = {}  # in commit order: the query sorts, dicts keep order
+        # For the claim's own hold-back, read before its snapshot. Also for a claim given its
+        # hold-back: its generic plan has both branches, and planning reads the list's length.
+        conn.execute(self._q("relay_running_xids"))
         conn.execute(self._q("relay_claim_plan"))
         # Prepared as psycopg prepares (its 5th run on a connection), then run with a generic
         # plan (see relay_claim_plan): planned once, not per claim.

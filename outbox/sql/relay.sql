@@ -86,13 +86,41 @@ SELECT count(*), min(id), min(committed_xid)::text FROM (
 -- name: relay_hold_back
 -- Committed rows not stamped yet (their transaction id is above the horizon, or they were not
 -- reached yet): nothing that committed after the earliest of them may go out before it does.
--- None is below `stamped_below` (relay_stamp_commit_ts).
-SELECT min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at))
+-- None is below `stamped_below` (relay_stamp_commit_ts). Nor after a transaction that has
+-- taken its commit time but is not visible yet (relay_running_xids, read before this).
+SELECT least(min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)),
+             (SELECT min(pg_xact_commit_timestamp(x))
+              FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x))
 FROM {schema}.outbox_record
 WHERE state = 'committed' AND commit_ts IS NULL
   AND committed_xid >= %(stamped_below)s::xid8
   AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
               WHERE key_hash BETWEEN o.lo AND o.hi);
+
+-- name: relay_running_xids
+-- Before relay_hold_back and relay_claim (and relay_unstamped_below after it), in their
+-- transaction: the transactions of this database running now, prepared ones too, other than
+-- relays' (which commit no records). A transaction takes its commit time before it becomes
+-- visible: in between it flushes its WAL and, with synchronous replication, waits for its
+-- standby. One that commits meanwhile with a later time and no lock in common (unless both
+-- NOTIFY: a notifying commit holds Postgres's notify lock until it is visible) is seen first,
+-- and went out first though it committed second. So nothing that committed after one of these
+-- that has its commit time now goes out before it. Read here, before the statement that uses
+-- them: read there, after its snapshot, a transaction that became visible in between would be in
+-- neither. backend_xid is shown to every role. Missed: one that takes its id and reaches its
+-- commit between the two statements (back to back, in one pipeline).
+SELECT set_config('outbox_relay.running_xids', coalesce(array_agg(x)::text, '{{}}'), true)
+FROM (
+    SELECT a.backend_xid
+    FROM pg_stat_get_activity(NULL) AS a
+    JOIN pg_database AS d ON d.oid = a.datid AND d.datname = current_database()
+    WHERE a.backend_xid IS NOT NULL
+      AND NOT starts_with(coalesce(a.application_name, ''), 'outbox-relay ')
+    UNION ALL
+    SELECT p.transaction
+    FROM pg_prepared_xact() AS p
+    JOIN pg_database AS d ON d.oid = p.dbid AND d.datname = current_database()
+) AS running(x);
 
 -- name: relay_unstamped_below
 -- After an unstamped claim (relay_claim with `inline`), in its pipeline: the xid horizon, how
@@ -131,7 +159,12 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
                WHERE state = 'committed' AND commit_ts IS NULL
                  AND committed_xid >= current_setting('outbox_relay.claim_horizon')::xid8
                  AND EXISTS (SELECT 1 FROM unnest(%(lo)s::bigint[], %(hi)s::bigint[]) AS o(lo, hi)
-                             WHERE key_hash BETWEEN o.lo AND o.hi));
+                             WHERE key_hash BETWEEN o.lo AND o.hi))
+       -- and those held back behind a transaction in its commit (see relay_running_xids; its
+       -- end wakes nobody either): one of them has taken its commit time by now. Also true
+       -- for those that merely committed meanwhile: a round more, not a wait for a wake-up.
+       OR EXISTS (SELECT 1 FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x
+                  WHERE pg_xact_commit_timestamp(x) IS NOT NULL);
 
 -- name: relay_claim_plan
 -- Before relay_claim, in its transaction: the claim must walk the commit-order index and stop
@@ -178,14 +211,16 @@ WITH bound AS MATERIALIZED (
     -- `inline`: the hold-back and the horizon of this statement's own snapshot (one snapshot:
     -- see relay_hold_back), the hold-back over the owned shards (`lo_all`, `hi_all`).
     SELECT CASE WHEN %(inline)s THEN pg_snapshot_xmin(pg_current_snapshot()) END AS below,
-           CASE WHEN %(inline)s THEN (
+           CASE WHEN %(inline)s THEN least((
                SELECT min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at))
                FROM {schema}.outbox_record
                WHERE state = 'committed' AND commit_ts IS NULL
                  AND committed_xid >= pg_snapshot_xmin(pg_current_snapshot())
                  AND EXISTS (SELECT 1 FROM unnest(%(lo_all)s::bigint[], %(hi_all)s::bigint[])
                                           AS o(lo, hi)
-                             WHERE key_hash BETWEEN o.lo AND o.hi))
+                             WHERE key_hash BETWEEN o.lo AND o.hi)), (
+               SELECT min(pg_xact_commit_timestamp(x))  -- see relay_running_xids
+               FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x))
            ELSE %(hold_back)s::timestamptz END AS hold_back
 ),
 first AS (

@@ -1,0 +1,141 @@
+"""Commit order against a transaction that has taken its commit time but is not visible yet: it
+waits for its WAL flush and, with synchronous replication, for its standby. Staged with a
+synchronous standby that never answers, so the wait lasts until the test cancels it."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+import outbox
+from tests.fixtures.kafka import consume_all
+from tests.fixtures.postgres import NO_STANDBY
+from tests.fixtures.services import Services
+from tests.integration.test_relay_delivery import rows, values
+
+
+def waiting_for_standby(admin: psycopg.Connection[Any], pid: int) -> bool:
+    found = admin.execute("SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (pid,))
+    return found.fetchone() == ("SyncRep",)
+
+
+def commit_in_background(conn: psycopg.Connection[Any]) -> threading.Thread:
+    thread = threading.Thread(target=conn.commit, daemon=True)
+    thread.start()
+    return thread
+
+
+def await_commit_wait(admin: psycopg.Connection[Any], pid: int, thread: threading.Thread) -> bool:
+    """True once the commit waits for the standby; False if it ended without waiting."""
+    deadline = time.monotonic() + 10
+    while not waiting_for_standby(admin, pid):
+        if not thread.is_alive():
+            return False
+        assert time.monotonic() < deadline, "the commit neither waited nor ended"
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture
+def standby_that_never_answers(services: Services, pg_dsn: str) -> Iterator[psycopg.Connection]:
+    """Commits with synchronous_commit on wait for a standby that does not exist, on the whole
+    server (the suite runs one test at a time); every other session of this test's database
+    commits locally (new sessions: made after this). Yields a
+    superuser connection; the server is set back however the test ends, which releases every
+    commit still waiting."""
+    dbname = conninfo_to_dict(pg_dsn)["dbname"]
+    admin = psycopg.connect(services.pg_dsn, autocommit=True)
+    admin.execute(
+        sql.SQL("ALTER DATABASE {} SET synchronous_commit = local").format(sql.Identifier(dbname))
+    )
+    admin.execute(
+        sql.SQL("ALTER SYSTEM SET synchronous_standby_names = {}").format(sql.Literal(NO_STANDBY))
+    )
+    admin.execute("SELECT pg_reload_conf()")
+    try:
+        # The reload reaches each process in its own time: a commit waits once it has reached
+        # the one that releases waiters. Commits that end without waiting are tried again.
+        with psycopg.connect(pg_dsn, autocommit=True) as setup:
+            setup.execute("CREATE TABLE canary (n int)")
+        waited = False
+        while not waited:
+            with contextlib.closing(psycopg.connect(pg_dsn)) as canary:
+                canary.execute("SET synchronous_commit = on")
+                canary.execute("INSERT INTO canary VALUES (1)")
+                thread = commit_in_background(canary)
+                waited = await_commit_wait(admin, canary.info.backend_pid, thread)
+                if waited:
+                    admin.execute("SELECT pg_cancel_backend(%s)", (canary.info.backend_pid,))
+                thread.join(10)
+            time.sleep(0 if waited else 0.05)
+        yield admin
+    finally:
+        admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        admin.execute("SELECT pg_reload_conf()")
+        admin.close()
+
+
+@pytest.mark.parametrize("stamping", [False, True], ids=["usual round", "stamping round"])
+def test_a_transaction_waiting_for_its_standby_holds_back_those_that_committed_after_it(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    standby_that_never_answers: psycopg.Connection[Any],
+    stamping: bool,
+) -> None:
+    """T1 takes its commit time, then waits for its standby; T2, of the same key, with the
+    smaller xid and synchronous_commit local, commits after it and is visible first. Below the
+    horizon, T2 went out first, though it committed second. Without NOTIFY, as the README
+    advises at high rates: a notifying commit holds Postgres's notify lock until it is
+    visible, and the other's commit waits for it."""
+    admin = standby_that_never_answers
+    quiet = outbox.Outbox(notify=False)
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()  # its first stamp: the next round claims unstamped rows itself
+    with (
+        contextlib.closing(psycopg.connect(pg_dsn)) as t2,
+        contextlib.closing(psycopg.connect(pg_dsn)) as t1,
+    ):
+        t2.execute("SET lock_timeout = '10s'")  # a failure, not a hang, if T1 held its lock
+        t2_xid = t2.execute("SELECT pg_current_xact_id()::text").fetchone()[0]  # type: ignore[index]
+        t1.execute("SET synchronous_commit = on")
+        quiet.publish(t1, topic, "T1: committed first", key="k")
+        t1_xid = t1.execute("SELECT pg_current_xact_id()::text").fetchone()[0]  # type: ignore[index]
+        quiet.publish(t2, topic, "T2: committed second", key="k")
+        t1_commit = commit_in_background(t1)
+        try:
+            assert await_commit_wait(admin, t1.info.backend_pid, t1_commit)
+            t2.commit()
+            t1_ts, t2_ts = admin.execute(
+                "SELECT pg_xact_commit_timestamp(%s::xid8::xid),"
+                " pg_xact_commit_timestamp(%s::xid8::xid)",
+                (t1_xid, t2_xid),
+            ).fetchone()  # type: ignore[misc]
+            assert int(t2_xid) < int(t1_xid)  # as staged
+            assert t1_ts < t2_ts
+            if stamping:
+                relay._stamp_all_again()  # a full stamp: the round stamps, then claims
+            held = relay.run_once()
+            assert held.delivered == 0
+            assert held.held_by_horizon  # looked for again soon, not after the poll interval
+        finally:
+            admin.execute("SELECT pg_cancel_backend(%s)", (t1.info.backend_pid,))
+            t1_commit.join(10)
+    until = 0
+    while rows(pg_dsn) and until < 20:
+        relay.run_once()
+        until += 1
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [
+        b"T1: committed first",
+        b"T2: committed second",
+    ]
