@@ -11,12 +11,12 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from pydantic import SecretStr
 
 import outbox
 from relay.config import SidecarSettings
 from tests.fixtures.kafka import consume_all
 from tests.fixtures.postgres import GrantedRoles
+from tests.fixtures.relay import as_role
 from tests.integration.test_relay_delivery import values
 
 
@@ -94,11 +94,7 @@ def test_a_role_that_may_not_delete_keeps_the_entries_says_so_once_and_delivers(
         )
     add_entries(pg_dsn, "2 days")
     settings = relay_settings(audit_retention="P1D")
-    database = settings.database.model_copy(
-        update={"dsn": SecretStr(granted_roles.dsn(granted_roles.relay))}
-    )
-    as_role = settings.model_copy(update={"database": database})
-    relay = relay_factory(as_role)
+    relay = relay_factory(as_role(settings, granted_roles.dsn(granted_roles.relay)))
     caplog.set_level(logging.WARNING, logger="relay.service")
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic, "delivered all the same")

@@ -16,8 +16,11 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 import outbox
+from relay.config import SidecarSettings
+from relay.service import Relay, RelayConfigError
 from tests.fixtures.kafka import consume_all
-from tests.fixtures.postgres import NO_STANDBY
+from tests.fixtures.postgres import NO_STANDBY, GrantedRoles
+from tests.fixtures.relay import as_role
 from tests.fixtures.services import Services
 from tests.integration.test_relay_delivery import rows, values
 
@@ -83,11 +86,19 @@ def standby_that_never_answers(services: Services, pg_dsn: str) -> Iterator[psyc
         admin.close()
 
 
+def relay_as(roles: GrantedRoles, settings: Callable[..., SidecarSettings], factory: Any) -> Relay:
+    """A relay with the example grants' role: sees other roles' sessions as such a role does."""
+    relay: Relay = factory(as_role(settings(), roles.dsn(roles.relay)))
+    return relay
+
+
 @pytest.mark.parametrize("stamping", [False, True], ids=["usual round", "stamping round"])
 def test_a_transaction_waiting_for_its_standby_holds_back_those_that_committed_after_it(
     pg_dsn: str,
     kafka_bootstrap: str,
+    granted_roles: GrantedRoles,  # first: its roles outlive the relay, which is stopped before
     topic_factory: Callable[..., str],
+    relay_settings: Callable[..., SidecarSettings],
     relay_factory: Any,
     standby_that_never_answers: psycopg.Connection[Any],
     stamping: bool,
@@ -100,7 +111,7 @@ def test_a_transaction_waiting_for_its_standby_holds_back_those_that_committed_a
     admin = standby_that_never_answers
     quiet = outbox.Outbox(notify=False)
     topic = topic_factory()
-    relay = relay_factory()
+    relay = relay_as(granted_roles, relay_settings, relay_factory)
     relay.run_once()  # its first stamp: the next round claims unstamped rows itself
     with (
         contextlib.closing(psycopg.connect(pg_dsn)) as t2,
@@ -139,3 +150,17 @@ def test_a_transaction_waiting_for_its_standby_holds_back_those_that_committed_a
         b"T1: committed first",
         b"T2: committed second",
     ]
+
+
+def test_a_relay_that_may_not_read_which_transactions_run_refuses_to_start(
+    pg_dsn: str,
+    granted_roles: GrantedRoles,
+    relay_settings: Callable[..., SidecarSettings],
+    relay_factory: Any,
+) -> None:
+    """A hardened database that revoked the function from PUBLIC: every claim failed."""
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:  # this database's catalog alone
+        admin.execute("REVOKE EXECUTE ON FUNCTION pg_stat_get_activity(integer) FROM PUBLIC")
+    relay = relay_as(granted_roles, relay_settings, relay_factory)
+    with pytest.raises(RelayConfigError, match=r"may not read which transactions run \(permission"):
+        relay.run_once()

@@ -41,6 +41,7 @@ from relay.shard import STOP_ABORT_S, DeadLetterUnwritable, ShardWorker
 from relay.status import outbox_status
 from tests.fixtures.kafka import consume_all, java_murmur2
 from tests.fixtures.postgres import GrantedRoles
+from tests.fixtures.relay import as_role
 
 
 def values(msgs: list[Message]) -> list[bytes]:
@@ -2921,11 +2922,7 @@ def test_the_horizon_gauges_work_for_a_role_that_cannot_see_when_the_holder_bega
     """pg_stat_activity hides another role's xact_start from a role without pg_read_all_stats,
     as the example grants make the relay's: the age came back None, every refresh failed, and
     the alert on outbox_relay_horizon_held_seconds could never fire."""
-    settings = relay_settings()
-    dsn = SecretStr(granted_roles.dsn(granted_roles.relay))
-    r = relay_factory(
-        settings.model_copy(update={"database": settings.database.model_copy(update={"dsn": dsn})})
-    )
+    r = relay_factory(as_role(relay_settings(), granted_roles.dsn(granted_roles.relay)))
 
     def held() -> float:
         r.refresh_gauges()
