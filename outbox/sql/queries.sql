@@ -134,36 +134,52 @@ ORDER BY state;
 -- The scans read `limit` records each, not transactions: `scan_full` says one of them came full,
 -- so that more may be due even when fewer than `limit` transactions came back (transactions of
 -- many records); the caller then goes again at once instead of waiting a poll interval.
-WITH scanned AS (
-    (SELECT 1 AS scan, producer_group, tx_id, next_check_at AS due_at
-     FROM {schema}.outbox_record
-     WHERE state = 'prepared' AND next_check_at <= %(now)s
-     ORDER BY next_check_at, id
-     LIMIT %(limit)s)
-    UNION ALL
-    (SELECT 2, producer_group, tx_id,
-            created_at + least(make_interval(secs => %(default_immunity_s)s),
-                               make_interval(secs => %(max_age_s)s)) AS due_at
-     FROM {schema}.outbox_record
-     WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NULL
-       AND created_at <= %(now)s - least(make_interval(secs => %(default_immunity_s)s),
-                                         make_interval(secs => %(max_age_s)s))
-     ORDER BY created_at, id
-     LIMIT %(limit)s)
-    UNION ALL
-    (SELECT 3, producer_group, tx_id, {schema}.immune_until(created_at, check_immunity) AS due_at
-     FROM {schema}.outbox_record
-     WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
-       AND {schema}.immune_until(created_at, check_immunity) <= %(now)s
-     ORDER BY {schema}.immune_until(created_at, check_immunity), id
-     LIMIT %(limit)s)
-    UNION ALL
-    (SELECT 4, producer_group, tx_id, created_at + make_interval(secs => %(max_age_s)s) AS due_at
-     FROM {schema}.outbox_record
-     WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
-       AND created_at <= %(now)s - make_interval(secs => %(max_age_s)s)
-     ORDER BY created_at, id
-     LIMIT %(limit)s)
+-- Each scan skips the records another session holds (an application ending its transaction in
+-- a long one of its own, another checker's claim): counted in the limit, the same held records
+-- came first every round, and no transaction behind them was checked, nor discarded at its
+-- maximum age, until they were let go (a second checker found nothing while the first claimed).
+-- A union cannot lock rows: each scan is a CTE of its own.
+WITH checked_before AS (
+    SELECT 1 AS scan, producer_group, tx_id, next_check_at AS due_at
+    FROM {schema}.outbox_record
+    WHERE state = 'prepared' AND next_check_at <= %(now)s
+    ORDER BY next_check_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), never_checked AS (
+    SELECT 2 AS scan, producer_group, tx_id,
+           created_at + least(make_interval(secs => %(default_immunity_s)s),
+                              make_interval(secs => %(max_age_s)s)) AS due_at
+    FROM {schema}.outbox_record
+    WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NULL
+      AND created_at <= %(now)s - least(make_interval(secs => %(default_immunity_s)s),
+                                        make_interval(secs => %(max_age_s)s))
+    ORDER BY created_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), own_immunity_over AS (
+    SELECT 3 AS scan, producer_group, tx_id,
+           {schema}.immune_until(created_at, check_immunity) AS due_at
+    FROM {schema}.outbox_record
+    WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
+      AND {schema}.immune_until(created_at, check_immunity) <= %(now)s
+    ORDER BY {schema}.immune_until(created_at, check_immunity), id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), own_immunity_too_old AS (
+    SELECT 4 AS scan, producer_group, tx_id,
+           created_at + make_interval(secs => %(max_age_s)s) AS due_at
+    FROM {schema}.outbox_record
+    WHERE state = 'prepared' AND next_check_at IS NULL AND check_immunity IS NOT NULL
+      AND created_at <= %(now)s - make_interval(secs => %(max_age_s)s)
+    ORDER BY created_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), scanned AS (
+    SELECT * FROM checked_before
+    UNION ALL SELECT * FROM never_checked
+    UNION ALL SELECT * FROM own_immunity_over
+    UNION ALL SELECT * FROM own_immunity_too_old
 ), candidate AS (
     SELECT producer_group, tx_id, min(due_at) AS due_at
     FROM scanned

@@ -551,6 +551,31 @@ def test_a_full_scan_of_rows_held_elsewhere_does_not_spin(
     assert endpoint.resolver.asked == []
 
 
+@pytest.mark.parametrize("scan", ["never checked", "own immunity", "checked before"])
+def test_transactions_behind_records_held_elsewhere_are_checked(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker], scan: str
+) -> None:
+    """An application ending its transaction inside a long one of its own holds its records
+    (so does another checker's claim): counted in each scan's limit, they came first every
+    round, and no transaction behind them was checked, nor discarded at its maximum age."""
+    immunity = 1.0 if scan == "own immunity" else None
+    held, _ = prepare(pg_dsn, records=3, check_immunity=immunity)
+    behind, _ = prepare(pg_dsn, check_immunity=immunity)
+    if scan == "checked before":
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE outbox.outbox_record SET check_count = 1,"
+                " next_check_at = created_at + interval '1 second'"
+            )
+    checker = make_checker(
+        settings({GROUP: endpoint_settings(endpoint.url)}, batch_size=2), Clock(utc_now() + 10 * S)
+    )
+    with psycopg.connect(pg_dsn) as holder, holder.transaction():
+        holder.execute("SELECT 1 FROM outbox.outbox_record WHERE tx_id = %s FOR UPDATE", (held,))
+        assert checker.run_once().due == 1
+    assert [r.tx_id for r in endpoint.resolver.asked] == [behind]
+
+
 def before_berlins_spring_change(
     pg_dsn: str, tx_id: str, endpoint: Endpoint, zone: str
 ) -> tuple[datetime, CheckerSettings, str]:
