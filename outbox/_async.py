@@ -132,6 +132,7 @@ class AsyncOutbox:
         tx_id: str | None = None,
         producer_group: str | None = None,
     ) -> int:
+        """As `Outbox.publish`, awaited."""
         record = Record(topic, value, key, headers, partition)
         written = await self.publish_many(
             conn, [record], tx_id=tx_id, producer_group=producer_group
@@ -146,6 +147,7 @@ class AsyncOutbox:
         tx_id: str | None = None,
         producer_group: str | None = None,
     ) -> Written:
+        """As `Outbox.publish_many`, awaited."""
         records = require_records(records)
         op = _core.insert(
             self.config, records, state=State.COMMITTED, tx_id=tx_id, producer_group=producer_group
@@ -165,6 +167,7 @@ class AsyncOutbox:
         producer_group: str | None = None,
         check_immunity: timedelta | float | None = None,
     ) -> Written:
+        """As `Outbox.prepare`, awaited."""
         record = Record(topic, value, key, headers, partition)
         return await self.prepare_many(
             conn,
@@ -183,6 +186,7 @@ class AsyncOutbox:
         producer_group: str | None = None,
         check_immunity: timedelta | float | None = None,
     ) -> Written:
+        """As `Outbox.prepare_many`, awaited."""
         records = require_records(records)
         op = _core.insert(
             self.config,
@@ -203,6 +207,7 @@ class AsyncOutbox:
         producer_group: str | None = None,
         record_ids: Sequence[int] | None = None,
     ) -> Transition:
+        """As `Outbox.commit`, awaited."""
         op = _core.end(self.config, tx_id, State.COMMITTED, producer_group, record_ids)
         return await _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
@@ -214,6 +219,7 @@ class AsyncOutbox:
         producer_group: str | None = None,
         record_ids: Sequence[int] | None = None,
     ) -> Transition:
+        """As `Outbox.rollback`, awaited."""
         op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group, record_ids)
         return await _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
@@ -241,7 +247,7 @@ class AsyncOutbox:
                     producer_group=producer_group,
                     check_immunity=check_immunity,
                 )
-        status = parse_status(await call_back(local_transaction, written))
+        status = parse_status(await call_back(local_transaction, written), written)
         state = State.PREPARED
         try:
             if status is not TransactionStatus.UNKNOWN and left_idle(conn, written):

@@ -19,7 +19,9 @@
         └── TransactionConflict     a serialization failure or deadlock: run the transaction again
 
 Validation happens before any SQL is sent, so after an InvalidRecordError, an OutboxUsageError or
-a TransactionStateError the caller's transaction is still usable. After an OutboxDatabaseError it
+a TransactionStateError the caller's transaction is still usable. One OutboxUsageError comes
+later: send_in_transaction's, for a local transaction's answer it cannot take, after that work
+ran; its records were written, prepared, and its message names them. After an OutboxDatabaseError it
 is whatever Postgres left it (usually aborted: roll back).
 """
 

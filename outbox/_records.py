@@ -328,11 +328,12 @@ def require_records(records: Iterable[Record]) -> list[Record]:
     if isinstance(records, Record):
         raise OutboxUsageError("a single Record given: pass a list of records")
     try:
-        given = list(records)
+        each = iter(records)
     except TypeError:
         raise OutboxUsageError(
             f"records must be a list of outbox.Record, got a {type(records).__name__}"
         ) from None
+    given = list(each)  # outside the try: a generator's own error is the caller's to see
     if not given:
         raise OutboxUsageError("no records given: a batch needs at least one record")
     for i, record in enumerate(given):

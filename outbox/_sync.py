@@ -247,7 +247,7 @@ class Outbox:
                 producer_group=producer_group,
                 check_immunity=check_immunity,
             )
-        status = parse_status(local_transaction(written))
+        status = parse_status(local_transaction(written), written)
         state = State.PREPARED
         try:
             if status is not TransactionStatus.UNKNOWN and left_idle(conn, written):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 import uuid
@@ -414,10 +415,13 @@ def test_send_in_transaction_leaves_records_prepared_when_the_local_transaction_
     assert states(pg_dsn, tx_ids[0]) == ["prepared"]
 
 
-@pytest.mark.parametrize("answer", ["MAYBE", 1, None])
+@pytest.mark.parametrize("answer", ["MAYBE", 1, None, outbox.State.COMMITTED])
 def test_send_in_transaction_rejects_a_bad_answer_and_keeps_records(
     pg_dsn: str, answer: Any
 ) -> None:
+    """Refused after the work ran: the error names the records left prepared, so that the
+    caller does not run the work again (it said neither, and the library's errors say an
+    OutboxUsageError comes before anything is written)."""
     tx_ids: list[str] = []
 
     def local_transaction(written: Written) -> Any:
@@ -426,10 +430,14 @@ def test_send_in_transaction_rejects_a_bad_answer_and_keeps_records(
 
     with (
         psycopg.connect(pg_dsn) as conn,
-        pytest.raises(outbox.OutboxUsageError, match=f"returned {answer!r}; expected"),
+        pytest.raises(
+            outbox.OutboxUsageError, match=re.escape(f"returned {answer!r}; expected")
+        ) as refused,
     ):
         outbox.send_in_transaction(conn, [Record("t", "a")], local_transaction)
     assert states(pg_dsn, tx_ids[0]) == ["prepared"]
+    assert f"(tx {tx_ids[0]!r} of producer group" in str(refused.value)
+    assert "do not run the local transaction again" in str(refused.value)
 
 
 def test_sync_send_in_transaction_refuses_an_async_local_transaction_before_writing(

@@ -15,6 +15,7 @@ from outbox._records import (
     check_topic,
     default_serializer,
     encode_record,
+    require_records,
 )
 from outbox._txid import new_tx_id
 
@@ -216,3 +217,15 @@ def test_a_malformed_header_pair_is_described_without_its_value(headers: Any, sh
         encode(Record("t", "v", headers=headers))
     assert "s3cr3t" not in str(err.value)
     assert shape in str(err.value)
+
+
+def test_an_error_inside_the_callers_generator_is_its_own_not_a_wrong_argument() -> None:
+    """A TypeError raised by the generator was reported as "records must be a list", its
+    traceback gone."""
+    orders = [{"id": 1}]
+    with pytest.raises(TypeError, match="unsupported operand"):
+        require_records(Record("orders", o, key=o["id"] + "x") for o in orders)  # type: ignore[operator]
+    with pytest.raises(
+        outbox.OutboxUsageError, match=r"must be a list of outbox\.Record, got a int"
+    ):
+        require_records(3)  # type: ignore[arg-type]
