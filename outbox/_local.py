@@ -153,22 +153,27 @@ def left_idle(
     return False
 
 
+def _left_prepared(written: Written) -> str:
+    ids = written.ids
+    which = f"id {ids[0]}" if len(ids) == 1 else f"{len(ids)} records, ids {ids[0]} to {ids[-1]}"
+    return (
+        f"The records it was given (tx {written.tx_id!r} of producer group "
+        f"{written.producer_group!r}, {which}) were written prepared before it ran and stay so, "
+        "for the checker to ask your check-back endpoint about: do not run the local "
+        "transaction again for them."
+    )
+
+
 def parse_status(answer: object, written: Written) -> TransactionStatus:
     """The local transaction's answer. Refused after that work ran, its records written: the
     error names their transaction and says they stay prepared, so that nobody runs the work
     again for them (the checker asks the application's check-back endpoint instead)."""
-    left = (
-        f"Records {written.ids} (tx {written.tx_id!r} of producer group "
-        f"{written.producer_group!r}) were written prepared before it ran, and stay so for the "
-        "checker to ask your check-back endpoint about: do not run the local transaction again "
-        "for them."
-    )
     if inspect.isawaitable(answer):  # only the sync API gets one: the async one awaits it
         if inspect.iscoroutine(answer):
             answer.close()  # never awaited: closed, so Python does not warn of it later
         raise OutboxUsageError(
             "the local transaction returned an awaitable, which Outbox cannot await: use "
-            f"AsyncOutbox.send_in_transaction. {left}"
+            f"AsyncOutbox.send_in_transaction. {_left_prepared(written)}"
         )
     try:
         if isinstance(answer, TransactionStatus):
@@ -179,5 +184,5 @@ def parse_status(answer: object, written: Written) -> TransactionStatus:
     except ValueError:
         raise OutboxUsageError(
             f"the local transaction returned {answer!r}; expected TransactionStatus.COMMIT, "
-            f"ROLLBACK or UNKNOWN (a State is not an answer). {left}"
+            f"ROLLBACK or UNKNOWN (a State is not an answer). {_left_prepared(written)}"
         ) from None

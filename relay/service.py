@@ -275,21 +275,23 @@ class Relay:
         row = self.conn.execute("SHOW track_commit_timestamp").fetchone()
         self.conn.rollback()
         require_commit_timestamps(row[0] if row else None)
-        self._check_running_xids_readable()
+        self._check_functions_callable()
         self._set_up = True
 
-    def _check_running_xids_readable(self) -> None:
-        """Every claim reads which transactions run (relay.sql, relay_running_xids), through
-        functions every role may call unless a hardened database revoked that: each round then
-        failed, behind a relay that seemed to run."""
+    def _check_functions_callable(self) -> None:
+        """Every claim reads which transactions run and when they committed (relay.sql,
+        relay_running_xids), through catalog functions every role may call unless a hardened
+        database revoked that: each round then failed, behind a relay that seemed to run.
+        (Postgres checks the right to call a function when the statement starts, rows or not.)"""
         try:
             self.conn.execute(queries.query("relay_running_xids", self.schema))
+            self.conn.execute(queries.query("relay_commit_times_of_running", self.schema))
         except psycopg.errors.InsufficientPrivilege as exc:
             raise RelayConfigError(
-                f"the relay's database role may not read which transactions run "
-                f"({exc.diag.message_primary}): it orders records by commit time and holds back "
-                "those that committed after a transaction still committing. Grant it "
-                "EXECUTE ON FUNCTION pg_stat_get_activity(integer), pg_prepared_xact()"
+                f"the relay's database role may not read which transactions run and when they "
+                f"committed ({exc.diag.message_primary}): it orders records by commit time. "
+                "Grant it EXECUTE ON FUNCTION pg_stat_get_activity(integer), pg_prepared_xact(), "
+                "pg_xact_commit_timestamp(xid)"
             ) from exc
         finally:
             self.conn.rollback()

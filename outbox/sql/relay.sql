@@ -122,6 +122,12 @@ FROM (
     JOIN pg_database AS d ON d.oid = p.dbid AND d.datname = current_database()
 ) AS running(x);
 
+-- name: relay_commit_times_of_running
+-- At the relay's start, after relay_running_xids: that its role may call what the hold-back
+-- calls (relay/service.py, Relay._check_functions_callable).
+SELECT pg_xact_commit_timestamp(x)
+FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x;
+
 -- name: relay_unstamped_below
 -- After an unstamped claim (relay_claim with `inline`), in its pipeline: the xid horizon, how
 -- many committed rows of the owned shards below it are unstamped (counted up to `limit` + 1;

@@ -51,25 +51,32 @@ def await_commit_wait(admin: psycopg.Connection[Any], pid: int, thread: threadin
 def standby_that_never_answers(services: Services, pg_dsn: str) -> Iterator[psycopg.Connection]:
     """Commits with synchronous_commit on wait for a standby that does not exist, on the whole
     server (the suite runs one test at a time); every other session of this test's database
-    commits locally (new sessions: made after this). Yields a
-    superuser connection; the server is set back however the test ends, which releases every
-    commit still waiting."""
+    commits locally (new sessions: made after this). Yields a superuser connection; the server
+    is set back however the test ends, which releases every commit still waiting (and the next
+    `services.py up` or session clears it after a run killed meanwhile)."""
     dbname = conninfo_to_dict(pg_dsn)["dbname"]
     admin = psycopg.connect(services.pg_dsn, autocommit=True)
     admin.execute(
         sql.SQL("ALTER DATABASE {} SET synchronous_commit = local").format(sql.Identifier(dbname))
     )
-    admin.execute(
-        sql.SQL("ALTER SYSTEM SET synchronous_standby_names = {}").format(sql.Literal(NO_STANDBY))
-    )
-    admin.execute("SELECT pg_reload_conf()")
     try:
+        admin.execute(
+            sql.SQL("ALTER SYSTEM SET synchronous_standby_names = {}").format(
+                sql.Literal(NO_STANDBY)
+            )
+        )
+        admin.execute("SELECT pg_reload_conf()")
         # The reload reaches each process in its own time: a commit waits once it has reached
         # the one that releases waiters. Commits that end without waiting are tried again.
         with psycopg.connect(pg_dsn, autocommit=True) as setup:
             setup.execute("CREATE TABLE canary (n int)")
+        deadline = time.monotonic() + 30
         waited = False
         while not waited:
+            assert time.monotonic() < deadline, (
+                "no commit waited for the standby in 30 s: this server does not take "
+                "synchronous_standby_names from ALTER SYSTEM (set on its command line?)"
+            )
             with contextlib.closing(psycopg.connect(pg_dsn)) as canary:
                 canary.execute("SET synchronous_commit = on")
                 canary.execute("INSERT INTO canary VALUES (1)")
@@ -152,15 +159,24 @@ def test_a_transaction_waiting_for_its_standby_holds_back_those_that_committed_a
     ]
 
 
+@pytest.mark.parametrize(
+    "function", ["pg_stat_get_activity(integer)", "pg_xact_commit_timestamp(xid)"]
+)
 def test_a_relay_that_may_not_read_which_transactions_run_refuses_to_start(
     pg_dsn: str,
     granted_roles: GrantedRoles,
     relay_settings: Callable[..., SidecarSettings],
     relay_factory: Any,
+    function: str,
 ) -> None:
     """A hardened database that revoked the function from PUBLIC: every claim failed."""
     with psycopg.connect(pg_dsn, autocommit=True) as admin:  # this database's catalog alone
-        admin.execute("REVOKE EXECUTE ON FUNCTION pg_stat_get_activity(integer) FROM PUBLIC")
+        admin.execute(f"REVOKE EXECUTE ON FUNCTION {function} FROM PUBLIC")
     relay = relay_as(granted_roles, relay_settings, relay_factory)
-    with pytest.raises(RelayConfigError, match=r"may not read which transactions run \(permission"):
+    name = function.split("(")[0]
+    with pytest.raises(
+        RelayConfigError,
+        match=rf"may not read which transactions run and when they committed \(permission "
+        rf"denied for function {name}\)",
+    ):
         relay.run_once()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import psycopg
 import pytest
+from psycopg import sql
 
 from scripts import services as local_services
 from tests.fixtures.services import Services
@@ -74,3 +77,37 @@ def test_a_prepared_transaction_a_killed_run_left_is_rolled_back_by_the_next_up(
         finally:  # left prepared, it held every later test's horizon (and its database)
             if conn.execute(left).fetchall():
                 conn.execute("ROLLBACK PREPARED 'left-by-a-killed-run'")
+
+
+def test_a_standby_name_a_killed_run_left_is_cleared_by_the_next_up(services: Services) -> None:
+    """tests/integration/test_relay_commit_wait.py names a synchronous standby that never
+    answers: left set by a run killed in that test, every later commit would wait for it."""
+    if services.source != "script":
+        pytest.skip(f"the local services script does not run {services.source}'s Postgres")
+
+    def shown() -> str:
+        with psycopg.connect(services.pg_dsn, autocommit=True) as fresh:  # the reloaded value
+            return fresh.execute("SHOW synchronous_standby_names").fetchone()[0]  # type: ignore[index,no-any-return]
+
+    def await_shown(value: str) -> None:
+        deadline = time.monotonic() + 10
+        while shown() != value:
+            assert time.monotonic() < deadline, f"synchronous_standby_names never became {value!r}"
+            time.sleep(0.02)
+
+    with psycopg.connect(services.pg_dsn, autocommit=True) as admin:
+        try:
+            admin.execute(
+                sql.SQL("ALTER SYSTEM SET synchronous_standby_names = {}").format(
+                    sql.Literal(local_services.NO_STANDBY)
+                )
+            )
+            admin.execute("SELECT pg_reload_conf()")
+            await_shown(local_services.NO_STANDBY)
+            bindir = local_services.pg_bindir()
+            assert bindir is not None
+            local_services.release_commits_left_waiting(bindir)
+            await_shown("")
+        finally:
+            admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+            admin.execute("SELECT pg_reload_conf()")
