@@ -410,7 +410,8 @@ class Checker:
                 elif tx.check_lost:
                     logger.warning(
                         "tx %s of producer group %s: check %d was lost (its lease ran out with no "
-                        "outcome recorded: a checker killed or cut from the database); not counted",
+                        "outcome recorded: a checker killed or cut from the database, or one "
+                        "whose answer came after the lease); not counted",
                         tx.tx_id,
                         tx.producer_group,
                         tx.check_count,
@@ -536,7 +537,12 @@ class Checker:
         try:
             answer = endpoint.client.check(claim.request(self.settings.request_max_bytes))
         except Exception as exc:
-            logger.exception("check of tx %s failed unexpectedly", claim.tx_id)
+            logger.exception(
+                "check of tx %s of producer group %s at %s failed unexpectedly",
+                claim.tx_id,
+                claim.producer_group,
+                endpoint.settings.url,
+            )
             answer = CheckAnswer(Outcome.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
         if answer.outcome.answered:
             endpoint.breaker.record_success()

@@ -355,9 +355,16 @@ def end(
     if set(current) <= _ALREADY[to_state]:
         return Transition(group, tx_id, to_state, changed=False, ids=(), found=current)
     verb = "commit" if to_state is State.COMMITTED else "roll back"
+    why = ""
+    if State.DISCARDED.value in current:  # what the application can still do about it
+        why = (
+            ". The checker discarded them, at its maximum checks or prepared age (`outboxctl "
+            "records` shows the reason); while the relay has not shipped them, `outboxctl "
+            "rearm` makes them prepared again, and this end can be made again"
+        )
     raise IllegalTransitionError(
         f"cannot {verb} tx id {tx_id!r} of producer group {group!r}: its records are "
-        f"{', '.join(current)}, and only prepared records can change",
+        f"{', '.join(current)}, and only prepared records can change{why}",
         producer_group=group,
         tx_id=tx_id,
         current_states=current,

@@ -116,7 +116,9 @@ def test_commit_after_discard_is_illegal(pg_dsn: str) -> None:
             "WHERE tx_id = %s",
             (written.tx_id,),
         )
-        with pytest.raises(outbox.IllegalTransitionError, match="discarded"):
+        with pytest.raises(
+            outbox.IllegalTransitionError, match=r"are discarded, .*`outboxctl rearm` makes"
+        ):
             outbox.commit(conn, written.tx_id)
 
 
