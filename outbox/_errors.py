@@ -21,8 +21,8 @@
 Validation happens before any SQL is sent, so after an InvalidRecordError, an OutboxUsageError or
 a TransactionStateError the caller's transaction is still usable. One OutboxUsageError comes
 later: send_in_transaction's, for a local transaction's answer it cannot take, after that work
-ran; its records were written, prepared, and its message names them. After an OutboxDatabaseError it
-is whatever Postgres left it (usually aborted: roll back).
+ran; its records were written, prepared, and its message names them. After an
+OutboxDatabaseError it is whatever Postgres left it (usually aborted: roll back).
 """
 
 from __future__ import annotations
