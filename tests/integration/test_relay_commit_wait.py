@@ -18,8 +18,9 @@ from psycopg.conninfo import conninfo_to_dict
 import outbox
 from relay.config import SidecarSettings
 from relay.service import Relay, RelayConfigError
+from scripts.services import NO_STANDBY
 from tests.fixtures.kafka import consume_all
-from tests.fixtures.postgres import NO_STANDBY, GrantedRoles
+from tests.fixtures.postgres import GrantedRoles
 from tests.fixtures.relay import as_role
 from tests.fixtures.services import Services
 from tests.integration.test_relay_delivery import rows, values
