@@ -277,7 +277,6 @@ class HttpCheckClient:
         self._host = url.host.strip("[]")
         self._port = url.port or (443 if self._https else 80)
         self._target = (url.path or "/") + (f"?{url.query}" if url.query else "")
-        self._url = str(url)
         secrets = [s.get_secret_value() for s in settings.secrets]
         self._signer = Signer(secrets)
         # An answer must echo the id of the request it answers (fresh for every request), so a

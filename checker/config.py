@@ -101,13 +101,17 @@ class EndpointSettings(BaseModel):
 
     @field_serializer("url", when_used="json")
     def _query_masked(self, url: AnyHttpUrl) -> str:
-        """`outboxctl config` shows the URL with its query's values masked: an API key or a
-        function's code often rides there (?code=...)."""
-        if not url.query:
-            return str(url)
-        pairs = parse_qsl(url.query, keep_blank_values=True)
+        return self.shown_url
+
+    @property
+    def shown_url(self) -> str:
+        """The URL with its query's values masked, as `outboxctl config` and the logs show it:
+        an API key or a function's code often rides there (?code=...)."""
+        if not self.url.query:
+            return str(self.url)
+        pairs = parse_qsl(self.url.query, keep_blank_values=True)
         masked = "&".join(f"{quote(name)}={MASK}" for name, _ in pairs)
-        return urlunsplit(urlsplit(str(url))._replace(query=masked))
+        return urlunsplit(urlsplit(str(self.url))._replace(query=masked))
 
     def ca_file_problem(self) -> str | None:
         """Why its ca_file cannot be used, if it cannot: missing or not PEM, it passed

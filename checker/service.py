@@ -541,7 +541,7 @@ class Checker:
                 "check of tx %s of producer group %s at %s failed unexpectedly",
                 claim.tx_id,
                 claim.producer_group,
-                endpoint.settings.url,
+                endpoint.settings.shown_url,
             )
             answer = CheckAnswer(Outcome.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
         if answer.outcome.answered:

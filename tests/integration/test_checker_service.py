@@ -1842,6 +1842,33 @@ class Crashing:
         pass
 
 
+class Broken:
+    """A check client with a bug: every check raises."""
+
+    def check(self, request: CheckRequest) -> Any:
+        raise RuntimeError("a bug in the client")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_check_that_fails_unexpectedly_logs_the_endpoint_with_its_query_masked(
+    pg_dsn: str, make_checker: Callable[..., Checker], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The query often holds an API key (?code=...); `outboxctl config` masks it, so must the log.
+    tx_id, created = prepare(pg_dsn, records=1)
+    url = "https://checks.example/outbox?code=the-functions-key&region=eu"
+    s = settings({GROUP: endpoint_settings(url)})
+    checker = make_checker(s, Clock(created + 7 * S), http=lambda _g, _e: Broken())
+    with caplog.at_level(logging.ERROR, logger="checker"):
+        assert checker.run_once().outcomes == Counter({"internal_error": 1})
+    logged = [r.getMessage() for r in caplog.records if "failed unexpectedly" in r.getMessage()]
+    assert len(logged) == 1
+    assert tx_id in logged[0]
+    assert "https://checks.example/outbox?code=**********&region=**********" in logged[0]
+    assert "the-functions-key" not in caplog.text
+
+
 def test_checker_killed_mid_check_leaves_the_transaction_due_after_the_lease(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
