@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
+from outbox._watchdog import Watch, Watchdog
+
 logger = logging.getLogger(__name__)
+
+# One thread per connection: without bounds a client that connected and sent nothing held a
+# thread for ever, and enough of them (anything on the pod's network) grew the sidecar to its
+# memory limit. A request's line and headers must come within HEAD_DEADLINE_S in all (a probe
+# sends them at once), and at MAX_CONNECTIONS the one waiting longest for its request is cut.
+HEAD_DEADLINE_S = 10.0
+MAX_CONNECTIONS = 32
+_head_watchdog = Watchdog("probes-watchdog")
 
 Alive = Callable[[], bool]
 Ready = Callable[[], dict[str, Any]]
@@ -66,12 +79,41 @@ class ProbeServer:
         *,
         registry: CollectorRegistry = REGISTRY,
         settings: tuple[str, str] = ("http.port", "http.host"),
+        head_deadline_s: float = HEAD_DEADLINE_S,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         self.alive = alive
         self.ready = ready
         probes = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = head_deadline_s  # each read and write; the watch bounds the head in all
+            _watch: Watch | None = None
+
+            def setup(self) -> None:
+                self._watch = _head_watchdog.arm(self.request, time.monotonic() + head_deadline_s)
+                super().setup()
+
+            def parse_request(self) -> bool:
+                parsed = super().parse_request()
+                if not self._head_read():
+                    self.close_connection = True  # too slow: cut off, not answered
+                    return False
+                return parsed
+
+            def finish(self) -> None:
+                self._head_read()  # a request line never completed, say
+                super().finish()
+
+            def _head_read(self) -> bool:
+                """Within the deadline (else the socket was shut down): no longer cut to make
+                room either."""
+                watch, self._watch = self._watch, None
+                if watch is None:
+                    return True
+                cast(_LoggingHTTPServer, self.server).head_read(self.request)
+                return not _head_watchdog.disarm(watch)
+
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/healthz":
@@ -113,6 +155,7 @@ class ProbeServer:
                 f"{exc.strerror}"
             ) from None
         self._server.daemon_threads = True
+        self._server.max_connections = max_connections
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="probes", daemon=True
@@ -128,17 +171,69 @@ class ProbeServer:
 
 
 class _LoggingHTTPServer(ThreadingHTTPServer):
+    max_connections = MAX_CONNECTIONS
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]):
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        # connections whose request line and headers are still to come, the oldest first
+        self._awaiting_head: dict[socket.socket, None] = {}
+        self._last_refusal_logged = -math.inf
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            if len(self._open) >= self.max_connections and self._awaiting_head:
+                # A probe sends its request at once: the one waiting longest is idle, most
+                # likely. Shut down, its thread reads the end of its input and ends.
+                oldest = next(iter(self._awaiting_head))
+                self._forget(oldest)
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
+            refused = len(self._open) >= self.max_connections  # all of them being answered
+            if not refused:
+                self._open.add(request)
+                self._awaiting_head[request] = None
+        if refused:
+            self._log_refusal(client_address)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def head_read(self, request: socket.socket) -> None:
+        with self._lock:
+            self._awaiting_head.pop(request, None)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:
+            self._forget(request)
+        super().shutdown_request(request)
+
+    def _forget(self, request: socket.socket) -> None:
+        self._open.discard(request)
+        self._awaiting_head.pop(request, None)
+
+    def _log_refusal(self, client_address: Any) -> None:
+        now = time.monotonic()
+        if now - self._last_refusal_logged >= 60:  # a flood of them: one line a minute
+            self._last_refusal_logged = now
+            logger.warning(
+                "probe connection from %s refused: all %d connections are being answered",
+                client_address,
+                self.max_connections,
+            )
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         """socketserver printed a raw traceback to stderr, past the sidecar's JSON logs: for
         any probe whose client gave up first (a kubelet past its probe timeout), too."""
         exc = sys.exc_info()[1]
-        if isinstance(exc, ConnectionError):  # the client went away: nothing to answer
+        if isinstance(exc, ConnectionError | TimeoutError):  # gone, or too slow to read
             logger.debug("probe client %s went away: %s", client_address, exc)
             return
         logger.error("probe request from %s failed", client_address, exc_info=True)
 
 
-def _server_for(host: str) -> type[ThreadingHTTPServer]:
+def _server_for(host: str) -> type[_LoggingHTTPServer]:
     """ThreadingHTTPServer listens on IPv4 only: an IPv6 host ("::" in an IPv6-only cluster)
     failed to start, and the kubelet's probes could not reach "0.0.0.0" there."""
     if ":" not in host:

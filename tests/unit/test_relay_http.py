@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -110,3 +111,88 @@ def test_gather_raises_a_checks_failure_after_all_have_ended() -> None:
     assert ended.is_set()
     assert gather({"one": lambda: 1}) == {"one": 1}
     assert gather({}) == {}
+
+
+def _connected(port: int) -> socket.socket:
+    conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+    conn.settimeout(10)
+    return conn
+
+
+def _cut(conn: socket.socket, within_s: float = 10) -> bool:
+    """True if the server closed `conn` (with no answer) within `within_s`."""
+    conn.settimeout(within_s)
+    try:
+        return conn.recv(1024) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_request_head_that_does_not_come_within_the_deadline_is_cut_off() -> None:
+    """A client that connected and sent nothing, or a header byte at a time just inside each
+    read's timeout, held a thread for ever."""
+    server = ProbeServer("127.0.0.1", 0, alive={"relay": lambda: True}, ready={}, head_deadline_s=1)
+    server.start()
+    try:
+        idle, trickling = _connected(server.port), _connected(server.port)
+        trickling.sendall(b"GET /healthz HTTP/1.1\r\n")
+        for byte in b"X-Slow: 1234567890\r\n":  # 0.1 s apart: each read well within 1 s
+            try:
+                trickling.sendall(bytes([byte]))
+            except OSError:  # cut off meanwhile
+                break
+            time.sleep(0.1)
+        assert _cut(trickling, within_s=5)
+        assert _cut(idle, within_s=5)
+        idle.close()
+        trickling.close()
+        assert get(server.port, "/healthz") == (200, b'{"relay": true}')
+    finally:
+        server.stop()
+
+
+def test_at_the_connection_cap_the_one_waiting_longest_for_its_request_makes_room() -> None:
+    server = ProbeServer("127.0.0.1", 0, alive={"relay": lambda: True}, ready={}, max_connections=4)
+    server.start()
+    idle = [_connected(server.port) for _ in range(20)]
+    try:
+        # the probe is taken after all of them: 17 make room, the 3 newest stay open
+        assert get(server.port, "/healthz") == (200, b'{"relay": true}')
+        assert [_cut(conn) for conn in idle[:17]] == [True] * 17
+        assert [_cut(conn, within_s=0.2) for conn in idle[17:]] == [False] * 3
+    finally:
+        for conn in idle:
+            conn.close()
+        server.stop()
+
+
+def test_at_the_connection_cap_with_every_request_being_answered_a_new_one_is_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    release, answering = threading.Event(), threading.Semaphore(0)
+
+    def slow() -> dict[str, Any]:  # an outage's readiness check, waiting a connect timeout
+        answering.release()
+        return {"ready": release.wait(30)}
+
+    server = ProbeServer("127.0.0.1", 0, alive={}, ready={"relay": slow}, max_connections=2)
+    server.start()
+    waiting = [threading.Thread(target=get, args=(server.port, "/readyz")) for _ in range(2)]
+    try:
+        for thread in waiting:
+            thread.start()
+        assert answering.acquire(timeout=10)
+        assert answering.acquire(timeout=10)
+        refused = _connected(server.port)
+        refused.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert _cut(refused)
+        refused.close()
+        assert "all 2 connections are being answered" in caplog.text
+    finally:
+        release.set()
+        for thread in waiting:
+            thread.join(10)
+        server.stop()
+    assert get(server.port, "/healthz")[0] == 0  # stopped
