@@ -286,8 +286,9 @@ class RelaySettings(BaseModel):
     kafka_transaction_timeout: Duration = Field(
         default=timedelta(seconds=60),
         ge=timedelta(seconds=1),  # librdkafka's least transaction.timeout.ms
-        description="Kafka's transaction.timeout.ms (kafka.extra may set it apart), and how "
-        "long the relay waits on Kafka for a batch's reports, commit or abort.",
+        description="Kafka's transaction.timeout.ms, and how long the relay waits on Kafka "
+        "for a batch's reports, commit or abort (kafka.extra may set the first apart: the "
+        "relay's waits then end at the shorter of the two).",
     )
     # at least a second: with none, no stop could end within it, every SIGTERM exited 1 and
     # the shards were left to expire

@@ -287,12 +287,19 @@ def check_client_settings(conf: dict[str, Any], timeout: timedelta) -> None:
         ) from None
 
 
+def _seconds_of_ms(value: Any) -> float | None:
+    """A librdkafka milliseconds setting in seconds; None where the client will refuse it."""
+    try:
+        return int(value) / 1000
+    except (TypeError, ValueError):
+        return None
+
+
 class ShardProducer:
     """A transactional producer with transactional.id `<prefix>-<shard>`."""
 
     def __init__(self, conf: dict[str, Any], transactional_id: str, timeout: timedelta) -> None:
         self.transactional_id = transactional_id
-        self.timeout_s = timeout.total_seconds()
         for name, allowed in _REQUIRED.items():
             if name in conf and str(conf[name]).lower() not in allowed:
                 logger.warning(
@@ -307,6 +314,15 @@ class ShardProducer:
                 "from relay.transactional_id_prefix"
             )
         self._conf = producer_conf(conf, transactional_id, timeout)
+        # The relay's waits on Kafka end when the broker aborts the transaction: a shorter
+        # transaction.timeout.ms in kafka.extra ended it first, and its symptoms (a fencing, a
+        # message timed out) were counted as other errors, never as a batch too long.
+        self.timeout_s = timeout.total_seconds()
+        self.timeout_setting = "relay.kafka_transaction_timeout"
+        broker_s = _seconds_of_ms(self._conf["transaction.timeout.ms"])
+        if broker_s is not None and broker_s < self.timeout_s:
+            self.timeout_s = broker_s
+            self.timeout_setting = "transaction.timeout.ms in kafka.extra"
         self._producer: Producer | None = None
         self._sent: list[Sent] = []
         self._reported: deque[Sent] = deque()
@@ -415,7 +431,7 @@ class ShardProducer:
         if self.open_for() > self.timeout_s:
             symptom = f"{doing} {self.open_for():.1f}s after the Kafka transaction began"
             raise TransactionTimedOut(
-                f"{symptom}, past relay.kafka_transaction_timeout ({self.timeout_s:g}s)", symptom
+                f"{symptom}, past {self.timeout_setting} ({self.timeout_s:g}s)", symptom
             )
 
     def send(

@@ -956,7 +956,7 @@ class ShardWorker:
         """Says what the batch held. A batch larger than batch_size holds a transaction that
         large (a claim stops at batch_size, but takes a transaction whole): the next claim
         then takes the first transaction alone (a limit of one row picks one transaction)."""
-        timeout = f"relay.kafka_transaction_timeout ({self.producer.timeout_s:g}s)"
+        timeout = f"{self.producer.timeout_setting} ({self.producer.timeout_s:g}s)"
         seen = exc.symptom if isinstance(exc, TransactionTimedOut) else str(exc)
         records = sum(len(tx) for tx in batch.transactions)
         if records <= self.settings.batch_size:  # as any batch: Kafka is slow, not the batch
@@ -983,7 +983,7 @@ class ShardWorker:
             f"{what} was not sent within {timeout}, in a batch of its own ({seen}). All the "
             "records of an outbox transaction go in one Kafka transaction: it goes again every "
             "round, and this shard's later records wait behind it. Raise "
-            "relay.kafka_transaction_timeout (up to the broker's transaction.max.timeout.ms, "
+            f"{self.producer.timeout_setting} (up to the broker's transaction.max.timeout.ms, "
             "15 minutes by default), or send such records in smaller transactions"
         )
 

@@ -19,6 +19,7 @@ from relay.kafka import (
     ProducerMisconfigured,
     ShardProducer,
     ShuttingDown,
+    TransactionTimedOut,
 )
 from relay.shard import STOP_ABORT_S, ShardWorker
 
@@ -242,10 +243,24 @@ def test_the_kafka_transaction_timeout_is_the_brokers_too() -> None:
     conf = ShardProducer({}, "test-0", timedelta(seconds=5))._conf
     assert conf["transaction.timeout.ms"] == 5000
     extra = {"transaction.timeout.ms": 90_000}  # kafka.extra may set it apart
-    assert ShardProducer(extra, "test-0", timedelta(seconds=5))._conf == {
-        **conf,
-        "transaction.timeout.ms": 90_000,
-    }
+    longer = ShardProducer(extra, "test-0", timedelta(seconds=5))
+    assert longer._conf == {**conf, "transaction.timeout.ms": 90_000}
+    assert longer.timeout_s == 5  # the relay's own waits
+
+
+def test_a_shorter_transaction_timeout_in_extra_ends_the_relays_waits_and_is_named() -> None:
+    """The broker aborted the batch at kafka.extra's 10 s while the relay waited 60 s: what
+    it saw then (a fencing, a message timed out) was counted as another error, never as a batch
+    past its timeout."""
+    extra = {"transaction.timeout.ms": "10000"}  # as a config file or the environment give it
+    producer = ShardProducer(extra, "test-0", timedelta(seconds=60))
+    assert producer.timeout_s == 10
+    producer._began = time.monotonic() - 11
+    assert not producer.abortable  # the broker has aborted it
+    with pytest.raises(
+        TransactionTimedOut, match=r"past transaction\.timeout\.ms in kafka\.extra \(10s\)"
+    ):
+        producer._past_timeout("waiting for reports")
 
 
 def test_producer_settings_the_client_refuses_stop_the_relay() -> None:

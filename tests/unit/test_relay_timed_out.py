@@ -16,7 +16,7 @@ def _tx(tx_id: str, n: int) -> list[Row]:
 def _worker(batch_size: int = 1000) -> Any:
     return SimpleNamespace(
         settings=SimpleNamespace(batch_size=batch_size),
-        producer=SimpleNamespace(timeout_s=60.0),
+        producer=SimpleNamespace(timeout_s=60.0, timeout_setting="relay.kafka_transaction_timeout"),
         _claim_limit=batch_size,
     )
 
