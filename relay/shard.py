@@ -44,6 +44,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from outbox import sql as queries
 from outbox import wakeup_channel
+from outbox._records import RESERVED_HEADER_PREFIX
 from relay import _failpoints, metrics, pgarray
 from relay.background import BackgroundConnection
 from relay.config import RelaySettings
@@ -182,6 +183,9 @@ class MalformedHeaders(ValueError):
     as it is, ever (parked), and its dead-letter copy goes without them."""
 
 
+_RESERVED_LENGTH = len(RESERVED_HEADER_PREFIX)
+
+
 def _header_fault(headers: Any) -> str:
     """Which stored header is wrong, and how; never its value (headers may carry tokens, and
     this goes into the row's reason, the log, the marker and the dead-letter copy)."""
@@ -233,8 +237,17 @@ class Row:
             ]
         except (TypeError, ValueError):  # not pairs, or not base64
             raise MalformedHeaders(_header_fault(self.headers)) from None
-        if given and any(type(n) is not str for n, _ in given):
-            raise MalformedHeaders(_header_fault(self.headers))
+        for i, (name, _) in enumerate(given):
+            if type(name) is not str:
+                raise MalformedHeaders(_header_fault(self.headers))
+            if name[:_RESERVED_LENGTH].lower() == RESERVED_HEADER_PREFIX:
+                # A row written without the library: a second outbox-id ahead of the relay's
+                # own credited the copy to another record in the reconciliation (which reads
+                # the first), and a consumer reading the first one was misled too.
+                raise MalformedHeaders(
+                    f"stored headers: the name of item {i}, {name!r}, is reserved (the relay "
+                    f"sets the {RESERVED_HEADER_PREFIX}* headers)"
+                )
         headers: list[tuple[str, str | bytes | None]] = [
             *given,
             (OUTBOX_ID_HEADER, str(self.id).encode()),

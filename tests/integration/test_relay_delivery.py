@@ -396,16 +396,19 @@ def test_a_record_with_malformed_stored_headers_is_parked_not_blocking_its_shard
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
     """Headers another writer stored wrong (not base64, not pairs) raised out of every round:
-    nothing of the shard went out again, and nothing was parked."""
+    nothing of the shard went out again, and nothing was parked. A reserved name (outbox-id
+    naming another record) went out ahead of the relay's own."""
     topic = topic_factory()
     with psycopg.connect(pg_dsn) as conn:
-        for value in ("before", "not base64", "not a pair", "name not text", "after"):
+        for value in ("before", "not base64", "not a pair", "name not text", "reserved", "after"):
             with conn.transaction():
                 outbox.publish(conn, topic, value, key=value, headers=[("h", "v")])
         for value, stored in (
             ("not base64", '[["h", "not base64!"]]'),
             ("not a pair", '[["h", "dg==", "x"]]'),
             ("name not text", '[[7, "dg=="]]'),
+            # an outbox-id ahead of the relay's own, naming another record
+            ("reserved", '[["h", "dg=="], ["Outbox-Id", "MQ=="]]'),
         ):
             conn.execute(
                 "UPDATE outbox.outbox_record SET headers = %s WHERE value = %s",
@@ -416,19 +419,26 @@ def test_a_record_with_malformed_stored_headers_is_parked_not_blocking_its_shard
     name = "outbox_relay_records_parked_total"
     before = REGISTRY.get_sample_value(name, {"reason": "malformed_headers"}) or 0.0
     first = relay.run_once()
-    assert (first.delivered, first.parked) == (2, 3)
-    assert REGISTRY.get_sample_value(name, {"reason": "malformed_headers"}) == before + 3
+    assert (first.delivered, first.parked) == (2, 4)
+    assert REGISTRY.get_sample_value(name, {"reason": "malformed_headers"}) == before + 4
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"before", b"after"]
     parked = [r for r in rows(pg_dsn) if r[1] == "parked"]
-    assert len(parked) == 3
+    assert len(parked) == 4
     assert sorted(r[2] for r in parked) == [  # what is wrong, never the values (tokens)
         "its stored headers: item 0 is not a [name, value] pair",
         "its stored headers: the name of item 0 is not a string",
+        "its stored headers: the name of item 1, 'Outbox-Id', is reserved (the relay sets "
+        "the outbox-* headers)",
         "its stored headers: the value of item 0 is not base64",
     ]
-    assert relay.run_once().ended == 3  # the copies go without the headers, with key and value
+    assert relay.run_once().ended == 4  # the copies go without the headers, with key and value
     dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
-    assert sorted(m.value() for m in dead) == [b"name not text", b"not a pair", b"not base64"]
+    assert sorted(m.value() for m in dead) == [
+        b"name not text",
+        b"not a pair",
+        b"not base64",
+        b"reserved",
+    ]
     assert all(m.key() == m.value() and "h" not in dict(m.headers() or []) for m in dead)
 
 
