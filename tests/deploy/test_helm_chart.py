@@ -621,6 +621,28 @@ def test_the_dashboard_is_off_by_default(helm: str) -> None:
             ("existingSecret=s", "mode=sidecar", "podMonitor.enabled=true"),
             "podMonitor.selector: the labels of the application's pods",
         ),
+        # the reconciliation's arguments are its command line, which the pod's spec shows
+        *[
+            (("existingSecret=s", "reconcile.enabled=true", *RECONCILE, set_), message)
+            for set_, message in [
+                (
+                    r"reconcile.kafkaOptions.sasl\.jaas\.config=x",
+                    "reconcile.kafkaOptions.sasl.jaas.config holds a secret",
+                ),
+                (
+                    "reconcile.extraArgs={--dsn,postgresql://u:pw@db/app}",
+                    "reconcile.extraArgs: --dsn would show the DSN",
+                ),
+                (
+                    "reconcile.extraArgs={--kafka-option=sasl.password=pw}",
+                    'reconcile.extraArgs: "--kafka-option=sasl.password=..." holds a secret',
+                ),
+                (
+                    "reconcile.extraArgs={--jdbc-url,jdbc:postgresql://db/app?password=pw}",
+                    'reconcile.extraArgs: "jdbc:postgresql://db/app?password=..." holds a secret',
+                ),
+            ]
+        ],
     ],
 )
 def test_bad_values_are_refused_with_what_is_wrong(

@@ -209,11 +209,31 @@ checksum/outbox-config: {{ .Values.config | sha256sum }}
 {{- end -}}
 
 
+{{/* The reconciliation's arguments are its container's command line, shown to whoever may
+read the pod's spec (and to the node's process list): secrets go in reconcile.existingSecret
+(the DSN) or reconcile.kafkaConfigSecret (the Kafka client's). */}}
+{{- define "outbox-sidecar.checkReconcileArgs" -}}
+{{- $secret := `(?i:password|secret|jaas|oauthbearer\.config|key\.pem)` -}}
+{{- range $key, $value := .kafkaOptions -}}
+{{- if regexMatch $secret $key -}}
+{{- fail (printf "reconcile.kafkaOptions.%s holds a secret, and the pod's spec shows it on the job's command line; put it in the properties file of reconcile.kafkaConfigSecret" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- range .extraArgs -}}
+{{- if regexMatch `^--dsn(=|$)` (toString .) -}}
+{{- fail "reconcile.extraArgs: --dsn would show the DSN on the job's command line; the chart gives the job the DSN of reconcile.existingSecret" -}}
+{{- else if regexMatch (printf "(%s)[^=]*=" $secret) (toString .) -}}
+{{- fail (printf "reconcile.extraArgs: %q holds a secret, and the pod's spec shows it on the job's command line; put Kafka's in the properties file of reconcile.kafkaConfigSecret, the database's in reconcile.existingSecret" (regexReplaceAll (printf "^(.*?(?:%s)[^=]*=).*$" $secret) (toString .) "${1}...")) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The reconciliation's pod (reconcile.yaml), for its Deployment or its CronJob: called with
 (dict "root" . "claim" <the checkpoint's claim>). */}}
 {{- define "outbox-sidecar.reconcilePod" -}}
 {{- $r := .root.Values.reconcile -}}
 {{- $root := .root -}}
+{{- include "outbox-sidecar.checkReconcileArgs" $r -}}
 metadata:
   labels: {{- include "outbox-sidecar.reconcileSelectorLabels" $root | nindent 4 }}
   {{- with $root.Values.podAnnotations }}
