@@ -331,12 +331,19 @@ class ShardProducer:
         # a recovery settles it
         self._settled_by_recovery = False
 
-    def init(self, stopping: Callable[[], bool] | None = None) -> None:
+    def init(
+        self,
+        stopping: Callable[[], bool] | None = None,
+        keep_alive: Callable[[], None] | None = None,
+    ) -> None:
         """(Re)create the producer and init transactions: fences any older instance of us.
         With `stopping`, given up once it says so (the producer left to finish its init on a
         thread of its own, and never used): with the coordinator unreachable, the wait alone,
-        up to the transaction timeout, overran a stop's grace. Not in slices: a timed-out init
-        called again failed with CONCURRENT_TRANSACTIONS where one call rode it out."""
+        up to the transaction timeout, overran a stop's grace. `keep_alive` is called while it
+        waits (what it raises gives the init up too): a wait longer than the lease let every
+        lease of the relay lapse, another relay took the shards, and this init, ending, fenced
+        that one's producer. Not in slices: a timed-out init called again failed with
+        CONCURRENT_TRANSACTIONS where one call rode it out."""
         self.close()
         self._began = float("inf")
         try:
@@ -347,10 +354,10 @@ class ShardProducer:
                 f"the Kafka client refuses the producer's settings: {exc.args[0].str()}"
             ) from exc
         try:
-            if stopping is None:
+            if stopping is None and keep_alive is None:
                 producer.init_transactions(self.timeout_s)
             else:
-                self._init_unless_stopping(producer, stopping)
+                self._init_beside(producer, stopping, keep_alive)
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
             hint = _MISCONFIGURED.get(err.code())
@@ -362,15 +369,22 @@ class ShardProducer:
             _raise_if_fenced_or_fatal(err, exc)
             raise
 
-    def _init_unless_stopping(self, producer: Producer, stopping: Callable[[], bool]) -> None:
-        def unless_stopping() -> None:
-            if stopping():
+    def _init_beside(
+        self,
+        producer: Producer,
+        stopping: Callable[[], bool] | None,
+        keep_alive: Callable[[], None] | None,
+    ) -> None:
+        def meanwhile() -> None:
+            if stopping is not None and stopping():
                 # Its init may yet finish after the shard is handed back (the coordinator back
                 # within the process's last seconds) and fence the next owner's producer once:
                 # that one recovers and goes on.
                 raise ShuttingDown("the relay stops: the producer's init is left to the next owner")
+            if keep_alive is not None:
+                keep_alive()
 
-        self._beside(lambda: producer.init_transactions(self.timeout_s), "init", unless_stopping)
+        self._beside(lambda: producer.init_transactions(self.timeout_s), "init", meanwhile)
 
     def _beside(self, call: Callable[[], object], name: str, meanwhile: Callable[[], None]) -> None:
         """`call` on a thread of its own, `meanwhile` called every WAIT_POLL_S while it runs.

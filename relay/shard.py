@@ -509,8 +509,8 @@ class ShardWorker:
                 "relay stopped cleanly), stop every relay and empty shard_lease"
             )
         if recorded_producer not in (None, self.producer.transactional_id):
-            self._fence_earlier_producer(recorded_producer)
-        self.producer.init(self._stopping)
+            self._fence_earlier_producer(recorded_producer, keep_alive)
+        self.producer.init(self._stopping, keep_alive)
         # A lease that never recovered never shipped: no marker is this shard's yet (a new
         # lease row, or one made anew for a new shard count), and its offset 0 would mean
         # reading the partition's whole history, other shards' traffic included.
@@ -571,7 +571,9 @@ class ShardWorker:
         )
         return len(markers)
 
-    def _fence_earlier_producer(self, transactional_id: str) -> None:
+    def _fence_earlier_producer(
+        self, transactional_id: str, keep_alive: Callable[[], None] | None = None
+    ) -> None:
         """Fence the producer the shard's markers were last written with, another than ours
         (relay.transactional_id_prefix changed): Kafka fences only a producer of the same
         transactional.id, and a relay of the old prefix, paused with a batch claimed, woke
@@ -587,7 +589,7 @@ class ShardWorker:
             self.kafka_conf, transactional_id, self.settings.kafka_transaction_timeout
         )
         try:
-            earlier.init(self._stopping)  # aborts its open transaction, refuses its commits
+            earlier.init(self._stopping, keep_alive)  # aborts its open transaction, fences it
         except ProducerMisconfigured as exc:
             raise ProducerMisconfigured(
                 f"shard {self.shard} cannot go on until the producer its op markers were last "

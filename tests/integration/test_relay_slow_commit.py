@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from relay import _failpoints
+from relay.kafka import ShardProducer
 from relay.service import Relay
 from scripts import services as local_services
 from tests.fixtures.kafka import consume_all
@@ -34,42 +35,56 @@ def broker_pid(services: Services) -> int:
 
 
 @contextlib.contextmanager
-def paused_after_produce(
-    monkeypatch: pytest.MonkeyPatch, broker_pid: int
-) -> Iterator[threading.Event]:
-    """The broker stopped once a batch is produced, before its commit; resumed on leaving, and
-    by a watchdog of its own 30 s later should this process die first (scripts/services.py
-    `up` resumes a stopped broker too)."""
-    produced, over = threading.Event(), threading.Event()
+def broker_pausing(broker_pid: int) -> Iterator[Callable[[], None]]:
+    """A pause() that stops the broker (once); resumed on leaving, and by a watchdog of its own
+    30 s later should this process die first (scripts/services.py `up` resumes a stopped broker
+    too). Never paused once the block is left."""
     lock = threading.Lock()
+    over = False
     watchdog: list[subprocess.Popen[bytes]] = []
-    hit = _failpoints.hit
 
-    def pause_there(name: str) -> None:
-        with lock:  # never paused again once the block is left
-            if name == _failpoints.AFTER_PRODUCE and not produced.is_set() and not over.is_set():
-                watchdog.append(
-                    subprocess.Popen(
-                        ["sh", "-c", f"sleep 30; kill -CONT {broker_pid}"],
-                        start_new_session=True,  # outlives a killed test run
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
+    def pause() -> None:
+        with lock:
+            if over or watchdog:
+                return
+            watchdog.append(
+                subprocess.Popen(
+                    ["sh", "-c", f"sleep 30; kill -CONT {broker_pid}"],
+                    start_new_session=True,  # outlives a killed test run
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
                 )
-                os.kill(broker_pid, signal.SIGSTOP)
-                produced.set()
-        hit(name)
+            )
+            os.kill(broker_pid, signal.SIGSTOP)
 
-    monkeypatch.setattr(_failpoints, "hit", pause_there)
     try:
-        yield produced
+        yield pause
     finally:
         with lock:
-            over.set()
+            over = True
         os.kill(broker_pid, signal.SIGCONT)
         for dog in watchdog:
             dog.kill()
             dog.wait()
+
+
+@contextlib.contextmanager
+def paused_after_produce(
+    monkeypatch: pytest.MonkeyPatch, broker_pid: int
+) -> Iterator[threading.Event]:
+    """The broker stopped once a batch is produced, before its commit (broker_pausing)."""
+    produced = threading.Event()
+    hit = _failpoints.hit
+    with broker_pausing(broker_pid) as pause:
+
+        def pause_there(name: str) -> None:
+            if name == _failpoints.AFTER_PRODUCE and not produced.is_set():
+                pause()
+                produced.set()
+            hit(name)
+
+        monkeypatch.setattr(_failpoints, "hit", pause_there)
+        yield produced
 
 
 def lease_owners(dsn: str) -> list[str | None]:
@@ -149,6 +164,58 @@ def test_a_commit_longer_than_the_lease_keeps_the_shard(
     assert seen == {"owner"}
     until = time.monotonic() + 60
     while undelivered(pg_dsn):  # the owner's commit goes through once the broker is back
+        assert time.monotonic() < until, f"{undelivered(pg_dsn)} records still undelivered"
+        time.sleep(0.1)
+    assert lease_owners(pg_dsn) == ["owner"]
+    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+
+
+def test_a_recovery_whose_producer_init_the_broker_does_not_answer_keeps_the_leases(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Callable[..., Relay],
+    monkeypatch: pytest.MonkeyPatch,
+    broker_pid: int,
+) -> None:
+    """A recovery's producer init (up to kafka_transaction_timeout) renewed no lease: in a
+    Kafka incident every lease of the relay lapsed, another relay took the shards, and the
+    init, ending, fenced that one's producer (found by a review of the Kafka error handling)."""
+    timing: dict[str, Any] = {
+        "lease_duration": "PT3S",
+        "heartbeat_interval": "PT1S",
+        "poll_interval": "PT0.2S",
+    }
+    owner = relay_factory(relay_id="owner", **timing)
+    assert owner.run_once().shards == 1
+    rival = relay_factory(relay_id="rival", **timing)
+    assert rival.run_once().shards == 0  # a member with no shard, as above
+    topic = topic_factory()
+    expected = publish(pg_dsn, topic, transactions=2, per_tx=2)
+    init = ShardProducer.init
+    initing = threading.Event()
+    seen: set[str | None] = set()
+    with broker_pausing(broker_pid) as pause:
+
+        def paused_init(producer: ShardProducer, *args: Any, **kwargs: Any) -> None:
+            if not initing.is_set():
+                initing.set()
+                pause()
+            init(producer, *args, **kwargs)
+
+        monkeypatch.setattr(ShardProducer, "init", paused_init)
+        for worker in owner.workers.values():
+            worker.needs_recovery = True  # as after a commit whose outcome is unknown
+        owner.start()
+        assert initing.wait(30), "no recovery began"
+        rival.start()
+        until = time.monotonic() + 5  # past the lease, within the broker's session timeout (9 s)
+        while time.monotonic() < until:
+            seen.update(lease_owners(pg_dsn))
+            time.sleep(0.2)
+    assert seen == {"owner"}
+    until = time.monotonic() + 60
+    while undelivered(pg_dsn):  # the init, then the batch, go through once the broker is back
         assert time.monotonic() < until, f"{undelivered(pg_dsn)} records still undelivered"
         time.sleep(0.1)
     assert lease_owners(pg_dsn) == ["owner"]
