@@ -17,8 +17,10 @@ GRANT UPDATE (state, state_changed_at, next_check_at, committed_xid) ON {schema}
 GRANT SELECT, UPDATE, DELETE ON {schema}.outbox_record TO {relay};
 GRANT SELECT, INSERT, UPDATE ON {schema}.shard_lease TO {relay};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relay_member TO {relay};
--- DELETE: the relay trims entries past its audit_retention.
-GRANT SELECT, INSERT, DELETE ON {schema}.audit_log TO {relay};
+-- DELETE: the relay trims entries past its audit_retention. INSERT of what a command says
+-- only: when, and the role and address that wrote an entry, come from the columns' defaults.
+GRANT SELECT, DELETE ON {schema}.audit_log TO {relay};
+GRANT INSERT (actor, action, producer_group, tx_id, detail) ON {schema}.audit_log TO {relay};
 GRANT SELECT ON {schema}.schema_migration TO {writer}, {relay};
 -- an index's expression and the checker's due scan call it; a database that revoked EXECUTE
 -- from PUBLIC refused the writer's prepare(check_immunity=...) and every checker round

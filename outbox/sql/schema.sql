@@ -150,6 +150,9 @@ CREATE TABLE {schema}.audit_log (
     producer_group  text,
     tx_id           text,
     detail          jsonb       NOT NULL DEFAULT jsonb_build_object(),
+    -- 0009: who, as the database knows them (the actor is what the command was told)
+    db_role         text        DEFAULT session_user,
+    client_addr     inet        DEFAULT inet_client_addr(),
     CONSTRAINT audit_log_action_valid CHECK (char_length(action) BETWEEN 1 AND 64)
 );
 -- 0006: a transaction's latest entry (rearm, resolve and redrive look it up)

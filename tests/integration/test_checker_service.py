@@ -238,13 +238,13 @@ def one(dsn: str, tx_id: str) -> dict[str, Any]:
 def audit(dsn: str, tx_id: str) -> list[dict[str, Any]]:
     with psycopg.connect(dsn) as conn:
         cur = conn.execute(
-            "SELECT actor, action, producer_group, detail FROM outbox.audit_log"
+            "SELECT actor, action, producer_group, detail, db_role FROM outbox.audit_log"
             " WHERE tx_id = %s ORDER BY id",
             (tx_id,),
         )
         return [
-            {"actor": a, "action": b, "producer_group": c, "detail": d}
-            for a, b, c, d in cur.fetchall()
+            {"actor": a, "action": b, "producer_group": c, "detail": d, "db_role": e}
+            for a, b, c, d, e in cur.fetchall()
         ]
 
 
@@ -2123,6 +2123,9 @@ def test_rearm_puts_a_discarded_transaction_back_and_it_is_checked_again(
     entry = audit(pg_dsn, tx_id)[-1]
     assert (entry["actor"], entry["action"]) == ("alice", "rearm")
     assert entry["detail"]["reason"] == "endpoint fixed"
+    # who as the database knows them: the actor is only what the command was told
+    with psycopg.connect(pg_dsn) as conn:
+        assert (entry["db_role"],) == conn.execute("SELECT session_user").fetchone()
 
     # Discarded at its maximum prepared age (72 h), re-armed: that age counts from the re-arm,
     # as RocketMQ's resumed half message gets a new store time. Before, the same checker

@@ -423,6 +423,21 @@ def test_least_privilege_grants(pg_dsn: str, caplog: pytest.LogCaptureFixture) -
             sidecar.execute("UPDATE outbox.outbox_record SET state = 'delivered'")
             sidecar.execute("DELETE FROM outbox.outbox_record")
             sidecar.execute("DELETE FROM outbox.audit_log")  # its audit_retention
+            # who wrote an entry, and when, come from the defaults: a command cannot say them
+            entry = sidecar.execute(
+                "INSERT INTO outbox.audit_log (actor, action) VALUES ('anyone', 'rearm')"
+                " RETURNING db_role, client_addr IS NOT DISTINCT FROM inet_client_addr()"
+            ).fetchone()
+            assert entry == (relay, True)
+            for forged in ("db_role", "client_addr", "at"):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    sidecar.execute(
+                        sql.SQL(
+                            "INSERT INTO outbox.audit_log (actor, action, {}) "
+                            "SELECT 'anyone', 'rearm', {} FROM outbox.audit_log LIMIT 1"
+                        ).format(sql.Identifier(forged), sql.Identifier(forged))
+                    )
+                sidecar.rollback()
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 sidecar.execute("INSERT INTO outbox.outbox_record (producer_group) VALUES ('x')")
             sidecar.rollback()
