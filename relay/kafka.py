@@ -86,6 +86,7 @@ DEAD_LETTER_TOPIC_CONFIG = {"cleanup.policy": "delete"}
 # What the broker's default max.message.bytes (1 MiB and 12 bytes) leaves above librdkafka's
 # default message.max.bytes: a copy's own headers (its reason) and its batch's framing.
 DEAD_LETTER_HEADROOM = 48_588
+STOP_ABORT_S = 2.0  # a stop's abort of the batch in flight: the broker times out the rest
 _ANY_PARTITION = -1  # librdkafka's RD_KAFKA_PARTITION_UA: the partitioner chooses
 _FENCED_ERRORS = frozenset(
     {KafkaError._FENCED, KafkaError.INVALID_PRODUCER_EPOCH, KafkaError.PRODUCER_FENCED}
@@ -582,15 +583,38 @@ class ShardProducer:
                     continue
                 raise OutcomeUnknown(str(err)) from exc
 
-    def abort(self, timeout_s: float | None = None) -> None:
+    def abort(
+        self, timeout_s: float | None = None, stopping: Callable[[], bool] | None = None
+    ) -> None:
+        """With `stopping`, given up (the producer left to its thread, never used again) once
+        it says so and the abort has had `stop_timeout_s`: up to the transaction timeout with
+        the coordinator unreachable, a stop that came meanwhile overran its grace."""
+        timeout_s = timeout_s or self.timeout_s
         try:
-            self._call(self.producer.abort_transaction, timeout_s or self.timeout_s)
+            if stopping is None:
+                self._call(self.producer.abort_transaction, timeout_s)
+            else:
+                self._abort_unless_stopping(timeout_s, stopping)
         except Exception as exc:  # a fencing too
             self._settled_by_recovery = True
             if isinstance(exc, KafkaException):
                 raise OutcomeUnknown(f"abort failed: {exc}") from exc
             raise
         self._began = float("inf")
+
+    def _abort_unless_stopping(self, timeout_s: float, stopping: Callable[[], bool]) -> None:
+        producer = self.producer
+        began = time.monotonic()
+
+        def unless_stopping() -> None:
+            if stopping() and time.monotonic() - began >= STOP_ABORT_S:
+                # the broker aborts the transaction at its timeout, and the next owner's
+                # init fences this producer
+                raise ShuttingDown("the relay stops: the abort is left to the broker")
+
+        self._beside(
+            lambda: self._call(producer.abort_transaction, timeout_s), "abort", unless_stopping
+        )
 
     def close(self) -> None:
         if self._producer is not None:

@@ -51,6 +51,7 @@ from relay.config import RelaySettings
 from relay.kafka import (
     PERMANENT_RECORD_ERRORS,
     REPORT_STALL_S,
+    STOP_ABORT_S,
     TOPIC_REFUSED_ERRORS,
     Fenced,
     OutcomeUnknown,
@@ -151,7 +152,6 @@ def _transaction_failed(exc: KafkaException) -> bool:
 
 # The broker's and the client's words for a topic they do not know (deleted, never made).
 _UNKNOWN_TOPIC_ERRORS = (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)
-STOP_ABORT_S = 2.0  # a stop's abort of the batch in flight: the broker times out the rest
 
 
 class LeaseLost(Exception):
@@ -1542,12 +1542,13 @@ class ShardWorker:
         logged, not raised: what the failed batch leaves to do (park its poison, send markers
         alone) must not wait for an abort that may keep failing, every round aborted again.
         The transaction cannot commit: recovery, next, fences it with the producer. While the
-        relay stops, it waits STOP_ABORT_S at most, as a stop's own abort: the broker aborts the
-        rest at its timeout, and a longer wait overran the grace."""
+        relay stops, it waits STOP_ABORT_S at most, as a stop's own abort, a stop that comes
+        during a longer abort too: the broker aborts the rest at its timeout, and a longer wait
+        overran the grace."""
         if timeout_s is None and self._stopping():
             timeout_s = STOP_ABORT_S
         try:
-            self.producer.abort(timeout_s)
+            self.producer.abort(timeout_s, self._stopping)
         except Exception as exc:
             self.needs_recovery = True
             logger.warning("shard %s: the abort failed (recovery fences it): %s", self.shard, exc)

@@ -1887,9 +1887,9 @@ def test_a_stop_aborts_a_batch_that_cannot_finish_within_the_grace(
     aborts: list[float | None] = []
     abort = ShardProducer.abort
 
-    def counted(producer: ShardProducer, timeout_s: float | None = None) -> None:
+    def counted(producer: ShardProducer, timeout_s: float | None = None, *args: Any) -> None:
         aborts.append(timeout_s)
-        abort(producer, timeout_s)
+        abort(producer, timeout_s, *args)
 
     monkeypatch.setattr(ShardProducer, "abort", counted)
     with psycopg.connect(pg_dsn) as conn, conn.transaction():

@@ -183,6 +183,51 @@ def test_a_commit_calls_its_waiting_hook_while_it_runs() -> None:
     assert producer.open_for() < 0  # none open
 
 
+class _SlowAbort:
+    """A librdkafka producer whose abort_transaction answers after `takes` seconds."""
+
+    def __init__(self, takes: float) -> None:
+        self.takes = takes
+        self.asked: list[float] = []
+        self.aborted = threading.Event()
+
+    def abort_transaction(self, timeout: float) -> None:
+        self.asked.append(timeout)
+        time.sleep(self.takes)
+        self.aborted.set()
+
+    def flush(self, timeout: float) -> int:
+        return 0
+
+
+def test_a_stop_during_an_abort_the_coordinator_does_not_answer_gives_it_up() -> None:
+    """An abort begun before the stop waited up to the transaction timeout (60 s) whatever the
+    stop said: a SIGTERM in a Kafka incident, landing in a failed batch's abort, overran the
+    grace. It gets STOP_ABORT_S, as a stop's own abort does."""
+    producer = ShardProducer({}, "test-0", timedelta(seconds=30))
+    stuck = _SlowAbort(30)
+    producer._producer = stuck  # type: ignore[assignment]
+    producer._began = time.monotonic()
+    began = time.monotonic()
+    stop_at = began + 0.3
+    with pytest.raises(ShuttingDown, match="left to the broker"):
+        producer.abort(stopping=lambda: time.monotonic() >= stop_at)
+    took = time.monotonic() - began
+    assert STOP_ABORT_S <= took < STOP_ABORT_S + 1, took
+    assert stuck.asked == [30]
+    assert not stuck.aborted.is_set()
+    assert not producer.abortable  # only a recovery settles it
+    with pytest.raises(RuntimeError, match="init"):
+        producer.begin()  # left to its abort's thread, never used again
+    # Not stopped, the abort ends as the coordinator answers
+    answering = ShardProducer({}, "test-0", timedelta(seconds=30))
+    answering._producer = _SlowAbort(0.3)  # type: ignore[assignment]
+    answering._began = time.monotonic()
+    answering.abort(5.0, stopping=lambda: False)
+    assert answering._producer.aborted.is_set()  # type: ignore[attr-defined]
+    assert answering.open_for() < 0  # none open
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_commit_whose_thread_ends_without_an_outcome_is_no_success() -> None:
     class _Interrupted:

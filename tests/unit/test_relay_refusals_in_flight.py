@@ -62,7 +62,7 @@ class _Producer:
     def send_queued(self) -> None:
         pass
 
-    def abort(self, timeout_s: float | None = None) -> None:
+    def abort(self, timeout_s: float | None = None, stopping: Any = None) -> None:
         self.aborted += 1
 
     def commit(self, waiting: Any = None) -> float:
