@@ -117,6 +117,13 @@ class MarkerFormatError(ValueError):
     """A message on the op-marker topic that is not a marker this relay can read."""
 
 
+class MarkerTooNew(Exception):
+    """A marker message of a newer relay (a later format version, or an op this relay does not
+    know) that may be this shard's: skipped as not a relay's, the batch in doubt it ends would
+    go again. A recovery that meets one fails until this relay is upgraded (or the newer ones
+    rolled back)."""
+
+
 def decode_markers(value: bytes, shard: int | None = None) -> list[OpMarker]:
     """The markers of one op-marker message, either version; MarkerFormatError if neither.
 
@@ -126,6 +133,8 @@ def decode_markers(value: bytes, shard: int | None = None) -> list[OpMarker]:
     try:
         message = json.loads(value)
         version = message.get("v", 1) if isinstance(message, dict) else None
+        if _refuse_newer(message, version, shard):
+            return []  # a newer relay's, of another shard
         if version == 1:
             marker = OpMarker.model_validate(message)
             return [marker] if shard is None or marker.shard == shard else []
@@ -143,6 +152,33 @@ def decode_markers(value: bytes, shard: int | None = None) -> list[OpMarker]:
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise MarkerFormatError(f"not an op marker message: {exc}") from exc
     raise MarkerFormatError(f"op marker message of unknown version {version!r}")
+
+
+_OPS = frozenset(Op)
+
+
+def _refuse_newer(message: Any, version: Any, shard: int | None) -> bool:
+    """MarkerTooNew for a message a newer relay wrote that may be `shard`'s; True for one that
+    names another shard (not this shard's business). Garbage is left to the parse."""
+    if type(version) is not int or version < 1:
+        return False
+    theirs = message.get("shard")
+    if shard is not None and type(theirs) is int and theirs != shard:
+        return version > MARKER_VERSION
+    if version > MARKER_VERSION:
+        raise MarkerTooNew(
+            f"op marker message of format version {version}, written by a newer relay (this "
+            f"one reads up to {MARKER_VERSION})"
+        )
+    entries = [message] if version == 1 else message.get("markers")
+    for entry in entries if isinstance(entries, list) else ():
+        op = entry.get("op") if isinstance(entry, dict) else None
+        if isinstance(op, str) and op not in _OPS:
+            raise MarkerTooNew(
+                f"op marker of op {op!r}, written by a newer relay (this one knows "
+                f"{', '.join(sorted(_OPS))})"
+            )
+    return False
 
 
 @dataclass(slots=True)  # not frozen: built once per record, and frozen ones build 3x slower

@@ -43,7 +43,7 @@ from relay.kafka import (
     dead_letter_topic_config,
 )
 from relay.leases import LeaseManager, ShardCountMismatch
-from relay.markers import marker_partition, outbox_name
+from relay.markers import MarkerTooNew, marker_partition, outbox_name
 from relay.pipelined import pipelined_transaction
 from relay.shard import (
     DeadLetterUnwritable,
@@ -62,6 +62,15 @@ from relay.sharding import shard_ranges
 logger = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 10.0
+# error kinds whose message says it all: logged without a traceback
+_KINDS_SAID = (
+    "database",
+    "kafka",
+    "fenced",
+    "dead_letter_unwritable",
+    "transaction_timeout",
+    "marker_too_new",
+)
 STAMP_SLICE = 50_000  # rows per stamping transaction: ~1.5 s here, well inside a lease
 FAR_XIDS_COUNTED = 100_000  # records of another cluster's transaction ids counted at most
 FULL_STAMP_EVERY_S = 60.0  # a stamp of every unstamped row, not only above the last horizon
@@ -938,6 +947,8 @@ class Relay:
             kind = "fenced"
         elif isinstance(exc, DeadLetterUnwritable):
             kind = "dead_letter_unwritable"
+        elif isinstance(exc, MarkerTooNew):
+            kind = "marker_too_new"
         else:
             kind = type(exc).__name__
         metrics.ERRORS.labels(kind).inc()
@@ -946,8 +957,7 @@ class Relay:
             what,
             kind,
             exc,
-            exc_info=kind
-            not in ("database", "kafka", "fenced", "dead_letter_unwritable", "transaction_timeout"),
+            exc_info=kind not in _KINDS_SAID,
         )
 
     def _wait_for_work(self, timeout: float | None = None, *, held_back: bool = False) -> None:

@@ -78,6 +78,7 @@ from relay.markers import (
     Ended,
     MarkerBatcher,
     MarkerFormatError,
+    MarkerTooNew,
     Op,
     OpMarker,
     decode_markers,
@@ -690,6 +691,13 @@ class ShardWorker:
                     raise KafkaException(error)
                 try:
                     found = decode_markers(msg.value() or b"", self.shard)
+                except MarkerTooNew as exc:
+                    raise MarkerTooNew(
+                        f"shard {self.shard}: message {tp.partition}:{msg.offset()} of the "
+                        f"op-marker topic {tp.topic}: {exc}. The rows it ends cannot be told, "
+                        "and sending them again would send them twice: the shard waits until "
+                        "this relay is upgraded, or the newer relays rolled back"
+                    ) from None
                 except MarkerFormatError as exc:
                     # Not written by a relay (Kafka checks each message's CRC, so not a damaged
                     # one of ours): it ends no row. Stopping here would stop the shard for good.

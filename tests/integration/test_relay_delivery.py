@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import threading
 import time
@@ -34,7 +35,14 @@ from relay import service as service_module
 from relay import shard as shard_module
 from relay.config import SidecarSettings
 from relay.kafka import Fenced, ShardProducer, TransactionTimedOut
-from relay.markers import Op, OpMarker, decode_markers, marker_entry, marker_messages
+from relay.markers import (
+    MarkerTooNew,
+    Op,
+    OpMarker,
+    decode_markers,
+    marker_entry,
+    marker_messages,
+)
 from relay.pipelined import pipelined_transaction
 from relay.service import Relay, RelayConfigError, RelayRound
 from relay.shard import STOP_ABORT_S, DeadLetterUnwritable, ShardWorker
@@ -2099,6 +2107,36 @@ def test_recovery_skips_what_is_not_a_marker_on_the_marker_topic(
     worker.needs_recovery = True  # as after a failed round: it reads past the stranger
     assert relay.run_once().delivered == 1
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"after the stranger"]
+
+
+def test_recovery_stops_at_a_marker_message_of_a_newer_relay_and_sends_nothing_again(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A rolling upgrade: a newer relay's markers (a later format) end a batch it committed
+    in Kafka; an older relay that recovers the shard skipped them as not a relay's, and sent
+    the batch again."""
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()  # the marker topic exists; shard 0 recovered up to its end
+    (worker,) = relay.workers.values()
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "in doubt")
+    newer = {"v": 3, "shard": worker.shard, "relay": "newer", "epoch": 9, "entries": []}
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    producer.produce(
+        relay.settings.relay.op_marker_topic,
+        json.dumps(newer).encode(),
+        partition=worker.marker_partition,
+    )
+    assert producer.flush(10) == 0
+    kind = {"kind": "marker_too_new"}
+    before = REGISTRY.get_sample_value("outbox_relay_errors_total", kind) or 0.0
+    worker.needs_recovery = True
+    with pytest.raises(MarkerTooNew, match=r"format version 3.*upgraded"):
+        relay.run_once()
+    assert REGISTRY.get_sample_value("outbox_relay_errors_total", kind) == before + 1
+    assert consume_all(kafka_bootstrap, topic, "read_committed") == []
+    assert [r[1] for r in rows(pg_dsn)] == ["committed"]
 
 
 def test_a_backlog_is_stamped_in_slices_with_heartbeats_between_and_keeps_commit_order(
