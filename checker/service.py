@@ -61,7 +61,7 @@ from outbox._errors import (
     UnknownTransactionError,
 )
 from outbox._sync import Outbox
-from outbox.migrations import schema_problem
+from outbox.migrations import CHECKER_SCHEMA_VERSION, schema_problem
 from relay.dbconnect import (
     CHECKER_IDLE_TRANSACTION,
     bound_idle_time,
@@ -855,7 +855,7 @@ class Checker:
     def schema_problem(self) -> str | None:
         """outbox.migrations.schema_problem() of its schema: why it cannot work on it, or None."""
         with self._round_lock:
-            return schema_problem(self._connection(), self.schema)
+            return schema_problem(self._connection(), self.schema, CHECKER_SCHEMA_VERSION)
 
     def run(self) -> None:
         """Rounds until ``stop()``: at once while batches come full, else every poll interval.

@@ -313,12 +313,23 @@ def check_applied(conn: psycopg.Connection[Any], schema: str = "outbox") -> None
             _refuse_other_migrations(schema, _applied(conn, schema))
 
 
-def schema_problem(conn: psycopg.Connection[Any], schema: str = "outbox") -> str | None:
+# The oldest schema each part of the sidecar runs on: the first version with every table,
+# column and function its queries use (tests/integration/test_migrations.py prepares each of
+# them there). Gated at the latest, every relay of a rollout whose migration was put off stopped
+# for a migration of another part's (0008 is the reconciliation's, 0009 the audit log's).
+RELAY_SCHEMA_VERSION = 7
+CHECKER_SCHEMA_VERSION = 6
+
+
+def schema_problem(
+    conn: psycopg.Connection[Any], schema: str = "outbox", needs: int | None = None
+) -> str | None:
     """Why a service of this library cannot run on the schema as it is, or None.
 
     A schema not migrated (yet), or migrated by another build, gives every round an error about
     a missing relation or column; this says what to do instead. A newer one is fine
-    (migrations only add). Leaves no transaction open.
+    (migrations only add). `needs`: the version the service needs (by default the latest).
+    Leaves no transaction open.
     """
     try:
         version = current_version(conn, schema)
@@ -328,12 +339,12 @@ def schema_problem(conn: psycopg.Connection[Any], schema: str = "outbox") -> str
     finally:
         if not conn.autocommit:
             conn.rollback()
-    needed = latest_version()
+    needed = latest_version() if needs is None else needs
     if version is None or version < needed:
         return (
-            f"schema {schema!r} is at version {version or 'none'}, this library needs "
-            f"{needed}: run `outboxctl migrate --schema {schema}` (the chart's migration hook "
-            "does it on install and upgrade)"
+            f"schema {schema!r} is at version {version or 'none'}, this needs {needed}: run "
+            f"`outboxctl migrate --schema {schema}` (the chart's migration hook does it on "
+            "install and upgrade)"
         )
     return None
 

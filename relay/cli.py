@@ -25,7 +25,13 @@ from checker import cli as checker_cli
 from outbox import OutboxError, SchemaError, State, migrate
 from outbox import sql as outbox_sql
 from outbox._describe import describe
-from outbox.migrations import current_version, latest_version, schema_problem
+from outbox.migrations import (
+    CHECKER_SCHEMA_VERSION,
+    RELAY_SCHEMA_VERSION,
+    current_version,
+    latest_version,
+    schema_problem,
+)
 from relay import logs, sidecar
 from relay.cli_database import command_dsn, command_schema, connect
 from relay.config import SettingsUnreadable, SidecarSettings, load_settings
@@ -54,23 +60,30 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema_version(args: argparse.Namespace) -> int:
-    """Exit 0 when this build's relay and checker can run on the schema: at this library's
-    version or newer (migrations only add; a gate that wanted the exact number blocked the
-    older pods of a rolling upgrade once the newer ones had migrated)."""
+    """Exit 0 when this build's relay and checker can run on the schema: at the version they
+    need or newer (migrations only add; a gate that wanted the exact number blocked the older
+    pods of a rolling upgrade once the newer ones had migrated)."""
     with connect(args, write=False) as conn:
         at = current_version(conn, args.schema)
-        problem = schema_problem(conn, args.schema)
+        problem = schema_problem(
+            conn, args.schema, max(RELAY_SCHEMA_VERSION, CHECKER_SCHEMA_VERSION)
+        )
     latest = latest_version()
     if args.json:
         print(
             json.dumps({"schema": args.schema, "version": at, "latest": latest, "problem": problem})
         )
     else:
-        print(
-            f"schema {args.schema}: at {at if at is not None else 'nothing (not migrated)'}, "
-            f"library knows {latest}"
-            + (" (newer: this build runs on it)" if problem is None and at != latest else "")
-        )
+        note = ""
+        if problem is None and at is not None and at != latest:
+            note = (
+                " (newer: this build runs on it)"
+                if at > latest
+                else " (older: this build's relay and checker run on it; `outboxctl migrate` "
+                "brings it up to date)"
+            )
+        shown = at if at is not None else "nothing (not migrated)"
+        print(f"schema {args.schema}: at {shown}, library knows {latest}{note}")
         if problem:
             print(problem)
     return 0 if problem is None else 1

@@ -25,7 +25,7 @@ from psycopg import sql
 
 from outbox import sql as queries
 from outbox import wakeup_channel
-from outbox.migrations import schema_problem
+from outbox.migrations import RELAY_SCHEMA_VERSION, schema_problem
 from relay import metrics
 from relay.background import BackgroundConnection
 from relay.config import LIBRDKAFKA_MESSAGE_MAX_BYTES, SidecarSettings, marker_size_refused
@@ -306,7 +306,7 @@ class Relay:
             self.conn.rollback()
 
     def _check_schema(self) -> None:
-        problem = schema_problem(self.conn, self.schema)
+        problem = schema_problem(self.conn, self.schema, RELAY_SCHEMA_VERSION)
         if problem:
             raise RelayConfigError(problem)
 

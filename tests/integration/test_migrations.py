@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -22,7 +23,14 @@ from psycopg.rows import dict_row
 import outbox
 from outbox import migrations
 from outbox import sql as outbox_sql
-from outbox.migrations import check_applied, current_version, latest_version, schema_problem
+from outbox.migrations import (
+    CHECKER_SCHEMA_VERSION,
+    RELAY_SCHEMA_VERSION,
+    check_applied,
+    current_version,
+    latest_version,
+    schema_problem,
+)
 from relay.cli import main as cli_main
 from spark import _sql as spark_sql
 from spark import sink
@@ -371,6 +379,95 @@ def test_schema_version_passes_a_newer_schema_this_build_runs_on(
     assert (report["version"], report["latest"], report["problem"]) == (999, latest_version(), None)
     assert cli_main(["schema-version", "--dsn", empty_db, "--schema", "outbox"]) == 0
     assert "(newer: this build runs on it)" in capsys.readouterr().out
+
+
+def _migrated_to(conn: psycopg.Connection[Any], version: int, schema: str = "outbox") -> None:
+    """`schema` made as migrate() makes it, but only up to `version` (an older build's)."""
+    conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    for migration in outbox_sql.migrations()[:version]:
+        conn.execute(migration.sql_for(schema))
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE {}.schema_migration (version integer PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        ).format(sql.Identifier(schema))
+    )
+    for migration in outbox_sql.migrations()[:version]:
+        conn.execute(
+            sql.SQL("INSERT INTO {}.schema_migration (version, name) VALUES (%s, %s)").format(
+                sql.Identifier(schema)
+            ),
+            (migration.version, migration.name),
+        )
+
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)[sbt]|%%")
+
+
+def _prepared(conn: psycopg.Connection[Any], text: str) -> str | None:
+    """Why Postgres will not prepare `text` (psycopg's placeholders made $n), or None."""
+    numbers: dict[str, int] = {}
+
+    def number(m: re.Match[str]) -> str:
+        if m[0] == "%%":
+            return "%"
+        return f"${numbers.setdefault(m[1], len(numbers) + 1)}"
+
+    name = f"p{uuid.uuid4().hex}".encode()
+    result = conn.pgconn.prepare(name, _PLACEHOLDER.sub(number, text).encode())
+    if result.status == psycopg.pq.ExecStatus.COMMAND_OK:
+        conn.pgconn.exec_(b"DEALLOCATE " + name)
+        return None
+    return (result.error_message or b"").decode().strip()
+
+
+@pytest.mark.parametrize(
+    ("part", "needs"), [("relay_", RELAY_SCHEMA_VERSION), ("checker_", CHECKER_SCHEMA_VERSION)]
+)
+def test_each_part_of_the_sidecar_runs_on_the_schema_version_it_says_it_needs(
+    empty_db: str, part: str, needs: int
+) -> None:
+    """Gated at the latest version, every relay of a rollout whose migration was put off
+    stopped, for a migration of another part's (the reconciliation's, the audit log's). Each
+    query of the part is prepared on a schema at the version it says it needs, and one below."""
+    names = [name for name in outbox_sql._queries() if name.startswith(part)]
+    schemas = {"latest": latest_version(), "needs": needs, "below": needs - 1}
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        for schema, version in schemas.items():
+            _migrated_to(conn, version, schema)
+        why = {
+            schema: {
+                name: _prepared(
+                    conn, outbox_sql.with_schema(outbox_sql._queries()[name], schema).as_string()
+                )
+                for name in names
+            }
+            for schema in schemas
+        }
+        _migrated_to(conn, needs)
+        assert schema_problem(conn, "outbox", needs) is None
+        assert f"at version {needs}, this needs {latest_version()}" in str(schema_problem(conn))
+    # what Postgres cannot type without values (a parameter beside an interval), on any schema
+    untyped = {name for name, problem in why["latest"].items() if problem is not None}
+    assert untyped <= {"checker_prepared_ages"}, why["latest"]
+    assert len(names) - len(untyped) >= 10  # the comparison below compares something
+    assert {n: p for n, p in why["needs"].items() if n not in untyped and p is not None} == {}
+    assert [n for n, p in why["below"].items() if n not in untyped and p is not None]
+
+
+def test_schema_version_passes_a_schema_older_than_the_library_that_the_sidecar_runs_on(
+    empty_db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    needs = max(RELAY_SCHEMA_VERSION, CHECKER_SCHEMA_VERSION)
+    assert needs < latest_version()  # else this compares nothing
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        _migrated_to(conn, needs)
+    assert cli_main(["schema-version", "--dsn", empty_db, "--schema", "outbox"]) == 0
+    assert "(older: this build's relay and checker run on it" in capsys.readouterr().out
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("DELETE FROM outbox.schema_migration WHERE version = %s", (needs,))
+    assert cli_main(["schema-version", "--dsn", empty_db, "--schema", "outbox"]) == 1
+    assert f"this needs {needs}" in capsys.readouterr().out
 
 
 def test_a_migration_applied_under_another_name_is_refused(
