@@ -1132,6 +1132,11 @@ class Relay:
                 conn.close()
         self._close_gauge_conn()
         self._db_probe.close()
+        # Left as last read, a stopped relay (a sidecar's part waiting to start again) kept
+        # saying it held its shards and how old the backlog was: the alerts on them kept quiet.
+        metrics.SHARDS_OWNED.set(0)
+        for unknown in (metrics.BACKLOG, metrics.OLDEST_AGE, metrics.HORIZON_HELD):
+            unknown.set(math.nan)
         logger.info("relay %s stopped", self.relay_id)
 
     def _hand_back_connection(self) -> psycopg.Connection[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -192,3 +193,26 @@ def test_a_broker_that_does_not_answer_is_down_within_the_probes_wait() -> None:
     began = time.monotonic()
     assert not topics.reachable()
     assert time.monotonic() - began < 10  # its wait is 4 s
+
+
+def test_a_stopped_relay_says_it_holds_no_shard_and_does_not_know_the_backlog(
+    relay_factory: Callable[..., Relay],
+) -> None:
+    """Left as last read, a stopped relay (a sidecar's part waiting to be started again) kept
+    saying it held its shards and how old the backlog was: the alerts on shards without a relay
+    and on a backlog growing kept quiet (found by a review of the alerts)."""
+    from prometheus_client import REGISTRY
+
+    relay = relay_factory()
+    relay.run_once()
+    relay.refresh_gauges()
+    assert REGISTRY.get_sample_value("outbox_relay_shards_owned") == 1
+    assert REGISTRY.get_sample_value("outbox_relay_oldest_undelivered_seconds") == 0
+    relay.stop(timeout=10)
+    assert REGISTRY.get_sample_value("outbox_relay_shards_owned") == 0
+    for unknown in (
+        "outbox_relay_backlog_records",
+        "outbox_relay_oldest_undelivered_seconds",
+        "outbox_relay_horizon_held_seconds",
+    ):
+        assert math.isnan(REGISTRY.get_sample_value(unknown) or 0.0), unknown
