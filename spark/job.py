@@ -378,6 +378,12 @@ class ReconcileJob:
             ticker.join(timeout=60)
 
     @property
+    def judged_to(self) -> datetime | None:
+        """Records of times before this are judged: by the last judgement, or before this
+        run's first, by the checkpoint's (None: never judged, or not started)."""
+        return self._judged_to
+
+    @property
     def last_trigger_end(self) -> datetime | None:
         """When the continuous query's last trigger ended (one ends every trigger interval,
         with or without traffic); None before the first."""

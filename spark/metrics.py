@@ -5,6 +5,7 @@ the job without prometheus_client.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -70,19 +71,26 @@ class ReconcileMetrics:
             "Op markers that judgements looked at.",
             registry=r,
         )
+        self._deadline_s = settings.deadline.total_seconds()
+        self._started_at = time.time()
+        self._judged_at: float | None = None  # when this process's last judgement ended
+        self._observed_to: datetime | None = None  # and up to when it judged
+        self._job: Callable[[], ReconcileJob | None] = lambda: None
         self.judged_to = Gauge(
             "outbox_reconcile_judged_to_timestamp_seconds",
             "Records of times before this (commits, markers, copies) are judged: the last "
-            "judgement's as-of time less the deadline.",
+            "judgement's as-of time less the deadline (before this run's first, its checkpoint's).",
             registry=r,
         )
-        self.judged_to.set(float("nan"))  # not 1970 on a dashboard before the first
+        # not 1970 on a dashboard before the first: NaN
+        self.judged_to.set_function(lambda: _timestamp(self._judged_to()))
         self.last_judgement = Gauge(
             "outbox_reconcile_last_judgement_timestamp_seconds",
-            "When the last judgement ended; before the first, when the job started.",
+            "When the last judgement ended; before this run's first, when the checkpoint's last "
+            "was made (its as-of time), or without one when the job started.",
             registry=r,
         )
-        self.last_judgement.set_to_current_time()  # a stall alert counts from the start
+        self.last_judgement.set_function(self._last_judgement)
         self.window_latency = Gauge(
             "outbox_reconcile_window_latency_seconds",
             "Commit to topic time in the newest closed summary window, by quantile (1: max).",
@@ -115,8 +123,8 @@ class ReconcileMetrics:
         self.judgement_seconds.observe(sum(report.seconds.values()))
         self.copies.inc(report.copies)
         self.markers.inc(report.markers)
-        self.judged_to.set(report.window.hi.timestamp())
-        self.last_judgement.set_to_current_time()
+        self._observed_to = report.window.hi
+        self._judged_at = time.time()
         if report.windows:
             newest = max(report.windows, key=lambda w: w["window_start"])
             for quantile, column in _WINDOW_QUANTILES.items():
@@ -124,8 +132,26 @@ class ReconcileMetrics:
                 if ms is not None:
                     self.window_latency.labels(quantile=quantile).set(ms / 1000)
 
+    def _judged_to(self) -> datetime | None:
+        if self._observed_to is not None:
+            return self._observed_to
+        current = self._job()  # before this run's first judgement: its checkpoint's
+        return current.judged_to if current is not None else None
+
+    def _last_judgement(self) -> float:
+        """A stall alert counts across restarts: from the start of each, a job that failed
+        and was started again every few minutes (a database gone silent) never stalled."""
+        if self._judged_at is not None:
+            return self._judged_at
+        resumed = self._judged_to()
+        if resumed is not None:
+            return min(time.time(), resumed.timestamp() + self._deadline_s)
+        return self._started_at
+
     def watch(self, job: Callable[[], ReconcileJob | None]) -> None:
-        """Read the query's last trigger from the job `job()` returns (None: not made yet)."""
+        """Read the query's last trigger, and how far it judged, from the job `job()` returns
+        (None: not made yet)."""
+        self._job = job
 
         def last_trigger() -> float:
             current = job()

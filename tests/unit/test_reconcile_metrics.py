@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from spark.config import FINDING_KINDS, JudgeWindow, ReconcileSettings
-from spark.job import RunReport
+from spark.job import ReconcileJob, RunReport
 from spark.metrics import ReconcileMetrics, start_probes
 from tests.fixtures.http import get
 
@@ -93,6 +93,31 @@ def test_reports_add_up_to_new_findings_judgements_and_what_was_judged() -> None
     assert s[("outbox_reconcile_deadline_seconds", ())] == 60
 
 
+def test_a_stall_counts_across_restarts_from_the_checkpoints_last_judgement() -> None:
+    """Counted from each start, a job that failed and was started again every few minutes (a
+    database gone silent: --jdbc-read-timeout) never stalled, and judged nothing (found by a
+    review of the alerts)."""
+    metrics = ReconcileMetrics(SETTINGS)
+    job: list[_Job] = []  # started from its checkpoint, not judged yet
+    metrics.watch(lambda: cast("ReconcileJob", job[0]) if job else None)
+    started = _samples(metrics)[("outbox_reconcile_last_judgement_timestamp_seconds", ())]
+    assert started >= time.time() - 60  # before the job is made: the start
+    job.append(_Job(judged_to=T))  # its checkpoint: judged to T, an hour or more ago
+    s = _samples(metrics)
+    assert s[("outbox_reconcile_judged_to_timestamp_seconds", ())] == T.timestamp()
+    assert s[("outbox_reconcile_last_judgement_timestamp_seconds", ())] == T.timestamp() + 60
+    job[0] = _Job(judged_to=None)  # no checkpoint: from the start
+    s = _samples(metrics)
+    assert math.isnan(s[("outbox_reconcile_judged_to_timestamp_seconds", ())])
+    assert s[("outbox_reconcile_last_judgement_timestamp_seconds", ())] == started
+    job[0] = _Job(judged_to=T)
+    metrics.observe(_report("batch 0", {}))  # this run's own judgement
+    s = _samples(metrics)
+    hi = JudgeWindow.streaming(T, SETTINGS.deadline, SETTINGS.horizon).hi
+    assert s[("outbox_reconcile_judged_to_timestamp_seconds", ())] == hi.timestamp()
+    assert s[("outbox_reconcile_last_judgement_timestamp_seconds", ())] >= started
+
+
 def test_the_newest_closed_window_sets_the_latency_quantiles() -> None:
     metrics = ReconcileMetrics(SETTINGS)
 
@@ -125,6 +150,7 @@ class _Job:
     alive: bool = True
     running: bool = False
     last_trigger_end: datetime | None = None
+    judged_to: datetime | None = None
 
 
 def _scraped(port: int) -> dict[str, float]:
