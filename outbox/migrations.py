@@ -47,6 +47,15 @@ _TABLES_IN_LOCK_ORDER = (
     "reconciliation_window",
     "schema_migration",
 )
+# The tables a migration changes, where that is not all of them: only those are locked. All
+# locked for one that touches the reconciliation's or the audit log's alone, an upgrade held
+# back every publish while it waited for them, up to 3 s a try behind a long transaction.
+# A migration not listed locks every table.
+_MIGRATION_TABLES = {
+    7: ("shard_lease",),
+    8: ("reconciliation_finding",),
+    9: ("audit_log",),
+}
 # A try that did not get its tables, tried again: a lock not granted in time, the whole LOCK
 # statement over its time, a deadlock Postgres broke by aborting the migration
 _BUSY = (
@@ -189,7 +198,7 @@ def _migrate_once(conn: psycopg.Connection[Any], schema: str) -> MigrationReport
         _refuse_other_migrations(schema, applied)
         pending = [m for m in queries.migrations() if m.version not in done]
         if done and pending:
-            _lock_tables(conn, schema)
+            _lock_tables(conn, schema, pending)
         # prepare=False: a file holds several statements, which Postgres will not prepare (a
         # connection of prepare_threshold=0 prepares every statement, the first run too)
         if not done:
@@ -237,9 +246,11 @@ def _up_to_date(conn: psycopg.Connection[Any], schema: str) -> int | None:
     return version
 
 
-def _lock_tables(conn: psycopg.Connection[Any], schema: str) -> None:
-    """The library's tables in the schema, locked at once for the migrations to come, in the
-    order its transactions lock them (_TABLES_IN_LOCK_ORDER), within _LOCK_TIMEOUT.
+def _lock_tables(
+    conn: psycopg.Connection[Any], schema: str, pending: list[queries.Migration]
+) -> None:
+    """The library's tables in the schema that the migrations to come change, locked at once,
+    in the order its transactions lock them (_TABLES_IN_LOCK_ORDER), within _LOCK_TIMEOUT.
 
     Taken statement by statement, a migration's locks grew (an index's SHARE, then an ALTER's
     ACCESS EXCLUSIVE) while an application's, the checker's or the relay's transaction held
@@ -252,7 +263,11 @@ def _lock_tables(conn: psycopg.Connection[Any], schema: str) -> None:
             "SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,)
         )
     }
-    tables = [t for t in _TABLES_IN_LOCK_ORDER if t in found]  # not tables of others there
+    changed: set[str] = set()
+    for migration in pending:
+        changed.update(_MIGRATION_TABLES.get(migration.version, _TABLES_IN_LOCK_ORDER))
+    # not tables of others there
+    tables = [t for t in _TABLES_IN_LOCK_ORDER if t in found and t in changed]
     if not tables:
         return
     cur = _tuples(conn)
