@@ -271,6 +271,8 @@ class Checker:
         for label in (*settings.endpoints, _metrics.OTHER_GROUP):
             for limit in _metrics.DISCARD_LIMITS:
                 _metrics.DISCARDS.labels(label, limit)
+        for result in ("ok", "error"):  # and the first failed round (OutboxCheckerFailing)
+            _metrics.ROUNDS.labels(result)
         self._conn: psycopg.Connection[Any] | None = None
         self._round_lock = threading.Lock()
         self._lock_wait_left_s = APPLY_LOCK_WAIT_S  # what a round's answers may yet wait

@@ -461,6 +461,10 @@ def test_alert_rules_judge_the_releases_namespace_and_say_it_by_default(helm: st
         ("OutboxCheckEndpointDown", "min_over_time("),
         # retried every 30 s a shard: below OutboxRelayErrors' rate
         ("OutboxDeadLetterUnwritable", 'kind="dead_letter_unwritable"'),
+        (
+            "OutboxCheckerFailing",
+            'outbox_checker_rounds_total{namespace="default", result="error"}',
+        ),
     ],
 )
 def test_alerts_for_failures_that_flap_or_are_retried_slowly(

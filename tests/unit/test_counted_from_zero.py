@@ -18,7 +18,7 @@ def test_every_parking_reason_is_counted_from_0() -> None:
         assert sample is not None, kind
 
 
-def test_every_discard_of_every_group_is_counted_from_0() -> None:
+def test_every_discard_of_every_group_and_every_rounds_result_are_counted_from_0() -> None:
     from checker import Checker, CheckerSettings
 
     secret = "whsec_" + base64.b64encode(b"z" * 32).decode()
@@ -32,5 +32,8 @@ def test_every_discard_of_every_group_is_counted_from_0() -> None:
                 labels = {"producer_group": group, "limit": limit}
                 value = REGISTRY.get_sample_value("outbox_checker_discards_total", labels)
                 assert value is not None, labels
+        for result in ("ok", "error"):  # OutboxCheckerFailing: the first failed round
+            value = REGISTRY.get_sample_value("outbox_checker_rounds_total", {"result": result})
+            assert value is not None, result
     finally:
         checker.stop()
