@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 # sends them at once), and at MAX_CONNECTIONS the one waiting longest for its request is cut.
 HEAD_DEADLINE_S = 10.0
 MAX_CONNECTIONS = 32
+IDLE_AFTER_S = 0.5  # a connection waiting this long for its request may be cut to make room
 _head_watchdog = Watchdog("probes-watchdog")
 
 Alive = Callable[[], bool]
@@ -111,8 +112,11 @@ class ProbeServer:
                 watch, self._watch = self._watch, None
                 if watch is None:
                     return True
-                cast(_LoggingHTTPServer, self.server).head_read(self.request)
-                return not _head_watchdog.disarm(watch)
+                kept = cast(_LoggingHTTPServer, self.server).head_read(self.request)
+                fired = _head_watchdog.disarm(watch)
+                # cut to make room: its end of input ended the headers, and answered, it went
+                # uncounted (a /readyz holding a thread for seconds, per new connection)
+                return kept and not fired
 
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
@@ -176,33 +180,39 @@ class _LoggingHTTPServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]):
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
-        # connections whose request line and headers are still to come, the oldest first
-        self._awaiting_head: dict[socket.socket, None] = {}
+        # connections whose request line and headers are still to come, by when each came,
+        # the oldest first
+        self._awaiting_head: dict[socket.socket, float] = {}
         self._last_refusal_logged = -math.inf
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        now = time.monotonic()
         with self._lock:
             if len(self._open) >= self.max_connections and self._awaiting_head:
-                # A probe sends its request at once: the one waiting longest is idle, most
-                # likely. Shut down, its thread reads the end of its input and ends.
-                oldest = next(iter(self._awaiting_head))
-                self._forget(oldest)
-                with contextlib.suppress(OSError):
-                    oldest.shutdown(socket.SHUT_RDWR)
-            refused = len(self._open) >= self.max_connections  # all of them being answered
+                # A probe sends its request at once: the one waiting longest is idle, unless
+                # it came just now (a kubelet's, its thread not yet reading). Shut down, its
+                # thread reads the end of its input and ends.
+                oldest, came = next(iter(self._awaiting_head.items()))
+                if now - came >= IDLE_AFTER_S:
+                    self._forget(oldest)
+                    with contextlib.suppress(OSError):
+                        oldest.shutdown(socket.SHUT_RDWR)
+            refused = len(self._open) >= self.max_connections  # all of them busy
             if not refused:
                 self._open.add(request)
-                self._awaiting_head[request] = None
+                self._awaiting_head[request] = now
         if refused:
             self._log_refusal(client_address)
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
 
-    def head_read(self, request: socket.socket) -> None:
+    def head_read(self, request: socket.socket) -> bool:
+        """Its request line and headers are read: False if it was cut to make room."""
         with self._lock:
             self._awaiting_head.pop(request, None)
+            return request in self._open
 
     def shutdown_request(self, request: Any) -> None:
         with self._lock:
@@ -218,7 +228,8 @@ class _LoggingHTTPServer(ThreadingHTTPServer):
         if now - self._last_refusal_logged >= 60:  # a flood of them: one line a minute
             self._last_refusal_logged = now
             logger.warning(
-                "probe connection from %s refused: all %d connections are being answered",
+                "probe connection from %s refused: all %d connections are being answered or "
+                "have just come",
                 client_address,
                 self.max_connections,
             )

@@ -409,6 +409,7 @@ class ShardWorker:
         # an open transaction), each up to kafka_transaction_timeout, are cut short
         self._stopping = stopping
         self.needs_recovery = True
+        self.closed = False  # handed over or dropped: a heartbeat may do it mid-recovery
         self.failures = 0  # rounds failed in a row; the relay backs this shard off until retry_at
         self.retry_at = 0.0
         # dead-letter copies refused, by row id: (the form to send next, why the larger one was
@@ -509,6 +510,8 @@ class ShardWorker:
                 "it. To go on, accepting that such a batch may go again (none is if every "
                 "relay stopped cleanly), stop every relay and empty shard_lease"
             )
+        if keep_alive is not None:
+            keep_alive = self._while_held(keep_alive)
         if recorded_producer not in (None, self.producer.transactional_id):
             self._fence_earlier_producer(recorded_producer, keep_alive)
         self.producer.init(self._stopping, keep_alive)
@@ -571,6 +574,18 @@ class ShardWorker:
             ended,
         )
         return len(markers)
+
+    def _while_held(self, keep_alive: Callable[[], None]) -> Callable[[], None]:
+        """`keep_alive`, then LeaseLost if it handed this shard over or dropped it (a heartbeat
+        rebalances): the init waiting meanwhile is given up, else it fenced the next owner's
+        producer when it ended."""
+
+        def kept() -> None:
+            keep_alive()
+            if self.closed:
+                raise LeaseLost(f"shard {self.shard} was handed over during its recovery")
+
+        return kept
 
     def _fence_earlier_producer(
         self, transactional_id: str, keep_alive: Callable[[], None] | None = None
@@ -1971,6 +1986,7 @@ class ShardWorker:
             metrics.PARKED.labels(_reason_kind(reason)).inc(len(ids))
 
     def close(self) -> None:
+        self.closed = True
         self.settle_quietly()
         self.producer.close()
 

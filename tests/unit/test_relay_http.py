@@ -153,7 +153,10 @@ def test_a_request_head_that_does_not_come_within_the_deadline_is_cut_off() -> N
         server.stop()
 
 
-def test_at_the_connection_cap_the_one_waiting_longest_for_its_request_makes_room() -> None:
+def test_at_the_connection_cap_the_one_waiting_longest_for_its_request_makes_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("relay.http.IDLE_AFTER_S", 0.0)  # idle as soon as they come
     server = ProbeServer("127.0.0.1", 0, alive={"relay": lambda: True}, ready={}, max_connections=4)
     server.start()
     idle = [_connected(server.port) for _ in range(20)]
@@ -165,6 +168,54 @@ def test_at_the_connection_cap_the_one_waiting_longest_for_its_request_makes_roo
     finally:
         for conn in idle:
             conn.close()
+        server.stop()
+
+
+def test_a_connection_that_just_came_is_not_cut_to_make_room() -> None:
+    """A kubelet's probe connects and sends at once: cut before its thread read it, the probe
+    failed under a flood of new connections. Over the cap, the newest is refused instead."""
+    server = ProbeServer("127.0.0.1", 0, alive={"relay": lambda: True}, ready={}, max_connections=2)
+    server.start()
+    first, second = _connected(server.port), _connected(server.port)
+    try:
+        refused = _connected(server.port)  # both others came well within IDLE_AFTER_S
+        assert _cut(refused)
+        refused.close()
+        assert [_cut(conn, within_s=0.2) for conn in (first, second)] == [False, False]
+    finally:
+        first.close()
+        second.close()
+        server.stop()
+
+
+def test_a_connection_cut_to_make_room_is_not_answered_once_its_input_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cut while its headers were still to come, the end of its input ended them, and the
+    request was answered, uncounted: a /readyz (a database probe and a broker round trip)
+    holding a thread for every new connection past the cap."""
+    monkeypatch.setattr("relay.http.IDLE_AFTER_S", 0.0)
+    readiness_checks: list[float] = []
+
+    def ready() -> dict[str, Any]:
+        readiness_checks.append(time.monotonic())
+        return {"ready": True}
+
+    server = ProbeServer("127.0.0.1", 0, alive={"relay": lambda: True}, ready={"relay": ready},
+                         max_connections=1)  # fmt: skip
+    server.start()
+    cut = _connected(server.port)
+    try:
+        cut.sendall(b"GET /readyz HTTP/1.0\r\n")  # its headers still to come
+        time.sleep(0.3)  # its thread reads the request line, then waits for the headers
+        assert get(server.port, "/healthz") == (200, b'{"relay": true}')  # makes room
+        assert _cut(cut)
+        until = time.monotonic() + 1  # its thread reads the end of its input, and ends
+        while not readiness_checks and time.monotonic() < until:
+            time.sleep(0.05)
+        assert readiness_checks == []
+    finally:
+        cut.close()
         server.stop()
 
 

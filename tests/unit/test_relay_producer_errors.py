@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from relay.config import RelaySettings
 from relay.kafka import (
     Fenced,
     OutcomeUnknown,
@@ -21,7 +22,8 @@ from relay.kafka import (
     ShuttingDown,
     TransactionTimedOut,
 )
-from relay.shard import STOP_ABORT_S, ShardWorker
+from relay.leases import Lease
+from relay.shard import STOP_ABORT_S, LeaseLost, ShardWorker
 
 
 class _Failing:
@@ -146,6 +148,33 @@ def test_a_stop_cuts_an_init_waiting_for_an_unreachable_coordinator_short(
     with pytest.raises(KafkaException, match="_TIMED_OUT"):
         unstopped.init()
     assert unstopped.producer.asked == [0.3]  # type: ignore[attr-defined]
+
+
+def test_a_recovery_whose_heartbeat_hands_the_shard_over_gives_its_init_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The init went on waiting (up to the transaction timeout) after the heartbeat it called
+    gave the shard to another relay, and once it ended, fenced that relay's producer."""
+    monkeypatch.setattr("relay.kafka.Producer", _CoordinatorUnreachable)
+    shard = ShardWorker(
+        Lease(0, 1, None, 0), RelaySettings(), "outbox", "relay-1", {}, None,  # type: ignore[arg-type]
+        ending_elsewhere=lambda: None,  # type: ignore[arg-type,return-value]
+    )  # fmt: skip
+    beats: list[float] = []
+
+    def heartbeat() -> None:  # the second one rebalances: this shard goes to another relay
+        beats.append(time.monotonic())
+        if len(beats) == 2:
+            shard.close()
+
+    began = time.monotonic()
+    with pytest.raises(LeaseLost, match="shard 0 was handed over during its recovery"):
+        shard.producer.init(lambda: False, shard._while_held(heartbeat))
+    assert time.monotonic() - began < 5  # not the 60 s of the init's wait
+    assert len(beats) == 2
+    kept = shard._while_held(lambda: None)
+    with pytest.raises(LeaseLost):
+        kept()  # closed: every later keep-alive of the recovery says so too
 
 
 class _SlowCommit:
