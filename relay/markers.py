@@ -121,7 +121,11 @@ class MarkerTooNew(Exception):
     """A marker message of a newer relay (a later format version, or an op this relay does not
     know) that may be this shard's: skipped as not a relay's, the batch in doubt it ends would
     go again. A recovery that meets one fails until this relay is upgraded (or the newer ones
-    rolled back)."""
+    rolled back). `outbox`: the outbox the message names, if it names one."""
+
+    def __init__(self, message: str, outbox: str | None) -> None:
+        super().__init__(message)
+        self.outbox = outbox
 
 
 def decode_markers(value: bytes, shard: int | None = None) -> list[OpMarker]:
@@ -159,16 +163,23 @@ _OPS = frozenset(Op)
 
 def _refuse_newer(message: Any, version: Any, shard: int | None) -> bool:
     """MarkerTooNew for a message a newer relay wrote that may be `shard`'s; True for one that
-    names another shard (not this shard's business). Garbage is left to the parse."""
+    names another shard (not this shard's business). What lacks a relay's envelope is left to
+    the parse (not a relay's: skipped, as before; refused, any stray JSON would stop a shard).
+    Every version keeps `v`, `shard`, `relay`, `epoch` and `outbox` in its envelope."""
     if type(version) is not int or version < 1:
         return False
+    if not isinstance(message.get("relay"), str) or type(message.get("epoch")) is not int:
+        return False
+    outbox = message.get("outbox")
+    outbox = outbox if isinstance(outbox, str) else None
     theirs = message.get("shard")
     if shard is not None and type(theirs) is int and theirs != shard:
         return version > MARKER_VERSION
     if version > MARKER_VERSION:
         raise MarkerTooNew(
             f"op marker message of format version {version}, written by a newer relay (this "
-            f"one reads up to {MARKER_VERSION})"
+            f"one reads up to {MARKER_VERSION})",
+            outbox,
         )
     entries = [message] if version == 1 else message.get("markers")
     for entry in entries if isinstance(entries, list) else ():
@@ -176,7 +187,8 @@ def _refuse_newer(message: Any, version: Any, shard: int | None) -> bool:
         if isinstance(op, str) and op not in _OPS:
             raise MarkerTooNew(
                 f"op marker of op {op!r}, written by a newer relay (this one knows "
-                f"{', '.join(sorted(_OPS))})"
+                f"{', '.join(sorted(_OPS))})",
+                outbox,
             )
     return False
 

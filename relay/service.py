@@ -113,6 +113,14 @@ _TOPIC_CREATE_REFUSED = frozenset(
 ROUND_ALLOWANCE_S = 120.0
 
 
+def _gauges_stopped() -> None:
+    """Left as last read, a stopped relay (a sidecar's part waiting to start again) kept saying
+    it held its shards and how old the backlog was: the alerts on them kept quiet."""
+    metrics.SHARDS_OWNED.set(0)
+    for unknown in (metrics.BACKLOG, metrics.OLDEST_AGE, metrics.HORIZON_HELD):
+        unknown.set(math.nan)
+
+
 def _backoff(failures: int) -> float:
     return min(_MAX_BACKOFF_S, 0.25 * 2.0**failures)
 
@@ -1132,11 +1140,7 @@ class Relay:
                 conn.close()
         self._close_gauge_conn()
         self._db_probe.close()
-        # Left as last read, a stopped relay (a sidecar's part waiting to start again) kept
-        # saying it held its shards and how old the backlog was: the alerts on them kept quiet.
-        metrics.SHARDS_OWNED.set(0)
-        for unknown in (metrics.BACKLOG, metrics.OLDEST_AGE, metrics.HORIZON_HELD):
-            unknown.set(math.nan)
+        _gauges_stopped()
         logger.info("relay %s stopped", self.relay_id)
 
     def _hand_back_connection(self) -> psycopg.Connection[Any]:
@@ -1216,7 +1220,9 @@ class Relay:
             if self._closed_if_stopped():
                 return
             holder = self._read_gauges()
-            self._closed_if_stopped()  # stopped while reading: the stop left it to us
+            if self._closed_if_stopped():  # stopped while reading: the stop left it to us
+                _gauges_stopped()  # again: what was read came after the stop's
+                return
         metrics.HORIZON_HOLDER_PID.set(holder[0] if holder else 0)
         held = self._horizon_held(holder)
         metrics.HORIZON_HELD.set(held)

@@ -704,15 +704,23 @@ class ShardWorker:
                             f"relay's principal needs READ on {tp.topic}"
                         )
                     raise KafkaException(error)
+                foreign = False
                 try:
                     found = decode_markers(msg.value() or b"", self.shard)
                 except MarkerTooNew as exc:
-                    raise MarkerTooNew(
-                        f"shard {self.shard}: message {tp.partition}:{msg.offset()} of the "
-                        f"op-marker topic {tp.topic}: {exc}. The rows it ends cannot be told, "
-                        "and sending them again would send them twice: the shard waits until "
-                        "this relay is upgraded, or the newer relays rolled back"
-                    ) from None
+                    if exc.outbox not in (None, self.outbox or exc.outbox, former_name):
+                        found = []  # another outbox's: said below as its other markers are
+                        foreign = True
+                    else:
+                        raise MarkerTooNew(
+                            f"shard {self.shard}: message {tp.partition}:{msg.offset()} of the "
+                            f"op-marker topic {tp.topic}: {exc}. The rows it ends cannot be "
+                            "told, and sending them again would send them twice: the shard "
+                            "waits until this relay is upgraded, or the newer relays rolled "
+                            "back (or, accepting that a batch in doubt may go again, stop "
+                            "every relay and empty shard_lease)",
+                            exc.outbox,
+                        ) from None
                 except MarkerFormatError as exc:
                     # Not written by a relay (Kafka checks each message's CRC, so not a damaged
                     # one of ours): it ends no row. Stopping here would stop the shard for good.
@@ -727,7 +735,7 @@ class ShardWorker:
                 ours = [
                     m for m in found if m.outbox in (None, self.outbox or m.outbox, former_name)
                 ]
-                if len(ours) < len(found):
+                if len(ours) < len(found) or foreign:
                     # Another outbox's, on a marker topic shared by mistake: its ids are not
                     # ours, and ending our rows by them dropped records never sent.
                     logger.error(

@@ -17,6 +17,7 @@ from relay.markers import (
     OUTBOX_REASON_HEADER,
     OUTBOX_TX_ID_HEADER,
     MarkerFormatError,
+    MarkerTooNew,
     decode_markers,
 )
 from scripts.soak.checks import Delivered, Marker
@@ -130,6 +131,6 @@ def _delivered(msg: Message) -> Delivered:
 def _markers(msg: Message) -> list[Marker]:
     try:
         found = decode_markers(msg.value() or b"")
-    except MarkerFormatError:  # no relay wrote it: the checks report its "op"
+    except (MarkerFormatError, MarkerTooNew):  # not a marker this build reads: reported
         return [Marker("unreadable", -1, MARKER_TOPIC, msg.partition(), msg.offset(), None)]
     return [Marker(m.op.value, m.id, m.topic, m.partition, m.offset, m.outbox) for m in found]

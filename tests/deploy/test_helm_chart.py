@@ -412,6 +412,7 @@ def test_alert_rules_use_only_series_and_labels_the_sidecar_exports(helm: str, m
             "prometheusRule.deliveryLagSeconds=120",
             "prometheusRule.reconcileStalledSeconds=600",
             "reconcile.enabled=true",
+            "serviceMonitor.enabled=true",  # the job is scraped: its series' absence is said
             *RECONCILE,
         )
     )
@@ -474,7 +475,22 @@ def test_alerts_for_failures_that_flap_or_are_retried_slowly(
     rules = {r["alert"]: r for g in docs["PrometheusRule"]["spec"]["groups"] for r in g["rules"]}
     assert fires_on in rules[alert]["expr"]
     if alert == "OutboxCheckEndpointDown":  # not closed for 10 minutes: half open counts too
-        assert rules[alert]["expr"].endswith(">= 1")
+        assert ">= 1 and count_over_time(" in rules[alert]["expr"]  # and 10 minutes of it
+
+
+def test_reconcile_arguments_that_only_name_a_key_file_are_taken(helm: str) -> None:
+    docs = by_kind(render(helm, "existingSecret=s", "reconcile.enabled=true", *RECONCILE,
+                          "reconcile.extraArgs={--jdbc-url=jdbc:postgresql://db/app?sslkey="
+                          "/certs/key.pem&sslmode=verify-full}"))  # fmt: skip
+    (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert any("sslkey=/certs/key.pem" in arg for arg in container["args"])
+
+
+def test_a_reconciliation_nobody_scrapes_is_not_alerted_as_absent(helm: str) -> None:
+    docs = by_kind(render(helm, "existingSecret=s", "prometheusRule.enabled=true",
+                          "reconcile.enabled=true", *RECONCILE))  # fmt: skip
+    rules = {r["alert"]: r for g in docs["PrometheusRule"]["spec"]["groups"] for r in g["rules"]}
+    assert "absent(" not in rules["OutboxReconcileStalled"]["expr"]
 
 
 def test_a_release_without_relays_is_not_alerted_for_their_absence(helm: str) -> None:
@@ -701,6 +717,14 @@ def test_the_dashboard_is_off_by_default(helm: str) -> None:
                 (
                     "reconcile.extraArgs={--dsn,postgresql://u:pw@db/app}",
                     "reconcile.extraArgs: --dsn would show the DSN",
+                ),
+                (  # argparse takes an abbreviation
+                    "reconcile.extraArgs={--ds=postgresql://u:pw@db/app}",
+                    "reconcile.extraArgs: --dsn would show the DSN",
+                ),
+                (  # Java's inline PEM key
+                    r"reconcile.kafkaOptions.ssl\.keystore\.key=pem",
+                    "reconcile.kafkaOptions.ssl.keystore.key holds a secret",
                 ),
                 (
                     "reconcile.extraArgs={--kafka-option=sasl.password=pw}",

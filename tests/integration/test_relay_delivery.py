@@ -2119,23 +2119,40 @@ def test_recovery_stops_at_a_marker_message_of_a_newer_relay_and_sends_nothing_a
     relay = relay_factory()
     relay.run_once()  # the marker topic exists; shard 0 recovered up to its end
     (worker,) = relay.workers.values()
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def newer_markers(**envelope: Any) -> None:
+        newer = {"v": 3, "shard": worker.shard, "relay": "newer", "epoch": 9, **envelope}
+        producer.produce(
+            relay.settings.relay.op_marker_topic,
+            json.dumps({**newer, "entries": []}).encode(),
+            partition=worker.marker_partition,
+        )
+        assert producer.flush(10) == 0
+
+    def errors(kind: str) -> float:
+        return REGISTRY.get_sample_value("outbox_relay_errors_total", {"kind": kind}) or 0.0
+
+    # another outbox's, on a marker topic shared by mistake: not this shard's business
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, topic, "after another outbox's")
+    newer_markers(outbox="elsewhere/outbox")
+    foreign = errors("foreign_markers")
+    worker.needs_recovery = True
+    assert relay.run_once().delivered == 1
+    assert errors("foreign_markers") == foreign + 1
+
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic, "in doubt")
-    newer = {"v": 3, "shard": worker.shard, "relay": "newer", "epoch": 9, "entries": []}
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    producer.produce(
-        relay.settings.relay.op_marker_topic,
-        json.dumps(newer).encode(),
-        partition=worker.marker_partition,
-    )
-    assert producer.flush(10) == 0
-    kind = {"kind": "marker_too_new"}
-    before = REGISTRY.get_sample_value("outbox_relay_errors_total", kind) or 0.0
+    newer_markers()  # this outbox's (a marker naming none is its own)
+    too_new = errors("marker_too_new")
     worker.needs_recovery = True
     with pytest.raises(MarkerTooNew, match=r"format version 3.*upgraded"):
         relay.run_once()
-    assert REGISTRY.get_sample_value("outbox_relay_errors_total", kind) == before + 1
-    assert consume_all(kafka_bootstrap, topic, "read_committed") == []
+    assert errors("marker_too_new") == too_new + 1
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [
+        b"after another outbox's"
+    ]
     assert [r[1] for r in rows(pg_dsn)] == ["committed"]
 
 

@@ -182,8 +182,12 @@ def test_a_message_of_a_newer_relay_that_may_be_this_shards_is_refused_not_skipp
     with pytest.raises(MarkerTooNew):
         decode_markers(newer)
     assert decode_markers(newer, shard=3) == []  # another shard's: not this one's business
-    with pytest.raises(MarkerTooNew):  # a shard not said may be any
-        decode_markers(b'{"v": 3, "batch": {"shard": 4}}', shard=3)
+    with pytest.raises(MarkerTooNew) as named:  # a shard not said may be any
+        decode_markers(b'{"v": 3, "relay": "r", "epoch": 1, "outbox": "db/outbox"}', shard=3)
+    assert named.value.outbox == "db/outbox"  # another outbox's is told apart by the shard
+    # without a relay's envelope, stray JSON: skipped as before, not a shard stopped for good
+    with pytest.raises(MarkerFormatError, match="unknown version 5"):
+        decode_markers(b'{"v": 5, "shard": 3}', shard=3)
     (message,) = marker_messages([entry(1), entry(2)], shard=4, relay="r", epoch=1)
     new_op = message.replace(b'"op":"delivered"', b'"op":"compacted"', 1)
     with pytest.raises(MarkerTooNew, match="op 'compacted', written by a newer relay"):

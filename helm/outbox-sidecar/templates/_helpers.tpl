@@ -213,14 +213,14 @@ checksum/outbox-config: {{ .Values.config | sha256sum }}
 read the pod's spec (and to the node's process list): secrets go in reconcile.existingSecret
 (the DSN) or reconcile.kafkaConfigSecret (the Kafka client's). */}}
 {{- define "outbox-sidecar.checkReconcileArgs" -}}
-{{- $secret := `(?i:password|secret|jaas|oauthbearer\.config|key\.pem)` -}}
+{{- $secret := `(?i:password|secret|jaas|oauthbearer\.config|ssl\.key\.pem|ssl\.keystore\.key)` -}}
 {{- range $key, $value := .kafkaOptions -}}
 {{- if regexMatch $secret $key -}}
 {{- fail (printf "reconcile.kafkaOptions.%s holds a secret, and the pod's spec shows it on the job's command line; put it in the properties file of reconcile.kafkaConfigSecret" $key) -}}
 {{- end -}}
 {{- end -}}
 {{- range .extraArgs -}}
-{{- if regexMatch `^--dsn(=|$)` (toString .) -}}
+{{- if regexMatch `^--dsn?(=|$)` (toString .) -}}
 {{- fail "reconcile.extraArgs: --dsn would show the DSN on the job's command line; the chart gives the job the DSN of reconcile.existingSecret" -}}
 {{- else if regexMatch (printf "(%s)[^=]*=" $secret) (toString .) -}}
 {{- fail (printf "reconcile.extraArgs: %q holds a secret, and the pod's spec shows it on the job's command line; put Kafka's in the properties file of reconcile.kafkaConfigSecret, the database's in reconcile.existingSecret" (regexReplaceAll (printf "^(.*?(?:%s)[^=]*=).*$" $secret) (toString .) "${1}...")) -}}
