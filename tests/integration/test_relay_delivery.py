@@ -31,6 +31,7 @@ from pydantic import SecretStr
 import outbox
 from checker import redrive
 from outbox import Record
+from outbox.migrations import RELAY_SCHEMA_VERSION
 from relay import service as service_module
 from relay import shard as shard_module
 from relay.config import SidecarSettings
@@ -2792,12 +2793,14 @@ def test_two_outboxes_sharing_an_op_marker_topic_end_only_their_own_rows(
 
 
 def test_a_relay_refuses_a_schema_not_migrated_yet(pg_dsn: str, relay_factory: Any) -> None:
-    with psycopg.connect(pg_dsn) as conn:  # as if the newest migration had not run
+    with psycopg.connect(pg_dsn) as conn:  # as if the relay's newest migration had not run
         conn.execute(
-            "DELETE FROM outbox.schema_migration WHERE version = (SELECT max(version)"
-            " FROM outbox.schema_migration)"
+            "DELETE FROM outbox.schema_migration WHERE version >= %s", (RELAY_SCHEMA_VERSION,)
         )
-    with pytest.raises(RelayConfigError, match="run `outboxctl migrate --schema outbox`"):
+    with pytest.raises(
+        RelayConfigError,
+        match=f"needs {RELAY_SCHEMA_VERSION}: run `outboxctl migrate --schema outbox`",
+    ):
         relay_factory().run_once()
 
 
