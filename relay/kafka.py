@@ -587,8 +587,8 @@ class ShardProducer:
         self, timeout_s: float | None = None, stopping: Callable[[], bool] | None = None
     ) -> None:
         """With `stopping`, given up (the producer left to its thread, never used again) once
-        it says so and the abort has had `stop_timeout_s`: up to the transaction timeout with
-        the coordinator unreachable, a stop that came meanwhile overran its grace."""
+        it says so and the abort has had STOP_ABORT_S: up to the transaction timeout with the
+        coordinator unreachable, a stop that came meanwhile overran its grace."""
         timeout_s = timeout_s or self.timeout_s
         try:
             if stopping is None:

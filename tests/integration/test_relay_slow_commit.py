@@ -93,6 +93,43 @@ def lease_owners(dsn: str) -> list[str | None]:
         return [row[0] for row in conn.execute("SELECT owner FROM outbox.shard_lease")]
 
 
+def owner_and_rival(relay_factory: Callable[..., Relay]) -> tuple[Relay, Relay]:
+    """Two relays of the same outbox, topics and prefix, of 3 s leases: the owner holds the
+    shard, set up while the broker answers; the rival is a member with no shard, which takes
+    it only once the owner's lease and membership expire."""
+    timing: dict[str, Any] = {
+        "lease_duration": "PT3S",
+        "heartbeat_interval": "PT1S",
+        "poll_interval": "PT0.2S",
+    }
+    owner = relay_factory(relay_id="owner", **timing)
+    assert owner.run_once().shards == 1
+    rival = relay_factory(relay_id="rival", **timing)
+    assert rival.run_once().shards == 0
+    return owner, rival
+
+
+def owners_for(dsn: str, seconds: float = 5) -> set[str | None]:
+    """Who held the lease over `seconds` (5: past the lease, within the broker's session
+    timeout of 9 s)."""
+    seen: set[str | None] = set()
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        seen.update(lease_owners(dsn))
+        time.sleep(0.2)
+    return seen
+
+
+def delivered_by_the_owner(dsn: str, bootstrap: str, topic: str, expected: Any) -> None:
+    """Once the broker is back, the owner's batch goes through, once, and it keeps the shard."""
+    until = time.monotonic() + 60
+    while undelivered(dsn):
+        assert time.monotonic() < until, f"{undelivered(dsn)} records still undelivered"
+        time.sleep(0.1)
+    assert lease_owners(dsn) == ["owner"]
+    assert_exactly_once(consume_all(bootstrap, topic, "read_committed"), expected)
+
+
 def drained(relay: Relay, dsn: str, timeout_s: float = 60) -> None:
     until = time.monotonic() + timeout_s
     while undelivered(dsn):
@@ -140,35 +177,16 @@ def test_a_commit_longer_than_the_lease_keeps_the_shard(
     """The leases were renewed before a commit, not during it: a commit longer than the lease
     lost them all, another relay took the shard and fenced the batch, and the next owner met
     the same slow broker."""
-    timing: dict[str, Any] = {
-        "lease_duration": "PT3S",
-        "heartbeat_interval": "PT1S",
-        "poll_interval": "PT0.2S",
-    }
-    owner = relay_factory(relay_id="owner", **timing)
-    assert owner.run_once().shards == 1
-    rival = relay_factory(relay_id="rival", **timing)  # the same outbox, topics and prefix
-    # Set up while the broker answers, a member with no shard: it takes the shard only once
-    # the owner's lease and membership expire.
-    assert rival.run_once().shards == 0
+    owner, rival = owner_and_rival(relay_factory)
     topic = topic_factory()
     expected = publish(pg_dsn, topic, transactions=2, per_tx=2)
-    seen: set[str | None] = set()
     with paused_after_produce(monkeypatch, broker_pid) as produced:
         owner.start()
         assert produced.wait(30), "no batch was produced"
         rival.start()
-        until = time.monotonic() + 5  # past the lease, within the broker's session timeout (9 s)
-        while time.monotonic() < until:
-            seen.update(lease_owners(pg_dsn))
-            time.sleep(0.2)
+        seen = owners_for(pg_dsn)
     assert seen == {"owner"}
-    until = time.monotonic() + 60
-    while undelivered(pg_dsn):  # the owner's commit goes through once the broker is back
-        assert time.monotonic() < until, f"{undelivered(pg_dsn)} records still undelivered"
-        time.sleep(0.1)
-    assert lease_owners(pg_dsn) == ["owner"]
-    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+    delivered_by_the_owner(pg_dsn, kafka_bootstrap, topic, expected)
 
 
 def test_a_recovery_whose_producer_init_the_broker_does_not_answer_keeps_the_leases(
@@ -185,20 +203,11 @@ def test_a_recovery_whose_producer_init_the_broker_does_not_answer_keeps_the_lea
     # A heartbeat's look at the marker topic's id waits up to 2 s on the paused broker: with
     # the test's 3 s lease, one in the pause left the next renewal at the lease's end.
     monkeypatch.setattr(relay.service, "MARKER_TOPIC_CHECK_S", 3600.0)
-    timing: dict[str, Any] = {
-        "lease_duration": "PT3S",
-        "heartbeat_interval": "PT1S",
-        "poll_interval": "PT0.2S",
-    }
-    owner = relay_factory(relay_id="owner", **timing)
-    assert owner.run_once().shards == 1
-    rival = relay_factory(relay_id="rival", **timing)
-    assert rival.run_once().shards == 0  # a member with no shard, as above
+    owner, rival = owner_and_rival(relay_factory)
     topic = topic_factory()
     expected = publish(pg_dsn, topic, transactions=2, per_tx=2)
     init = ShardProducer.init
     initing = threading.Event()
-    seen: set[str | None] = set()
     with broker_pausing(broker_pid) as pause:
 
         def paused_init(producer: ShardProducer, *args: Any, **kwargs: Any) -> None:
@@ -213,14 +222,6 @@ def test_a_recovery_whose_producer_init_the_broker_does_not_answer_keeps_the_lea
         owner.start()
         assert initing.wait(30), "no recovery began"
         rival.start()
-        until = time.monotonic() + 5  # past the lease, within the broker's session timeout (9 s)
-        while time.monotonic() < until:
-            seen.update(lease_owners(pg_dsn))
-            time.sleep(0.2)
+        seen = owners_for(pg_dsn)
     assert seen == {"owner"}
-    until = time.monotonic() + 60
-    while undelivered(pg_dsn):  # the init, then the batch, go through once the broker is back
-        assert time.monotonic() < until, f"{undelivered(pg_dsn)} records still undelivered"
-        time.sleep(0.1)
-    assert lease_owners(pg_dsn) == ["owner"]
-    assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
+    delivered_by_the_owner(pg_dsn, kafka_bootstrap, topic, expected)
