@@ -238,7 +238,7 @@ class Row:
             ]
         except (TypeError, ValueError):  # not pairs, or not base64
             raise MalformedHeaders(_header_fault(self.headers)) from None
-        for i, (name, _) in enumerate(given):
+        for i, (name, _) in enumerate(given) if given else ():  # most rows have none
             if type(name) is not str:
                 raise MalformedHeaders(_header_fault(self.headers))
             if name[:_RESERVED_LENGTH].lower() == RESERVED_HEADER_PREFIX:
