@@ -34,6 +34,10 @@ OLDEST_AGE = Gauge(
     "outbox_relay_oldest_undelivered_seconds",
     "Age (since commit) of the oldest committed record not delivered yet; 0 when none.",
 )
+PARKED_NOW = Gauge(
+    "outbox_relay_parked_records",
+    "Records parked now, waiting for a redrive (outboxctl records --state parked).",
+)
 HORIZON_HELD = Gauge(
     "outbox_relay_horizon_held_seconds",
     "How long the oldest running transaction has held back the xid horizon.",

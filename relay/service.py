@@ -117,7 +117,7 @@ def _gauges_stopped() -> None:
     """Left as last read, a stopped relay (a sidecar's part waiting to start again) kept saying
     it held its shards and how old the backlog was: the alerts on them kept quiet."""
     metrics.SHARDS_OWNED.set(0)
-    for unknown in (metrics.BACKLOG, metrics.OLDEST_AGE, metrics.HORIZON_HELD):
+    for unknown in (metrics.BACKLOG, metrics.OLDEST_AGE, metrics.PARKED_NOW, metrics.HORIZON_HELD):
         unknown.set(math.nan)
 
 
@@ -1248,17 +1248,18 @@ class Relay:
                 queries.query("relay_counts_backlog", self.schema), {"relay_id": self.relay_id}
             ).fetchone()
             if counts and counts[0]:
-                count, oldest = conn.execute(
+                count, oldest, parked = conn.execute(
                     queries.query("relay_backlog", self.schema)
-                ).fetchone() or (0, None)
+                ).fetchone() or (0, None, 0)
                 age = conn.execute(
                     "SELECT extract(epoch FROM now() - %s::timestamptz)", (oldest,)
                 ).fetchone()
                 metrics.BACKLOG.set(count)
                 metrics.OLDEST_AGE.set(float(age[0]) if age and age[0] is not None else 0.0)
+                metrics.PARKED_NOW.set(parked)
             else:
-                metrics.BACKLOG.set(0)
-                metrics.OLDEST_AGE.set(0)
+                for counted_elsewhere in (metrics.BACKLOG, metrics.OLDEST_AGE, metrics.PARKED_NOW):
+                    counted_elsewhere.set(0)
             holder: tuple[Any, ...] | None = conn.execute(
                 queries.query("relay_horizon_holder", self.schema)
             ).fetchone()

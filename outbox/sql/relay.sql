@@ -585,6 +585,7 @@ WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s;
 -- 1000 by transaction id: not state_changed_at, when a transaction began (a long one made the
 -- age, and the lag alert, that much older), and not only the lowest id's (a transaction with a
 -- lower id that commits later hid the ones committed before it).
+-- And the parked rows, waiting for a redrive (their own small index; few as a rule).
 SELECT (SELECT count(*) FROM {schema}.outbox_record WHERE state = 'committed'),
        least(
            (SELECT commit_ts FROM {schema}.outbox_record
@@ -593,7 +594,8 @@ SELECT (SELECT count(*) FROM {schema}.outbox_record WHERE state = 'committed'),
            (SELECT min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at))
             FROM (SELECT committed_xid, state_changed_at FROM {schema}.outbox_record
                   WHERE state = 'committed' AND commit_ts IS NULL
-                  ORDER BY committed_xid LIMIT 1000) AS first_unstamped));
+                  ORDER BY committed_xid LIMIT 1000) AS first_unstamped)),
+       (SELECT count(*) FROM {schema}.outbox_record WHERE state = 'parked');
 
 -- name: relay_horizon_holder
 -- The oldest transaction still running (it holds back the xid horizon), other than ours. Its

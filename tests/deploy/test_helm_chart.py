@@ -624,6 +624,7 @@ def test_the_dashboard_queries_only_series_and_labels_the_sidecar_exports(helm: 
             )
             queried.append(expr)
     assert any("outbox_relay_oldest_undelivered_seconds" in q for q in queried)
+    assert any("outbox_relay_parked_records" in q for q in queried)
     assert any("outbox_checker_checks_total" in q for q in queried)
     assert any("outbox_reconcile_findings_total" in q for q in queried)
 

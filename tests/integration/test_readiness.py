@@ -213,6 +213,7 @@ def test_a_stopped_relay_says_it_holds_no_shard_and_does_not_know_the_backlog(
     for unknown in (
         "outbox_relay_backlog_records",
         "outbox_relay_oldest_undelivered_seconds",
+        "outbox_relay_parked_records",
         "outbox_relay_horizon_held_seconds",
     ):
         assert math.isnan(REGISTRY.get_sample_value(unknown) or 0.0), unknown

@@ -2842,11 +2842,18 @@ def test_the_backlog_gauges_count_committed_rows_and_age_the_oldest_stamped_or_n
             "commit_ts = now() - interval '2 hours'", "commit_ts = NULL, state_changed_at = now()"
         )
         assert 7200 <= age < 7300
-        conn.execute("UPDATE outbox.outbox_record SET state = 'delivered' WHERE id IN (%s, %s)",
-                     (a, b))  # fmt: skip
+        assert REGISTRY.get_sample_value("outbox_relay_parked_records") == 0
+        conn.execute("UPDATE outbox.outbox_record SET state = 'delivered' WHERE id = %s", (a,))
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'parked', reason = 'too large' WHERE id = %s",
+            (b,),
+        )
         r.refresh_gauges()
         assert REGISTRY.get_sample_value("outbox_relay_backlog_records") == 0
         assert REGISTRY.get_sample_value("outbox_relay_oldest_undelivered_seconds") == 0
+        # parked: out of the backlog, waiting for a redrive (the parked alert only says when
+        # records were parked; this says how many still wait)
+        assert REGISTRY.get_sample_value("outbox_relay_parked_records") == 1
 
 
 def test_a_stop_during_a_gauges_refresh_cuts_it_short_and_closes_its_connection(
@@ -2912,11 +2919,19 @@ def test_one_relay_counts_the_backlog_for_the_gauges_on_a_connection_it_keeps(
     # what the relays' owned shards add up to, for the alert on shards without a relay
     assert REGISTRY.get_sample_value("outbox_relay_shards") == first.settings.relay.shards
     pid = first._gauge_conn.info.backend_pid
+    parked = "outbox_relay_parked_records"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.outbox_record SET state = 'parked', reason = 'x' WHERE id = "
+                     "(SELECT min(id) FROM outbox.outbox_record)")  # fmt: skip
+    assert backlog(first) == 2
+    assert REGISTRY.get_sample_value(parked) == 1
     assert backlog(second) == 0  # the gauges are this process's: the second's say 0
-    assert backlog(first) == 3
+    assert REGISTRY.get_sample_value(parked) == 0
+    assert backlog(first) == 2
     assert first._gauge_conn.info.backend_pid == pid  # kept, not one per refresh
     first.stop()  # it leaves: no longer a member
-    assert backlog(second) == 3
+    assert backlog(second) == 2
+    assert REGISTRY.get_sample_value(parked) == 1
 
 
 def test_the_oldest_age_is_the_earliest_commit_whatever_the_transaction_ids(
