@@ -1330,6 +1330,23 @@ class ShardWorker:
             self.needs_recovery = True
             self._abort(timeout_s=STOP_ABORT_S)
             raise
+        fatal = next(
+            (
+                sent.error
+                for sent in (*failed, *marker_sends)
+                if sent.error is not None and sent.error.code() == KafkaError._FATAL
+            ),
+            None,
+        )
+        if fatal is not None:
+            # librdkafka fails what is in flight after a fatal error with _FATAL alone; the
+            # abort, refused, says which error it was: taken for a record's own failure, a
+            # fencing was counted and logged as a plain Kafka error
+            self.needs_recovery = True
+            failure = self._abort()
+            if isinstance(failure, Fenced | ProducerFailed):
+                raise failure
+            raise KafkaException(fatal)
         marker_error = next(
             (
                 m.error
@@ -1568,14 +1585,14 @@ class ShardWorker:
             raise
         self._after_end(ending)
 
-    def _abort(self, timeout_s: float | None = None) -> None:
+    def _abort(self, timeout_s: float | None = None) -> Exception | None:
         """Abort the batch's Kafka transaction. An abort that fails (a timeout, a fencing) is
         logged, not raised: what the failed batch leaves to do (park its poison, send markers
         alone) must not wait for an abort that may keep failing, every round aborted again.
         The transaction cannot commit: recovery, next, fences it with the producer. While the
         relay stops, it waits STOP_ABORT_S at most, as a stop's own abort, a stop that comes
         during a longer abort too: the broker aborts the rest at its timeout, and a longer wait
-        overran the grace."""
+        overran the grace. Returns what made it fail, if anything."""
         if timeout_s is None and self._stopping():
             timeout_s = STOP_ABORT_S
         try:
@@ -1583,6 +1600,8 @@ class ShardWorker:
         except Exception as exc:
             self.needs_recovery = True
             logger.warning("shard %s: the abort failed (recovery fences it): %s", self.shard, exc)
+            return exc
+        return None
 
     def _settle_before_commit(self) -> None:
         """At most one batch in doubt per shard: the last one's rows end before the next

@@ -12,7 +12,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from relay.config import RelaySettings
-from relay.kafka import Sent
+from relay.kafka import Fenced, ProducerFailed, Sent
 from relay.leases import Lease
 from relay.shard import Row, ShardWorker, _Batch
 
@@ -179,3 +179,50 @@ def test_a_record_refused_as_of_a_topic_made_again_in_flight_goes_again_once(
         assert second.parked == 1
         assert parked[-1] == {1: "refused by the broker: Broker: Unknown topic or partition"}
         assert not shard._unknown_topic_retried  # redriven, it is given its one retry again
+
+
+class _FatalInFlight(_Producer):
+    """A producer failed for good while its records were in flight: librdkafka reports them
+    with _FATAL alone; the abort, refused, raises what the fatal error was (`abort_raises`)."""
+
+    def __init__(self, abort_raises: Exception | None) -> None:
+        super().__init__()
+        self.abort_raises = abort_raises
+
+    def reports(self, stalled: Any = None, waiting: Any = None) -> Iterator[Sent]:
+        for sent in self.sent:
+            sent.reported = True
+            sent.error = KafkaError(KafkaError._FATAL, "Fatal error")
+            yield sent
+
+    def abort(self, timeout_s: float | None = None, stopping: Any = None) -> None:
+        super().abort(timeout_s, stopping)
+        if self.abort_raises is not None:
+            raise self.abort_raises
+
+
+@pytest.mark.parametrize(
+    ("abort_raises", "raised"),
+    [
+        (Fenced("Broker: Producer fenced"), Fenced),
+        (ProducerFailed("the shard's producer failed for good"), ProducerFailed),
+        (None, KafkaException),
+    ],
+    ids=["fenced", "failed", "abort taken"],
+)
+def test_records_failed_by_a_fatal_error_say_which_it_was(
+    abort_raises: Exception | None, raised: type[Exception]
+) -> None:
+    """Reported _FATAL in flight (its fatal flag is the producer's, not the report's), a
+    fencing was raised as a plain KafkaException: counted as kind kafka, said as 'Fatal
+    error', nothing parked."""
+    producer = _FatalInFlight(abort_raises)
+    shard = worker(producer)
+    parked: list[dict[int, str]] = []
+    shard._park = lambda conn, poison: parked.append(dict(poison))  # type: ignore[method-assign]
+    with pytest.raises(raised) as caught:
+        shard._ship(None, batch(3))  # type: ignore[arg-type]
+    if abort_raises is not None:
+        assert caught.value is abort_raises
+    assert shard.needs_recovery
+    assert (producer.aborted, producer.committed, parked) == (1, 0, [])
