@@ -497,10 +497,15 @@ class ShardProducer:
         self._sent.append(sent)
         return sent
 
-    def send_queued(self) -> None:
-        """Send what is queued now and wait for it: what is produced next goes in new batches."""
-        if self._call(self.producer.flush, self.timeout_s) > 0:
-            raise OutcomeUnknown(f"queued records not sent in {self.timeout_s}s")
+    def send_queued(self, waiting: Callable[[], None] | None = None) -> None:
+        """Send what is queued now and wait for it: what is produced next goes in new batches.
+        `waiting` is called every WAIT_POLL_S of the wait, as by `reports` (the relay renews
+        its leases, and gives the batch up when it stops, from it): one flush up to the
+        transaction timeout let a slow broker lapse every lease and overrun a stop's grace."""
+        while self._call(self.producer.flush, WAIT_POLL_S) > 0:
+            self._past_timeout("queued records still not sent")
+            if waiting is not None:
+                waiting()
 
     def reports(
         self,

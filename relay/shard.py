@@ -1209,19 +1209,28 @@ class ShardWorker:
         # Set when the transaction failed in the background (a record the broker refused):
         # produce() then refuses everything; the refused record's report says which it was.
         doomed = False
+
+        def send_queued() -> None:
+            try:
+                self.producer.send_queued(waiting)
+            except ShuttingDown:  # as in the wait for reports
+                self.needs_recovery = True
+                self._abort(timeout_s=STOP_ABORT_S)
+                raise
+
         for row in committed:
             if row.id in poison:
                 continue
             alone = row.id in self._alone
             try:
                 if alone:
-                    self.producer.send_queued()  # what came before goes in batches of its own
+                    send_queued()  # what came before goes in batches of its own
                 headers = row.kafka_headers(self._outbox_header)
                 sent[row.id] = self.producer.send(
                     row.topic, row.value, row.key, headers, row.partition, tag=row
                 )
                 if alone:
-                    self.producer.send_queued()  # and this record in a batch alone
+                    send_queued()  # and this record in a batch alone
             except MalformedHeaders as exc:
                 poison[row.id] = f"its {exc}"
             except KafkaException as exc:
@@ -1241,10 +1250,10 @@ class ShardWorker:
                 alone = row.id in self._alone
                 try:
                     if alone:
-                        self.producer.send_queued()
+                        send_queued()
                     copy = self._send_dead_letter(row)
                     if alone:
-                        self.producer.send_queued()
+                        send_queued()
                 except DeadLetterUnwritable:
                     self._abort()  # one that fails is logged: this is what to say
                     raise
@@ -1275,7 +1284,7 @@ class ShardWorker:
                 return
             try:
                 if self._markers_alone:
-                    self.producer.send_queued()
+                    send_queued()
                 marker_sends.append(
                     self.producer.send(
                         self.settings.op_marker_topic,
@@ -1286,7 +1295,7 @@ class ShardWorker:
                     )
                 )
                 if self._markers_alone:
-                    self.producer.send_queued()
+                    send_queued()
             except KafkaException as exc:
                 if not _transaction_failed(exc):
                     raise

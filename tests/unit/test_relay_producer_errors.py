@@ -257,6 +257,46 @@ def test_a_stop_during_an_abort_the_coordinator_does_not_answer_gives_it_up() ->
     assert answering.open_for() < 0  # none open
 
 
+class _QueueStuck:
+    """A librdkafka producer whose queue never drains (the broker does not answer)."""
+
+    def __init__(self) -> None:
+        self.flushed: list[float] = []
+
+    def flush(self, timeout: float) -> int:
+        self.flushed.append(timeout)
+        time.sleep(timeout)
+        return 1
+
+
+def test_a_record_sent_alone_waits_for_its_batch_renewing_and_heeding_a_stop() -> None:
+    """A record that goes alone (send_queued) waited in one flush up to the transaction timeout,
+    without the waiting hook: a slow broker let every lease of the relay lapse, and a stop
+    meanwhile overran its grace. It waits in slices now, calling the hook between them, and
+    gives up at the transaction's timeout as the wait for reports does."""
+    producer = ShardProducer({}, "test-0", timedelta(seconds=30))
+    stuck = _QueueStuck()
+    producer._producer = stuck  # type: ignore[assignment]
+    producer._began = time.monotonic()
+    calls: list[float] = []
+
+    def stop_after_three() -> None:
+        calls.append(time.monotonic())
+        if len(calls) == 3:
+            raise ShuttingDown("the relay stops")
+
+    began = time.monotonic()
+    with pytest.raises(ShuttingDown):
+        producer.send_queued(stop_after_three)
+    assert len(calls) == 3
+    assert time.monotonic() - began < 1.0  # not the transaction's 30 s
+    assert max(stuck.flushed) <= 0.1
+    # past the transaction's timeout, it is said so, not waited out again
+    producer._began = time.monotonic() - 31
+    with pytest.raises(TransactionTimedOut, match="queued records still not sent"):
+        producer.send_queued(lambda: None)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_commit_whose_thread_ends_without_an_outcome_is_no_success() -> None:
     class _Interrupted:

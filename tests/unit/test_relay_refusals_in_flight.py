@@ -12,7 +12,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from relay.config import RelaySettings
-from relay.kafka import Fenced, ProducerFailed, Sent
+from relay.kafka import STOP_ABORT_S, Fenced, ProducerFailed, Sent, ShuttingDown
 from relay.leases import Lease
 from relay.shard import Row, ShardWorker, _Batch
 
@@ -59,7 +59,7 @@ class _Producer:
         self.sent.append(Sent(tag, topic=topic))
         return self.sent[-1]
 
-    def send_queued(self) -> None:
+    def send_queued(self, waiting: Any = None) -> None:
         pass
 
     def abort(self, timeout_s: float | None = None, stopping: Any = None) -> None:
@@ -226,3 +226,32 @@ def test_records_failed_by_a_fatal_error_say_which_it_was(
         assert caught.value is abort_raises
     assert shard.needs_recovery
     assert (producer.aborted, producer.committed, parked) == (1, 0, [])
+
+
+class _StopWhileAlone(_Producer):
+    """The relay stops while a record that goes alone waits for its batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.abort_timeouts: list[float | None] = []
+
+    def send_queued(self, waiting: Any = None) -> None:
+        waiting()
+
+    def abort(self, timeout_s: float | None = None, stopping: Any = None) -> None:
+        super().abort(timeout_s, stopping)
+        self.abort_timeouts.append(timeout_s)
+
+
+def test_a_stop_while_a_record_waits_to_go_alone_aborts_the_batch_briefly() -> None:
+    producer = _StopWhileAlone()
+    shard = worker(producer)
+    shard._alone.add(2)
+
+    def stopping() -> None:
+        raise ShuttingDown("the relay stops")
+
+    with pytest.raises(ShuttingDown):
+        shard._ship(None, batch(3), waiting=stopping)  # type: ignore[arg-type]
+    assert shard.needs_recovery
+    assert (producer.abort_timeouts, producer.committed) == ([STOP_ABORT_S], 0)
