@@ -8,6 +8,14 @@ One run, one scratch database, one broker, N records of 1 KiB on a 3-partition t
   reconcile  the job with Trigger.AvailableNow on local[2] (shuffle partitions 2) over those N
              records, their markers and their N ledger rows: records reconciled per second,
              cold (the first query in the JVM) and warm (same data, a fresh checkpoint).
+  marginal   the same warm run over 4N more records (a scratch database and topics of their
+             own): what each further record costs, (4N - N) / (T(4N) - T(N)), each time the
+             shorter of two runs. A judgement also has a fixed cost (~3-4 s here: Spark jobs,
+             the store and the ledger's reads), which a running job pays once per judgement,
+             and its micro-batches grow with the traffic: this is the rate above which it
+             falls behind for good, the fixed cost adding latency below it. An upper bound for
+             a running job: each judgement classifies a deadline of context again (see
+             streaming). Figures for the record, not the goal's ratio.
   detection  the continuous job (trigger T, deadline D), no traffic: a record is dropped at t0
              (ledger: delivered, nothing on Kafka); the delay until its `missing` finding is in
              the sink (median and max of --drops). Goal: D + 2T, which holds while one
@@ -57,6 +65,7 @@ from relay.markers import OUTBOX_ID_HEADER, OUTBOX_TX_ID_HEADER, Op, marker_entr
 
 if TYPE_CHECKING:
     from bench.relay import Drain
+    from spark.config import ReconcileSettings
 
 VALUE = os.urandom(512).hex().encode()  # 1 KiB
 PER_TX = 500
@@ -300,6 +309,53 @@ def streaming_capacity(
     }
 
 
+def warm_run(spark: Any, settings: ReconcileSettings, records: int) -> float:
+    """Seconds of one --once run over `records` clean records (the JVM warm)."""
+    from spark.job import ReconcileJob
+
+    started = time.perf_counter()
+    report = ReconcileJob(settings, spark).run_once()
+    took = time.perf_counter() - started
+    if (report.copies, report.found_total) != (records, 0):
+        raise RuntimeError(f"the clean data was not judged clean:\n{report.format()}")
+    return took
+
+
+def marginal_rate(
+    spark: Any,
+    settings: Callable[..., ReconcileSettings],
+    tmp: str,
+    bootstrap: str,
+    small: int,
+    large: int,
+    small_s: float,
+) -> dict[str, Any]:
+    """Records per second of the warm run's cost per further record, between `small` records
+    (`small_s`, measured by the caller) and `large` ones, written to a scratch database and
+    topics of their own (the first run's ledger rows would be read by its judgement too)."""
+    tag = uuid.uuid4().hex[:8]
+    topic, markers = f"bench.reconcile.{tag}", f"bench.reconcile.markers.{tag}"
+    create_topics(bootstrap, (topic, 3), (markers, 2))
+    try:
+        with scratch_database() as dsn:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                rows = fill_ledger(conn, topic, large)
+                mark_delivered(
+                    conn, produce(transactional_producer(bootstrap), topic, markers, rows)[1]
+                )
+            configs = [settings(f"{tmp}/marginal{i}", dsn, topic, markers) for i in range(2)]
+            time.sleep(configs[0].deadline.total_seconds() + 0.5)  # every record is due
+            large_s = min(warm_run(spark, config, large) for config in configs)
+    finally:
+        delete_topics(bootstrap, [topic, markers])
+    rate = round((large - small) / (large_s - small_s)) if large_s > small_s else None
+    return {
+        "records_per_s": rate,
+        "records": [small, large],
+        "seconds": [round(small_s, 2), round(large_s, 2)],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=50_000)
@@ -308,6 +364,12 @@ def main() -> None:
     parser.add_argument("--drops", type=int, default=3, help="dropped records, one at a time")
     parser.add_argument(
         "--stream-records", type=int, default=200_000, help="records streamed to a running job"
+    )
+    parser.add_argument(
+        "--marginal-factor",
+        type=int,
+        default=4,
+        help="the marginal rate's larger run: this many times --records (0: not measured)",
     )
     args = parser.parse_args()
 
@@ -354,7 +416,9 @@ def main() -> None:
             # what it keeps up once going: the higher, stricter of its two rates to keep up with
             relay = relay_run.steady_rate
 
-            def settings(checkpoint: str) -> ReconcileSettings:
+            def settings(
+                checkpoint: str, dsn: str = dsn, topic: str = topic, markers: str = markers
+            ) -> ReconcileSettings:
                 return ReconcileSettings(
                     dsn=dsn, bootstrap_servers=bootstrap, topics=(topic,), marker_topic=markers,
                     deadline=deadline, trigger=trigger, checkpoint=checkpoint, master="local[2]",
@@ -380,6 +444,18 @@ def main() -> None:
                 )
                 if (report.copies, report.found_total) != (n, 0):
                     raise RuntimeError(f"the clean data was not judged clean:\n{report.format()}")
+
+            marginal = None
+            if args.marginal_factor > 1:
+                small_s = min(runs["warm"], warm_run(spark, settings(f"{tmp.name}/warm2"), n))
+                marginal = marginal_rate(
+                    spark, settings, tmp.name, bootstrap, n, args.marginal_factor * n, small_s
+                )
+                print(
+                    f"reconcile marginal: {marginal['records_per_s']} records/s (each further "
+                    f"record; {marginal['records']} records in {marginal['seconds']} s)",
+                    flush=True,
+                )
 
             # Detection delay: the continuous job, no traffic, dropped records one at a time.
             finding: list[float] = []  # the time of each judgement that found a drop
@@ -447,6 +523,12 @@ def main() -> None:
         "relay_cpu_us_per_record": relay_run.cpu,
         "ratio_reconcile_warm_vs_baseline": round(n / runs["warm"] / baseline, 3),
         "ratio_reconcile_warm_vs_relay": round(n / runs["warm"] / relay, 3) if relay else None,
+        # what each further record costs a judgement: the rate a running job falls behind above
+        # (an upper bound: see the docstring); not the goal's ratio
+        "reconcile_marginal": marginal,
+        "ratio_reconcile_marginal_vs_relay": (
+            round(marginal["records_per_s"] / relay, 3) if marginal and relay else None
+        ),
         "detection_delay_s": {
             "median": round(statistics.median(delays), 2),
             "max": round(max(delays), 2),
