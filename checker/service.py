@@ -26,6 +26,7 @@ The checker only changes the database; everything that reaches Kafka is the rela
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -115,6 +116,15 @@ _HELD = (pg_errors.LockNotAvailable, pg_errors.DeadlockDetected)
 def _locked(exc: BaseException) -> bool:
     """The library's database error for rows another transaction holds."""
     return isinstance(exc.__cause__, _HELD)
+
+
+def _connection_suspect(exc: BaseException) -> bool:
+    """A database error a round failed on, other than rows held: the connection is replaced.
+    Kept while psycopg did not call it broken, one reconnected after a failover to a node still
+    read-only (a proxy's old route, a DSN without target_session_attrs) failed every round
+    until the checker was restarted, its probes green."""
+    cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
+    return isinstance(cause, psycopg.Error) and not isinstance(cause, _HELD)
 
 
 @contextmanager
@@ -360,11 +370,13 @@ class Checker:
                 self._refresh_ages(conn)
                 claims = self._claim_due(conn, result)
                 self._ask_and_apply(conn, claims, result)
-            except BaseException:
+            except BaseException as exc:
                 _metrics.ROUNDS.labels("error").inc()
                 self._last_round_ok = False
                 self._last_round_at = time.monotonic()
-                if self._conn is not None and (self._conn.broken or self._conn.closed):
+                if self._conn is not None and (
+                    self._conn.broken or self._conn.closed or _connection_suspect(exc)
+                ):
                     self._drop_connection()
                 raise
             _metrics.ROUNDS.labels("ok").inc()
@@ -380,6 +392,11 @@ class Checker:
         later: list[Reschedule] = []
         claims: list[Claim] = []
         probing: set[str] = set()
+        # Logs and metrics of what the claim decides, said once it is committed: a commit that
+        # failed (a failover) said transactions were discarded that were still prepared, and
+        # counted them again the round after.
+        committed: list[Callable[[], None]] = []
+        seen: list[tuple[str, str]] = []  # their answers dropped for held rows: told now
         with conn.transaction():
             # A transaction of many records takes its time to lock (a role's or database's
             # statement_timeout failed every round, the discards in it too), as the relay's claim
@@ -398,27 +415,10 @@ class Checker:
                     continue
                 result.due += 1
                 key = (tx.producer_group, tx.tx_id)
-                dropped = self._dropped_for_held_rows.pop(key, None)
-                if tx.check_lost and dropped == (tx.check_count, tx.first_created_at):
-                    # Its application held the rows and then did not end it (rolled back):
-                    # not a lost check, which blames a checker killed or cut off.
-                    logger.info(
-                        "tx %s of producer group %s: check %d's outcome was not recorded while "
-                        "its application held its rows, and it is still prepared; not counted",
-                        tx.tx_id,
-                        tx.producer_group,
-                        tx.check_count,
-                    )
-                elif tx.check_lost:
-                    logger.warning(
-                        "tx %s of producer group %s: check %d was lost (its lease ran out with no "
-                        "outcome recorded: a checker killed or cut from the database, or one "
-                        "whose answer came after the lease); not counted",
-                        tx.tx_id,
-                        tx.producer_group,
-                        tx.check_count,
-                    )
-                    _metrics.LOST.labels(self._label(tx.producer_group)).inc()
+                dropped = self._dropped_for_held_rows.get(key)
+                seen.append(key)
+                if tx.check_lost:
+                    committed.append(functools.partial(self._said_lost, tx, dropped))
                 if tx.checks_made >= s.max_checks:
                     limits[key] = ("max_checks", f"max checks ({s.max_checks}) reached")
                 elif now - tx.age_from >= s.max_prepared_age:
@@ -480,17 +480,55 @@ class Checker:
                 done = _claim.discard(conn, self.schema, discards, actor=self._actor)
                 for group, tx_id in done:
                     limit, reason = limits[(group, tx_id)]
-                    _metrics.DISCARDS.labels(self._label(group), limit).inc()
-                    logger.warning("discarded tx %s of producer group %s: %s", tx_id, group, reason)
+                    committed.append(functools.partial(self._said_discarded, group, tx_id,
+                                                       limit, reason))  # fmt: skip
                 result.discarded = len(done)
                 if done:
                     _claim.wake_relay(conn, self.schema, self._channel)
             if later:
                 _claim.reschedule(conn, self.schema, later)
                 result.not_sent += len(later)
-            return _claim.claim(
+            claimed = _claim.claim(
                 conn, self.schema, claims, now=now, max_records=s.request_max_records
             )
+            if result.discarded:
+                # The last statement: the commit notifies the relays, and waits for Postgres's
+                # notify lock, which the applications' notifying commits take one after another:
+                # a role's lock_timeout failed it, the whole claim with it, every round while
+                # they were busy (as in _waiting_for_rows and the manual actions).
+                conn.execute("SELECT set_config('lock_timeout', '0', true)")
+        for key in seen:
+            self._dropped_for_held_rows.pop(key, None)
+        for said in committed:
+            said()
+        return claimed
+
+    def _said_lost(self, tx: DueTransaction, dropped: tuple[int, datetime | None] | None) -> None:
+        """A lost check given back (committed): logged and counted."""
+        if dropped == (tx.check_count, tx.first_created_at):
+            # Its application held the rows and then did not end it (rolled back): not a lost
+            # check, which blames a checker killed or cut off.
+            logger.info(
+                "tx %s of producer group %s: check %d's outcome was not recorded while its "
+                "application held its rows, and it is still prepared; not counted",
+                tx.tx_id,
+                tx.producer_group,
+                tx.check_count,
+            )
+            return
+        logger.warning(
+            "tx %s of producer group %s: check %d was lost (its lease ran out with no outcome "
+            "recorded: a checker killed or cut from the database, or one whose answer came "
+            "after the lease); not counted",
+            tx.tx_id,
+            tx.producer_group,
+            tx.check_count,
+        )
+        _metrics.LOST.labels(self._label(tx.producer_group)).inc()
+
+    def _said_discarded(self, group: str, tx_id: str, limit: str, reason: str) -> None:
+        _metrics.DISCARDS.labels(self._label(group), limit).inc()
+        logger.warning("discarded tx %s of producer group %s: %s", tx_id, group, reason)
 
     @property
     def _actor(self) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 import psycopg
 import pytest
 from prometheus_client import REGISTRY
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 import outbox
@@ -57,6 +58,8 @@ from outbox.checkback import (
     serve,
 )
 from relay.config import load_settings
+from tests.fixtures.postgres import GrantedRoles
+from tests.integration.test_relay_commit_wait import standby_that_never_answers  # noqa: F401
 from tests.integration.test_relay_delivery import wait_for
 
 SECRET = "whsec_" + base64.b64encode(b"s" * 32).decode()
@@ -2407,3 +2410,108 @@ def test_client_reuses_connections_and_survives_a_closed_one(endpoint: Endpoint)
         assert len(endpoint.resolver.asked) == 3
     finally:
         client.close()
+
+
+# --- the database in trouble ------------------------------------------------------------------
+
+
+def test_a_claim_that_discards_waits_for_the_notify_lock_whatever_the_roles_lock_timeout(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    standby_that_never_answers: psycopg.Connection[Any],  # noqa: F811
+) -> None:
+    """Its commit notifies the relays and so waits for Postgres's notify lock, which the
+    applications' notifying commits take one after another. A role's lock_timeout failed it,
+    the whole claim with it (its discards, its checks), every round while they were busy. Staged
+    with an application's notifying commit that waits for a standby, holding that lock."""
+    from tests.integration.test_relay_commit_wait import await_commit_wait, commit_in_background
+
+    admin = standby_that_never_answers
+    tx_id, created = prepare(pg_dsn)
+    clock = Clock(created + timedelta(hours=72, seconds=1))  # due for its discard
+    impatient = make_conninfo(pg_dsn, options="-c lock_timeout=200ms")
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock, impatient)
+    app = psycopg.connect(pg_dsn)
+    app.execute("SET synchronous_commit = on")
+    outbox.publish(app, "orders.paid", {"n": 1})  # notifies the relays at its commit
+    app_commit = commit_in_background(app)
+    results: list[Any] = []
+    round_ = threading.Thread(target=lambda: results.append(checker.run_once()), daemon=True)
+    try:
+        assert await_commit_wait(admin, app.info.backend_pid, app_commit)
+        round_.start()
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> %s"
+        )
+        wait_for(lambda: admin.execute(waiting, (app.info.backend_pid,)).fetchone() == (1,))
+        round_.join(1.0)  # five times the role's lock_timeout
+        assert round_.is_alive()  # waiting, not failed
+    finally:
+        admin.execute("SELECT pg_cancel_backend(%s)", (app.info.backend_pid,))
+        app_commit.join(10)
+        app.close()
+    round_.join(10)
+    assert [r.discarded for r in results] == [1]
+    assert one(pg_dsn, tx_id)["state"] == "discarded"
+
+
+def test_a_round_that_fails_on_its_connection_makes_a_new_one(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    granted_roles: GrantedRoles,
+) -> None:
+    """Only a connection psycopg called broken was replaced: one reconnected after a failover
+    to a node still read-only (a proxy's old route) failed every round, healthy, until the
+    checker was restarted. Staged with a session that fails every round on its own state: its
+    role set to one that may only read."""
+    endpoint.resolver.default = COMMIT
+    tx_id, created = prepare(pg_dsn)
+    clock = Clock(created)
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+    checker.run_once()  # nothing due yet: its connection made
+    assert checker._conn is not None
+    checker._conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(granted_roles.reconciler)))
+    clock.now = created + timedelta(minutes=2)
+    with pytest.raises(Exception, match="permission denied"):
+        checker.run_once()
+    assert checker.run_once().committed == 1  # on a new connection
+    assert one(pg_dsn, tx_id)["state"] == "committed"
+
+
+def test_a_discard_is_said_and_counted_only_once_its_claim_commits(
+    pg_dsn: str,
+    endpoint: Endpoint,
+    make_checker: Callable[..., Checker],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Logged and counted inside the claim's transaction: a claim that failed after them (its
+    connection lost in a failover) said a transaction was discarded that was still prepared,
+    and the next round discarded it and counted it again."""
+    tx_id, created = prepare(pg_dsn)
+    clock = Clock(created + timedelta(hours=72, seconds=1))
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock)
+    before = metric("outbox_checker_discards_total", producer_group=GROUP, limit="max_age")
+    real_claim = _claim.claim
+
+    def cut_off(*args: Any, **kwargs: Any) -> Any:
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(_claim, "claim", cut_off)
+    with (
+        caplog.at_level(logging.WARNING, logger="checker.service"),
+        pytest.raises(psycopg.OperationalError),
+    ):
+        checker.run_once()
+    assert one(pg_dsn, tx_id)["state"] == "prepared"
+    assert f"discarded tx {tx_id}" not in caplog.text
+    assert metric("outbox_checker_discards_total", producer_group=GROUP, limit="max_age") == before
+    monkeypatch.setattr(_claim, "claim", real_claim)
+    with caplog.at_level(logging.WARNING, logger="checker.service"):
+        assert checker.run_once().discarded == 1
+    assert caplog.text.count(f"discarded tx {tx_id}") == 1
+    assert metric("outbox_checker_discards_total", producer_group=GROUP, limit="max_age") == (
+        before + 1
+    )
