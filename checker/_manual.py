@@ -498,7 +498,10 @@ def redrive_topic(
     tried: set[tuple[str, str]] = set()
     while limit is None or len(done) < limit:
         size = page if limit is None else min(page, limit - len(done))
-        with database_errors():
+        # In a transaction of its own: read bare on a connection not in autocommit, it began
+        # one that every redrive after it joined, as a savepoint; each reported done, none
+        # committed until the caller did (a connection lost, all of them lost).
+        with database_errors(), conn.transaction():
             parked = conn.execute(
                 queries.query("checker_parked_of_topic", schema),
                 {"topic": topic, "after": after, "limit": size},

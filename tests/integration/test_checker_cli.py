@@ -674,3 +674,26 @@ def test_findings_of_a_schema_without_the_reconciliation_tables_is_no_usage_erro
     assert "has no reconciliation tables: run `outboxctl migrate`" in capsys.readouterr().err
     assert main(["findings", "--dsn", pg_dsn, "--kind", "lost"]) == 2  # the input: still 2
     assert "unknown finding kinds" in capsys.readouterr().err
+
+
+def test_redrive_of_a_topic_on_a_connection_not_in_autocommit_commits_each_as_it_says(
+    pg_dsn: str,
+) -> None:
+    """Its first page's read began a transaction, and every redrive joined it as a savepoint:
+    each reported done, none committed; the connection closed without a commit (lost, or a
+    caller that did not know to commit), every one was undone."""
+    from checker import redrive_topic
+
+    txs = [parked(pg_dsn, "billing.missing")[1] for _ in range(2)]
+    reported: list[str] = []
+    conn = psycopg.connect(pg_dsn)  # autocommit off, psycopg's default
+    try:
+        redrive_topic(
+            conn, "billing.missing", actor="erin", reason="topic created",
+            on_redriven=lambda result: reported.append(result.tx_id),
+        )  # fmt: skip
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    finally:
+        conn.close()  # no commit
+    assert reported == txs
+    assert [state(pg_dsn, tx) for tx in txs] == ["committed", "committed"]
