@@ -17,12 +17,13 @@ from psycopg.pq import TransactionStatus as PgTxStatus
 from outbox import _core
 from outbox._callbacks import call_back
 from outbox._core import OutboxConfig, State, Transition, Written
-from outbox._errors import TransactionStateError
+from outbox._errors import OutboxDatabaseError, TransactionStateError
 from outbox._local import (
     LocalTransactionResult,
     ended_before,
     left_idle,
     parse_status,
+    prepare_cut_off,
     require_callable,
     require_idle,
     settled_first,
@@ -238,15 +239,22 @@ class AsyncOutbox:
         thread, so that it does not stall the event loop) or async."""
         require_callable(local_transaction)
         require_idle(conn, psycopg.AsyncConnection)
-        with database_errors():  # its BEGIN and COMMIT fail as ours
-            async with conn.transaction():
-                written = await self.prepare_many(
-                    conn,
-                    records,
-                    tx_id=tx_id,
-                    producer_group=producer_group,
-                    check_immunity=check_immunity,
-                )
+        written: Written | None = None
+        try:
+            with database_errors():  # its BEGIN and COMMIT fail as ours
+                async with conn.transaction():
+                    written = await self.prepare_many(
+                        conn,
+                        records,
+                        tx_id=tx_id,
+                        producer_group=producer_group,
+                        check_immunity=check_immunity,
+                    )
+        except OutboxDatabaseError as exc:
+            cut_off = prepare_cut_off(exc, written, conn)
+            if cut_off is None:
+                raise
+            raise cut_off from exc
         status = parse_status(await call_back(local_transaction, written), written)
         state = State.PREPARED
         try:

@@ -108,6 +108,27 @@ class OutboxDatabaseError(OutboxError):
         self.sqlstate = sqlstate
 
 
+class PrepareOutcomeUnknown(OutboxDatabaseError):
+    """`send_in_transaction`'s records reached their COMMIT and the connection was lost there:
+    they may be prepared or not, and the local transaction did not run. `tx_id`,
+    `producer_group` and `record_ids` say which they are: roll them back (on a new connection)
+    before trying again, or the checker asks the producer group's endpoint about them."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        sqlstate: str | None,
+        tx_id: str,
+        producer_group: str,
+        record_ids: tuple[int, ...],
+    ) -> None:
+        super().__init__(message, sqlstate=sqlstate)
+        self.tx_id = tx_id
+        self.producer_group = producer_group
+        self.record_ids = record_ids
+
+
 class TransactionConflict(OutboxDatabaseError):
     """Postgres aborted the caller's transaction for a conflict with another one: a
     serialization failure (40001, REPEATABLE READ or SERIALIZABLE) or a deadlock (40P01). Roll

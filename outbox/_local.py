@@ -11,7 +11,13 @@ import psycopg
 from psycopg.pq import TransactionStatus as PgTxStatus
 
 from outbox._core import State, Transition, Written
-from outbox._errors import IllegalTransitionError, OutboxUsageError, TransactionStateError
+from outbox._errors import (
+    IllegalTransitionError,
+    OutboxDatabaseError,
+    OutboxUsageError,
+    PrepareOutcomeUnknown,
+    TransactionStateError,
+)
 from outbox.checkback import TransactionStatus
 
 logger = logging.getLogger(__name__)
@@ -47,6 +53,34 @@ class LocalTransactionResult:
         if self.status is TransactionStatus.ROLLBACK:
             return self.state in (State.COMMITTED, State.DELIVERED, State.PARKED)
         return False
+
+
+def prepare_cut_off(
+    exc: OutboxDatabaseError,
+    written: Written | None,
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+) -> PrepareOutcomeUnknown | None:
+    """The error for step 1 (the records prepared and committed on their own) when the
+    connection was lost at its COMMIT: raised as any database error, it named no tx id, so
+    the caller could not roll back what may have been prepared, and tried again with a new
+    one; the checker then asked the endpoint about a tx id the application never saw, and
+    discarded the records to the dead-letter topic at the end. None otherwise (nothing
+    was written: the error stands as it is)."""
+    if written is None or not (conn.broken or conn.closed):
+        return None
+    ids = ", ".join(map(str, written.ids))
+    return PrepareOutcomeUnknown(
+        f"the connection was lost at the commit of the prepared records of tx "
+        f"{written.tx_id!r} (producer group {written.producer_group!r}, record ids {ids}): "
+        "they may be prepared or not, and the local transaction did not run. Roll them back "
+        "on a new connection before trying again (rollback(conn, tx_id, producer_group=..., "
+        "record_ids=...) as this error's attributes give them; UnknownTransactionError: none "
+        f"was prepared), or the checker asks the endpoint about them ({exc})",
+        sqlstate=exc.sqlstate,
+        tx_id=written.tx_id,
+        producer_group=written.producer_group,
+        record_ids=tuple(written.ids),
+    )
 
 
 _COMMITTED_FAMILY = frozenset({State.COMMITTED, State.DELIVERED, State.PARKED})

@@ -12,12 +12,13 @@ import psycopg
 from outbox import _core
 from outbox._callbacks import is_async
 from outbox._core import OutboxConfig, State, Transition, Written
-from outbox._errors import OutboxUsageError, TransactionStateError
+from outbox._errors import OutboxDatabaseError, OutboxUsageError, TransactionStateError
 from outbox._local import (
     LocalTransactionResult,
     ended_before,
     left_idle,
     parse_status,
+    prepare_cut_off,
     require_callable,
     require_idle,
     settled_first,
@@ -239,14 +240,21 @@ class Outbox:
             )
         require_callable(local_transaction)
         require_idle(conn, psycopg.Connection)
-        with database_errors(), conn.transaction():  # its BEGIN and COMMIT fail as ours
-            written = self.prepare_many(
-                conn,
-                records,
-                tx_id=tx_id,
-                producer_group=producer_group,
-                check_immunity=check_immunity,
-            )
+        written: Written | None = None
+        try:
+            with database_errors(), conn.transaction():  # its BEGIN and COMMIT fail as ours
+                written = self.prepare_many(
+                    conn,
+                    records,
+                    tx_id=tx_id,
+                    producer_group=producer_group,
+                    check_immunity=check_immunity,
+                )
+        except OutboxDatabaseError as exc:
+            cut_off = prepare_cut_off(exc, written, conn)
+            if cut_off is None:
+                raise
+            raise cut_off from exc
         status = parse_status(local_transaction(written), written)
         state = State.PREPARED
         try:

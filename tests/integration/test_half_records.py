@@ -824,3 +824,58 @@ def test_a_tx_id_prepared_again_after_its_end_is_refused_naming_what_it_holds(
         with pytest.raises(outbox.OutboxUsageError) as refused:
             outbox.prepare(conn, "t", "two", tx_id="again")
         assert "already holds published or already ended records" in str(refused.value)
+
+
+def test_send_in_transaction_names_the_records_it_may_have_prepared_when_cut_off_at_commit(
+    pg_dsn: str,
+) -> None:
+    """Cut off at the COMMIT of step 1, it raised a bare database error: the caller never
+    learnt the tx id (generated), could not roll back what may have been prepared, and tried
+    again under a new one; the checker then asked the endpoint about the first id, unknown to
+    the application. Staged with a trigger that ends its own session at the commit."""
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute(
+            """
+            CREATE FUNCTION outbox.cut_off() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); RETURN NULL; END $$;
+            CREATE CONSTRAINT TRIGGER cut_off_at_commit AFTER INSERT ON outbox.outbox_record
+            DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+            WHEN (NEW.producer_group = 'cut-off') EXECUTE FUNCTION outbox.cut_off();
+            """
+        )
+    ran: list[Written] = []
+
+    def local(written: Written) -> str:
+        ran.append(written)
+        return "COMMIT"
+
+    records = [Record("orders.paid", b"a"), Record("orders.paid", b"b")]
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as conn,
+        pytest.raises(outbox.PrepareOutcomeUnknown, match="may be prepared or not") as sync,
+    ):
+        outbox.Outbox(producer_group="cut-off").send_in_transaction(conn, records, local)
+
+    async def main() -> outbox.PrepareOutcomeUnknown:
+        aconn = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True)
+        try:
+            with pytest.raises(outbox.PrepareOutcomeUnknown) as caught:
+                await outbox.AsyncOutbox(producer_group="cut-off").send_in_transaction(
+                    aconn, records, local
+                )
+        finally:
+            await aconn.close()
+        return caught.value
+
+    for cut in (sync.value, asyncio.run(main())):
+        assert ran == []  # the local transaction never ran
+        assert cut.producer_group == "cut-off"
+        assert len(cut.record_ids) == 2
+        assert cut.tx_id in str(cut)
+        # what the error names is what the caller rolls back: here nothing was prepared
+        with (
+            psycopg.connect(pg_dsn, autocommit=True) as conn,
+            pytest.raises(outbox.UnknownTransactionError),
+        ):
+            outbox.rollback(conn, cut.tx_id, producer_group=cut.producer_group,
+                            record_ids=cut.record_ids)  # fmt: skip
