@@ -17,6 +17,7 @@ from __future__ import annotations
 from outbox._async import AsyncOutbox
 from outbox._core import MAX_SCHEMA_NAME, OutboxConfig, State, Transition, Written, wakeup_channel
 from outbox._errors import (
+    ConnectionLost,
     DuplicateTransactionError,
     IllegalTransitionError,
     InvalidConfigError,
@@ -62,6 +63,7 @@ __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
     "MAX_SCHEMA_NAME",
     "AsyncOutbox",
+    "ConnectionLost",
     "DuplicateTransactionError",
     "HeaderValue",
     "Headers",

@@ -15,6 +15,7 @@ from psycopg.pq import TransactionStatus as PgTxStatus
 from psycopg.rows import tuple_row
 
 from outbox._errors import (
+    ConnectionLost,
     OutboxDatabaseError,
     OutboxUsageError,
     SchemaError,
@@ -138,7 +139,13 @@ def database_errors() -> Iterator[None]:
     except psycopg.Error as exc:
         # A retry loop that catches these in the application's own statements catches them
         # here by their own class, not only as a database error.
-        kind = TransactionConflict if exc.sqlstate in _CONFLICTS else OutboxDatabaseError
+        kind = (
+            TransactionConflict
+            if exc.sqlstate in _CONFLICTS
+            else ConnectionLost
+            if _lost(exc)
+            else OutboxDatabaseError
+        )
         raise kind(f"the database failed: {exc}{_hint(exc)}", sqlstate=exc.sqlstate) from exc
 
 
@@ -157,6 +164,17 @@ def _hint(exc: psycopg.Error) -> str:
 
 # serialization_failure, deadlock_detected
 _CONFLICTS = frozenset({"40001", "40P01"})
+# admin_shutdown, crash_shutdown, cannot_connect_now (a server starting, or in recovery)
+_SHUT_DOWN = frozenset({"57P01", "57P02", "57P03"})
+
+
+def _lost(exc: psycopg.Error) -> bool:
+    """The connection, not the statement, failed: class 08, a shutdown, or no answer at all
+    (psycopg's own OperationalError without a SQLSTATE: the server closed the connection)."""
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = exc.sqlstate
+    return state is None or state.startswith("08") or state in _SHUT_DOWN
 
 
 def quiet(

@@ -542,7 +542,7 @@ def test_send_in_transaction_fails_as_the_outbox_on_a_dropped_or_closed_connecti
 
     conn = psycopg.connect(pg_dsn, autocommit=True)
     drop(conn.info.backend_pid)  # a failover, idle_session_timeout
-    with pytest.raises(outbox.OutboxDatabaseError, match="the database failed: terminating"):
+    with pytest.raises(outbox.ConnectionLost, match="the database failed: terminating"):
         box.send_in_transaction(conn, [Record("t", b"v")], lambda _: "COMMIT")
     with pytest.raises(outbox.OutboxUsageError, match="the connection is closed"):
         box.send_in_transaction(conn, [Record("t", b"v")], lambda _: "COMMIT")
@@ -551,7 +551,7 @@ def test_send_in_transaction_fails_as_the_outbox_on_a_dropped_or_closed_connecti
         send = outbox.AsyncOutbox().send_in_transaction
         aconn = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True)
         drop(aconn.info.backend_pid)
-        with pytest.raises(outbox.OutboxDatabaseError):
+        with pytest.raises(outbox.ConnectionLost):
             await send(aconn, [Record("t", b"v")], lambda _: "COMMIT")
         await aconn.close()
         with pytest.raises(outbox.OutboxUsageError, match="the connection is closed"):
