@@ -527,7 +527,9 @@ def main() -> None:
         # (an upper bound: see the docstring); not the goal's ratio
         "reconcile_marginal": marginal,
         "ratio_reconcile_marginal_vs_relay": (
-            round(marginal["records_per_s"] / relay, 3) if marginal and relay else None
+            round(marginal["records_per_s"] / relay, 3)
+            if marginal and marginal["records_per_s"] and relay
+            else None
         ),
         "detection_delay_s": {
             "median": round(statistics.median(delays), 2),

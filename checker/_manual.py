@@ -482,7 +482,9 @@ def redrive_topic(
     are not redriven again by this call. An error stops it there; the transactions before it
     are redriven (run it again for the rest), and ``on_redriven`` has been called with each,
     as it was done. A transaction busy for a moment (the relay parking or ending rows of it) is
-    tried again a few times; one no longer parked (another operator's redrive) is passed by."""
+    tried again a few times; one no longer parked (another operator's redrive) is passed by.
+    Each redrive commits as it is reported, unless ``conn`` has a transaction open: then they
+    are all part of it, the caller's to commit."""
     topic = check_topic(topic)  # a name no record can have: said so, not "none parked"
     actor = _require_text("actor", actor)
     reason = _require_text("reason", reason)
@@ -500,7 +502,8 @@ def redrive_topic(
         size = page if limit is None else min(page, limit - len(done))
         # In a transaction of its own: read bare on a connection not in autocommit, it began
         # one that every redrive after it joined, as a savepoint; each reported done, none
-        # committed until the caller did (a connection lost, all of them lost).
+        # committed until the caller did (a connection lost, all of them lost). In a
+        # transaction the caller has open, they are still the caller's to commit.
         with database_errors(), conn.transaction():
             parked = conn.execute(
                 queries.query("checker_parked_of_topic", schema),

@@ -110,15 +110,19 @@ class OutboxDatabaseError(OutboxError):
 
 class ConnectionLost(OutboxDatabaseError):
     """The connection to Postgres was lost or refused (the server shut down or restarted, a
-    failover, the network; SQLSTATE class 08, 57P01-57P03, or none: no answer came). Run the
-    whole transaction again on a new connection. A call that commits on its own (an end on an
-    autocommit connection) may have been applied: ends are compare-and-set, so repeating one
-    is safe (`changed=False`, or the state it reached named)."""
+    failover, a session timeout, the network; SQLSTATE class 08, 57P01-57P05, 25P03, or none:
+    no answer came). Run the whole transaction again on a new connection. A call that commits
+    on its own (an end on an autocommit connection) may have been applied: ends are
+    compare-and-set, so repeating one changes nothing twice (`changed=False`, or the state it
+    reached named; UnknownTransactionError once the relay has delivered and removed the
+    records)."""
 
 
-class PrepareOutcomeUnknown(ConnectionLost):
+class PrepareOutcomeUnknown(OutboxDatabaseError):
     """`send_in_transaction`'s records reached their COMMIT and the connection was lost there:
-    they may be prepared or not, and the local transaction did not run. `tx_id`,
+    they may be prepared or not, and the local transaction did not run. Not a ConnectionLost
+    (run again as it is, a retry left these records behind under a tx id the application
+    never saw). `tx_id`,
     `producer_group` and `record_ids` say which they are: roll them back (on a new connection)
     before trying again, or the checker asks the producer group's endpoint about them."""
 

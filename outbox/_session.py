@@ -164,16 +164,19 @@ def _hint(exc: psycopg.Error) -> str:
 
 # serialization_failure, deadlock_detected
 _CONFLICTS = frozenset({"40001", "40P01"})
-# admin_shutdown, crash_shutdown, cannot_connect_now (a server starting, or in recovery)
-_SHUT_DOWN = frozenset({"57P01", "57P02", "57P03"})
+# admin_shutdown, crash_shutdown, cannot_connect_now (a server starting, or in recovery),
+# database_dropped, idle_session_timeout, idle_in_transaction_session_timeout: the session ends
+_SHUT_DOWN = frozenset({"57P01", "57P02", "57P03", "57P04", "57P05", "25P03"})
 
 
 def _lost(exc: psycopg.Error) -> bool:
     """The connection, not the statement, failed: class 08, a shutdown, or no answer at all
     (psycopg's own OperationalError without a SQLSTATE: the server closed the connection)."""
+    state = exc.sqlstate
+    if state == "25P03":  # an InvalidTransactionState, not an OperationalError
+        return True
     if not isinstance(exc, psycopg.OperationalError):
         return False
-    state = exc.sqlstate
     return state is None or state.startswith("08") or state in _SHUT_DOWN
 
 

@@ -224,6 +224,9 @@ class Outbox:
            UNKNOWN.
         3. COMMIT commits the records, ROLLBACK rolls them back, UNKNOWN leaves them prepared.
 
+        If the connection is lost at step 1's commit, PrepareOutcomeUnknown names the records
+        that may be prepared (the local transaction did not run): roll them back before trying
+        again.
         If `local_transaction` raises, the records stay prepared and the exception propagates.
         If step 3 fails (the database is unreachable), the records stay prepared and the result
         says so instead of raising: the local work is done, so retrying it would do it twice.

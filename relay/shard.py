@@ -1210,12 +1210,20 @@ class ShardWorker:
         # produce() then refuses everything; the refused record's report says which it was.
         doomed = False
 
+        stop_aborted = False  # a stop met while sending aborts the batch once
+
+        def stop_abort() -> None:
+            nonlocal stop_aborted
+            self.needs_recovery = True
+            if not stop_aborted:
+                stop_aborted = True
+                self._abort(timeout_s=STOP_ABORT_S)
+
         def send_queued() -> None:
             try:
                 self.producer.send_queued(waiting)
             except ShuttingDown:  # as in the wait for reports
-                self.needs_recovery = True
-                self._abort(timeout_s=STOP_ABORT_S)
+                stop_abort()
                 raise
 
         for row in committed:
@@ -1335,9 +1343,8 @@ class ShardWorker:
                     mark(report.tag, report)
                 if not awaiting:
                     send_markers(batcher.take())
-        except ShuttingDown:
-            self.needs_recovery = True
-            self._abort(timeout_s=STOP_ABORT_S)
+        except ShuttingDown:  # from `waiting`, or a marker going alone (send_queued)
+            stop_abort()
             raise
         fatal = next(
             (
@@ -1347,15 +1354,9 @@ class ShardWorker:
             ),
             None,
         )
-        if fatal is not None:
-            # librdkafka fails what is in flight after a fatal error with _FATAL alone; the
-            # abort, refused, says which error it was: taken for a record's own failure, a
-            # fencing was counted and logged as a plain Kafka error
+        if fatal is not None:  # the producer's failure, not the markers' nor a record's
             self.needs_recovery = True
-            failure = self._abort()
-            if isinstance(failure, Fenced | ProducerFailed):
-                raise failure
-            raise KafkaException(fatal)
+            raise self._abort_failed(KafkaException(fatal))
         marker_error = next(
             (
                 m.error
@@ -1383,8 +1384,7 @@ class ShardWorker:
             if error is not None and error.code() in _PURGED and refused:
                 continue  # dropped because another record failed: it goes again
             if error is None or error.code() not in PERMANENT_RECORD_ERRORS:
-                self._abort()
-                raise KafkaException(error)
+                raise self._abort_failed(KafkaException(error))
             if (
                 row.state == "committed"
                 and row.id not in self._unknown_topic_retried
@@ -1422,10 +1422,12 @@ class ShardWorker:
             # A record failed in flight: the transaction is lost. Abort, park, go again, with
             # a new producer: after a broker's refusal librdkafka bumps the producer epoch and
             # purges what the next transaction queues meanwhile.
-            self._abort()
             self.needs_recovery = True
             if not failed:
-                raise KafkaException(KafkaError(KafkaError._STATE, "the transaction failed"))
+                raise self._abort_failed(
+                    KafkaException(KafkaError(KafkaError._STATE, "the transaction failed"))
+                )
+            self._abort()
             self._park(conn, poison)
             self._alone.difference_update(poison)
             self._unknown_topic_retried.difference_update(poison)
@@ -1443,8 +1445,9 @@ class ShardWorker:
             result.full = True  # their dead-letter copies and markers, next round
             return result
         if any(m.error is not None for m in marker_sends):  # purged, with nothing failed
-            self._abort()
-            raise KafkaException(KafkaError(KafkaError._STATE, "the op markers were not sent"))
+            raise self._abort_failed(
+                KafkaException(KafkaError(KafkaError._STATE, "the op markers were not sent"))
+            )
         _failpoints.hit(_failpoints.AFTER_PRODUCE)
         self._settle_before_commit()
         if waiting is not None:
@@ -1611,6 +1614,15 @@ class ShardWorker:
             logger.warning("shard %s: the abort failed (recovery fences it): %s", self.shard, exc)
             return exc
         return None
+
+    def _abort_failed(self, exc: Exception) -> Exception:
+        """Abort a batch that failed in flight; returns what to raise: the abort's own fencing
+        or fatal error where it met one, else `exc`. After a fatal error librdkafka reports
+        what was in flight as _FATAL or purged, the flag on the producer, not the reports:
+        taken for the batch's own failure, a fencing was counted as kind kafka and logged as
+        'Fatal error'."""
+        failure = self._abort()
+        return failure if isinstance(failure, Fenced | ProducerFailed) else exc
 
     def _settle_before_commit(self) -> None:
         """At most one batch in doubt per shard: the last one's rows end before the next

@@ -17,6 +17,12 @@ from outbox._session import database_errors
         (pg_errors.AdminShutdown("terminating connection"), "ConnectionLost"),
         (pg_errors.CannotConnectNow("the database system is starting up"), "ConnectionLost"),
         (pg_errors.ConnectionFailure("connection failure"), "ConnectionLost"),
+        (pg_errors.IdleSessionTimeout("idle-session timeout"), "ConnectionLost"),
+        (
+            pg_errors.IdleInTransactionSessionTimeout("idle-in-transaction timeout"),
+            "ConnectionLost",
+        ),
+        (pg_errors.DatabaseDropped("database dropped"), "ConnectionLost"),
         (pg_errors.SerializationFailure("could not serialize"), "TransactionConflict"),
         (pg_errors.DeadlockDetected("deadlock detected"), "TransactionConflict"),
         # a statement's own failure: the connection is fine

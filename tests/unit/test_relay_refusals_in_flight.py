@@ -183,16 +183,18 @@ def test_a_record_refused_as_of_a_topic_made_again_in_flight_goes_again_once(
 
 class _FatalInFlight(_Producer):
     """A producer failed for good while its records were in flight: librdkafka reports them
-    with _FATAL alone; the abort, refused, raises what the fatal error was (`abort_raises`)."""
+    with _FATAL alone, or purged (`reported`); the abort, refused, raises what the fatal error
+    was (`abort_raises`)."""
 
-    def __init__(self, abort_raises: Exception | None) -> None:
+    def __init__(self, abort_raises: Exception | None, reported: int = KafkaError._FATAL) -> None:
         super().__init__()
         self.abort_raises = abort_raises
+        self.reported = reported
 
     def reports(self, stalled: Any = None, waiting: Any = None) -> Iterator[Sent]:
         for sent in self.sent:
             sent.reported = True
-            sent.error = KafkaError(KafkaError._FATAL, "Fatal error")
+            sent.error = KafkaError(self.reported, "in flight at a fatal error")
             yield sent
 
     def abort(self, timeout_s: float | None = None, stopping: Any = None) -> None:
@@ -201,6 +203,7 @@ class _FatalInFlight(_Producer):
             raise self.abort_raises
 
 
+@pytest.mark.parametrize("reported", [KafkaError._FATAL, KafkaError._PURGE_QUEUE])
 @pytest.mark.parametrize(
     ("abort_raises", "raised"),
     [
@@ -211,12 +214,12 @@ class _FatalInFlight(_Producer):
     ids=["fenced", "failed", "abort taken"],
 )
 def test_records_failed_by_a_fatal_error_say_which_it_was(
-    abort_raises: Exception | None, raised: type[Exception]
+    abort_raises: Exception | None, raised: type[Exception], reported: int
 ) -> None:
-    """Reported _FATAL in flight (its fatal flag is the producer's, not the report's), a
-    fencing was raised as a plain KafkaException: counted as kind kafka, said as 'Fatal
-    error', nothing parked."""
-    producer = _FatalInFlight(abort_raises)
+    """Reported _FATAL or purged in flight (the fatal flag is the producer's, not the
+    reports'), a fencing was raised as a plain KafkaException: counted as kind kafka, said as
+    'Fatal error', nothing parked."""
+    producer = _FatalInFlight(abort_raises, reported)
     shard = worker(producer)
     parked: list[dict[int, str]] = []
     shard._park = lambda conn, poison: parked.append(dict(poison))  # type: ignore[method-assign]
@@ -247,6 +250,37 @@ def test_a_stop_while_a_record_waits_to_go_alone_aborts_the_batch_briefly() -> N
     producer = _StopWhileAlone()
     shard = worker(producer)
     shard._alone.add(2)
+
+    def stopping() -> None:
+        raise ShuttingDown("the relay stops")
+
+    with pytest.raises(ShuttingDown):
+        shard._ship(None, batch(3), waiting=stopping)  # type: ignore[arg-type]
+    assert shard.needs_recovery
+    assert (producer.abort_timeouts, producer.committed) == ([STOP_ABORT_S], 0)
+
+
+class _StopWhileMarkersGoAlone(_StopWhileAlone):
+    """The relay stops while a marker message that goes alone waits for its batch (in the
+    wait for reports): records reported, markers sent one at a time."""
+
+    def send_queued(self, waiting: Any = None) -> None:
+        if any(s.tag is not None and s.reported for s in self.sent):
+            waiting()
+
+    def reports(self, stalled: Any = None, waiting: Any = None) -> Iterator[Sent]:
+        for i, sent in enumerate(list(self.sent)):
+            sent.reported = True
+            sent.partition, sent.offset = 0, i
+            yield sent
+
+
+def test_a_stop_while_markers_go_alone_aborts_the_batch_once() -> None:
+    """The marker's wait aborted the batch, then the wait for reports aborted it again: the
+    second found none, and logged a false 'the abort failed'."""
+    producer = _StopWhileMarkersGoAlone()
+    shard = worker(producer)
+    shard._markers_alone = True
 
     def stopping() -> None:
         raise ShuttingDown("the relay stops")
