@@ -369,7 +369,7 @@ def main() -> None:
         "--marginal-factor",
         type=int,
         default=4,
-        help="the marginal rate's larger run: this many times --records (0: not measured)",
+        help="the marginal rate's larger run: this many times --records (1 or less: not measured)",
     )
     args = parser.parse_args()
 

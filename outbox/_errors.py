@@ -120,11 +120,11 @@ class ConnectionLost(OutboxDatabaseError):
 
 class PrepareOutcomeUnknown(OutboxDatabaseError):
     """`send_in_transaction`'s records reached their COMMIT and the connection was lost there:
-    they may be prepared or not, and the local transaction did not run. Not a ConnectionLost
-    (run again as it is, a retry left these records behind under a tx id the application
-    never saw). `tx_id`,
+    they may be prepared or not, and the local transaction did not run. `tx_id`,
     `producer_group` and `record_ids` say which they are: roll them back (on a new connection)
-    before trying again, or the checker asks the producer group's endpoint about them."""
+    before trying again, or the checker asks the producer group's endpoint about them. Not a
+    ConnectionLost: run again as it is, a retry left these records behind under a tx id the
+    application never saw."""
 
     def __init__(
         self,

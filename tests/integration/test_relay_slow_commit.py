@@ -71,15 +71,16 @@ def broker_pausing(broker_pid: int) -> Iterator[Callable[[], None]]:
 
 @contextlib.contextmanager
 def paused_after_produce(
-    monkeypatch: pytest.MonkeyPatch, broker_pid: int
+    monkeypatch: pytest.MonkeyPatch, broker_pid: int, at: str = _failpoints.AFTER_PRODUCE
 ) -> Iterator[threading.Event]:
-    """The broker stopped once a batch is produced, before its commit (broker_pausing)."""
+    """The broker stopped once a batch is produced, before its commit (broker_pausing); or
+    at another failpoint of the batch (`at`), the event set once it is reached."""
     produced = threading.Event()
     hit = _failpoints.hit
     with broker_pausing(broker_pid) as pause:
 
         def pause_there(name: str) -> None:
-            if name == _failpoints.AFTER_PRODUCE and not produced.is_set():
+            if name == at and not produced.is_set():
                 pause()
                 produced.set()
             hit(name)
@@ -221,6 +222,33 @@ def test_a_recovery_whose_producer_init_the_broker_does_not_answer_keeps_the_lea
             worker.needs_recovery = True  # as after a commit whose outcome is unknown
         owner.start()
         assert initing.wait(30), "no recovery began"
+        rival.start()
+        seen = owners_for(pg_dsn)
+    assert seen == {"owner"}
+    delivered_by_the_owner(pg_dsn, kafka_bootstrap, topic, expected)
+
+
+def test_a_record_that_goes_alone_keeps_the_leases_while_the_broker_does_not_answer(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Callable[..., Relay],
+    monkeypatch: pytest.MonkeyPatch,
+    broker_pid: int,
+) -> None:
+    """A record that goes alone (one refused with its batch as too large for the broker) waited
+    for its batch in one flush, up to kafka_transaction_timeout, renewing no lease: another
+    relay took the shard meanwhile and fenced the batch."""
+    owner, rival = owner_and_rival(relay_factory)
+    topic = topic_factory()
+    expected = publish(pg_dsn, topic, transactions=2, per_tx=2)
+    with psycopg.connect(pg_dsn) as conn:
+        first = conn.execute("SELECT min(id) FROM outbox.outbox_record").fetchone()
+    assert first is not None
+    owner.workers[0]._alone.add(first[0])  # as after the broker refused its batch
+    with paused_after_produce(monkeypatch, broker_pid, at=_failpoints.BEFORE_PRODUCE) as paused:
+        owner.start()
+        assert paused.wait(30), "no batch was claimed"
         rival.start()
         seen = owners_for(pg_dsn)
     assert seen == {"owner"}

@@ -246,20 +246,6 @@ class _StopWhileAlone(_Producer):
         self.abort_timeouts.append(timeout_s)
 
 
-def test_a_stop_while_a_record_waits_to_go_alone_aborts_the_batch_briefly() -> None:
-    producer = _StopWhileAlone()
-    shard = worker(producer)
-    shard._alone.add(2)
-
-    def stopping() -> None:
-        raise ShuttingDown("the relay stops")
-
-    with pytest.raises(ShuttingDown):
-        shard._ship(None, batch(3), waiting=stopping)  # type: ignore[arg-type]
-    assert shard.needs_recovery
-    assert (producer.abort_timeouts, producer.committed) == ([STOP_ABORT_S], 0)
-
-
 class _StopWhileMarkersGoAlone(_StopWhileAlone):
     """The relay stops while a marker message that goes alone waits for its batch (in the
     wait for reports): records reported, markers sent one at a time."""
@@ -275,12 +261,19 @@ class _StopWhileMarkersGoAlone(_StopWhileAlone):
             yield sent
 
 
-def test_a_stop_while_markers_go_alone_aborts_the_batch_once() -> None:
-    """The marker's wait aborted the batch, then the wait for reports aborted it again: the
-    second found none, and logged a false 'the abort failed'."""
-    producer = _StopWhileMarkersGoAlone()
+@pytest.mark.parametrize("markers", [False, True], ids=["a record alone", "markers alone"])
+def test_a_stop_while_something_waits_to_go_alone_aborts_the_batch_once_briefly(
+    markers: bool,
+) -> None:
+    """Waiting to go alone, a record or marker message did not heed the stop. Once it did, a
+    marker's wait aborted the batch, then the wait for reports aborted it again: the second
+    found none, and logged a false 'the abort failed'."""
+    producer = _StopWhileMarkersGoAlone() if markers else _StopWhileAlone()
     shard = worker(producer)
-    shard._markers_alone = True
+    if markers:
+        shard._markers_alone = True
+    else:
+        shard._alone.add(2)
 
     def stopping() -> None:
         raise ShuttingDown("the relay stops")
