@@ -275,6 +275,14 @@ def test_settings_render_the_kafka_source() -> None:
     assert "secret" not in repr(by_name)
 
 
+def test_the_kafka_source_asks_for_no_long_poll_unless_told() -> None:
+    """Its read of a partition ended with a fetch past the commit marker, which the broker held
+    for the consumer's default fetch.max.wait.ms (500 ms); a --kafka-option says otherwise."""
+    assert ReconcileSettings(**BASE).kafka_source_options()["kafka.fetch.max.wait.ms"] == "10"
+    told = ReconcileSettings(**BASE, kafka_options={"fetch.max.wait.ms": "250"})
+    assert told.kafka_source_options()["kafka.fetch.max.wait.ms"] == "250"
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
