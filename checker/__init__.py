@@ -6,15 +6,15 @@
     checker.run_once()                    # one round; or start() / stop() for a thread
 
 The checker only changes the database (commit, roll back, discard, reschedule); the relay ships
-whatever the changes hand it. Manual tools: ``rearm``, ``resolve`` and ``redrive`` (also
-``outboxctl rearm``, ``outboxctl resolve``, ``outboxctl redrive``). Errors derive from
-``outbox.OutboxError`` (tree in ``checker._errors``).
+whatever the changes hand it. Manual tools: ``rearm``, ``resolve``, ``redrive`` and ``drop``
+(also as ``outboxctl`` commands of the same names). Errors derive from ``outbox.OutboxError``
+(tree in ``checker._errors``).
 """
 
 from checker._breaker import CircuitBreaker, CircuitState
 from checker._client import CheckAnswer, CheckClient, HttpCheckClient, Outcome
 from checker._errors import CheckerError, TransactionBusyError
-from checker._manual import ManualResult, rearm, redrive, redrive_topic, resolve
+from checker._manual import ManualResult, drop, drop_topic, rearm, redrive, redrive_topic, resolve
 from checker.config import CheckerSettings, EndpointSettings
 from checker.service import Checker, CheckRoundResult
 
@@ -32,6 +32,8 @@ __all__ = [
     "ManualResult",
     "Outcome",
     "TransactionBusyError",
+    "drop",
+    "drop_topic",
     "rearm",
     "redrive",
     "redrive_topic",

@@ -3,14 +3,15 @@
     OutboxError
     ├── TransactionStateError            (outbox._errors) nothing changed
     │   ├── UnknownTransactionError      no record of that (producer group, tx id)
-    │   └── IllegalTransitionError       rearm / resolve do not apply to the records' states
+    │   └── IllegalTransitionError       rearm / resolve / redrive / drop do not apply to the
+    │                                    records' states
     └── CheckerError
         └── TransactionBusyError         another process holds the records' locks right now
-                                         (a checker claiming them):
+                                         (a checker claiming them, the relay ending them):
                                          nothing changed, try again
 
-Manual tools (``rearm``, ``resolve``) raise these; the checker service itself never raises them
-to its caller: an answer it cannot apply is logged and counted.
+Manual tools (``rearm``, ``resolve``, ``redrive``, ``drop``) raise these; the checker service
+itself never raises them to its caller: an answer it cannot apply is logged and counted.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Manual decisions on one transaction, by an operator, audited: re-arm, resolve and redrive.
+"""Manual decisions on one transaction, by an operator, audited: re-arm, resolve, redrive and
+drop.
 
 - ``rearm`` (RocketMQ's resumeCheckHalfMessage): a discarded transaction whose records have not
   been handed out yet (the relay has not written their op markers: ``ended_at IS NULL``, and
@@ -14,6 +15,11 @@
   committed now, and the relay ships them again (``redrive_topic``: all of a topic's). They go
   after whatever of their keys went out meanwhile: a parked record's key lost its order when
   it was parked.
+- ``drop``: parked records given up on (a topic retired for good, a record too large for any
+  setting) are removed from the outbox once their dead-letter copy and op marker are out, the
+  ids, topics and reasons kept in the audit row (``drop_topic``: all of a topic's). Without it
+  they stayed for good: the archive keeps parked rows, and the parked-records gauge never
+  came back to 0.
 
 Each runs in one database transaction (a savepoint if the caller has one open) that first locks
 every record of the transaction with NOWAIT: if a checker is claiming them right now, the call
@@ -32,6 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -49,6 +56,8 @@ from outbox.checkback import TransactionStatus
 
 logger = logging.getLogger(__name__)
 
+DROPPED = "dropped"  # drop's to_state: the rows are gone
+
 Conn = psycopg.Connection[Any]
 
 _ALREADY = {
@@ -62,7 +71,7 @@ _ALREADY = {
 class ManualResult:
     producer_group: str
     tx_id: str
-    action: str  # "rearm", "resolve" or "redrive"
+    action: str  # "rearm", "resolve", "redrive" or "drop"
     from_state: str
     to_state: str
     record_ids: tuple[int, ...]
@@ -99,28 +108,19 @@ _BUSY_TRIES = 5
 _BUSY_WAIT_S = 0.2
 
 
-def _redrive_patiently(
-    conn: Conn,
-    group: str,
-    tx_id: str,
-    actor: str,
-    reason: str,
-    ids: list[int],
-    schema: str,
-) -> ManualResult | None:
-    """One transaction of a topic's redrive; None when it is parked no more. The relay locks
-    parked rows for a moment while it parks or ends them: that stopped a whole topic's run."""
+def _patiently(act: Callable[[], ManualResult], group: str, tx_id: str) -> ManualResult | None:
+    """One transaction of a topic's redrive or drop; None when it is parked no more. The relay
+    locks parked rows for a moment while it parks or ends them: that stopped a whole topic's
+    run."""
     for attempt in range(1, _BUSY_TRIES + 1):
         try:
-            return redrive(
-                conn, group, tx_id, actor=actor, reason=reason, record_ids=ids, schema=schema
-            )
+            return act()
         except TransactionBusyError:
             if attempt == _BUSY_TRIES:
                 raise
             time.sleep(_BUSY_WAIT_S * attempt)
         except (IllegalTransitionError, UnknownTransactionError) as exc:
-            # redriven by another operator meanwhile: parked no more, or delivered and gone
+            # redriven or dropped by another operator meanwhile: parked no more, or gone
             logger.info("tx %s of producer group %s passed by: %s", tx_id, group, exc)
             return None
     raise AssertionError("unreachable: the last try raises")
@@ -136,7 +136,8 @@ def _lock(conn: Conn, schema: str, group: str, tx_id: str, action: str) -> list[
         raise TransactionBusyError(
             f"the records of tx id {tx_id!r} in producer group {group!r} are locked by another "
             "transaction right now (a checker asking about them or applying an answer, the "
-            "application ending them, another operator's command); nothing changed: try again",
+            "application ending them, the relay parking or ending them, another operator's "
+            "command); nothing changed: try again",
             producer_group=group,
             tx_id=tx_id,
         ) from None
@@ -488,11 +489,148 @@ def redrive_topic(
     topic = check_topic(topic)  # a name no record can have: said so, not "none parked"
     actor = _require_text("actor", actor)
     reason = _require_text("reason", reason)
+    schema = OutboxConfig(schema_name=schema).schema_name
+    return _each_of_topic(
+        conn,
+        topic,
+        schema,
+        lambda group, tx_id, ids: redrive(
+            conn, group, tx_id, actor=actor, reason=reason, record_ids=ids, schema=schema
+        ),
+        shipped_only=False,
+        limit=limit,
+        on_done=on_redriven,
+        page=page,
+    )
+
+
+def drop(
+    conn: Conn,
+    producer_group: str,
+    tx_id: str,
+    *,
+    actor: str,
+    reason: str,
+    record_ids: Sequence[int] = (),
+    schema: str = "outbox",
+) -> ManualResult:
+    """Parked records given up on (a topic retired for good, a record no broker setting will
+    take) removed from the outbox: nothing sends them. What is left of them is their copy on
+    the dead-letter topic (unless that topic refused even the bare copy: see the README), their
+    ``parked`` op marker, and this drop's ``audit_log`` row (ids, topics, why each was parked).
+    Only records whose copy and marker are out: before that, the relay still has to write
+    them. ``record_ids``: only those of the transaction's parked records (default: all).
+
+    Raises UnknownTransactionError, IllegalTransitionError (no parked record, a record id that
+    is not one of them, or one the relay has not shipped to the dead-letter topic yet),
+    TransactionBusyError; in each case nothing changed.
+    """
+    group, tx_id = check_producer_group(producer_group), check_stored_tx_id(tx_id)
+    actor = _require_text("actor", actor)
+    reason = _require_text("reason", reason)
+    wanted = sorted({int(i) for i in record_ids})
+    schema = OutboxConfig(schema_name=schema).schema_name
+    with database_errors(), conn.transaction():
+        rows = _lock(conn, schema, group, tx_id, "drop")
+        parked = {r.id: r for r in rows if r.state == State.PARKED}
+        strangers = [i for i in wanted if i not in parked]
+        unshipped = [i for i in (wanted or parked) if i in parked and not parked[i].shipped]
+        if not parked or strangers or unshipped:
+            current = _describe(rows)
+            if not parked:
+                what = f"none of its records is parked (they are {', '.join(current)})"
+            elif strangers:
+                what = f"record(s) {strangers} are not among its parked ones ({sorted(parked)})"
+            else:
+                what = (
+                    f"record(s) {unshipped} are not on the dead-letter topic yet (the relay "
+                    "writes their copies and op markers first): try again once it has"
+                )
+            raise IllegalTransitionError(
+                f"cannot drop tx id {tx_id!r} of producer group {group!r}: {what}",
+                producer_group=group,
+                tx_id=tx_id,
+                current_states=current,
+            )
+        dropped = conn.execute(
+            queries.query("checker_drop_parked", schema),
+            {"producer_group": group, "tx_id": tx_id, "ids": wanted},
+        ).fetchall()
+        ids = tuple(sorted(int(r[0]) for r in dropped))
+        audit_id = _audit(
+            conn,
+            schema,
+            actor=actor,
+            action="drop",
+            group=group,
+            tx_id=tx_id,
+            detail={
+                "reason": reason,
+                "record_ids": list(ids),
+                "topics": {str(r[0]): r[1] for r in dropped},
+                "parked_for": {str(r[0]): r[2] for r in dropped},
+            },
+        )
+    logger.warning(
+        "dropped %d parked record(s) of tx %s of producer group %s by %s: %s",
+        len(ids),
+        tx_id,
+        group,
+        actor,
+        reason,
+    )
+    return ManualResult(group, tx_id, "drop", State.PARKED.value, DROPPED, ids, True, audit_id)
+
+
+def drop_topic(
+    conn: Conn,
+    topic: str,
+    *,
+    actor: str,
+    reason: str,
+    schema: str = "outbox",
+    limit: int | None = None,
+    on_dropped: Callable[[ManualResult], None] | None = None,
+    page: int = 1000,
+) -> list[ManualResult]:
+    """``drop`` of every record parked for ``topic`` whose dead-letter copy and op marker are
+    out (those the relay has not shipped yet are left: run it again), one transaction after
+    another, each audited on its own, as ``redrive_topic`` goes."""
+    topic = check_topic(topic)  # a name no record can have: said so, not "none parked"
+    actor = _require_text("actor", actor)
+    reason = _require_text("reason", reason)
+    schema = OutboxConfig(schema_name=schema).schema_name
+    return _each_of_topic(
+        conn,
+        topic,
+        schema,
+        lambda group, tx_id, ids: drop(
+            conn, group, tx_id, actor=actor, reason=reason, record_ids=ids, schema=schema
+        ),
+        shipped_only=True,
+        limit=limit,
+        on_done=on_dropped,
+        page=page,
+    )
+
+
+def _each_of_topic(
+    conn: Conn,
+    topic: str,
+    schema: str,
+    act: Callable[[str, str, list[int]], ManualResult],
+    *,
+    shipped_only: bool,
+    limit: int | None,
+    on_done: Callable[[ManualResult], None] | None,
+    page: int,
+) -> list[ManualResult]:
+    """`act` on each transaction with records parked for `topic` (those records' ids), in the
+    order of their first parked record; see redrive_topic."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be at least 1, not {limit}")
     if page < 1:
         raise ValueError(f"page must be at least 1, not {page}")
-    schema = OutboxConfig(schema_name=schema).schema_name
     done: list[ManualResult] = []
     after = 0  # the first parked record id of the last transaction read
     # A transaction of which the relay parks some records again, above `after`, comes on a
@@ -501,24 +639,24 @@ def redrive_topic(
     while limit is None or len(done) < limit:
         size = page if limit is None else min(page, limit - len(done))
         # In a transaction of its own: read bare on a connection not in autocommit, it began
-        # one that every redrive after it joined, as a savepoint; each reported done, none
+        # one that every action after it joined, as a savepoint; each reported done, none
         # committed until the caller did (a connection lost, all of them lost). In a
         # transaction the caller has open, they are still the caller's to commit.
         with database_errors(), conn.transaction():
             parked = conn.execute(
                 queries.query("checker_parked_of_topic", schema),
-                {"topic": topic, "after": after, "limit": size},
+                {"topic": topic, "after": after, "limit": size, "shipped_only": shipped_only},
             ).fetchall()
         for group, tx_id, ids in parked:
             if (group, tx_id) in tried:
                 continue
             tried.add((group, tx_id))
-            result = _redrive_patiently(conn, group, tx_id, actor, reason, ids, schema)
+            result = _patiently(partial(act, group, tx_id, ids), group, tx_id)
             if result is None:
                 continue
             done.append(result)
-            if on_redriven is not None:
-                on_redriven(result)
+            if on_done is not None:
+                on_done(result)
         if len(parked) < size:
             break
         after = parked[-1][2][0]

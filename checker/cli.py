@@ -6,6 +6,8 @@
                       --actor NAME --reason TEXT
     outboxctl redrive (--producer-group G --tx-id T [--id N]... | --topic X)   (--id: one each)
                       --actor NAME --reason TEXT
+    outboxctl drop    (--producer-group G --tx-id T [--id N]... | --topic X)
+                      --actor NAME --reason TEXT
 
 `rearm` puts a discarded transaction that the relay has not shipped yet (none of its records:
 it ships them a batch and a shard at a time) back to prepared, with
@@ -13,9 +15,11 @@ its check count set to N (default 0: a full `max_checks` again), due at once, it
 prepared age counted from the re-arm. `resolve` commits or rolls back by hand a prepared
 transaction (or a discarded one not shipped yet). `redrive` puts parked records (refused by
 the broker for good) back to committed once their cause is fixed, and the relay ships them
-again (`--topic`: every record parked for that topic, transaction by transaction). All
-three are audited in `audit_log`. The database comes from `--dsn`, OUTBOX_DATABASE_URL or
-the sidecar's settings, in that order (for `checker` the other settings as well).
+again (`--topic`: every record parked for that topic, transaction by transaction). `drop`
+removes parked records given up on, once the relay has put their copies on the dead-letter
+topic: they are never sent. All four are audited in `audit_log`. The database comes from
+`--dsn`, OUTBOX_DATABASE_URL or the sidecar's settings, in that order (for `checker` the other
+settings as well).
 """
 
 from __future__ import annotations
@@ -32,7 +36,15 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from checker._manual import ManualResult, rearm, redrive, redrive_topic, resolve
+from checker._manual import (
+    ManualResult,
+    drop,
+    drop_topic,
+    rearm,
+    redrive,
+    redrive_topic,
+    resolve,
+)
 from outbox import SchemaError
 from outbox.checkback import TransactionStatus
 from relay.cli_database import connect
@@ -89,26 +101,36 @@ def add_commands(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_redrive(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "redrive",
-        parents=[common],
-        help="parked records (refused by the broker for good), their cause fixed: shipped again",
-    )
-    p.add_argument("--producer-group", help="the transaction's producer group")
-    p.add_argument("--tx-id", help="the transaction id")
-    p.add_argument("--topic", help="instead of a transaction: every record parked for this topic")
-    p.add_argument(
-        "--id",
-        dest="ids",
-        type=int,
-        action="append",
-        default=[],
-        metavar="N",
-        help="only this parked record of the transaction (repeat for more; default: all of them)",
-    )
-    p.add_argument("--actor", required=True, help="who does this, for the audit log")
-    p.add_argument("--reason", required=True, help="what was fixed, for the audit log")
-    p.set_defaults(func=_cmd_redrive)
+    for name, helped, why in [
+        (
+            "redrive",
+            "parked records (refused by the broker for good), their cause fixed: shipped again",
+            "what was fixed, for the audit log",
+        ),
+        (
+            "drop",
+            "parked records given up on, their dead-letter copy out: removed, never sent",
+            "why they are given up on, for the audit log",
+        ),
+    ]:
+        p = sub.add_parser(name, parents=[common], help=helped)
+        p.add_argument("--producer-group", help="the transaction's producer group")
+        p.add_argument("--tx-id", help="the transaction id")
+        p.add_argument(
+            "--topic", help="instead of a transaction: every record parked for this topic"
+        )
+        p.add_argument(
+            "--id",
+            dest="ids",
+            type=int,
+            action="append",
+            default=[],
+            metavar="N",
+            help="only this parked record of the transaction (repeat for more; default: all)",
+        )
+        p.add_argument("--actor", required=True, help="who does this, for the audit log")
+        p.add_argument("--reason", required=True, help=why)
+        p.set_defaults(func=_cmd_parked)
 
 
 def _non_negative(text: str) -> int:
@@ -220,21 +242,43 @@ def _cmd_resolve(args: argparse.Namespace) -> int:
     )
 
 
-def _cmd_redrive(args: argparse.Namespace) -> int:
+_OfTopic = Callable[
+    [psycopg.Connection[Any], argparse.Namespace, Callable[[ManualResult], None]], Any
+]
+_ON_PARKED: dict[str, tuple[Callable[..., ManualResult], _OfTopic]] = {
+    "redrive": (
+        redrive,
+        lambda conn, a, say: redrive_topic(
+            conn, a.topic, actor=a.actor, reason=a.reason, schema=a.schema, on_redriven=say
+        ),
+    ),
+    "drop": (
+        drop,
+        lambda conn, a, say: drop_topic(
+            conn, a.topic, actor=a.actor, reason=a.reason, schema=a.schema, on_dropped=say
+        ),
+    ),
+}
+
+
+def _cmd_parked(args: argparse.Namespace) -> int:
+    """redrive and drop: one transaction's parked records, or every one of a topic."""
+    name = args.command
+    one, of_topic = _ON_PARKED[name]
     one_tx = args.producer_group is not None and args.tx_id is not None
     if args.topic is None and not one_tx:
-        print("outboxctl redrive: give --producer-group and --tx-id, or --topic", file=sys.stderr)
+        print(f"outboxctl {name}: give --producer-group and --tx-id, or --topic", file=sys.stderr)
         return 2
     if args.topic is not None and (args.producer_group or args.tx_id or args.ids):
         print(
-            "outboxctl redrive: --topic goes alone, without --producer-group, --tx-id or --id",
+            f"outboxctl {name}: --topic goes alone, without --producer-group, --tx-id or --id",
             file=sys.stderr,
         )
         return 2
     if one_tx:
         return _manual(
             args,
-            lambda conn: redrive(
+            lambda conn: one(
                 conn,
                 args.producer_group,
                 args.tx_id,
@@ -245,29 +289,22 @@ def _cmd_redrive(args: argparse.Namespace) -> int:
             ),
         )
     # Each transaction is said as it is done: if one fails (busy, say), those before it are
-    # redriven already, and the operator must see which.
+    # done already, and the operator must see which.
     done: list[ManualResult] = []
     say = done.append if args.json else lambda result: _print(args, result)
-    redriven = None
+    results = None
     try:
-        redriven = _connected(
-            args,
-            lambda conn: redrive_topic(
-                conn,
-                args.topic,
-                actor=args.actor,
-                reason=args.reason,
-                schema=args.schema,
-                on_redriven=say,
-            ),
-        )
+        results = _connected(args, lambda conn: of_topic(conn, args, say))
     finally:
-        if args.json and (done or redriven is not None):  # on an error, what went before it
+        if args.json and (done or results is not None):  # on an error, what went before it
             print(json.dumps([r.as_dict() for r in done]))
-    if redriven is None:
+    if results is None:
         return 2
-    if not redriven and not args.json:
-        print(f"no record is parked for topic {args.topic}")
+    if not results and not args.json:
+        if name == "drop":  # the relay's dead-letter copies come first: those waiting stay
+            print(f"no record parked for topic {args.topic} has its dead-letter copy out")
+        else:
+            print(f"no record is parked for topic {args.topic}")
     return 0
 
 

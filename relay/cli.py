@@ -223,7 +223,12 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 def _cmd_findings(args: argparse.Namespace) -> int:
     try:
         found = read_findings(
-            command_dsn(args), args.schema, kinds=args.kind or None, limit=args.limit
+            command_dsn(args),
+            args.schema,
+            kinds=args.kind or None,
+            # one more than asked, to say whether the list was cut (a bad limit as given)
+            limit=args.limit + 1 if args.limit >= 1 else args.limit,
+            since=args.since,
         )
     except ReconcileConfigError as exc:  # the schema, not the input: not a usage error
         print(f"outboxctl findings: {exc}", file=sys.stderr)
@@ -231,18 +236,38 @@ def _cmd_findings(args: argparse.Namespace) -> int:
     except ValueError as exc:  # bad input (a kind, the limit): nothing was asked
         print(f"outboxctl findings: {exc}", file=sys.stderr)
         return 2
+    cut, found = len(found) > args.limit, found[: args.limit]
     if args.json:
         print(json.dumps([f.as_dict() for f in found], default=str))
+        if cut:  # on stderr: the JSON stays the list it was
+            print(
+                f"outboxctl findings: the newest {args.limit} only; --limit for more",
+                file=sys.stderr,
+            )
         return 0
     for f in found:
         where = f"{f.kafka_partition}:{f.kafka_offset}" if f.kafka_partition is not None else "-"
+        tx = f"{f.producer_group or '-'}/{shown(f.tx_id) if f.tx_id is not None else '-'}"
+        # found first and last: one no judgement finds again any more is old news
         print(
             f"{f.event_time.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}  {f.kind:15} {f.topic}  "
-            f"id {f.outbox_id}  at {where}"
+            f"id {f.outbox_id}  {tx}  at {where}  found "
+            f"{f.detected_at.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}, last "
+            f"{f.last_seen_at.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}"
         )
     if not found:
         print("no findings")
+    elif cut:
+        print(f"(the newest {args.limit}; --limit for more)")
     return 0
+
+
+def _since(text: str) -> datetime:
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an ISO 8601 time") from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
 
 
 def _role(name: str) -> str:
@@ -326,7 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_reconcile)
     p = sub.add_parser("findings", parents=[common], help="list reconciliation findings")
     p.add_argument("--kind", action="append", help="only this kind (repeatable)")
-    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--limit", type=int, default=100, help="at most this many, newest first")
+    p.add_argument(
+        "--since",
+        type=_since,
+        help="only those found since then (ISO 8601; a time without a zone is UTC)",
+    )
     p.set_defaults(func=_cmd_findings)
 
     checker_cli.add_commands(sub, common)

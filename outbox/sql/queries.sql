@@ -383,13 +383,25 @@ WHERE was.id = r.id
   AND (cardinality(%(ids)s::bigint[]) = 0 OR r.id = ANY(%(ids)s::bigint[]))
 RETURNING r.id, was.reason;
 
+-- name: checker_drop_parked
+-- Parked records whose dead-letter copy and op marker are out (ended_at set) removed for good
+-- (drop): the broker will never take them, and the operator gave up on them. `ids` empty:
+-- every such record of the transaction. Only under the locks of checker_lock_transaction.
+-- Returns each record's id, topic and the reason it was parked for.
+DELETE FROM {schema}.outbox_record
+WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s AND state = 'parked'
+  AND ended_at IS NOT NULL
+  AND (cardinality(%(ids)s::bigint[]) = 0 OR id = ANY(%(ids)s::bigint[]))
+RETURNING id, topic, reason;
+
 -- name: checker_parked_of_topic
--- The transactions with records parked for one topic, and those records' ids (redrive --topic),
--- a page at a time in order of their first parked record: past `after`, so that records the
--- relay parks again while a redrive runs are not redriven twice by it.
+-- The transactions with records parked for one topic, and those records' ids (redrive --topic,
+-- drop --topic), a page at a time in order of their first parked record: past `after`, so that
+-- records the relay parks again while a redrive runs are not redriven twice by it.
+-- `shipped_only`: only records whose dead-letter copy and op marker are out (drop's).
 SELECT producer_group, tx_id, array_agg(id ORDER BY id) AS ids
 FROM {schema}.outbox_record
-WHERE state = 'parked' AND topic = %(topic)s
+WHERE state = 'parked' AND topic = %(topic)s AND (NOT %(shipped_only)s OR ended_at IS NOT NULL)
 GROUP BY producer_group, tx_id
 HAVING min(id) > %(after)s
 ORDER BY min(id)

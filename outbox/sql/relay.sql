@@ -439,7 +439,7 @@ SELECT set_config('statement_timeout', '0', true);
 
 -- name: relay_trim_archive
 -- Ended rows past the archive's retention, a bounded slice at a time (parked rows stay until
--- they are redriven or resolved). SKIP LOCKED: every relay trims, and each waited for the
+-- they are redriven or dropped). SKIP LOCKED: every relay trims, and each waited for the
 -- other's slice; a row another session holds (an operator's UPDATE of the archive) held the
 -- relay's round, with no statement timeout, until that session ended.
 DELETE FROM {schema}.outbox_record

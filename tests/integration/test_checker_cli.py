@@ -252,6 +252,87 @@ def test_redrive_of_a_topic_by_command(pg_dsn: str, capsys: pytest.CaptureFixtur
     assert state(pg_dsn, other_tx) == "parked"
 
 
+def rows_of(dsn: str, tx_id: str) -> list[tuple[int, str]]:
+    with psycopg.connect(dsn) as conn:
+        return [
+            (int(r[0]), str(r[1]))
+            for r in conn.execute(
+                "SELECT id, state FROM outbox.outbox_record WHERE tx_id = %s ORDER BY id",
+                (tx_id,),
+            )
+        ]
+
+
+def not_shipped_yet(dsn: str, record_id: int) -> None:
+    """Parked, its dead-letter copy and op marker not out yet (the relay's next round's)."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE outbox.outbox_record SET ended_at = NULL WHERE id = %s", (record_id,))
+
+
+def test_drop_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Parked records given up on: removed once their dead-letter copy is out, audited; they
+    stayed for good before (the archive's trim keeps parked rows)."""
+    group, tx_id, first, second = parked(pg_dsn)
+    not_shipped_yet(pg_dsn, second)
+    argv = ["drop", "--dsn", pg_dsn, "--producer-group", group, "--tx-id", tx_id]
+    who = ["--actor", "erin", "--reason", "topic retired"]
+    assert main([*argv, *who]) == 1  # all of them: one is not on the dead-letter topic yet
+    assert f"record(s) [{second}] are not on the dead-letter topic yet" in capsys.readouterr().err
+    assert main([*argv, "--id", str(second + 1), *who]) == 1
+    assert f"record(s) [{second + 1}] are not among its parked ones" in capsys.readouterr().err
+    assert rows_of(pg_dsn, tx_id) == [(first, "parked"), (second, "parked")]  # nothing changed
+
+    assert main([*argv, "--id", str(first), *who, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["action"], printed["record_ids"], printed["to_state"]) == (
+        "drop",
+        [first],
+        "dropped",
+    )
+    assert rows_of(pg_dsn, tx_id) == [(second, "parked")]
+    actor, action, detail = last_audit(pg_dsn, tx_id)
+    assert (actor, action, detail["record_ids"]) == ("erin", "drop", [first])
+    assert detail["topics"] == {str(first): "billing.charged"}
+    assert "authorization" in str(detail["parked_for"])
+
+    with psycopg.connect(pg_dsn) as conn:  # the relay ships its copy
+        conn.execute("UPDATE outbox.outbox_record SET ended_at = now() WHERE id = %s", (second,))
+    assert main([*argv, *who]) == 0
+    assert "1 record(s) parked -> dropped" in capsys.readouterr().out
+    assert rows_of(pg_dsn, tx_id) == []
+    assert main([*argv, *who]) == 1  # nothing is left
+    assert "no records of tx id" in capsys.readouterr().err
+
+
+def test_drop_of_a_topic_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every record parked for a topic whose dead-letter copy is out, transaction by
+    transaction; those the relay has not shipped yet, and other topics' records, stay."""
+    _, first_tx, *first_ids = parked(pg_dsn, "billing.retired")
+    _, partly_tx, shipped, waiting = parked(pg_dsn, "billing.retired")
+    not_shipped_yet(pg_dsn, waiting)
+    _, other_tx, *_ = parked(pg_dsn, "billing.other")
+    _, mixed_tx, mixed_retired, mixed_other = parked(pg_dsn, "billing.retired", "billing.other")
+    argv = ["drop", "--dsn", pg_dsn, "--actor", "erin", "--reason", "topic retired"]
+    assert main([*argv, "--topic", "billing.retired", "--json"]) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert [(d["tx_id"], d["record_ids"]) for d in done] == [
+        (first_tx, first_ids),
+        (partly_tx, [shipped]),
+        (mixed_tx, [mixed_retired]),
+    ]
+    assert rows_of(pg_dsn, first_tx) == []
+    assert rows_of(pg_dsn, partly_tx) == [(waiting, "parked")]
+    assert rows_of(pg_dsn, mixed_tx) == [(mixed_other, "parked")]
+    assert state(pg_dsn, other_tx) == "parked"
+    assert main([*argv, "--topic", "billing.retired"]) == 0  # only the one not shipped is left
+    assert capsys.readouterr().out == (
+        "no record parked for topic billing.retired has its dead-letter copy out\n"
+    )
+    assert rows_of(pg_dsn, partly_tx) == [(waiting, "parked")]
+    assert main([*argv, "--topic", "billing.other", "--id", "1"]) == 2
+    assert "outboxctl drop: --topic goes alone" in capsys.readouterr().err
+
+
 def test_records_lists_what_is_asked_without_values(
     pg_dsn: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -599,8 +680,9 @@ def test_a_transaction_parked_again_in_part_is_not_redriven_twice_by_one_run(
 
 
 def test_parked_records_are_read_from_their_own_index_not_the_whole_table(pg_dsn: str) -> None:
-    """`redrive --topic` and `records --state parked` on an outbox that keeps an archive of
-    delivered rows: only the parked ones are read (migration 0005), not every row."""
+    """`redrive --topic`, `drop --topic` and `records --state parked` on an outbox that keeps
+    an archive of delivered rows: only the parked ones are read (migration 0005), not every
+    row."""
     from outbox.sql import query
 
     parked(pg_dsn, "billing.missing")
@@ -618,9 +700,12 @@ def test_parked_records_are_read_from_their_own_index_not_the_whole_table(pg_dsn
         conn.commit()
         conn.execute("ANALYZE outbox.outbox_record")
         asked = [
-            (
-                "checker_parked_of_topic",
-                {"topic": "billing.missing", "after": 0, "limit": 1000},
+            *(
+                (
+                    "checker_parked_of_topic",  # redrive's, and drop's: only those shipped
+                    {"topic": "billing.missing", "after": 0, "limit": 1000, "shipped_only": only},
+                )
+                for only in (False, True)
             ),
             (
                 "cli_records",
@@ -674,6 +759,43 @@ def test_findings_of_a_schema_without_the_reconciliation_tables_is_no_usage_erro
     assert "has no reconciliation tables: run `outboxctl migrate`" in capsys.readouterr().err
     assert main(["findings", "--dsn", pg_dsn, "--kind", "lost"]) == 2  # the input: still 2
     assert "unknown finding kinds" in capsys.readouterr().err
+
+
+def test_findings_say_whose_they_are_when_found_and_when_the_list_was_cut(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without the transaction an operator cannot go on to redrive or resolve; without when it
+    was found last, a finding no judgement finds any more looked current; a list cut at
+    --limit was not said to be one."""
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("DELETE FROM outbox.reconciliation_finding")
+        for n, days_ago in enumerate([3, 2, 1]):
+            conn.execute(
+                "INSERT INTO outbox.reconciliation_finding (kind, topic, outbox_id, "
+                "producer_group, tx_id, event_time, detected_at, last_seen_at, detected_in)"
+                " VALUES ('missing', 'billing.charged', %s, 'billing', %s,"
+                " now() - make_interval(days => %s), now() - make_interval(days => %s),"
+                " now() - make_interval(days => %s), 'tick')",
+                (100 + n, f"tx-{n}", days_ago, days_ago, days_ago),
+            )
+    assert main(["findings", "--dsn", pg_dsn, "--limit", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert lines[-1] == "(the newest 2; --limit for more)"
+    assert "id 102  billing/tx-2  at -  found " in lines[0]  # the newest first
+    assert ", last " in lines[0]
+    assert main(["findings", "--dsn", pg_dsn, "--limit", "2", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [f["tx_id"] for f in json.loads(out)] == ["tx-2", "tx-1"]
+    assert "the newest 2 only" in err
+    assert main(["findings", "--dsn", pg_dsn, "--limit", "3", "--json"]) == 0
+    assert capsys.readouterr().err == ""  # all of them: nothing cut
+    since = (datetime.now(UTC) - timedelta(days=2, hours=1)).replace(tzinfo=None).isoformat()
+    assert main(["findings", "--dsn", pg_dsn, "--since", since, "--json"]) == 0  # UTC
+    assert [f["tx_id"] for f in json.loads(capsys.readouterr().out)] == ["tx-2", "tx-1"]
+    with pytest.raises(SystemExit):
+        main(["findings", "--dsn", pg_dsn, "--since", "yesterday"])
+    assert "'yesterday' is not an ISO 8601 time" in capsys.readouterr().err
 
 
 def test_redrive_of_a_topic_on_a_connection_not_in_autocommit_commits_each_as_it_says(

@@ -29,8 +29,8 @@ from psycopg.conninfo import conninfo_to_dict
 from pydantic import SecretStr
 
 import outbox
-from checker import redrive
-from outbox import Record
+from checker import drop, redrive
+from outbox import IllegalTransitionError, Record
 from outbox.migrations import RELAY_SCHEMA_VERSION
 from relay import service as service_module
 from relay import shard as shard_module
@@ -584,6 +584,44 @@ def test_a_parked_record_redriven_once_its_cause_is_fixed_goes_out_once(
     assert ops == ["parked", "delivered"]  # the op-marker topic holds both, in order
     assert rows(pg_dsn) == []
     assert second.run_once().delivered == 0
+
+
+def test_a_parked_record_dropped_is_never_sent(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    kafka_admin: AdminClient,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+) -> None:
+    """Given up on: once its dead-letter copy and op marker are out (not before), removed; the
+    relay sends nothing of it, even once its cause is gone. It stayed parked for good before."""
+    topic = topic_factory(partitions=2)
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        row_id = outbox.publish(conn, topic, "to partition 7", partition=7, tx_id="drop-me")
+    relay = relay_factory()
+    assert relay.run_once().parked == 1
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        (group,) = conn.execute(
+            "SELECT producer_group FROM outbox.outbox_record WHERE id = %s", (row_id,)
+        ).fetchone()  # type: ignore[misc]
+        with pytest.raises(IllegalTransitionError, match="not on the dead-letter topic yet"):
+            drop(conn, group, "drop-me", actor="erin", reason="partition 7 is no more")
+        assert relay.run_once().ended == 1  # its dead-letter copy and op marker
+        done = drop(conn, group, "drop-me", actor="erin", reason="partition 7 is no more")
+    assert (done.record_ids, done.from_state, done.to_state) == ((row_id,), "parked", "dropped")
+    assert rows(pg_dsn) == []
+    for future in kafka_admin.create_partitions([NewPartitions(topic, 8)]).values():
+        future.result(30)
+    relay.stop()
+    again = relay_factory()  # no partition count cached from before
+    assert again.run_once().delivered == 0
+    assert consume_all(kafka_bootstrap, topic, "read_committed") == []
+    ops = [m.op.value for m in markers(kafka_bootstrap, again) if m.id == row_id]
+    assert ops == ["parked"]
+    dead = consume_all(kafka_bootstrap, again.settings.relay.dead_letter_topic, "read_committed")
+    assert [
+        m.value() for m in dead if dict(m.headers() or [])["outbox-id"] == str(row_id).encode()
+    ] == [b"to partition 7"]
 
 
 def drain(relay: Relay) -> int:
