@@ -118,6 +118,8 @@ def test_the_migration_job_migrates_the_sidecars_schema_where_its_pods_may_run(
     job_pod = docs["Job"]["spec"]["template"]
     (migrate,) = job_pod["spec"]["containers"]
     assert migrate["command"] == ["outboxctl", "migrate", "--schema", "billing"]
+    # ended before Helm's default 5-minute timeout gives up on it, not left running behind
+    assert docs["Job"]["spec"]["activeDeadlineSeconds"] == 240
     (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert {"name": "OUTBOX_DATABASE__SCHEMA_NAME", "value": "billing"} in container["env"]
     assert job_pod["spec"]["volumes"][0]["secret"]["secretName"] == "orders-outbox-owner"
