@@ -132,6 +132,11 @@ def _json_default(value: object) -> str:
     return value.isoformat() if isinstance(value, datetime) else str(value)
 
 
+def _utc(t: datetime) -> str:
+    """As records and findings print times: UTC, not the session's zone."""
+    return f"{t.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}"
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     with connect(args, write=False) as conn:
         _require_schema(conn, args.schema)
@@ -144,7 +149,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print("records by state:")
     for state, count in status["states"].items():
         print(f"  {state:12} {count:>10}")
-    print(f"oldest undelivered commit: {status['oldest_undelivered'] or '-'}")
+    oldest = status["oldest_undelivered"]
+    print(
+        "oldest undelivered commit: "
+        + (f"{_utc(oldest)} ({status['oldest_undelivered_age_s']:.0f} s ago)" if oldest else "-")
+    )
     print(f"relays alive: {', '.join(status['relays']) or 'none'}")
     for lease in status["leases"]:
         markers = (
@@ -153,9 +162,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
             else f"{lease['marker_topic'] or '(topic not recorded)'}:{lease['marker_partition']} "
             f"from offset {lease['marker_offset']}, by {lease['transactional_id'] or '-'}"
         )
+        until = lease["lease_until"]
+        held = f"until {_utc(until)}" if until else "until -"
+        if until and lease["expired"]:
+            held += " (expired: no relay renews it)"
         print(
             f"shard {lease['shard']}: owner {lease['owner'] or '-'} epoch {lease['epoch']} "
-            f"until {lease['lease_until'] or '-'}; markers {markers}"
+            f"{held}; markers {markers}"
         )
     return 0
 

@@ -19,11 +19,14 @@ def outbox_status(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
     )
     # The commit time of a row not stamped yet is looked up, where Postgres keeps them (the
     # relay needs it to): its state_changed_at is when its transaction began.
+    # Its age by the database's clock, which the relays' leases and the commit times run on
+    # (an operator's host may be off).
     oldest = conn.execute(
         sql.SQL(
-            "SELECT min(coalesce(commit_ts, CASE WHEN current_setting('track_commit_timestamp')"
-            "::bool THEN pg_xact_commit_timestamp(committed_xid::xid) END, state_changed_at)) "
-            "FROM {}.outbox_record WHERE state = 'committed'"
+            "SELECT o, extract(epoch FROM now() - o)::float8 FROM (SELECT min(coalesce(commit_ts,"
+            " CASE WHEN current_setting('track_commit_timestamp')::bool"
+            " THEN pg_xact_commit_timestamp(committed_xid::xid) END, state_changed_at)) AS o"
+            " FROM {}.outbox_record WHERE state = 'committed') AS oldest"
         ).format(s)
     ).fetchone()
     relays = [
@@ -43,6 +46,9 @@ def outbox_status(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
             "owner": r[1],
             "epoch": r[2],
             "lease_until": r[3],
+            # by the database's clock: a lease not renewed is its owner's no more (a relay
+            # killed, or stuck); the shard waits for another relay to take it
+            "expired": r[5],
             "marker_topic": r[4].get("marker_topic"),
             "marker_partition": r[4].get("marker_partition"),
             "marker_offset": r[4].get("marker_offset"),
@@ -50,7 +56,8 @@ def outbox_status(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
         }
         for r in conn.execute(
             sql.SQL(
-                "SELECT shard, owner, epoch, lease_until, to_jsonb(lease) "
+                "SELECT shard, owner, epoch, lease_until, to_jsonb(lease), "
+                "coalesce(lease_until < now(), true) "
                 "FROM {}.shard_lease AS lease ORDER BY shard"
             ).format(s)
         )
@@ -58,6 +65,7 @@ def outbox_status(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
     return {
         "states": states,
         "oldest_undelivered": oldest[0] if oldest else None,
+        "oldest_undelivered_age_s": oldest[1] if oldest else None,
         "relays": relays,
         "leases": leases,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -161,6 +162,43 @@ def test_status_lists_every_state_and_writes_iso_times(
     out = capsys.readouterr().out
     assert "  parked" in out
     assert "{" not in out  # a table, not a Python dict
+
+
+def test_status_says_how_old_the_backlog_is_and_which_leases_lapsed(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A lease its relay no longer renews (killed, stuck) printed as any other, and the oldest
+    commit as a time in the session's zone: an operator had to work out both by hand."""
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            outbox.publish(conn, "t", "v")
+            conn.execute(
+                "UPDATE outbox.outbox_record SET commit_ts = now() - interval '90 seconds'"
+                " WHERE state = 'committed'"
+            )
+        conn.execute("DELETE FROM outbox.shard_lease")
+        conn.execute(
+            "INSERT INTO outbox.shard_lease (shard, owner, epoch, lease_until) VALUES"
+            " (0, 'gone', 3, now() - interval '1 minute'), (1, 'alive', 4, now() + interval"
+            " '1 minute'), (2, NULL, 0, NULL)"
+        )
+        conn.commit()
+    assert main(["status", "--dsn", pg_dsn, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert 90 <= status["oldest_undelivered_age_s"] < 150
+    assert [(lease["owner"], lease["expired"]) for lease in status["leases"]] == [
+        ("gone", True),
+        ("alive", False),
+        (None, True),
+    ]
+    assert main(["status", "--dsn", pg_dsn]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"oldest undelivered commit: \S+ \S+Z \((9\d|1[0-4]\d) s ago\)", out)
+    gone, alive, free = (line for line in out.splitlines() if line.startswith("shard "))
+    assert gone.startswith("shard 0: owner gone epoch 3 until ")
+    assert "(expired: no relay renews it)" in gone
+    assert "expired" not in alive
+    assert free.startswith("shard 2: owner - epoch 0 until -;")
 
 
 def test_a_reader_gone_is_no_traceback() -> None:
