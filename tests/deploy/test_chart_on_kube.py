@@ -105,7 +105,10 @@ def test_the_api_server_admits_an_application_running_the_sidecar_in_its_pods(
 ) -> None:
     """The sidecar mode's container and volumes, included into an application's Deployment."""
     namespace = kube.namespace()
-    docs = render(helm, chart=app_chart(helm, tmp_path))
+    docs = [
+        *render(helm, chart=app_chart(helm, tmp_path)),
+        *render(helm, chart=app_chart(helm, tmp_path, native=True)),  # an init container
+    ]
     assert "Deployment" in {d["kind"] for d in docs}
     for doc in docs:
         status, said = kube.create(doc, namespace, dry_run=True)

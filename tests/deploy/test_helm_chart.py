@@ -250,6 +250,25 @@ def test_every_pod_meets_pod_securitys_restricted_level(
     assert sidecar["runAsNonRoot"] is True
 
 
+def test_an_app_chart_runs_the_sidecar_as_a_native_one_that_outlives_the_application(
+    helm: str, tmp_path: Path
+) -> None:
+    """Among the init containers with restartPolicy Always, Kubernetes stops it after the
+    application's containers: as a plain container it got SIGTERM with the application, and
+    the rows the application committed while it drained waited for another pod's relay."""
+    docs = render(helm, chart=app_chart(helm, tmp_path, native=True))
+    (pod,) = pod_specs([d for d in docs if d["kind"] == "Deployment"]).values()
+    assert [c["name"] for c in pod["containers"]] == ["app"]
+    (sidecar,) = pod["initContainers"]
+    assert (sidecar["name"], sidecar["restartPolicy"]) == ("outbox-sidecar", "Always")
+    plain = render(helm, chart=app_chart(helm, tmp_path))
+    (plain_pod,) = pod_specs([d for d in plain if d["kind"] == "Deployment"]).values()
+    assert {**sidecar, "restartPolicy": None} == {
+        **plain_pod["containers"][1],
+        "restartPolicy": None,
+    }
+
+
 def test_sidecar_mode_renders_no_deployment_and_an_app_chart_includes_the_container(
     helm: str, tmp_path: Path
 ) -> None:

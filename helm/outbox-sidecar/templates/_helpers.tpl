@@ -132,6 +132,15 @@ chart, to run one relay in each of its pods (add the volumes of outbox-sidecar.v
     - {name: outbox-secrets, mountPath: /run/secrets/outbox, readOnly: true}
 {{- end -}}
 
+{{/* The sidecar container as a native sidecar (Kubernetes 1.29 and later), for an application's
+`initContainers`: started before the application's containers, and stopped only after they have
+exited. As a plain container it got SIGTERM with the application, and the rows the application
+committed while it drained waited for another pod's relay (with one replica, for the next pod). */}}
+{{- define "outbox-sidecar.initContainer" -}}
+{{ include "outbox-sidecar.container" . }}
+  restartPolicy: Always
+{{- end -}}
+
 {{/* Settings the chart renders from its own values: given again in `env` or `config` they
 would win over them (the probes on one port, the sidecar on another; the hook migrating one
 schema, the sidecar reading another). */}}
