@@ -125,6 +125,7 @@ DATAFRAME_DEBUGGING = ("spark.python.sql.dataFrameDebugging.enabled", "false")
 # Files of the job's own under the checkpoint: where a running job judged to (and its open
 # summary windows), and where the last --once run did.
 _JUDGED_TO, _ONCE_JUDGED_TO = "judged_to", "once_judged_to"
+_SOURCE = "source"  # what the checkpoint's offsets are of: see ReconcileJob._check_source
 # The ledger window is read by this many JDBC connections at most (one per core of the job, no
 # more than this): one task took most of a judgement's ledger step, the cores idle. Each runs the
 # window's query for its share of ids, so more would only load the application's database.
@@ -305,6 +306,7 @@ class ReconcileJob:
         """Read what Kafka holds now (Trigger.AvailableNow), then judge once."""
         if self.settings.audit:
             raise ReconcileConfigError("an audit (--from/--to) runs with audit()")
+        self._check_source()
         as_of = self._clock()  # availableNow reads up to the offsets of its start
         window = JudgeWindow.streaming(as_of, self.settings.deadline, self.settings.horizon)
         self._say_a_gap_since_the_last_run(window)
@@ -351,6 +353,7 @@ class ReconcileJob:
         """Start the continuous query and the idle ticker; returns at once."""
         if self._query is not None:
             return
+        self._check_source()
         self._stopping.clear()
         self._failure = None
         self._last_judged = self._clock()
@@ -932,6 +935,7 @@ class ReconcileJob:
         files = jvm.org.apache.spark.sql.execution.streaming.CheckpointFileManager.create(
             path.getParent(), self.spark._jsc.hadoopConfiguration()
         )
+        files.mkdirs(path.getParent())  # a fresh checkpoint's first file comes before Spark's
         out = files.createAtomic(path, True)
         try:
             out.writeBytes(text)
@@ -939,6 +943,46 @@ class ReconcileJob:
             out.cancel()
             raise
         out.close()
+
+    def _check_source(self) -> None:
+        """Refuse a checkpoint made for other topics. Spark's Kafka source reads a partition its
+        checkpoint has no offset for from its earliest one: a topic added to --topics (or
+        matched by a new --topic-pattern, or a new --marker-topic) was read whole, all its
+        retention in one micro-batch, while a fresh checkpoint starts one --horizon back.
+        Written by the first run of a checkpoint (one of an older version: adopted as it is).
+        """
+        options = self.settings.kafka_source_options()
+        subscribed = {
+            k: (sorted(v.split(",")) if k == "subscribe" else v)
+            for k, v in options.items()
+            if k in ("subscribe", "subscribePattern")
+        }
+        found = self._read_checkpoint_file(_SOURCE)
+        if found is None:
+            self._write_checkpoint_file(_SOURCE, json.dumps(subscribed))
+            return
+        path, text = found
+        try:
+            saved = json.loads(text)
+        except ValueError:
+            saved = None
+        if saved == subscribed:
+            return
+
+        def said(source: Any) -> str:
+            if not isinstance(source, dict):
+                return repr(text[:200])
+            if "subscribe" in source:
+                return "the topics " + ", ".join(map(str, source["subscribe"]))
+            return f"the topics matching {source.get('subscribePattern')!r}"
+
+        raise ReconcileConfigError(
+            f"the checkpoint {self._checkpoint()} holds the offsets of {said(saved)} ({path}), "
+            f"and this run reads {said(subscribed)} (topics, pattern and op-marker topic): "
+            "Spark would read a topic new to it from its start, all of its retention at once. "
+            "Give a new --checkpoint: it starts one --horizon back, and findings written "
+            "already are not written again"
+        )
 
     def _load_judged_to(
         self,

@@ -862,6 +862,27 @@ def job_settings(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> 
     return settings_from_args(build_parser().parse_args(container["args"]))
 
 
+def test_the_reconciliation_takes_a_new_checkpoint_when_its_topics_change(
+    helm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job refuses a checkpoint made for other topics (Spark read a topic new to it from
+    its start): an upgrade that changed them crash-looped it until someone moved the
+    checkpoint. The same topics in another order, or spaced, are the same source."""
+
+    def checkpoint(*sets: str) -> str | None:
+        docs = reconcile_docs(helm, *sets)
+        (container,) = docs["Deployment/orders-outbox-sidecar-reconcile"]["spec"]["template"][
+            "spec"
+        ]["containers"]
+        return job_settings(container, monkeypatch).checkpoint
+
+    one = checkpoint()
+    two = checkpoint("reconcile.topics=orders.created\\,orders.paid")
+    assert two == checkpoint("reconcile.topics=orders.paid\\, orders.created")
+    assert len({one, two, checkpoint("reconcile.markerTopic=other.markers")}) == 3
+    assert one != checkpoint("reconcile.topics=", "reconcile.topicPattern=orders\\..*")
+
+
 def test_the_reconciliation_runs_as_one_writer_of_its_checkpoint_with_args_the_job_takes(
     helm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -877,7 +898,8 @@ def test_the_reconciliation_runs_as_one_writer_of_its_checkpoint_with_args_the_j
     (container,) = pod["spec"]["containers"]
     settings = job_settings(container, monkeypatch)
     assert settings.topics == ("orders.created",)
-    assert settings.checkpoint == "/var/lib/outbox/checkpoint"
+    # on the claim, a directory of the source's own: the job refuses one of other topics
+    assert (settings.checkpoint or "").startswith("/var/lib/outbox/checkpoint/")
     assert (settings.once, settings.trigger) == (False, timedelta(seconds=10))
     assert settings.kafka_options == {"security.protocol": "SSL"}
     assert settings.schema_name == "outbox"  # the sidecar's (migrations.schema)

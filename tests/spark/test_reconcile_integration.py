@@ -946,6 +946,46 @@ def test_once_runs_further_apart_than_they_judge_say_the_range_left_unjudged(
     assert f"from {last_end.isoformat()} to {(now - judged - settings.deadline).isoformat()}" in gap
 
 
+def test_a_checkpoint_made_for_other_topics_is_refused(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    """Spark's Kafka source reads a partition its checkpoint has no offset for from the start:
+    a topic added to the job's topics was read whole, its whole retention in one micro-batch
+    (a fresh checkpoint starts one horizon back). The same topics in another order are the
+    same source."""
+    from spark._errors import ReconcileConfigError
+    from spark.job import ReconcileJob
+
+    orders, payments, markers = topic_factory(), topic_factory(), topic_factory()
+    settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
+    both = settings.model_copy(update={"topics": (orders, payments)})
+    ReconcileJob(both, spark).run_once()  # a fresh checkpoint: written before its query
+    ReconcileJob(both.model_copy(update={"topics": (payments, orders)}), spark).run_once()
+    offsets_before = sorted((tmp_path / "checkpoint" / "offsets").iterdir())
+    for other in (
+        settings,  # a topic left out: fewer offsets, but not the checkpoint's
+        settings.model_copy(update={"topics": (), "topic_pattern": re.escape(orders)}),
+        both.model_copy(update={"marker_topic": topic_factory()}),
+    ):
+        with pytest.raises(ReconcileConfigError, match="Give a new --checkpoint") as refused:
+            ReconcileJob(other, spark).run_once()
+        assert (
+            f"holds the offsets of the topics {', '.join(sorted([orders, payments, markers]))}"
+            in str(refused.value)
+        )
+        job = ReconcileJob(other, spark)
+        with pytest.raises(ReconcileConfigError):
+            job.start()  # a running job too
+        assert not job.running
+    assert sorted((tmp_path / "checkpoint" / "offsets").iterdir()) == offsets_before  # not read
+    fresh = settings.model_copy(update={"checkpoint": str(tmp_path / "new")})
+    ReconcileJob(fresh, spark).run_once()
+
+
 def test_a_watched_topic_deleted_stops_neither_the_job_nor_its_restart(
     spark: SparkSession,
     pg_dsn: str,

@@ -305,7 +305,12 @@ spec:
         - --master
         - {{ $r.master | quote }}
         - --checkpoint
-        - /var/lib/outbox/checkpoint
+        {{- /* one directory per source: the job refuses a checkpoint made for other topics
+               (Spark read a topic new to it from its start, all its retention at once), and a
+               fresh one starts one horizon back */}}
+        {{- $subscribed := printf "pattern:%s" $r.topicPattern }}
+        {{- if $r.topics }}{{ $subscribed = join "," (sortAlpha (splitList "," (nospace $r.topics))) }}{{ end }}
+        - {{ printf "/var/lib/outbox/checkpoint/%s" (printf "%s|%s" $subscribed $r.markerTopic | sha256sum | trunc 12) | quote }}
         {{- if eq $r.mode "schedule" }}
         - --once
         {{- if $r.failOnFindings }}
