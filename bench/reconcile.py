@@ -8,7 +8,8 @@ One run, one scratch database, one broker, N records of 1 KiB on a 3-partition t
   reconcile  the job with Trigger.AvailableNow on local[2] (shuffle partitions 2) over those N
              records, their markers and their N ledger rows: records reconciled per second,
              cold (the first query in the JVM) and warm (same data, a fresh checkpoint each
-             time; the best of WARM_RUNS, the JIT warming up over the first few).
+             time; after a warm-up run, the median of WARM_RUNS, the JIT warming up over the
+             first few queries).
   marginal   the same warm run over 4N more records (a scratch database and topics of their
              own): what each further record costs, (4N - N) / (T(4N) - T(N)), each time the
              best of WARM_RUNS. A judgement also has a fixed cost (~3-4 s here: Spark jobs,
@@ -211,7 +212,7 @@ def drop_one(dsn: str, topic: str) -> int:
 
 
 IDLE_SECONDS = 20.0
-WARM_RUNS = 3  # warm runs of a size, the best taken (see main)
+WARM_RUNS = 3  # warm runs of a size (see main)
 RECENT_PROGRESS_KEPT = 100  # spark.sql.streaming.numRecentProgressUpdates, Spark's default
 
 
@@ -434,40 +435,38 @@ def main() -> None:
             time.sleep(deadline.total_seconds() + 0.5)  # every record is due
             runs: dict[str, float] = {}
             cpu: dict[str, dict[str, float]] = {}
-            for name in ("cold", "warm"):
+            # cold: the JVM's first query; then a warm-up not counted, and WARM_RUNS warm ones.
+            # The JVM's second query still ran code the JIT had not compiled (the third and
+            # fourth ran 20-25 % faster), which a running job has long since; the median, as
+            # the relay's rate is the median of its drains.
+            warm: list[tuple[float, dict[str, float]]] = []
+            for i, name in enumerate(["cold", "warm-up", *["warm"] * WARM_RUNS]):
                 before = _cpu.sample(children="spark")
                 started = time.perf_counter()
-                report = ReconcileJob(settings(f"{tmp.name}/{name}"), spark).run_once()
-                runs[name] = time.perf_counter() - started
-                cpu[name] = _cpu.per_record(before, _cpu.sample(children="spark"), n)
+                report = ReconcileJob(settings(f"{tmp.name}/{name}{i}"), spark).run_once()
+                took = time.perf_counter() - started
+                used = _cpu.per_record(before, _cpu.sample(children="spark"), n)
                 print(
-                    f"reconcile {name}: {n / runs[name]:,.0f} records/s ({runs[name]:.1f} s; "
+                    f"reconcile {name}: {n / took:,.0f} records/s ({took:.1f} s; "
                     f"{report.copies:,} copies, {report.found_total} findings); CPU µs/record "
-                    f"{cpu[name]}",
+                    f"{used}",
                     flush=True,
                 )
                 if (report.copies, report.found_total) != (n, 0):
                     raise RuntimeError(f"the clean data was not judged clean:\n{report.format()}")
-
-            # The JVM's second query still runs code the JIT has not compiled yet (the third and
-            # fourth ran 20-25 % faster), which a running job has long since: the best of
-            # WARM_RUNS, as the marginal rate's runs are each the best of as many.
-            first_warm = runs["warm"]
-            runs["warm"] = min(
-                first_warm,
-                *(
-                    warm_run(spark, settings(f"{tmp.name}/warm{i}"), n)
-                    for i in range(2, WARM_RUNS + 1)
-                ),
-            )
+                if name == "cold":
+                    runs["cold"], cpu["cold"] = took, used
+                elif name == "warm":
+                    warm.append((took, used))
+            runs["warm"], cpu["warm"] = sorted(warm, key=lambda run: run[0])[len(warm) // 2]
             print(
-                f"reconcile warm, best of {WARM_RUNS}: {n / runs['warm']:,.0f} records/s "
-                f"({runs['warm']:.1f} s; the first {first_warm:.1f} s)",
+                f"reconcile warm, median of {WARM_RUNS}: {n / runs['warm']:,.0f} records/s "
+                f"({runs['warm']:.1f} s)",
                 flush=True,
             )
             marginal = None
             if args.marginal_factor > 1:
-                small_s = runs["warm"]
+                small_s = min(took for took, _ in warm)  # as the larger runs': the best
                 marginal = marginal_rate(
                     spark, settings, tmp.name, bootstrap, n, args.marginal_factor * n, small_s
                 )
@@ -534,6 +533,8 @@ def main() -> None:
         "records": n,
         "spark_master": "local[2]",
         "reconcile_records_per_s": {k: round(n / v) for k, v in runs.items()},
+        "reconcile_warm_is": f"median of {WARM_RUNS} runs after a warm-up run (earlier versions: "
+        "the JVM's second run before)",
         # CPU per record by part (bench: the driver's Python; spark: its JVM), from /proc
         "reconcile_cpu_us_per_record": cpu,
         "baseline_kafka_produce_records_per_s": round(baseline),

@@ -513,13 +513,18 @@ def drop(
     reason: str,
     record_ids: Sequence[int] = (),
     schema: str = "outbox",
+    dry_run: bool = False,
 ) -> ManualResult:
     """Parked records given up on (a topic retired for good, a record no broker setting will
-    take) removed from the outbox: nothing sends them. What is left of them is their copy on
-    the dead-letter topic (unless that topic refused even the bare copy: see the README), their
-    ``parked`` op marker, and this drop's ``audit_log`` row (ids, topics, why each was parked).
-    Only records whose copy and marker are out: before that, the relay still has to write
-    them. ``record_ids``: only those of the transaction's parked records (default: all).
+    take) removed from the outbox, an archive or not: nothing sends them. What is left of them
+    is their copy on the dead-letter topic, their ``parked`` op marker, and this drop's
+    ``audit_log`` row (ids, topics, why each was parked, the size of each value). A copy the
+    dead-letter topic refused whole went without its value (its ``outbox-value-omitted``
+    header says so), or not at all: the row held the only copy of that value, and it goes
+    with the row. Only records whose copy and marker are out: before that, the relay still
+    has to write them. ``record_ids``: only those of the transaction's parked records
+    (default: all). ``dry_run``: the same checks, nothing removed (``changed`` False, the
+    ids that would go).
 
     Raises UnknownTransactionError, IllegalTransitionError (no parked record, a record id that
     is not one of them, or one the relay has not shipped to the dead-letter topic yet),
@@ -552,6 +557,9 @@ def drop(
                 tx_id=tx_id,
                 current_states=current,
             )
+        if dry_run:
+            ids = tuple(wanted or sorted(parked))
+            return ManualResult(group, tx_id, "drop", State.PARKED.value, DROPPED, ids, False, None)
         dropped = conn.execute(
             queries.query("checker_drop_parked", schema),
             {"producer_group": group, "tx_id": tx_id, "ids": wanted},
@@ -569,6 +577,7 @@ def drop(
                 "record_ids": list(ids),
                 "topics": {str(r[0]): r[1] for r in dropped},
                 "parked_for": {str(r[0]): r[2] for r in dropped},
+                "value_bytes": {str(r[0]): r[3] for r in dropped},
             },
         )
     logger.warning(
@@ -592,10 +601,11 @@ def drop_topic(
     limit: int | None = None,
     on_dropped: Callable[[ManualResult], None] | None = None,
     page: int = 1000,
+    dry_run: bool = False,
 ) -> list[ManualResult]:
     """``drop`` of every record parked for ``topic`` whose dead-letter copy and op marker are
-    out (those the relay has not shipped yet are left: run it again), one transaction after
-    another, each audited on its own, as ``redrive_topic`` goes."""
+    out (those the relay has not shipped yet are left: ``parked_unshipped`` counts them), one
+    transaction after another, each audited on its own, as ``redrive_topic`` goes."""
     topic = check_topic(topic)  # a name no record can have: said so, not "none parked"
     actor = _require_text("actor", actor)
     reason = _require_text("reason", reason)
@@ -605,13 +615,32 @@ def drop_topic(
         topic,
         schema,
         lambda group, tx_id, ids: drop(
-            conn, group, tx_id, actor=actor, reason=reason, record_ids=ids, schema=schema
+            conn,
+            group,
+            tx_id,
+            actor=actor,
+            reason=reason,
+            record_ids=ids,
+            schema=schema,
+            dry_run=dry_run,
         ),
         shipped_only=True,
         limit=limit,
         on_done=on_dropped,
         page=page,
     )
+
+
+def parked_unshipped(conn: Conn, topic: str, schema: str = "outbox") -> int:
+    """Records parked for ``topic`` whose dead-letter copy and op marker are not out yet (the
+    relay's next round, or a dead-letter topic that takes nothing): ``drop`` refuses them."""
+    schema = OutboxConfig(schema_name=schema).schema_name
+    with database_errors(), conn.transaction():
+        row = conn.execute(
+            queries.query("checker_parked_unshipped_of_topic", schema),
+            {"topic": check_topic(topic)},
+        ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def _each_of_topic(

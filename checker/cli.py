@@ -7,7 +7,7 @@
     outboxctl redrive (--producer-group G --tx-id T [--id N]... | --topic X)   (--id: one each)
                       --actor NAME --reason TEXT
     outboxctl drop    (--producer-group G --tx-id T [--id N]... | --topic X)
-                      --actor NAME --reason TEXT
+                      --actor NAME --reason TEXT [--dry-run]
 
 `rearm` puts a discarded transaction that the relay has not shipped yet (none of its records:
 it ships them a batch and a shard at a time) back to prepared, with
@@ -40,6 +40,7 @@ from checker._manual import (
     ManualResult,
     drop,
     drop_topic,
+    parked_unshipped,
     rearm,
     redrive,
     redrive_topic,
@@ -130,7 +131,13 @@ def _add_redrive(sub: Any, common: argparse.ArgumentParser) -> None:
         )
         p.add_argument("--actor", required=True, help="who does this, for the audit log")
         p.add_argument("--reason", required=True, help=why)
-        p.set_defaults(func=_cmd_parked)
+        if name == "drop":
+            p.add_argument(
+                "--dry-run",
+                action="store_true",
+                help="say which records would be dropped; change nothing",
+            )
+        p.set_defaults(func=_cmd_parked, dry_run=False)
 
 
 def _non_negative(text: str) -> int:
@@ -148,7 +155,10 @@ def _print(args: argparse.Namespace, result: ManualResult) -> None:
         print(json.dumps(result.as_dict()))
         return
     where = f"tx {result.tx_id} of producer group {result.producer_group}"
-    if not result.changed and result.from_state == "parked":
+    if result.action == "drop" and not result.changed:
+        ids = ", ".join(map(str, result.record_ids))
+        print(f"{where}: would drop {len(result.record_ids)} parked record(s): {ids} (dry run)")
+    elif not result.changed and result.from_state == "parked":
         print(
             f"{where} is already committed, but parked (the broker refused it for good): "
             "once its cause is fixed, `outboxctl redrive` sends it again"
@@ -255,7 +265,13 @@ _ON_PARKED: dict[str, tuple[Callable[..., ManualResult], _OfTopic]] = {
     "drop": (
         drop,
         lambda conn, a, say: drop_topic(
-            conn, a.topic, actor=a.actor, reason=a.reason, schema=a.schema, on_dropped=say
+            conn,
+            a.topic,
+            actor=a.actor,
+            reason=a.reason,
+            schema=a.schema,
+            on_dropped=say,
+            dry_run=a.dry_run,
         ),
     ),
 }
@@ -275,6 +291,7 @@ def _cmd_parked(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    more = {"dry_run": True} if args.dry_run else {}  # drop's alone
     if one_tx:
         return _manual(
             args,
@@ -286,6 +303,7 @@ def _cmd_parked(args: argparse.Namespace) -> int:
                 reason=args.reason,
                 record_ids=args.ids,
                 schema=args.schema,
+                **more,
             ),
         )
     # Each transaction is said as it is done: if one fails (busy, say), those before it are
@@ -300,11 +318,19 @@ def _cmd_parked(args: argparse.Namespace) -> int:
             print(json.dumps([r.as_dict() for r in done]))
     if results is None:
         return 2
-    if not results and not args.json:
-        if name == "drop":  # the relay's dead-letter copies come first: those waiting stay
-            print(f"no record parked for topic {args.topic} has its dead-letter copy out")
-        else:
+    if name == "drop":  # the relay's dead-letter copies come first: those waiting stay
+        waiting = _connected(args, lambda conn: parked_unshipped(conn, args.topic, args.schema))
+        if waiting:
+            print(
+                f"outboxctl drop: {waiting} record(s) parked for topic {args.topic} wait for "
+                "their dead-letter copy (the relay's next round, or a dead-letter topic that "
+                "takes nothing): not dropped; run it again once they have one",
+                file=sys.stderr,
+            )
+        elif not results and not args.json:
             print(f"no record is parked for topic {args.topic}")
+    elif not results and not args.json:
+        print(f"no record is parked for topic {args.topic}")
     return 0
 
 

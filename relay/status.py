@@ -47,7 +47,8 @@ def outbox_status(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
             "epoch": r[2],
             "lease_until": r[3],
             # by the database's clock: a lease not renewed is its owner's no more (a relay
-            # killed, or stuck); the shard waits for another relay to take it
+            # killed, or stuck); the shard waits for another relay to take it. None: never
+            # held, or handed back (no lease_until)
             "expired": r[5],
             "marker_topic": r[4].get("marker_topic"),
             "marker_partition": r[4].get("marker_partition"),
@@ -57,7 +58,7 @@ def outbox_status(conn: psycopg.Connection[Any], schema: str) -> dict[str, Any]:
         for r in conn.execute(
             sql.SQL(
                 "SELECT shard, owner, epoch, lease_until, to_jsonb(lease), "
-                "coalesce(lease_until < now(), true) "
+                "lease_until < now() "
                 "FROM {}.shard_lease AS lease ORDER BY shard"
             ).format(s)
         )

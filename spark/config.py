@@ -130,8 +130,8 @@ _TARGET_SERVER_TYPE = {
 }
 
 
-# Spark's intervals are whole milliseconds: well above that, a floor that means something
 SOURCE_FETCH_MAX_WAIT_MS = 10  # see kafka_source_options
+# Spark's intervals are whole milliseconds: well above that, a floor that means something
 _LEAST_INTERVAL = timedelta(milliseconds=100)
 
 

@@ -950,6 +950,8 @@ class ReconcileJob:
         matched by a new --topic-pattern, or a new --marker-topic) was read whole, all its
         retention in one micro-batch, while a fresh checkpoint starts one --horizon back.
         Written by the first run of a checkpoint (one of an older version: adopted as it is).
+        A --topic-pattern's topic made later is read from its start all the same: the whole of
+        a new topic's short life.
         """
         options = self.settings.kafka_source_options()
         subscribed = {
@@ -958,7 +960,8 @@ class ReconcileJob:
             if k in ("subscribe", "subscribePattern")
         }
         found = self._read_checkpoint_file(_SOURCE)
-        if found is None:
+        if found is None or not self._has_offsets():
+            # a first run that read nothing (failed on a mistyped topic, say) pins nothing
             self._write_checkpoint_file(_SOURCE, json.dumps(subscribed))
             return
         path, text = found
@@ -983,6 +986,14 @@ class ReconcileJob:
             "Give a new --checkpoint: it starts one --horizon back, and findings written "
             "already are not written again"
         )
+
+    def _has_offsets(self) -> bool:
+        """Whether Spark has planned a micro-batch in the checkpoint (offsets/<n>)."""
+        path = self._checkpoint_file("offsets")
+        fs = path.getFileSystem(self.spark._jsc.hadoopConfiguration())
+        if not fs.exists(path):
+            return False
+        return any(str(st.getPath().getName()).isdigit() for st in fs.listStatus(path))
 
     def _load_judged_to(
         self,

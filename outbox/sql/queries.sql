@@ -387,12 +387,18 @@ RETURNING r.id, was.reason;
 -- Parked records whose dead-letter copy and op marker are out (ended_at set) removed for good
 -- (drop): the broker will never take them, and the operator gave up on them. `ids` empty:
 -- every such record of the transaction. Only under the locks of checker_lock_transaction.
--- Returns each record's id, topic and the reason it was parked for.
+-- Returns each record's id, topic, the reason it was parked for and its value's size.
 DELETE FROM {schema}.outbox_record
 WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s AND state = 'parked'
   AND ended_at IS NOT NULL
   AND (cardinality(%(ids)s::bigint[]) = 0 OR id = ANY(%(ids)s::bigint[]))
-RETURNING id, topic, reason;
+RETURNING id, topic, reason, coalesce(octet_length(value), 0);
+
+-- name: checker_parked_unshipped_of_topic
+-- Records parked for a topic whose dead-letter copy and op marker are not out yet: drop --topic
+-- leaves them, and says how many.
+SELECT count(*) FROM {schema}.outbox_record
+WHERE state = 'parked' AND topic = %(topic)s AND ended_at IS NULL;
 
 -- name: checker_parked_of_topic
 -- The transactions with records parked for one topic, and those records' ids (redrive --topic,

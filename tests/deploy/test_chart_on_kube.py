@@ -110,9 +110,15 @@ def test_the_api_server_admits_an_application_running_the_sidecar_in_its_pods(
         *render(helm, chart=app_chart(helm, tmp_path, native=True)),  # an init container
     ]
     assert "Deployment" in {d["kind"] for d in docs}
+    kept = []
     for doc in docs:
         status, said = kube.create(doc, namespace, dry_run=True)
         assert status == 201, (doc["kind"], said.get("message", said))
+        if doc["kind"] == "Deployment":
+            pod = said["spec"]["template"]["spec"]
+            kept += [c.get("restartPolicy") for c in pod.get("initContainers", [])]
+    # a server without native sidecars drops the field, and the pod never leaves Init
+    assert kept == ["Always"]
 
 
 def test_every_pod_the_chart_makes_is_admitted_where_pod_security_is_restricted(

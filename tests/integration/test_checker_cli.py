@@ -294,6 +294,7 @@ def test_drop_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> Non
     assert (actor, action, detail["record_ids"]) == ("erin", "drop", [first])
     assert detail["topics"] == {str(first): "billing.charged"}
     assert "authorization" in str(detail["parked_for"])
+    assert detail["value_bytes"] == {str(first): 1}  # the value's size: it went with the row
 
     with psycopg.connect(pg_dsn) as conn:  # the relay ships its copy
         conn.execute("UPDATE outbox.outbox_record SET ended_at = now() WHERE id = %s", (second,))
@@ -307,12 +308,21 @@ def test_drop_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> Non
 def test_drop_of_a_topic_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Every record parked for a topic whose dead-letter copy is out, transaction by
     transaction; those the relay has not shipped yet, and other topics' records, stay."""
-    _, first_tx, *first_ids = parked(pg_dsn, "billing.retired")
+    group, first_tx, *first_ids = parked(pg_dsn, "billing.retired")
     _, partly_tx, shipped, waiting = parked(pg_dsn, "billing.retired")
     not_shipped_yet(pg_dsn, waiting)
     _, other_tx, *_ = parked(pg_dsn, "billing.other")
     _, mixed_tx, mixed_retired, mixed_other = parked(pg_dsn, "billing.retired", "billing.other")
     argv = ["drop", "--dsn", pg_dsn, "--actor", "erin", "--reason", "topic retired"]
+    assert main([*argv, "--topic", "billing.retired", "--dry-run"]) == 0  # says, changes nothing
+    out, err = capsys.readouterr()
+    assert f"tx {first_tx} of producer group {group}: would drop 2 parked record(s)" in out
+    assert (
+        f"tx {partly_tx} of producer group {group}: would drop 1 parked record(s): {shipped} "
+        in out
+    )
+    assert "1 record(s) parked for topic billing.retired wait for their dead-letter copy" in err
+    assert rows_of(pg_dsn, first_tx) == [(i, "parked") for i in first_ids]
     assert main([*argv, "--topic", "billing.retired", "--json"]) == 0
     done = json.loads(capsys.readouterr().out)
     assert [(d["tx_id"], d["record_ids"]) for d in done] == [
@@ -325,9 +335,9 @@ def test_drop_of_a_topic_by_command(pg_dsn: str, capsys: pytest.CaptureFixture[s
     assert rows_of(pg_dsn, mixed_tx) == [(mixed_other, "parked")]
     assert state(pg_dsn, other_tx) == "parked"
     assert main([*argv, "--topic", "billing.retired"]) == 0  # only the one not shipped is left
-    assert capsys.readouterr().out == (
-        "no record parked for topic billing.retired has its dead-letter copy out\n"
-    )
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "1 record(s) parked for topic billing.retired wait for their dead-letter copy" in err
     assert rows_of(pg_dsn, partly_tx) == [(waiting, "parked")]
     assert main([*argv, "--topic", "billing.other", "--id", "1"]) == 2
     assert "outboxctl drop: --topic goes alone" in capsys.readouterr().err

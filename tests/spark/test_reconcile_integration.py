@@ -963,7 +963,10 @@ def test_a_checkpoint_made_for_other_topics_is_refused(
     orders, payments, markers = topic_factory(), topic_factory(), topic_factory()
     settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
     both = settings.model_copy(update={"topics": (orders, payments)})
-    ReconcileJob(both, spark).run_once()  # a fresh checkpoint: written before its query
+    # a first run that read nothing (its query failed to start, say) pins nothing
+    ReconcileJob(settings, spark)._check_source()
+    assert (tmp_path / "checkpoint" / "source").exists()
+    ReconcileJob(both, spark).run_once()
     ReconcileJob(both.model_copy(update={"topics": (payments, orders)}), spark).run_once()
     offsets_before = sorted((tmp_path / "checkpoint" / "offsets").iterdir())
     for other in (

@@ -309,8 +309,8 @@ spec:
                (Spark read a topic new to it from its start, all its retention at once), and a
                fresh one starts one horizon back */}}
         {{- $subscribed := printf "pattern:%s" $r.topicPattern }}
-        {{- if $r.topics }}{{ $subscribed = join "," (sortAlpha (splitList "," (nospace $r.topics))) }}{{ end }}
-        - {{ printf "/var/lib/outbox/checkpoint/%s" (printf "%s|%s" $subscribed $r.markerTopic | sha256sum | trunc 12) | quote }}
+        {{- if $r.topics }}{{ $subscribed = join "," (sortAlpha (compact (splitList "," (nospace $r.topics)))) }}{{ end }}
+        - {{ printf "/var/lib/outbox/checkpoint/by-source/%s" (printf "%s|%s" $subscribed $r.markerTopic | sha256sum | trunc 12) | quote }}
         {{- if eq $r.mode "schedule" }}
         - --once
         {{- if $r.failOnFindings }}
