@@ -534,7 +534,7 @@ def main() -> None:
         "spark_master": "local[2]",
         "reconcile_records_per_s": {k: round(n / v) for k, v in runs.items()},
         "reconcile_warm_is": f"median of {WARM_RUNS} runs after a warm-up run (earlier versions: "
-        "the JVM's second run before)",
+        "the JVM's second run)",
         # CPU per record by part (bench: the driver's Python; spark: its JVM), from /proc
         "reconcile_cpu_us_per_record": cpu,
         "baseline_kafka_produce_records_per_s": round(baseline),
