@@ -170,6 +170,41 @@ def _refuse_if_shipped_away(conn: Conn, schema: str, group: str, tx_id: str, act
     )
 
 
+def _parked_or_refuse(
+    rows: Sequence[_Row],
+    wanted: Sequence[int],
+    group: str,
+    tx_id: str,
+    action: str,
+    *,
+    shipped_only: bool = False,
+) -> list[int]:
+    """The transaction's parked record ids; IllegalTransitionError when none is parked, when
+    `wanted` names another record, or (`shipped_only`, drop's) when one of those it acts on
+    has its dead-letter copy and op marker still to come."""
+    parked = {r.id: r for r in rows if r.state == State.PARKED}
+    strangers = [i for i in wanted if i not in parked]
+    unshipped = [i for i in (wanted or parked) if i in parked and not parked[i].shipped]
+    if parked and not strangers and not (shipped_only and unshipped):
+        return sorted(parked)
+    current = _describe(rows)
+    if not parked:
+        what = f"none of its records is parked (they are {', '.join(current)})"
+    elif strangers:
+        what = f"record(s) {strangers} are not among its parked ones ({sorted(parked)})"
+    else:
+        what = (
+            f"record(s) {unshipped} are not on the dead-letter topic yet (the relay writes "
+            "their copies and op markers first): try again once it has"
+        )
+    raise IllegalTransitionError(
+        f"cannot {action} tx id {tx_id!r} of producer group {group!r}: {what}",
+        producer_group=group,
+        tx_id=tx_id,
+        current_states=current,
+    )
+
+
 def _describe(rows: Sequence[_Row]) -> tuple[str, ...]:
     found = []
     for row in rows:
@@ -416,21 +451,7 @@ def redrive(
     schema = OutboxConfig(schema_name=schema).schema_name
     with database_errors(), conn.transaction():
         rows = _lock(conn, schema, group, tx_id, "redrive")
-        parked = {r.id for r in rows if r.state == State.PARKED}
-        strangers = [i for i in wanted if i not in parked]
-        if not parked or strangers:
-            current = _describe(rows)
-            what = (
-                f"record(s) {strangers} are not among its parked ones ({sorted(parked)})"
-                if parked
-                else f"none of its records is parked (they are {', '.join(current)})"
-            )
-            raise IllegalTransitionError(
-                f"cannot redrive tx id {tx_id!r} of producer group {group!r}: {what}",
-                producer_group=group,
-                tx_id=tx_id,
-                current_states=current,
-            )
+        _parked_or_refuse(rows, wanted, group, tx_id, "redrive")
         redriven = conn.execute(
             queries.query("checker_redrive", schema),
             {"producer_group": group, "tx_id": tx_id, "ids": wanted},
@@ -537,28 +558,9 @@ def drop(
     schema = OutboxConfig(schema_name=schema).schema_name
     with database_errors(), conn.transaction():
         rows = _lock(conn, schema, group, tx_id, "drop")
-        parked = {r.id: r for r in rows if r.state == State.PARKED}
-        strangers = [i for i in wanted if i not in parked]
-        unshipped = [i for i in (wanted or parked) if i in parked and not parked[i].shipped]
-        if not parked or strangers or unshipped:
-            current = _describe(rows)
-            if not parked:
-                what = f"none of its records is parked (they are {', '.join(current)})"
-            elif strangers:
-                what = f"record(s) {strangers} are not among its parked ones ({sorted(parked)})"
-            else:
-                what = (
-                    f"record(s) {unshipped} are not on the dead-letter topic yet (the relay "
-                    "writes their copies and op markers first): try again once it has"
-                )
-            raise IllegalTransitionError(
-                f"cannot drop tx id {tx_id!r} of producer group {group!r}: {what}",
-                producer_group=group,
-                tx_id=tx_id,
-                current_states=current,
-            )
+        parked = _parked_or_refuse(rows, wanted, group, tx_id, "drop", shipped_only=True)
         if dry_run:
-            ids = tuple(wanted or sorted(parked))
+            ids = tuple(wanted or parked)
             return ManualResult(group, tx_id, "drop", State.PARKED.value, DROPPED, ids, False, None)
         dropped = conn.execute(
             queries.query("checker_drop_parked", schema),
