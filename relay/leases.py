@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 
 from outbox import sql as queries
+from relay import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class LeaseManager:
             elif len(owned) > fair:
                 changes.to_release = sorted(owned)[fair:]
         self.owned = owned
+        metrics.LEASE_CHANGES.labels("taken").inc(len(changes.gained))
+        metrics.LEASE_CHANGES.labels("lost").inc(len(changes.lost))
         for lease in changes.gained:
             logger.info("took shard %s (epoch %s)", lease.shard, lease.epoch)
         for shard in changes.lost:
@@ -148,11 +151,14 @@ class LeaseManager:
                 self._q("relay_release"),
                 {"shard": shard, "owner": self.relay_id, "epoch": lease.epoch},
             )
+        metrics.LEASE_CHANGES.labels("handed_back").inc()
         logger.info("released shard %s", shard)
 
     def forget(self, shard: int) -> None:
-        """Drop a shard whose lease we found lost, without touching its lease row."""
-        self.owned.pop(shard, None)
+        """Drop a shard whose lease we found lost (a fenced batch: the heartbeat's losses are
+        gone from `owned` already), without touching its lease row."""
+        if self.owned.pop(shard, None) is not None:
+            metrics.LEASE_CHANGES.labels("lost").inc()
 
     def leave(self, conn: psycopg.Connection[Any]) -> None:
         for shard in list(self.owned):

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
+from prometheus_client import REGISTRY
 from psycopg import sql
 
 import outbox
@@ -154,3 +155,44 @@ def test_three_relays_share_four_shards_two_one_one(pg_dsn: str, schema: str) ->
         assert [len(leases.owned) for leases, _ in relays] == [2, 1, 1]
         owned = [shard for leases, _ in relays for shard in leases.owned]
         assert sorted(owned) == [0, 1, 2, 3]
+
+
+def test_lease_changes_are_counted_once_each(pg_dsn: str, schema: str) -> None:
+    """outbox_relay_lease_changes_total: a relay's leases taken, lost (found by a heartbeat, or
+    by a fenced batch: forget) and handed back, each once; a heartbeat that changes nothing
+    counts nothing."""
+
+    def counts() -> dict[str, float]:
+        return {
+            change: REGISTRY.get_sample_value(
+                "outbox_relay_lease_changes_total", {"change": change}
+            )
+            or 0.0
+            for change in ("taken", "lost", "handed_back")
+        }
+
+    before = counts()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        a = LeaseManager(schema, "relay-a", 2, LEASE)
+        assert len(a.heartbeat(conn).gained) == 2
+        a.heartbeat(conn)  # renews: no change
+        for table, column in (("shard_lease", "lease_until"), ("relay_member", "expires_at")):
+            conn.execute(
+                sql.SQL("UPDATE {}.{} SET {} = now() - interval '1 second'").format(
+                    sql.Identifier(schema), sql.Identifier(table), sql.Identifier(column)
+                )
+            )
+        b = LeaseManager(schema, "relay-b", 2, LEASE)
+        assert len(b.heartbeat(conn).gained) == 2
+        assert a.heartbeat(conn).lost == [0, 1]
+        (over,) = b.heartbeat(conn).to_release  # a is back: one each
+        b.release(conn, over)
+        (kept,) = b.owned
+        b.forget(kept)  # its batch fenced
+        b.forget(kept)  # forgotten already
+    after = counts()
+    assert {change: after[change] - before[change] for change in after} == {
+        "taken": 4,
+        "lost": 3,
+        "handed_back": 1,
+    }
