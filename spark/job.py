@@ -106,6 +106,10 @@ logger = logging.getLogger(__name__)
 
 QUERY_NAME = "outbox_reconcile"
 STORE_DIR = "observations"
+# Files a micro-batch's observations are written to: few, for the judgements' reads of the store.
+# A shuffle gets there (its rows are small, the records' values dropped), not coalesce(), which
+# ran the whole Kafka read in that many tasks: two on a cluster, a partition left for one core.
+STORE_FILES_PER_BATCH = 2
 STORE_SCHEMA = StructType([*transform.OBSERVATION_SCHEMA.fields, StructField("batch", LongType())])
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 EXIT_FINDINGS = 3  # with --fail-on-findings
@@ -589,7 +593,7 @@ class ReconcileJob:
             (
                 obs.withColumn("batch", F.lit(batch_id).cast("long"))
                 .observe(newest, F.unix_micros(F.max("ts")).alias("newest"))
-                .coalesce(2)
+                .repartition(STORE_FILES_PER_BATCH)
                 .write.mode("overwrite")
                 .parquet(f"{self._store()}/batch-{batch_id:012d}")
             )

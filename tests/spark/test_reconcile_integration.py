@@ -1381,3 +1381,52 @@ def test_stop_while_a_micro_batch_waits_for_a_judgement_returns(
     finally:
         if not stopper.is_alive():
             job.stop()
+
+
+def test_a_micro_batchs_kafka_read_runs_a_task_per_partition_and_stores_few_files(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    tmp_path: Path,
+) -> None:
+    """The store's write of a micro-batch ran under coalesce(2): its whole Kafka read in two
+    tasks (on a cluster as on local[2], where one core read a partition alone at the end).
+    Now each partition is a task of its own, and the store still gets few files."""
+    from spark.job import STORE_FILES_PER_BATCH, ReconcileJob
+
+    orders, markers = topic_factory(partitions=4), topic_factory()
+    rows = publish(pg_dsn, [outbox.Record(orders, {"i": i}, key=f"k{i}") for i in range(40)])
+    positions = RelayStandIn(pg_dsn, transactional_producer, markers).deliver(
+        rows, at=datetime.now(UTC)
+    )
+    assert len({partition for partition, _ in positions.values()}) == 4
+    settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
+    job = ReconcileJob(settings, spark)
+    batch = (
+        spark.read.format("kafka")
+        .options(**settings.kafka_source_options())
+        .option("startingOffsets", "earliest")
+        .load()
+    )
+    job._run_as_of = datetime.now(UTC)  # stored, judged later: as an availableNow run's batches
+    group = f"store-write-{os.getpid()}-{time.monotonic_ns()}"
+    spark.sparkContext.setJobGroup(group, "a micro-batch's store write")
+    try:
+        job._on_batch(batch, 0)
+    finally:
+        spark.sparkContext._jsc.clearJobGroup()
+    tracker = spark.sparkContext.statusTracker()
+    tasks = []
+    for job_id in tracker.getJobIdsForGroup(group):
+        info = tracker.getJobInfo(job_id)
+        assert info is not None
+        for stage_id in info.stageIds:
+            stage = tracker.getStageInfo(stage_id)
+            if stage is not None:
+                tasks.append(stage.numTasks)
+    assert max(tasks) >= 5, tasks  # the four partitions of the topic and the markers' one
+    written = list(Path(job._store(), "batch-000000000000").glob("*.parquet"))
+    assert 0 < len(written) <= STORE_FILES_PER_BATCH
+    assert spark.read.parquet(str(Path(job._store(), "batch-000000000000"))).count() == 40 + 40
