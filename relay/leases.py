@@ -49,7 +49,7 @@ class ShardCountMismatch(Exception):
 @dataclass
 class LeaseChanges:
     gained: list[Lease] = field(default_factory=list)
-    lost: list[int] = field(default_factory=list)  # taken over or expired: stop at once
+    lost: list[int] = field(default_factory=list)  # taken over by another relay: stop at once
     to_release: list[int] = field(default_factory=list)  # over our fair share: hand back
 
 
@@ -108,7 +108,7 @@ class LeaseManager:
         for lease in changes.gained:
             logger.info("took shard %s (epoch %s)", lease.shard, lease.epoch)
         for shard in changes.lost:
-            logger.warning("lost shard %s: its lease was taken over or expired", shard)
+            logger.warning("lost shard %s: another relay took its lease over", shard)
         return changes
 
     def renew(self, conn: psycopg.Connection[Any]) -> list[int]:
@@ -147,10 +147,14 @@ class LeaseManager:
         if lease is None:
             return
         with conn.transaction():
-            conn.execute(
+            handed = conn.execute(
                 self._q("relay_release"),
                 {"shard": shard, "owner": self.relay_id, "epoch": lease.epoch},
-            )
+            ).rowcount
+        if not handed:  # taken over since the last renewal: a stop after a stall, say
+            metrics.LEASE_CHANGES.labels("lost").inc()
+            logger.warning("shard %s was taken over before this relay handed it back", shard)
+            return
         metrics.LEASE_CHANGES.labels("handed_back").inc()
         logger.info("released shard %s", shard)
 

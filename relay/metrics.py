@@ -59,8 +59,8 @@ ERRORS = Counter("outbox_relay_errors", "Errors by kind.", ["kind"])
 RECOVERIES = Counter("outbox_relay_recoveries", "Recoveries from the op-marker topic.")
 LEASE_CHANGES = Counter(
     "outbox_relay_lease_changes",
-    "Shard leases this relay took, lost (taken over or expired while it held them: it stalled "
-    "longer than relay.lease_duration) and handed back (a rebalance, a stop).",
+    "Shard leases this relay took, lost (taken over by another relay: this one stalled longer "
+    "than relay.lease_duration) and handed back (a rebalance, a stop).",
     ["change"],
 )
 for _change in ("taken", "lost", "handed_back"):  # at 0 from the start: a first loss is an increase

@@ -158,9 +158,9 @@ def test_three_relays_share_four_shards_two_one_one(pg_dsn: str, schema: str) ->
 
 
 def test_lease_changes_are_counted_once_each(pg_dsn: str, schema: str) -> None:
-    """outbox_relay_lease_changes_total: a relay's leases taken, lost (found by a heartbeat, or
-    by a fenced batch: forget) and handed back, each once; a heartbeat that changes nothing
-    counts nothing."""
+    """outbox_relay_lease_changes_total: a relay's leases taken, lost (found by a heartbeat, by
+    a fenced batch: forget, or by a hand-back that finds it taken over) and handed back, each
+    once; a heartbeat that changes nothing counts nothing."""
 
     def counts() -> dict[str, float]:
         return {
@@ -185,14 +185,23 @@ def test_lease_changes_are_counted_once_each(pg_dsn: str, schema: str) -> None:
         b = LeaseManager(schema, "relay-b", 2, LEASE)
         assert len(b.heartbeat(conn).gained) == 2
         assert a.heartbeat(conn).lost == [0, 1]
+        a.forget(0)  # what the heartbeat found lost is gone already: not counted again
         (over,) = b.heartbeat(conn).to_release  # a is back: one each
         b.release(conn, over)
         (kept,) = b.owned
         b.forget(kept)  # its batch fenced
         b.forget(kept)  # forgotten already
+        assert [lease.shard for lease in a.heartbeat(conn).gained] == [over]
+        conn.execute(  # taken over before a's stop hands it back
+            sql.SQL(
+                "UPDATE {}.shard_lease SET owner = 'relay-c', epoch = epoch + 1 WHERE shard = %s"
+            ).format(sql.Identifier(schema)),
+            (over,),
+        )
+        a.leave(conn)
     after = counts()
     assert {change: after[change] - before[change] for change in after} == {
-        "taken": 4,
-        "lost": 3,
+        "taken": 5,
+        "lost": 4,
         "handed_back": 1,
     }

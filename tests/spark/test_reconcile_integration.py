@@ -1418,14 +1418,23 @@ def test_a_micro_batchs_kafka_read_runs_a_task_per_partition_and_stores_few_file
     finally:
         spark.sparkContext._jsc.clearJobGroup()
     tracker = spark.sparkContext.statusTracker()
-    tasks = []
-    for job_id in tracker.getJobIdsForGroup(group):
-        info = tracker.getJobInfo(job_id)
-        assert info is not None
-        for stage_id in info.stageIds:
-            stage = tracker.getStageInfo(stage_id)
-            if stage is not None:
-                tasks.append(stage.numTasks)
+
+    def tasks_per_stage() -> list[int] | None:
+        """None until Spark's status store (fed by its listener bus, a moment behind) has
+        every job of the group done."""
+        tasks = []
+        for job_id in tracker.getJobIdsForGroup(group):
+            info = tracker.getJobInfo(job_id)
+            if info is None or info.status != "SUCCEEDED":
+                return None
+            stages = [tracker.getStageInfo(stage_id) for stage_id in info.stageIds]
+            tasks += [stage.numTasks for stage in stages if stage is not None]
+        return tasks or None
+
+    deadline = time.monotonic() + 30
+    while (tasks := tasks_per_stage()) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tasks is not None, "the store write's jobs were not reported done in 30 s"
     assert max(tasks) >= 5, tasks  # the four partitions of the topic and the markers' one
     written = list(Path(job._store(), "batch-000000000000").glob("*.parquet"))
     assert 0 < len(written) <= STORE_FILES_PER_BATCH
