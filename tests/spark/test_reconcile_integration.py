@@ -1436,6 +1436,6 @@ def test_a_micro_batchs_kafka_read_runs_a_task_per_partition_and_stores_few_file
         time.sleep(0.1)
     assert tasks is not None, "the store write's jobs were not reported done in 30 s"
     assert max(tasks) >= 5, tasks  # the four partitions of the topic and the markers' one
-    written = list(Path(job._store(), "batch-000000000000").glob("*.parquet"))
-    assert 0 < len(written) <= STORE_FILES_PER_BATCH
-    assert spark.read.parquet(str(Path(job._store(), "batch-000000000000"))).count() == 40 + 40
+    stored = Path(job._store(), "batch-000000000000")
+    assert 0 < len(list(stored.glob("*.parquet"))) <= STORE_FILES_PER_BATCH
+    assert spark.read.parquet(str(stored)).count() == 40 + 40  # the copies and their markers
