@@ -805,6 +805,16 @@ def resume_if_stopped(pid: int | None, name: str) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
+def kraft_cluster_id() -> str:
+    """A random cluster id that StorageTool's argument parser takes: one that starts with "-"
+    (1 in 64 of them) reads as an option, so format failed. Kafka's Uuid.randomUuid redraws
+    those too."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
 def kafka_up() -> None:
     props = KAFKA_DIR / "server.properties"
     starting = kafka_pid()
@@ -838,7 +848,7 @@ def kafka_up() -> None:
     props.write_text(kafka_properties())
     (KAFKA_DIR / "log4j2.properties").write_text(LOG4J2.format(logs=KAFKA_LOGS))
     if not (KAFKA_DATA / "meta.properties").exists():
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = kraft_cluster_id()
         log(f"formatting KRaft storage in {KAFKA_DATA}")
         run(
             java_cmd("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)),

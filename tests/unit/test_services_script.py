@@ -79,6 +79,19 @@ def test_a_wait_for_a_process_that_died_fails_at_once_with_the_log_chosen_then(
     assert "could not reserve the heap" in said
 
 
+def test_a_kraft_cluster_id_never_starts_with_a_dash(tmp_path: Path) -> None:
+    """One random cluster id in 64 started with "-", which StorageTool's parser read as an
+    option: format failed and with it `services up` (a CI run failed so)."""
+    code = (
+        "import uuid\n"
+        # the first draw encodes to "-" first (0xf8: its first 6 bits are 62), the second not
+        "draws = iter([uuid.UUID(bytes=b'\\xf8' + bytes(15)), uuid.UUID(bytes=bytes(16))])\n"
+        "services.uuid.uuid4 = lambda: next(draws)\n"
+        "print(services.kraft_cluster_id())\n"
+    )
+    assert run_script(tmp_path, code).stdout.strip() == "AAAAAAAAAAAAAAAAAAAAAA"
+
+
 def test_the_services_ports_are_kept_from_outgoing_connections(tmp_path: Path) -> None:
     """In the kernel's ephemeral range, a port a test's connection happened to get made a
     restart's bind of that service fail (found by a review)."""
