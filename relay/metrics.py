@@ -65,6 +65,18 @@ LEASE_CHANGES = Counter(
 )
 for _change in ("taken", "lost", "handed_back"):  # at 0 from the start: a first loss is an increase
     LEASE_CHANGES.labels(_change)
+DEAD_LETTER_COPIES = Counter(
+    "outbox_relay_dead_letter_copies",
+    "Dead-letter copies of discarded and parked records, once their Kafka transaction "
+    "committed, by form: full; without_value or bare (the dead-letter topic refused the full "
+    "copy; header outbox-value-omitted); none (not even the bare copy fit: the op marker went "
+    "alone). A discarded record's row is deleted (kept only with an archive): past `full`, its "
+    "value is lost.",
+    ["form"],
+)
+DEAD_LETTER_FORMS = ("full", "without_value", "bare", "none")
+for _form in DEAD_LETTER_FORMS:  # at 0 from the start: a first shrunk copy is an increase
+    DEAD_LETTER_COPIES.labels(_form)
 PART_STOPPED = Gauge(
     "outbox_sidecar_part_stopped",
     "1 while a part of the sidecar (relay, checker) stopped on something that cannot work waits "

@@ -104,8 +104,9 @@ PARKED_IDS_LOGGED = 20  # ids named in a parking's log line; the rest are counte
 # markers from it on, other shards' included, could pass op_marker_retention, and a recovery
 # would have to refuse for want of them (see _read_markers).
 MARKER_OFFSET_REFRESH_S = 3600.0
-# The forms of a dead-letter copy, each smaller than the one before: what a refusal falls to.
-_FULL, _NO_VALUE, _BARE = 0, 1, 2
+# The forms of a dead-letter copy, each smaller than the one before: what a refusal falls to;
+# the last, none at all. Their metric labels are metrics.DEAD_LETTER_FORMS, in this order.
+_FULL, _NO_VALUE, _BARE, _NO_COPY = range(len(metrics.DEAD_LETTER_FORMS))
 
 
 _by_id = operator.attrgetter("id")
@@ -1463,6 +1464,7 @@ class ShardWorker:
             raise
         metrics.COMMIT_SECONDS.observe(took)
         metrics.BATCH_SIZE.observe(len(sent))
+        self._count_copies(ended, sent)
         self._observe_lag(batch, sent)
         if batch.claimed_through is not None:
             self._claimed_past = batch.claimed_through
@@ -1639,6 +1641,17 @@ class ShardWorker:
             self.settle()
         except Exception as exc:
             logger.warning("shard %s: the last batch's rows did not end here: %s", self.shard, exc)
+
+    def _count_copies(self, ended: list[Row], sent: dict[int, Sent]) -> None:
+        """The dead-letter copies of a committed batch, by form (a copy in an aborted one is
+        not out: it goes again, maybe in another form)."""
+        forms = Counter(
+            self._copy_form[row.id][0] if row.id in sent else _NO_COPY
+            for row in ended
+            if row.state in ("discarded", "parked")
+        )
+        for form, count in forms.items():
+            metrics.DEAD_LETTER_COPIES.labels(metrics.DEAD_LETTER_FORMS[form]).inc(count)
 
     def _send_dead_letter(self, row: Row) -> Sent | None:
         """A copy on the dead-letter topic, with the reason. When the client, or the broker the

@@ -491,6 +491,7 @@ def test_alert_rules_judge_the_releases_namespace_and_say_it_by_default(helm: st
         ("OutboxParkedRecordsWaiting", 'outbox_relay_parked_records{namespace="default"}) > 0'),
         # a loss is one event: an increase, not a rate that must hold for minutes
         ("OutboxRelayLeasesLost", 'change="lost"}[15m])) > 0'),
+        ("OutboxDeadLetterCopiesShrunk", 'form!="full"}[15m])) > 0'),
     ],
 )
 def test_alerts_for_failures_that_flap_or_are_retried_slowly(

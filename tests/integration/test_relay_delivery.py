@@ -66,6 +66,18 @@ def markers(bootstrap: str, relay: Relay) -> list[OpMarker]:
     ]
 
 
+def copies_by_form() -> dict[str, float]:
+    """outbox_relay_dead_letter_copies_total now, by form."""
+    name = "outbox_relay_dead_letter_copies_total"
+    forms = ("full", "without_value", "bare", "none")
+    return {f: REGISTRY.get_sample_value(name, {"form": f}) or 0.0 for f in forms}
+
+
+def copies_since(before: dict[str, float]) -> dict[str, float]:
+    """The copies counted since `before`, by form, those with none left out."""
+    return {f: n - before[f] for f, n in copies_by_form().items() if n != before[f]}
+
+
 def rows(dsn: str) -> list[tuple[Any, ...]]:
     with psycopg.connect(dsn) as conn:
         return conn.execute(
@@ -324,8 +336,10 @@ def test_poison_records_are_parked_and_the_rest_goes_on(
         in reasons
     )
 
+    copies_before = copies_by_form()
     second = relay.run_once()  # dead-letter copies and op markers of the parked records
     assert second.ended == 3
+    assert copies_since(copies_before) == {"full": 2.0, "without_value": 1.0}
     dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
     assert len(dead) == 3
     assert all(dict(m.headers() or [])["outbox-reason"] for m in dead)
@@ -809,9 +823,12 @@ def test_a_dead_letter_copy_the_broker_refuses_goes_again_without_its_value(
         outbox.publish(conn, "no.such.topic", b"x" * 5000, key="k")
     relay = relay_factory(dead_letter_topic=dead_letter)
     assert relay.run_once().parked == 1
+    copies_before = copies_by_form()
     rounds = [relay.run_once() for _ in range(4)]
     # refused (in a batch, maybe for another record), refused alone, sent without the value
     assert [r.ended for r in rounds] == [0, 0, 1, 0]
+    # the copies of the aborted transactions are not counted
+    assert copies_since(copies_before) == {"without_value": 1.0}
     (copy,) = consume_all(kafka_bootstrap, dead_letter, "read_committed")
     headers = dict(copy.headers() or [])
     assert copy.value() is None
@@ -846,7 +863,9 @@ def test_a_dead_letter_copy_too_large_even_without_its_value_goes_bare_or_not_at
     assert relay.run_once().parked == 1
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, good, "good", key="g")
+    copies_before = copies_by_form()
     rounds = [relay.run_once() for _ in range(6)]
+    assert copies_since(copies_before) == {"bare" if copied else "none": 1.0}
     # refused whole (in a batch, then alone), refused without the value, then sent bare, or
     # refused bare and then its marker goes alone; the good record waits in the aborted
     # transactions, and goes with it
