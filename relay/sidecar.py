@@ -11,6 +11,7 @@ one is left to the liveness probe.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -43,14 +44,42 @@ class Component(Protocol):
     def ready(self) -> dict[str, Any]: ...
 
 
-def check_settings(settings: SidecarSettings) -> None:
-    """What only the Kafka client can tell of the settings (ProducerMisconfigured): before
-    anything starts, and by `outboxctl config`."""
-    if settings.relay.enabled:
+def check_settings(settings: SidecarSettings, only: str | None = None) -> None:
+    """What only the Kafka client can tell of the settings (ProducerMisconfigured), and what is
+    said but not refused: before anything starts, and by `outboxctl config`."""
+    if settings.relay.enabled and only in (None, "relay"):
         check_client_settings(
             settings.kafka.to_librdkafka(), settings.relay.kafka_transaction_timeout
         )
         _warn_if_a_database_wait_outlasts_the_grace(settings)
+    if settings.checker.enabled and only in (None, "checker"):
+        _warn_of_plain_http_beyond_the_pod(settings)
+
+
+def _warn_of_plain_http_beyond_the_pod(settings: SidecarSettings) -> None:
+    """Said, not refused: the signatures keep a check's answer from being forged or replayed
+    over plain http, but not its request from being read, and the usual endpoint is the
+    application beside the sidecar, on the loopback interface, where http is fine."""
+    for group, endpoint in settings.checker.endpoints.items():
+        if endpoint.url.scheme == "http" and not _loopback(endpoint.url.host or ""):
+            logger.warning(
+                "checker.endpoints.%s.url (%s) is plain http to another host: each check's "
+                "records (ids, topics, keys, headers) cross the network readable by anyone on "
+                "the path; use https (with ca_file for a private CA)",
+                group,
+                endpoint.shown_url,
+            )
+
+
+def _loopback(host: str) -> bool:
+    """A host on this pod's own loopback interface (RFC 6761 names localhost's)."""
+    name = host.strip("[]").rstrip(".").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def _warn_if_a_database_wait_outlasts_the_grace(settings: SidecarSettings) -> None:
@@ -73,8 +102,8 @@ def _warn_if_a_database_wait_outlasts_the_grace(settings: SidecarSettings) -> No
 
 def build_components(settings: SidecarSettings, only: str | None = None) -> dict[str, Component]:
     components: dict[str, Component] = {}
+    check_settings(settings, only)
     if settings.relay.enabled and only in (None, "relay"):
-        check_settings(settings)
         components["relay"] = _build("relay", settings)
     if settings.checker.enabled and only in (None, "checker"):
         components["checker"] = _build("checker", settings)

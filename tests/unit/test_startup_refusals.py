@@ -214,3 +214,35 @@ def test_a_database_wait_the_stop_cannot_outlast_is_said(
     if warned:
         assert f"database.connect_timeout_s ({connect_timeout}s)" in said[0]
         assert "lower database.connect_timeout_s or raise relay.shutdown_grace" in said[0]
+
+
+@pytest.mark.parametrize(
+    ("url", "warned"),
+    [
+        ("http://orders.shop.svc:8080/check", True),
+        ("http://10.0.0.7/check", True),
+        ("http://localhost:8080/check", False),
+        ("http://127.0.0.2:8080/check", False),
+        ("http://[::1]:8080/check", False),
+        ("https://orders.shop.svc/check", False),
+    ],
+)
+def test_a_check_endpoint_over_plain_http_beyond_the_pod_is_said(
+    url: str,
+    warned: bool,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each check sends its records' keys and headers; over plain http to another host anyone
+    on the path reads them, and nothing said so (the signatures only keep answers honest)."""
+    endpoint = {"url": f"{url}?code=k3y", "secrets": ["whsec_" + "A" * 32]}
+    monkeypatch.setenv("OUTBOX_CHECKER__ENDPOINTS", json.dumps({"orders": endpoint}))
+    code, out, _ = config(capsys)
+    assert code == 0  # said, not refused
+    assert out
+    said = [r.getMessage() for r in caplog.records if "plain http" in r.getMessage()]
+    assert len(said) == int(warned), said
+    if warned:
+        assert said[0].startswith("checker.endpoints.orders.url")
+        assert "k3y" not in said[0]  # the query masked, as config shows it
