@@ -68,10 +68,10 @@ for _change in ("taken", "lost", "handed_back"):  # at 0 from the start: a first
 DEAD_LETTER_COPIES = Counter(
     "outbox_relay_dead_letter_copies",
     "Dead-letter copies of discarded and parked records, once their Kafka transaction "
-    "committed, by form: full; without_value or bare (the dead-letter topic refused the full "
-    "copy; header outbox-value-omitted); none (not even the bare copy fit: the op marker went "
-    "alone). A discarded record's row is deleted (kept only with an archive): past `full`, its "
-    "value is lost.",
+    "committed, by form: full; without_value or bare (the full copy was refused, by the Kafka "
+    "client or the broker: header outbox-value-omitted); none (not even the bare copy fit: the "
+    "op marker went alone). A discarded record's row is deleted (kept only with an archive): "
+    "past `full`, its value is lost.",
     ["form"],
 )
 DEAD_LETTER_FORMS = ("full", "without_value", "bare", "none")

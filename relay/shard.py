@@ -417,6 +417,9 @@ class ShardWorker:
         # refused); kept until the row's marker is committed, whatever aborts meanwhile
         self._copy_refused: dict[int, tuple[int, str | None]] = {}
         self._copy_form: dict[int, tuple[int, str | None]] = {}  # of each copy in the transaction
+        # The dead-letter copies' forms (by row id) of a batch whose commit's outcome is
+        # unknown: counted by the recovery that finds the batch's markers committed.
+        self._copies_in_doubt: dict[int, int] = {}
         # records refused in a batch too large for their topic: each goes again in a batch of
         # its own, and only one refused alone is parked
         self._alone: set[int] = set()
@@ -564,6 +567,12 @@ class ShardWorker:
             if count:
                 metrics.ENDED.labels(op.value).inc(count)
         ended = ended_by_kind.total()
+        # A Kafka transaction is whole: one marker of the batch in doubt read back (from the
+        # offset recorded at the last batch's end, so not an earlier marker of its ids) says it
+        # committed, copies and all; none, that it was aborted, and its copies go again.
+        if self._copies_in_doubt and not {m.id for m in markers} & self._copies_in_doubt.keys():
+            self._copies_in_doubt = {}
+        self._count_copies()
         self.needs_recovery = False
         self._claimed_past = None  # the rows of a batch that failed go again
         metrics.RECOVERIES.inc()
@@ -1457,6 +1466,7 @@ class ShardWorker:
             # what is left of the grace.
             with contextlib.suppress(ShuttingDown):
                 waiting()
+        self._copies_in_doubt = self._copy_forms(ended, sent)
         try:
             took = self.producer.commit(waiting)  # its own latency, not the renewals meanwhile
         except Exception:
@@ -1464,7 +1474,7 @@ class ShardWorker:
             raise
         metrics.COMMIT_SECONDS.observe(took)
         metrics.BATCH_SIZE.observe(len(sent))
-        self._count_copies(ended, sent)
+        self._count_copies()
         self._observe_lag(batch, sent)
         if batch.claimed_through is not None:
             self._claimed_past = batch.claimed_through
@@ -1642,14 +1652,18 @@ class ShardWorker:
         except Exception as exc:
             logger.warning("shard %s: the last batch's rows did not end here: %s", self.shard, exc)
 
-    def _count_copies(self, ended: list[Row], sent: dict[int, Sent]) -> None:
-        """The dead-letter copies of a committed batch, by form (a copy in an aborted one is
-        not out: it goes again, maybe in another form)."""
-        forms = Counter(
-            self._copy_form[row.id][0] if row.id in sent else _NO_COPY
+    def _copy_forms(self, ended: list[Row], sent: dict[int, Sent]) -> dict[int, int]:
+        """The form of each discarded or parked row's dead-letter copy in this transaction."""
+        return {
+            row.id: self._copy_form[row.id][0] if row.id in sent else _NO_COPY
             for row in ended
             if row.state in ("discarded", "parked")
-        )
+        }
+
+    def _count_copies(self) -> None:
+        """Count the copies of the batch just committed, by form (a copy in an aborted batch is
+        not out: it goes again, maybe in another form, and is counted then)."""
+        forms, self._copies_in_doubt = Counter(self._copies_in_doubt.values()), {}
         for form, count in forms.items():
             metrics.DEAD_LETTER_COPIES.labels(metrics.DEAD_LETTER_FORMS[form]).inc(count)
 

@@ -72,14 +72,18 @@ def _warn_of_plain_http_beyond_the_pod(settings: SidecarSettings) -> None:
 
 
 def _loopback(host: str) -> bool:
-    """A host on this pod's own loopback interface (RFC 6761 names localhost's)."""
+    """A host on this pod's own loopback interface. Not `*.localhost`: only `localhost` is in
+    a container's /etc/hosts, and the others go to the cluster's DNS with its search domains."""
     name = host.strip("[]").rstrip(".").lower()
-    if name == "localhost" or name.endswith(".localhost"):
+    if name == "localhost":
         return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        address = ipaddress.ip_address(name)
     except ValueError:
         return False
+    # ::ffff:127.0.0.1 is not is_loopback before Python 3.13
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _warn_if_a_database_wait_outlasts_the_grace(settings: SidecarSettings) -> None:

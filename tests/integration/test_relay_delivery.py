@@ -839,6 +839,40 @@ def test_a_dead_letter_copy_the_broker_refuses_goes_again_without_its_value(
     assert row[1:4] == ("parked", "topic 'no.such.topic' does not exist", True)
 
 
+@pytest.mark.parametrize("committed", [True, False])
+def test_the_copy_of_a_batch_whose_commit_is_in_doubt_is_counted_once(
+    pg_dsn: str, kafka_bootstrap: str, relay_factory: Any, committed: bool
+) -> None:
+    """A commit that raises may have committed: the recovery's markers tell. Committed, its
+    copy is counted then (it is not sent again); aborted, it goes again and is counted with
+    the batch that takes it. Found by a review: counted only after a commit that returned."""
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        outbox.publish(conn, "no.such.topic", "parked", key="k")
+    relay = relay_factory()
+    assert relay.run_once().parked == 1
+    (worker,) = relay.workers.values()
+    commit = worker.producer.commit
+
+    def in_doubt(*waiting: Any) -> float:
+        worker.producer.commit = commit  # type: ignore[method-assign]
+        if committed:
+            commit(*waiting)
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "the commit's outcome is unknown"))
+
+    worker.producer.commit = in_doubt  # type: ignore[method-assign]
+    copies_before = copies_by_form()
+    with pytest.raises(KafkaException, match="outcome is unknown"):
+        relay.run_once()
+    assert worker.needs_recovery
+    assert copies_since(copies_before) == {}
+    worker.retry_at = 0.0  # past its back-off
+    relay.run_once()  # the recovery, then (aborted) the copy again
+    assert copies_since(copies_before) == {"full": 1.0}
+    dead_letter = relay.settings.relay.dead_letter_topic
+    assert values(consume_all(kafka_bootstrap, dead_letter, "read_committed")) == [b"parked"]
+    assert [m.op.value for m in markers(kafka_bootstrap, relay)] == ["parked"]
+
+
 @pytest.mark.parametrize(
     ("max_bytes", "copied"),
     [("2000", True), ("200", False)],  # the bare copy fits / not even that does

@@ -224,6 +224,9 @@ def test_a_database_wait_the_stop_cannot_outlast_is_said(
         ("http://localhost:8080/check", False),
         ("http://127.0.0.2:8080/check", False),
         ("http://[::1]:8080/check", False),
+        ("http://[::ffff:127.0.0.1]:8080/check", False),
+        ("http://LocalHost.:8080/check", False),
+        ("http://orders.localhost:8080/check", True),  # cluster DNS, not /etc/hosts
         ("https://orders.shop.svc/check", False),
     ],
 )
