@@ -255,7 +255,17 @@ class AsyncOutbox:
             if cut_off is None:
                 raise
             raise cut_off from exc
-        status = parse_status(await call_back(local_transaction, written), written)
+        except asyncio.CancelledError:
+            if written is not None:  # else its transaction was rolled back: nothing written
+                _say_cancelled(
+                    written, "at the commit of its prepared records", "may or may not be prepared"
+                )
+            raise
+        try:
+            status = parse_status(await call_back(local_transaction, written), written)
+        except asyncio.CancelledError:
+            _say_cancelled(written, "in its local transaction", "stay prepared")
+            raise
         state = State.PREPARED
         try:
             if status is not TransactionStatus.UNKNOWN and left_idle(conn, written):
@@ -271,6 +281,13 @@ class AsyncOutbox:
                 state = ended_before(ended, written, status)
         except TransactionStateError as exc:  # the checker or an operator ended it first
             state = settled_first(exc, written, status)
+        except asyncio.CancelledError:
+            _say_cancelled(
+                written,
+                f"while ending it ({status.value}, as its local transaction said)",
+                "stay prepared unless that end's COMMIT went through",
+            )
+            raise
         except Exception:
             logger.warning(
                 "could not end tx %s (%s) after the local transaction said %s; "
@@ -281,3 +298,19 @@ class AsyncOutbox:
                 exc_info=True,
             )
         return LocalTransactionResult(written, status, state)
+
+
+def _say_cancelled(written: Written, when: str, left: str) -> None:
+    """A cancelled send_in_transaction raises CancelledError, which names nothing: the tx id
+    and the records it may leave prepared are said here, so that they can be rolled back, or
+    left to the checker."""
+    logger.warning(
+        "send_in_transaction of tx %s (producer group %s, record ids %s) was cancelled %s: its "
+        "records %s; the checker asks the endpoint about prepared ones, or roll them back "
+        "(rollback(conn, tx_id, producer_group=..., record_ids=...))",
+        written.tx_id,
+        written.producer_group,
+        ", ".join(map(str, written.ids)),
+        when,
+        left,
+    )

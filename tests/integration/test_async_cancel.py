@@ -221,3 +221,74 @@ def test_a_second_cancel_during_the_abort_leaves_no_unretrieved_error(
         gc.collect()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
     assert asyncio.run(count(pg_dsn)) == 0
+
+
+async def states(dsn: str) -> list[str]:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT state::text FROM outbox.outbox_record WHERE producer_group = %s", (GROUP,)
+        )
+        return [row[0] for row in await cur.fetchall()]
+
+
+@pytest.mark.parametrize("cancelled", ["at the commit", "in its local transaction", "while ending"])
+def test_a_send_in_transaction_cancelled_says_which_records_it_leaves_prepared(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture, cancelled: str
+) -> None:
+    """CancelledError names nothing: the records a cancelled send_in_transaction left
+    prepared, at its first commit, in the local transaction or while ending them, went
+    unsaid until the checker asked about them (the code before logged nothing)."""
+    box = AsyncOutbox(producer_group=GROUP)
+    records = [Record("orders", {"n": i}, key="k") for i in range(2)]
+    in_local = asyncio.Event()
+
+    async def main() -> None:
+        proxy = SlowReplies()
+        async with (
+            proxy.serving(pg_dsn) as dsn,
+            await psycopg.AsyncConnection.connect(dsn) as conn,
+            await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as watch,
+            await psycopg.AsyncConnection.connect(pg_dsn) as holder,
+        ):
+
+            async def local(written: outbox.Written) -> str:
+                in_local.set()
+                if cancelled == "in its local transaction":
+                    await asyncio.Event().wait()  # until cancelled
+                if cancelled == "while ending":  # the end waits for the rows' lock
+                    await holder.execute(
+                        "SELECT id FROM outbox.outbox_record WHERE id = ANY(%s) FOR UPDATE",
+                        (list(written.ids),),
+                    )
+                return "COMMIT"
+
+            pid = conn.info.backend_pid
+            if cancelled == "at the commit":
+                proxy.delay = 0.3  # each reply: the COMMIT's is held back when the cancel comes
+            task = asyncio.create_task(box.send_in_transaction(conn, records, local))
+            async with asyncio.timeout(30):
+                if cancelled == "at the commit":
+                    activity = "SELECT state, query FROM pg_stat_activity WHERE pid = %s"
+                    while await (await watch.execute(activity, (pid,))).fetchone() != (
+                        "idle",
+                        "COMMIT",
+                    ):
+                        await asyncio.sleep(0.02)
+                elif cancelled == "in its local transaction":
+                    await in_local.wait()
+                else:
+                    waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s"
+                    while await (await watch.execute(waiting, (pid,))).fetchone() != (True,):
+                        await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await holder.rollback()
+
+    with caplog.at_level(logging.WARNING, logger="outbox"):
+        asyncio.run(main())
+    (said,) = [r.getMessage() for r in caplog.records if "was cancelled" in r.getMessage()]
+    assert f"was cancelled {cancelled}" in said
+    assert asyncio.run(states(pg_dsn)) == ["prepared", "prepared"]
+    ids = [int(i) for i in said.split("record ids ")[1].split(")")[0].split(", ")]
+    assert len(ids) == 2
