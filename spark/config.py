@@ -11,6 +11,10 @@ copy, the copy for a committed ledger row) have had that long to appear:
        |---- deadline ----|------------ judged ----------------|-- deadline --|
        |<-------------------------------- horizon ------------------------->|
 
+A ledger row still waiting for the relay (committed, not ended by it) is reported missing only
+once it has waited `undelivered_deadline` (5 minutes, or the deadline if longer) by `as_of`: a
+relay that is only behind is the lag alert's to report.
+
 `as_of` is a time up to which Kafka has been read completely (a micro-batch's start, the start of
 an availableNow run, or `--to` of an audit), never simply "now", so that a copy that is only late
 in being read is not taken for a missing one.
@@ -38,6 +42,8 @@ from outbox._records import check_topic
 from spark._errors import ReconcileConfigError
 from spark.kafka_properties import BOOTSTRAP, refused_option
 
+# The chart's OutboxDeliveryLagging fires at 300 s (prometheusRule.deliveryLagSeconds)
+DEFAULT_UNDELIVERED_DEADLINE = timedelta(minutes=5)
 FINDING_KINDS = ("missing", "duplicate", "orphan", "marker_mismatch", "out_of_order")
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
@@ -254,6 +260,13 @@ class ReconcileSettings(BaseModel):
         description="How long a record may take to appear on its topic (and a marker or copy "
         "to meet its counterpart) before it is reported.",
     )
+    undelivered_deadline: timedelta | None = Field(
+        default=None,
+        description="How long a record may wait for the relay (committed, not ended by it) "
+        "before it is reported missing; None: the deadline, or 5 minutes if that is longer. A "
+        "relay that is only behind is the lag alert's to report: at the deadline, every record "
+        "committed through a short relay outage was a finding.",
+    )
     horizon: timedelta = Field(
         default=timedelta(minutes=15),
         description="How long observations are kept and findings re-judged.",
@@ -335,10 +348,17 @@ class ReconcileSettings(BaseModel):
     def _identifier(cls, v: str) -> str:
         return OutboxConfig(schema_name=v).schema_name
 
-    @field_validator("deadline", "horizon", "summary_window", "trigger", "jdbc_read_timeout")
+    @field_validator(
+        "deadline",
+        "undelivered_deadline",
+        "horizon",
+        "summary_window",
+        "trigger",
+        "jdbc_read_timeout",
+    )
     @classmethod
-    def _positive(cls, v: timedelta) -> timedelta:
-        if v <= timedelta(0):
+    def _positive(cls, v: timedelta | None) -> timedelta | None:
+        if v is not None and v <= timedelta(0):
             raise ValueError("must be positive")
         return v
 
@@ -384,6 +404,11 @@ class ReconcileSettings(BaseModel):
                 raise ValueError("--from must be before --to")
         elif self.checkpoint is None:
             raise ValueError("a streaming run needs a checkpoint location")
+        if self.undelivered_deadline is not None and self.undelivered_deadline < self.deadline:
+            raise ValueError(
+                f"--undelivered-deadline ({self.undelivered_deadline}) must not be shorter than "
+                f"--deadline ({self.deadline})"
+            )
         if self.horizon < 2 * self.deadline + 2 * self.trigger:
             raise ValueError("the horizon must cover two deadlines and two trigger intervals")
         if self.summary_window > self.horizon - 2 * self.deadline:
@@ -403,6 +428,13 @@ class ReconcileSettings(BaseModel):
     @property
     def audit(self) -> bool:
         return self.audit_from is not None
+
+    @property
+    def undelivered_after(self) -> timedelta:
+        """How long a record waits for the relay before it is reported (undelivered_deadline)."""
+        if self.undelivered_deadline is not None:
+            return self.undelivered_deadline
+        return max(self.deadline, DEFAULT_UNDELIVERED_DEADLINE)
 
     @property
     def not_deliveries(self) -> tuple[str, ...]:

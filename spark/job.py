@@ -1299,6 +1299,7 @@ class ReconcileJob:
                             settings.topic_pattern,
                             settings.not_deliveries,
                         ),
+                        undelivered_after=settings.undelivered_after,
                     )
                     cached.append(judgement.classified.persist())
                 with clock("judge"):
@@ -1647,6 +1648,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     j = p.add_argument_group("judging")
     j.add_argument("--deadline", type=_duration, default="60s", help="time to appear (60s)")
+    j.add_argument(
+        "--undelivered-deadline",
+        type=_duration,
+        help="time a record may wait for the relay (committed, not ended by it) before it is "
+        "reported missing: a relay behind is the lag alert's (the deadline, or 5m if longer)",
+    )
     j.add_argument("--horizon", type=_duration, default="15m", help="state kept (15m)")
     j.add_argument(
         "--ledger-retention",
@@ -1741,6 +1748,7 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
         "ignored_topics": tuple(args.ignore_topic),
         "former_outbox_names": tuple(args.former_outbox_name),
         "deadline": _as_delta(args.deadline),
+        "undelivered_deadline": args.undelivered_deadline,
         "horizon": _as_delta(args.horizon),
         "ledger_retention": args.ledger_retention,
         "findings_retention": args.findings_retention,  # argparse converts its default too

@@ -539,11 +539,19 @@ def copy_findings(classified: DataFrame) -> DataFrame:
     )
 
 
-def missing_records(ledger: DataFrame, copy_rows: DataFrame, window: JudgeWindow) -> DataFrame:
+def missing_records(
+    ledger: DataFrame,
+    copy_rows: DataFrame,
+    window: JudgeWindow,
+    undelivered_after: timedelta | None = None,
+) -> DataFrame:
     """Committed or delivered ledger rows, due, of which no copy is on their topic.
 
     A delivered row is due by its end (when the relay wrote its marker), a committed one by its
-    commit time; with `window.include_stuck` also committed rows from before the window.
+    commit time; with `window.include_stuck` also committed rows from before the window. A row
+    still committed (the relay has not ended it) only once it has waited `undelivered_after`
+    (None: as any other) by `window.as_of`: until then the relay is behind, not wrong, and a
+    later judgement reports it as stuck if it still waits.
     """
     seen = copy_rows.select(F.col("outbox_id").alias("id"), "topic")
     due_at = F.when(F.col("state") == "delivered", F.coalesce("ended_at", "commit_time")).otherwise(
@@ -553,6 +561,9 @@ def missing_records(ledger: DataFrame, copy_rows: DataFrame, window: JudgeWindow
     due = (F.col("due_at") <= F.lit(window.hi)) & (
         (F.col("due_at") >= F.lit(window.lo)) | (F.lit(window.include_stuck) & stuck)
     )
+    if undelivered_after is not None:
+        waited = F.col("commit_time") <= F.lit(window.as_of - undelivered_after)
+        due = due & ((F.col("state") != "committed") | waited)
     rows = (
         ledger.where(F.col("state").isin(*COMMITTED_STATES))
         .withColumn("due_at", due_at)
@@ -707,6 +718,7 @@ def judge(
     late: DataFrame | None = None,
     latency_counted: Column | None = None,
     watched_topic: Column | None = None,
+    undelivered_after: timedelta | None = None,
 ) -> Judgement:
     """All findings and the latency histogram of one judgement (see the module docstring).
 
@@ -724,6 +736,7 @@ def judge(
     one the job reads (`watched`): only those can be missing. The ledger holds others' rows too,
     looked up by the id of a copy found on a watched topic (another app's copy forwarding the
     headers): that copy is judged against them, and they were found missing.
+    `undelivered_after`: see missing_records.
     """
     copy_rows = copies(obs)
     marker_rows = markers(obs)
@@ -750,7 +763,10 @@ def judge(
         copy_findings(classified)
         .unionByName(
             missing_records(
-                ledger if watched_topic is None else ledger.where(watched_topic), present, window
+                ledger if watched_topic is None else ledger.where(watched_topic),
+                present,
+                window,
+                undelivered_after,
             )
         )
         .unionByName(markers_without_record(marker_rows, present, ledger, window))

@@ -504,6 +504,20 @@ def test_alerts_for_failures_that_flap_or_are_retried_slowly(
         assert ">= 1 and count_over_time(" in rules[alert]["expr"]  # and 10 minutes of it
 
 
+@pytest.mark.parametrize("given", ["", "10m"])
+def test_the_reconciliations_undelivered_deadline_is_passed_when_given(
+    helm: str, given: str
+) -> None:
+    docs = by_kind(render(helm, "existingSecret=s", "reconcile.enabled=true", *RECONCILE,
+                          f"reconcile.undeliveredDeadline={given}"))  # fmt: skip
+    (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    if given:
+        assert args[args.index("--undelivered-deadline") + 1] == given
+    else:  # the job's default, as the lag alert's
+        assert "--undelivered-deadline" not in args
+
+
 def test_reconcile_arguments_that_only_name_a_key_file_are_taken(helm: str) -> None:
     docs = by_kind(render(helm, "existingSecret=s", "reconcile.enabled=true", *RECONCILE,
                           "reconcile.extraArgs={--jdbc-url=jdbc:postgresql://db/app?sslkey="

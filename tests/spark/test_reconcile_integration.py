@@ -512,6 +512,8 @@ def running_settings(
         checkpoint=str(tmp_path / "checkpoint"),
         **{
             "deadline": timedelta(seconds=2),
+            # the records a test never delivers (its controls) are missing by the deadline too
+            "undelivered_deadline": more.get("deadline", timedelta(seconds=2)),
             "trigger": timedelta(seconds=1),
             # Far beyond a test's run: with 2 minutes, a test that ran longer on a busy machine
             # would lose its observations to the trim (as the kill-mid-batch test once did).

@@ -366,6 +366,36 @@ def test_judge_finds_each_kind_once(spark: SparkSession) -> None:
     assert ("missing", 2, "") in audited
 
 
+def test_a_record_still_waiting_for_the_relay_is_missing_only_after_the_undelivered_deadline(
+    spark: SparkSession,
+) -> None:
+    """A relay down for two minutes made every record committed meanwhile a finding one
+    deadline (60 s) after its commit, though the relay was only behind: the lag alert's to
+    report. A row the relay says it delivered is judged by the deadline as before."""
+    from spark.transform import LEDGER_SCHEMA, missing_records
+
+    as_of = STREAM_WINDOW.as_of
+    ledger = spark.createDataFrame(
+        [
+            ledger_row(1, "committed", as_of - timedelta(minutes=2)),  # in the window: behind
+            ledger_row(2, "committed", as_of - timedelta(minutes=6)),  # waited long enough
+            ledger_row(3, "committed", as_of - timedelta(minutes=14)),  # stuck, before lo
+            # delivered, its copy absent: missing a deadline after its end, as before
+            ledger_row(4, "delivered", as_of - timedelta(minutes=3), as_of - timedelta(minutes=2)),
+        ],
+        LEDGER_SCHEMA,
+    )
+    no_copies = spark.createDataFrame([], "outbox_id long, topic string")
+
+    def missing(undelivered_after: timedelta | None) -> list[int]:
+        found = missing_records(ledger, no_copies, STREAM_WINDOW, undelivered_after)
+        return sorted(r.outbox_id for r in found.collect())
+
+    assert missing(None) == [1, 2, 3, 4]  # the deadline alone
+    assert missing(timedelta(minutes=5)) == [2, 3, 4]
+    assert missing(timedelta(minutes=20)) == [4]
+
+
 def test_a_record_of_a_topic_the_job_does_not_read_is_never_missing(spark: SparkSession) -> None:
     """A copy on a watched topic carrying the outbox headers of a record of another topic
     (an app forwarding them, as Kafka Streams does) made the job look that record up; with no

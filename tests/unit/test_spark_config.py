@@ -315,11 +315,32 @@ def test_the_kafka_source_asks_for_no_long_poll_unless_told() -> None:
         # never any marker's name: the rename's copies and markers stayed another outbox's
         ({"former_outbox_names": ("app",)}, "'app' is not \"<database>/<schema>\""),
         ({"former_outbox_names": ("app/",)}, "is not"),
+        # a record would be reported missing before a delivered one's counterparts could show
+        (
+            {"deadline": timedelta(minutes=2), "undelivered_deadline": timedelta(minutes=1)},
+            r"--undelivered-deadline \(0:01:00\) must not be shorter than --deadline",
+        ),
+        ({"undelivered_deadline": timedelta(0)}, "positive"),
     ],
 )
 def test_settings_refuse_what_cannot_work(change: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ReconcileSettings(**{**BASE, **change})
+
+
+def test_a_record_waits_for_the_relay_five_minutes_or_a_deadline_unless_told() -> None:
+    """A relay behind is the lag alert's (the chart's fires at 300 s): the job reports a record
+    still waiting for it as missing only later than a record its relay says it delivered."""
+    from spark.job import build_parser, settings_from_args
+
+    def waits(*argv: str) -> timedelta:
+        given = ["--dsn", "postgresql://r@h/x", "--bootstrap", "k:9092", "--topics", "t"]
+        given += ["--checkpoint", "c", *argv]
+        return settings_from_args(build_parser().parse_args(given)).undelivered_after
+
+    assert waits() == timedelta(minutes=5)
+    assert waits("--deadline", "6m", "--horizon", "30m") == timedelta(minutes=6)
+    assert waits("--undelivered-deadline", "90s") == timedelta(seconds=90)
 
 
 def test_the_job_finds_its_database_where_the_sidecar_does(

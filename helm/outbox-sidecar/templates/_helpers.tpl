@@ -300,6 +300,10 @@ spec:
         {{- end }}
         - --deadline
         - {{ $r.deadline | quote }}
+        {{- with $r.undeliveredDeadline }}
+        - --undelivered-deadline
+        - {{ . | quote }}
+        {{- end }}
         - --horizon
         - {{ $r.horizon | quote }}
         - --master
