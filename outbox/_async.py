@@ -258,13 +258,22 @@ class AsyncOutbox:
         except asyncio.CancelledError:
             if written is not None:  # else its transaction was rolled back: nothing written
                 _say_cancelled(
-                    written, "at the commit of its prepared records", "may or may not be prepared"
+                    written,
+                    "at the commit of its prepared records",
+                    "may or may not be prepared, and the local transaction did not run: roll "
+                    "them back (rollback(conn, tx_id, producer_group=..., record_ids=...); "
+                    "UnknownTransactionError: none was prepared)",
                 )
             raise
         try:
             status = parse_status(await call_back(local_transaction, written), written)
         except asyncio.CancelledError:
-            _say_cancelled(written, "in its local transaction", "stay prepared")
+            _say_cancelled(
+                written,
+                "in its local transaction",
+                "stay prepared, whatever the local transaction did (a sync one runs on in its "
+                "thread): end them only once you know its outcome",
+            )
             raise
         state = State.PREPARED
         try:
@@ -285,7 +294,9 @@ class AsyncOutbox:
             _say_cancelled(
                 written,
                 f"while ending it ({status.value}, as its local transaction said)",
-                "stay prepared unless that end's COMMIT went through",
+                f"stay prepared unless that end went through: {status.value.lower()} them as "
+                f"it said ({status.value.lower()}(conn, tx_id, producer_group=..., "
+                "record_ids=...))",
             )
             raise
         except Exception:
@@ -301,13 +312,11 @@ class AsyncOutbox:
 
 
 def _say_cancelled(written: Written, when: str, left: str) -> None:
-    """A cancelled send_in_transaction raises CancelledError, which names nothing: the tx id
-    and the records it may leave prepared are said here, so that they can be rolled back, or
-    left to the checker."""
+    """A cancelled send_in_transaction raises CancelledError, which names nothing: the tx id,
+    the records it may leave prepared and what to do about them are said here."""
     logger.warning(
         "send_in_transaction of tx %s (producer group %s, record ids %s) was cancelled %s: its "
-        "records %s; the checker asks the endpoint about prepared ones, or roll them back "
-        "(rollback(conn, tx_id, producer_group=..., record_ids=...))",
+        "records %s; or leave them to the checker, which asks the endpoint about prepared ones",
         written.tx_id,
         written.producer_group,
         ", ".join(map(str, written.ids)),

@@ -12,8 +12,8 @@ copy, the copy for a committed ledger row) have had that long to appear:
        |<-------------------------------- horizon ------------------------->|
 
 A ledger row still waiting for the relay (committed, not ended by it) is reported missing only
-once it has waited `undelivered_deadline` (5 minutes, or the deadline if longer) by `as_of`: a
-relay that is only behind is the lag alert's to report.
+once it has waited `undelivered_deadline` (10 minutes, or the deadline if longer) by `as_of` (an
+audit: by now): a relay that is only behind is the lag alert's to report.
 
 `as_of` is a time up to which Kafka has been read completely (a micro-batch's start, the start of
 an availableNow run, or `--to` of an audit), never simply "now", so that a copy that is only late
@@ -42,8 +42,9 @@ from outbox._records import check_topic
 from spark._errors import ReconcileConfigError
 from spark.kafka_properties import BOOTSTRAP, refused_option
 
-# The chart's OutboxDeliveryLagging fires at 300 s (prometheusRule.deliveryLagSeconds)
-DEFAULT_UNDELIVERED_DEADLINE = timedelta(minutes=5)
+# The chart's OutboxDeliveryLagging fires once the lag has been over 300 s for 5 minutes
+# (prometheusRule.deliveryLagSeconds)
+DEFAULT_UNDELIVERED_DEADLINE = timedelta(minutes=10)
 FINDING_KINDS = ("missing", "duplicate", "orphan", "marker_mismatch", "out_of_order")
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
@@ -263,7 +264,7 @@ class ReconcileSettings(BaseModel):
     undelivered_deadline: timedelta | None = Field(
         default=None,
         description="How long a record may wait for the relay (committed, not ended by it) "
-        "before it is reported missing; None: the deadline, or 5 minutes if that is longer. A "
+        "before it is reported missing; None: 10 minutes, or the deadline if that is longer. A "
         "relay that is only behind is the lag alert's to report: at the deadline, every record "
         "committed through a short relay outage was a finding.",
     )

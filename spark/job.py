@@ -1299,7 +1299,7 @@ class ReconcileJob:
                             settings.topic_pattern,
                             settings.not_deliveries,
                         ),
-                        undelivered_after=settings.undelivered_after,
+                        undelivered_before=self._undelivered_before(window, started),
                     )
                     cached.append(judgement.classified.persist())
                 with clock("judge"):
@@ -1348,6 +1348,15 @@ class ReconcileJob:
             logger.info("reconciliation: %s", report.format())
         self._reported(report)
         return report
+
+    def _undelivered_before(self, window: JudgeWindow, now: datetime) -> datetime:
+        """Rows still waiting for the relay that committed by this have waited long enough to
+        be missing. A running job counts to `as_of` (how far it read Kafka: a copy not read yet
+        may answer a row the relay ends now); an audit to now, since the ledger says how it is
+        now: its `as_of` is --to plus the deadline, and the rows committed in the last minutes
+        before --to were never reported, however long they had been stuck."""
+        waited_to = now if self.settings.audit else window.as_of
+        return waited_to - self.settings.undelivered_after
 
     def _trim(self, newest: dict[int, int], window: JudgeWindow, current: int | None) -> None:
         """Delete the store's batches whose newest observation is older than the horizon.
@@ -1652,7 +1661,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--undelivered-deadline",
         type=_duration,
         help="time a record may wait for the relay (committed, not ended by it) before it is "
-        "reported missing: a relay behind is the lag alert's (the deadline, or 5m if longer)",
+        "reported missing: a relay behind is the lag alert's (10m, or the deadline if longer)",
     )
     j.add_argument("--horizon", type=_duration, default="15m", help="state kept (15m)")
     j.add_argument(

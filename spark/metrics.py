@@ -111,7 +111,8 @@ class ReconcileMetrics:
         self.trigger_interval.set(settings.trigger.total_seconds())
         self.deadline = Gauge(
             "outbox_reconcile_deadline_seconds",
-            "The job's --deadline: a committed record not on its topic by then is missing.",
+            "The job's --deadline: a delivered record not on its topic by then is missing (one "
+            "still waiting for the relay: by --undelivered-deadline).",
             registry=r,
         )
         self.deadline.set(settings.deadline.total_seconds())

@@ -24,7 +24,9 @@ then by Kafka time. Findings, one of each kind per record at most
                    ('record_without_marker'); a `delivered` marker without a copy on its topic
                    when the ledger does not say committed/delivered ('marker_without_record')
   missing          a committed or delivered ledger row without a copy on its topic (this takes
-                   the place of marker_without_record while the ledger keeps the row)
+                   the place of marker_without_record while the ledger keeps the row); one
+                   still committed (waiting for the relay) only once it has waited long enough
+                   (see missing_records)
   out_of_order     a canonical copy placed (offset) after a copy of the same topic, partition and
                    key whose record committed later (commit time, then the committing
                    transaction's xid, then id: the relay's order)
@@ -543,15 +545,15 @@ def missing_records(
     ledger: DataFrame,
     copy_rows: DataFrame,
     window: JudgeWindow,
-    undelivered_after: timedelta | None = None,
+    undelivered_before: datetime | None = None,
 ) -> DataFrame:
     """Committed or delivered ledger rows, due, of which no copy is on their topic.
 
     A delivered row is due by its end (when the relay wrote its marker), a committed one by its
     commit time; with `window.include_stuck` also committed rows from before the window. A row
-    still committed (the relay has not ended it) only once it has waited `undelivered_after`
-    (None: as any other) by `window.as_of`: until then the relay is behind, not wrong, and a
-    later judgement reports it as stuck if it still waits.
+    still committed (the relay has not ended it) only if it committed by `undelivered_before`
+    (None: as any other): until then the relay is behind, not wrong, and a later judgement
+    reports it as stuck if it still waits.
     """
     seen = copy_rows.select(F.col("outbox_id").alias("id"), "topic")
     due_at = F.when(F.col("state") == "delivered", F.coalesce("ended_at", "commit_time")).otherwise(
@@ -561,8 +563,8 @@ def missing_records(
     due = (F.col("due_at") <= F.lit(window.hi)) & (
         (F.col("due_at") >= F.lit(window.lo)) | (F.lit(window.include_stuck) & stuck)
     )
-    if undelivered_after is not None:
-        waited = F.col("commit_time") <= F.lit(window.as_of - undelivered_after)
+    if undelivered_before is not None:
+        waited = F.col("commit_time") <= F.lit(undelivered_before)
         due = due & ((F.col("state") != "committed") | waited)
     rows = (
         ledger.where(F.col("state").isin(*COMMITTED_STATES))
@@ -718,7 +720,7 @@ def judge(
     late: DataFrame | None = None,
     latency_counted: Column | None = None,
     watched_topic: Column | None = None,
-    undelivered_after: timedelta | None = None,
+    undelivered_before: datetime | None = None,
 ) -> Judgement:
     """All findings and the latency histogram of one judgement (see the module docstring).
 
@@ -736,7 +738,7 @@ def judge(
     one the job reads (`watched`): only those can be missing. The ledger holds others' rows too,
     looked up by the id of a copy found on a watched topic (another app's copy forwarding the
     headers): that copy is judged against them, and they were found missing.
-    `undelivered_after`: see missing_records.
+    `undelivered_before`: see missing_records.
     """
     copy_rows = copies(obs)
     marker_rows = markers(obs)
@@ -766,7 +768,7 @@ def judge(
                 ledger if watched_topic is None else ledger.where(watched_topic),
                 present,
                 window,
-                undelivered_after,
+                undelivered_before,
             )
         )
         .unionByName(markers_without_record(marker_rows, present, ledger, window))

@@ -889,6 +889,50 @@ def test_a_row_a_relay_ends_long_after_its_kafka_commit_is_not_missing(
     assert report.found_total == 0  # the late-ended row's copy was found
 
 
+def test_an_audit_counts_how_long_a_record_waits_for_the_relay_to_now(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    """An audit's as_of is --to plus the deadline: counted to it, a record committed in the
+    last minutes before --to and still waiting for the relay had never waited long enough,
+    however long it had been stuck (a review found it)."""
+    from spark.job import ReconcileJob
+
+    orders, markers = topic_factory(), topic_factory()
+    (waiting,) = publish(pg_dsn, [outbox.Record(orders, "never sent")])
+    committed_at = datetime.now(UTC) - timedelta(minutes=20)
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            "UPDATE outbox.outbox_record SET commit_ts = %s WHERE id = %s",
+            (committed_at, waiting.id),
+        )
+    settings = running_settings(
+        pg_dsn, kafka_bootstrap, orders, markers, tmp_path,
+        undelivered_deadline=timedelta(minutes=10),
+        audit_from=committed_at - timedelta(minutes=1),
+        audit_to=committed_at + timedelta(seconds=10),
+    )  # fmt: skip
+    report = ReconcileJob(settings, spark).audit()
+    assert report.found == {"missing": 1}
+    assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", waiting.id)]
+
+    # one that has waited 3 minutes is the relay's still, in an audit up to now
+    (recent,) = publish(pg_dsn, [outbox.Record(orders, "committed 3 minutes ago")])
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            "UPDATE outbox.outbox_record SET commit_ts = now() - interval '3 minutes'"
+            " WHERE id = %s",
+            (recent.id,),
+        )
+    up_to_now = {"audit_to": datetime.now(UTC) - timedelta(seconds=5)}
+    report = ReconcileJob(settings.model_copy(update=up_to_now), spark).audit()
+    assert report.found == {"missing": 1}  # `waiting` again, not `recent`
+    assert [f.outbox_id for f in read_findings(pg_dsn)] == [waiting.id]
+
+
 def test_a_row_ended_longer_than_the_horizon_after_its_kafka_commit_is_not_missing(
     spark: SparkSession,
     pg_dsn: str,

@@ -374,12 +374,12 @@ def test_a_record_still_waiting_for_the_relay_is_missing_only_after_the_undelive
     report. A row the relay says it delivered is judged by the deadline as before."""
     from spark.transform import LEDGER_SCHEMA, missing_records
 
-    as_of = STREAM_WINDOW.as_of
+    as_of, lo = STREAM_WINDOW.as_of, STREAM_WINDOW.lo
     ledger = spark.createDataFrame(
         [
             ledger_row(1, "committed", as_of - timedelta(minutes=2)),  # in the window: behind
             ledger_row(2, "committed", as_of - timedelta(minutes=6)),  # waited long enough
-            ledger_row(3, "committed", as_of - timedelta(minutes=14)),  # stuck, before lo
+            ledger_row(3, "committed", lo - timedelta(minutes=1)),  # stuck, before the window
             # delivered, its copy absent: missing a deadline after its end, as before
             ledger_row(4, "delivered", as_of - timedelta(minutes=3), as_of - timedelta(minutes=2)),
         ],
@@ -387,13 +387,45 @@ def test_a_record_still_waiting_for_the_relay_is_missing_only_after_the_undelive
     )
     no_copies = spark.createDataFrame([], "outbox_id long, topic string")
 
-    def missing(undelivered_after: timedelta | None) -> list[int]:
-        found = missing_records(ledger, no_copies, STREAM_WINDOW, undelivered_after)
+    def missing(waited: timedelta | None) -> list[int]:
+        before = None if waited is None else as_of - waited
+        found = missing_records(ledger, no_copies, STREAM_WINDOW, before)
         return sorted(r.outbox_id for r in found.collect())
 
     assert missing(None) == [1, 2, 3, 4]  # the deadline alone
     assert missing(timedelta(minutes=5)) == [2, 3, 4]
     assert missing(timedelta(minutes=20)) == [4]
+
+
+def test_a_record_a_judgement_left_to_the_relay_is_reported_by_a_later_one_while_it_waits(
+    spark: SparkSession,
+) -> None:
+    """A running job judges what became due since its last judgement: a row it left to the
+    relay is before the next window, and must be found there, stuck, once it has waited."""
+    from spark.transform import LEDGER_SCHEMA, missing_records
+
+    waits = timedelta(minutes=5)
+    first = JudgeWindow.following(
+        T - DEADLINE, T + DEADLINE, DEADLINE, HORIZON, timedelta(minutes=1)
+    )
+    committed = T - timedelta(seconds=30)
+    assert first.lo <= committed <= first.hi  # due in the first window
+    ledger = spark.createDataFrame([ledger_row(1, "committed", committed)], LEDGER_SCHEMA)
+    no_copies = spark.createDataFrame([], "outbox_id long, topic string")
+
+    def missing(window: JudgeWindow) -> list[int]:
+        found = missing_records(ledger, no_copies, window, window.as_of - waits)
+        return [r.outbox_id for r in found.collect()]
+
+    assert missing(first) == []  # the relay is behind
+    later = first.hi
+    for minutes in (2, 5):  # judgements every few minutes; waited long enough by the second
+        window = JudgeWindow.following(
+            later, T + timedelta(minutes=minutes), DEADLINE, HORIZON, timedelta(minutes=1)
+        )
+        assert committed < window.lo  # before the window: judged as stuck
+        assert missing(window) == ([1] if minutes == 5 else [])
+        later = window.hi
 
 
 def test_a_record_of_a_topic_the_job_does_not_read_is_never_missing(spark: SparkSession) -> None:
