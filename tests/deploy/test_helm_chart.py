@@ -504,7 +504,7 @@ def test_alerts_for_failures_that_flap_or_are_retried_slowly(
         assert ">= 1 and count_over_time(" in rules[alert]["expr"]  # and 10 minutes of it
 
 
-@pytest.mark.parametrize("given", ["", "10m"])
+@pytest.mark.parametrize("given", ["", "10m", "0"])  # 0: passed on, for the job to refuse
 def test_the_reconciliations_undelivered_deadline_is_passed_when_given(
     helm: str, given: str
 ) -> None:

@@ -902,13 +902,18 @@ def test_an_audit_counts_how_long_a_record_waits_for_the_relay_to_now(
     from spark.job import ReconcileJob
 
     orders, markers = topic_factory(), topic_factory()
-    (waiting,) = publish(pg_dsn, [outbox.Record(orders, "never sent")])
-    committed_at = datetime.now(UTC) - timedelta(minutes=20)
-    with psycopg.connect(pg_dsn) as conn:
-        conn.execute(
-            "UPDATE outbox.outbox_record SET commit_ts = %s WHERE id = %s",
-            (committed_at, waiting.id),
-        )
+
+    def committed_ago(value: str, ago: timedelta) -> tuple[int, datetime]:
+        """A record waiting for the relay, committed `ago`."""
+        (row,) = publish(pg_dsn, [outbox.Record(orders, value)])
+        at = datetime.now(UTC) - ago
+        with psycopg.connect(pg_dsn) as conn:
+            conn.execute(
+                "UPDATE outbox.outbox_record SET commit_ts = %s WHERE id = %s", (at, row.id)
+            )
+        return row.id, at
+
+    waiting, committed_at = committed_ago("never sent", timedelta(minutes=20))
     settings = running_settings(
         pg_dsn, kafka_bootstrap, orders, markers, tmp_path,
         undelivered_deadline=timedelta(minutes=10),
@@ -917,20 +922,14 @@ def test_an_audit_counts_how_long_a_record_waits_for_the_relay_to_now(
     )  # fmt: skip
     report = ReconcileJob(settings, spark).audit()
     assert report.found == {"missing": 1}
-    assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", waiting.id)]
+    assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", waiting)]
 
     # one that has waited 3 minutes is the relay's still, in an audit up to now
-    (recent,) = publish(pg_dsn, [outbox.Record(orders, "committed 3 minutes ago")])
-    with psycopg.connect(pg_dsn) as conn:
-        conn.execute(
-            "UPDATE outbox.outbox_record SET commit_ts = now() - interval '3 minutes'"
-            " WHERE id = %s",
-            (recent.id,),
-        )
+    committed_ago("committed 3 minutes ago", timedelta(minutes=3))
     up_to_now = {"audit_to": datetime.now(UTC) - timedelta(seconds=5)}
     report = ReconcileJob(settings.model_copy(update=up_to_now), spark).audit()
     assert report.found == {"missing": 1}  # `waiting` again, not `recent`
-    assert [f.outbox_id for f in read_findings(pg_dsn)] == [waiting.id]
+    assert [f.outbox_id for f in read_findings(pg_dsn)] == [waiting]
 
 
 def test_a_row_ended_longer_than_the_horizon_after_its_kafka_commit_is_not_missing(

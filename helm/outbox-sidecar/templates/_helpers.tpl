@@ -300,9 +300,10 @@ spec:
         {{- end }}
         - --deadline
         - {{ $r.deadline | quote }}
-        {{- with $r.undeliveredDeadline }}
+        {{- /* not `with`: a 0 given went unsaid, dropped as unset; the job refuses it */}}
+        {{- if ne (toString $r.undeliveredDeadline) "" }}
         - --undelivered-deadline
-        - {{ . | quote }}
+        - {{ $r.undeliveredDeadline | toString | quote }}
         {{- end }}
         - --horizon
         - {{ $r.horizon | quote }}
