@@ -504,7 +504,7 @@ def test_alerts_for_failures_that_flap_or_are_retried_slowly(
         assert ">= 1 and count_over_time(" in rules[alert]["expr"]  # and 10 minutes of it
 
 
-@pytest.mark.parametrize("given", ["", "10m", "0"])  # 0: passed on, for the job to refuse
+@pytest.mark.parametrize("given", ["", "10m"])
 def test_the_reconciliations_undelivered_deadline_is_passed_when_given(
     helm: str, given: str
 ) -> None:
@@ -1095,3 +1095,81 @@ def test_the_relays_spread_over_nodes_unless_told_otherwise(helm: str, tmp_path:
         {"matchLabels": {"tier": "relay"}},
     )
     assert constraints("topologySpreadConstraints: []\n") is None
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        (),
+        ("reconcile.undeliveredDeadline=30s",),
+        ("reconcile.undeliveredDeadline=60",),
+        ("reconcile.deadline=1m30s", "reconcile.undeliveredDeadline=89.5"),
+        ("reconcile.deadline=1m30s", "reconcile.undeliveredDeadline=90"),
+        ("reconcile.deadline=5m", "reconcile.horizon=10m"),
+        ("reconcile.deadline=5m", "reconcile.horizon=10m20s"),  # no room for the summary
+        ("reconcile.deadline=5m", "reconcile.horizon=11m20s"),
+        ("reconcile.deadline=1m", "reconcile.trigger=2m", "reconcile.horizon=5m"),
+        # a scheduled run is not given the trigger: the job's own (10s) counts
+        ("reconcile.deadline=1m", "reconcile.trigger=2m", "reconcile.horizon=5m",
+         "reconcile.mode=schedule"),
+        ("reconcile.horizon=29d",),
+        ("reconcile.horizon=30d",),  # the findings' retention
+    ],
+)  # fmt: skip
+def test_the_chart_refuses_the_reconciliations_durations_the_job_refuses(
+    helm: str, monkeypatch: pytest.MonkeyPatch, sets: tuple[str, ...]
+) -> None:
+    """The job refused them at start, so a release Helm called deployed crash-looped."""
+    from spark.job import ReconcileConfigError
+
+    def container(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        name = "orders-outbox-sidecar-reconcile"
+        if "reconcile.mode=schedule" in sets:
+            pod = docs[f"CronJob/{name}"]["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+        else:
+            pod = docs[f"Deployment/{name}"]["spec"]["template"]["spec"]
+        (found,) = pod["containers"]
+        return found  # type: ignore[no-any-return]
+
+    refused = ""
+    try:
+        docs = reconcile_docs(helm, *sets)
+    except subprocess.CalledProcessError as exc:
+        refused = exc.stderr
+    if not refused:
+        job_settings(container(docs), monkeypatch)
+        return
+    assert "reconcile." in refused
+    # the same values, left to the job by an argument naming one of them (its default)
+    docs = reconcile_docs(helm, *sets, "reconcile.extraArgs={--summary-window=1m}")
+    with pytest.raises(ReconcileConfigError):
+        job_settings(container(docs), monkeypatch)
+
+
+@pytest.mark.parametrize(
+    ("sets", "said"),
+    [
+        (("reconcile.undeliveredDeadline=0",), 'undeliveredDeadline: "0" must be positive'),
+        (("reconcile.deadline=1m30x",), 'deadline: "1m30x" is not a duration'),
+        (("reconcile.trigger=",), 'trigger: "" is not a duration'),
+        (("reconcile.undeliveredDeadline=30s",), "undeliveredDeadline (30s) must not be shorter"),
+    ],
+)
+def test_a_refused_reconciliation_duration_is_named(
+    helm: str, sets: tuple[str, ...], said: str
+) -> None:
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        reconcile_docs(helm, *sets)
+    assert f"reconcile.{said}" in refused.value.stderr
+
+
+def test_an_extra_argument_naming_a_duration_leaves_its_relations_to_the_job(
+    helm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """argparse takes an abbreviation (--hor) as the option, and the last one given wins."""
+    docs = reconcile_docs(helm, "reconcile.deadline=5m", "reconcile.horizon=5m",
+                          "reconcile.extraArgs={--hor=1h}")  # fmt: skip
+    (found,) = docs["Deployment/orders-outbox-sidecar-reconcile"]["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert job_settings(found, monkeypatch).horizon == timedelta(hours=1)

@@ -237,12 +237,83 @@ read the pod's spec (and to the node's process list): secrets go in reconcile.ex
 {{- end -}}
 {{- end -}}
 
+{{/* The seconds of one of the reconciliation's durations, read as the job reads them ("90",
+"500ms", "30s", "5m", "1h", "2d", or a sum such as "1m30s"): called with (dict "name" <its
+value's name> "value" <it>); fails naming a value the job would refuse. */}}
+{{- define "outbox-sidecar.reconcileSeconds" -}}
+{{- $text := lower (nospace (toString .value)) -}}
+{{- $seconds := 0.0 -}}
+{{- if regexMatch `^[0-9]+([.][0-9]+)?$` $text -}}
+{{- $seconds = float64 $text -}}
+{{- else -}}
+{{- $parts := regexFindAll `[0-9]+(?:[.][0-9]+)?(?:ms|s|m|h|d)` $text -1 -}}
+{{- if or (not $parts) (ne (join "" $parts) $text) -}}
+{{- fail (printf "reconcile.%s: %q is not a duration (e.g. 90, 500ms, 30s, 5m, 1h, 1m30s)" .name (toString .value)) -}}
+{{- end -}}
+{{- $units := dict "ms" 0.001 "s" 1.0 "m" 60.0 "h" 3600.0 "d" 86400.0 -}}
+{{- range $parts -}}
+{{- $unit := regexReplaceAll `^[0-9.]+` . "" -}}
+{{- $seconds = addf $seconds (mulf (float64 (trimSuffix $unit .)) (get $units $unit)) -}}
+{{- end -}}
+{{- end -}}
+{{- if or (le $seconds 0.0) (gt $seconds (mulf 36500 86400.0)) -}}
+{{- fail (printf "reconcile.%s: %q must be positive and at most 36500 days" .name (toString .value)) -}}
+{{- end -}}
+{{- $seconds -}}
+{{- end -}}
+
+{{/* What the job refuses of its durations at start is refused here, at the install or upgrade:
+the job crash-looped (or its CronJob failed each run) on a release Helm had called deployed.
+The relations are the job's (spark/config.py); extraArgs naming any of these durations, or an
+abbreviation argparse takes for one, leave them to the job. */}}
+{{- define "outbox-sidecar.checkReconcileDurations" -}}
+{{- $r := . -}}
+{{- $seconds := dict -}}
+{{- range $name := list "deadline" "horizon" "trigger" -}}
+{{- $_ := set $seconds $name (float64 (include "outbox-sidecar.reconcileSeconds" (dict "name" $name "value" (get $r $name)))) -}}
+{{- end -}}
+{{- $undelivered := toString $r.undeliveredDeadline -}}
+{{- if ne $undelivered "" -}}
+{{- $_ := set $seconds "undeliveredDeadline" (float64 (include "outbox-sidecar.reconcileSeconds" (dict "name" "undeliveredDeadline" "value" $undelivered))) -}}
+{{- end -}}
+{{- $overridden := false -}}
+{{- range $r.extraArgs -}}
+{{- $flag := regexReplaceAll `=.*$` (toString .) "" -}}
+{{- if gt (len $flag) 2 -}}
+{{- range list "--deadline" "--undelivered-deadline" "--horizon" "--trigger" "--summary-window" "--findings-retention" -}}
+{{- if hasPrefix $flag . }}{{ $overridden = true }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if not $overridden -}}
+{{- $deadline := get $seconds "deadline" -}}
+{{- $horizon := get $seconds "horizon" -}}
+{{- /* a scheduled run is not passed the trigger: the job checks its default */}}
+{{- $trigger := ternary (get $seconds "trigger") 10.0 (eq $r.mode "continuous") -}}
+{{- if and (hasKey $seconds "undeliveredDeadline") (lt (get $seconds "undeliveredDeadline") $deadline) -}}
+{{- fail (printf "reconcile.undeliveredDeadline (%s) must not be shorter than reconcile.deadline (%s)" $undelivered (toString $r.deadline)) -}}
+{{- end -}}
+{{- if lt $horizon (addf (mulf 2 $deadline) (mulf 2 $trigger)) -}}
+{{- fail (printf "reconcile.horizon (%s) must cover two deadlines and two trigger intervals (%v s): raise it" (toString $r.horizon) (addf (mulf 2 $deadline) (mulf 2 $trigger))) -}}
+{{- end -}}
+{{- /* the job's --summary-window (1m) in the horizon less two deadlines */}}
+{{- if gt 60.0 (subf $horizon (mulf 2 $deadline)) -}}
+{{- fail (printf "reconcile.horizon (%s) less two deadlines (%s) must hold the job's summary window (1m): raise it" (toString $r.horizon) (toString $r.deadline)) -}}
+{{- end -}}
+{{- /* the job's --findings-retention (30d) longer than the horizon */}}
+{{- if ge $horizon (mulf 30 86400.0) -}}
+{{- fail (printf "reconcile.horizon (%s) must be shorter than the job's findings retention (30d), or pass a longer --findings-retention in reconcile.extraArgs" (toString $r.horizon)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The reconciliation's pod (reconcile.yaml), for its Deployment or its CronJob: called with
 (dict "root" . "claim" <the checkpoint's claim>). */}}
 {{- define "outbox-sidecar.reconcilePod" -}}
 {{- $r := .root.Values.reconcile -}}
 {{- $root := .root -}}
 {{- include "outbox-sidecar.checkReconcileArgs" $r -}}
+{{- include "outbox-sidecar.checkReconcileDurations" $r -}}
 metadata:
   labels: {{- include "outbox-sidecar.reconcileSelectorLabels" $root | nindent 4 }}
   {{- with $root.Values.podAnnotations }}
