@@ -27,8 +27,10 @@ fails with ``TransactionBusyError`` and changes nothing. The relay holds no row 
 ships a discarded transaction (its dead-letter copies and ``discarded`` op markers), so a call in
 those milliseconds goes through: the relay then leaves the records as the call made them (it ends
 a row only in the state it shipped), and what they became is shipped too. The op-marker topic
-then holds both ends of the records, in the order they happened. Every change writes an
-``audit_log`` row (actor, action, group, tx id, detail).
+then holds both ends of the records, in the order they happened. A discarded record is the
+exception: the relay marks it as it takes it (``shipping_since``, under its lock), and re-arm
+and resolve refuse it from then on, else it went out twice, as a dead-letter copy and to its
+topic. Every change writes an ``audit_log`` row (actor, action, group, tx id, detail).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from outbox._records import check_producer_group, check_stored_tx_id, check_topi
 from outbox._session import database_errors
 from outbox._sync import Outbox
 from outbox.checkback import TransactionStatus
+from outbox.migrations import SHIPPING_CLAIM_VERSION, current_version
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +238,25 @@ def _shipped_away(conn: Conn, schema: str, group: str, tx_id: str, rows: Sequenc
     return f"discarded and already shipped to the dead-letter topic ({len(gone)} more)"
 
 
+def _taken_to_ship(conn: Conn, schema: str, rows: Sequence[_Row]) -> str:
+    """Discarded records the relay has taken to ship to the dead-letter topic, as a description;
+    "" when none. It marks them as it takes them, under their locks (shipping_mark), and holds
+    no lock while it ships: a re-arm or resolve then sent them out twice, as dead-letter copies
+    and to their topics. On a schema older than SHIPPING_CLAIM_VERSION nothing is marked."""
+    ids = [r.id for r in rows if r.state == State.DISCARDED and not r.shipped]
+    if not ids or (current_version(conn, schema) or 0) < SHIPPING_CLAIM_VERSION:
+        return ""
+    taken = conn.execute(queries.query("shipping_taken", schema), {"ids": ids}).fetchall()
+    if not taken:
+        return ""
+    since = min(r[1] for r in taken)
+    return (
+        f"discarded and taken by the relay to ship to the dead-letter topic ({len(taken)} "
+        f"since {since.isoformat(timespec='seconds')}; once there, publish them again to send "
+        "them)"
+    )
+
+
 def _audit(
     conn: Conn, schema: str, *, actor: str, action: str, group: str, tx_id: str, detail: Any
 ) -> int:
@@ -286,7 +308,9 @@ def rearm(
     schema = OutboxConfig(schema_name=schema).schema_name
     with database_errors(), conn.transaction():
         rows = _lock(conn, schema, group, tx_id, "rearm")
-        shipped = _shipped_away(conn, schema, group, tx_id, rows)
+        shipped = _shipped_away(conn, schema, group, tx_id, rows) or _taken_to_ship(
+            conn, schema, rows
+        )
         if not _unshipped_discarded(rows) or shipped:
             current = (*_describe(rows), shipped) if shipped else _describe(rows)
             raise IllegalTransitionError(
@@ -374,6 +398,7 @@ def resolve(
             from_state = State.PREPARED.value
         elif _unshipped_discarded(rows) and not (
             shipped := _shipped_away(conn, schema, group, tx_id, rows)
+            or _taken_to_ship(conn, schema, rows)
         ):
             from_state = State.DISCARDED.value
             # Back to prepared first, so the end is the library's own compare-and-set.

@@ -55,6 +55,7 @@ _MIGRATION_TABLES = {
     7: ("shard_lease",),
     8: ("reconciliation_finding",),
     9: ("audit_log",),
+    10: ("outbox_record",),
 }
 # A try that did not get its tables, tried again: a lock not granted in time, the whole LOCK
 # statement over its time, a deadlock Postgres broke by aborting the migration
@@ -334,6 +335,11 @@ def check_applied(conn: psycopg.Connection[Any], schema: str = "outbox") -> None
 # for a migration of another part's (0008 is the reconciliation's, 0009 the audit log's).
 RELAY_SCHEMA_VERSION = 7
 CHECKER_SCHEMA_VERSION = 6
+# From this version the relay marks the discarded records it takes to ship (shipping_since),
+# and re-arm and resolve refuse those. Below it (a rollout whose migration was put off) both
+# go on as before: the relay checks at start, the commands at each call. Its queries are named
+# shipping_*.
+SHIPPING_CLAIM_VERSION = 10
 
 
 def schema_problem(

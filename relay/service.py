@@ -25,7 +25,12 @@ from psycopg import sql
 
 from outbox import sql as queries
 from outbox import wakeup_channel
-from outbox.migrations import RELAY_SCHEMA_VERSION, schema_problem
+from outbox.migrations import (
+    RELAY_SCHEMA_VERSION,
+    SHIPPING_CLAIM_VERSION,
+    current_version,
+    schema_problem,
+)
 from relay import metrics
 from relay.background import BackgroundConnection
 from relay.config import LIBRDKAFKA_MESSAGE_MAX_BYTES, SidecarSettings, marker_size_refused
@@ -190,6 +195,7 @@ class Relay:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._set_up = False
+        self._marks_shipping = True  # set up: as the schema allows (_check_schema)
         self.outbox: str | None = None  # "<database>/<schema>", named in its op markers
         self._counted: Exception | None = None  # a shard's failure raised as the round's
         self._last_heartbeat = 0.0
@@ -317,6 +323,17 @@ class Relay:
         problem = schema_problem(self.conn, self.schema, RELAY_SCHEMA_VERSION)
         if problem:
             raise RelayConfigError(problem)
+        version = current_version(self.conn, self.schema) or 0
+        self._marks_shipping = version >= SHIPPING_CLAIM_VERSION
+        if not self._marks_shipping:
+            logger.warning(
+                "schema %s is at version %d: discarded records are shipped without being "
+                "marked as taken (shipping_since, version %d), so a re-arm or resolve while "
+                "the relay ships them sends them out twice; run outboxctl migrate",
+                self.schema,
+                version,
+                SHIPPING_CLAIM_VERSION,
+            )
 
     def _check_marker_partitions(self) -> None:
         """A shard's markers are read back from the partition they were recorded in: with
@@ -437,6 +454,7 @@ class Relay:
                     self.outbox,
                     ending_elsewhere=functools.partial(self._ending_elsewhere, lease.shard),
                     stopping=self._stop.is_set,
+                    marks_shipping=self._marks_shipping,
                 )
             except Exception:
                 # Held without a worker, a shard was renewed for ever and never delivered,

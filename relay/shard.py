@@ -387,6 +387,7 @@ class ShardWorker:
         *,
         ending_elsewhere: Callable[[], OutElsewhere],
         stopping: Callable[[], bool] = lambda: False,
+        marks_shipping: bool = True,
     ) -> None:
         # Its epoch only: where its markers are recorded up to is read from the lease row
         # (_lock_lease), which batch ends and idle moves keep current.
@@ -409,6 +410,9 @@ class ShardWorker:
         # the relay stops: a recovery's waits (the producer's init, a marker read stuck behind
         # an open transaction), each up to kafka_transaction_timeout, are cut short
         self._stopping = stopping
+        # the schema has shipping_since (SHIPPING_CLAIM_VERSION): discarded rows are marked as
+        # they are taken, so that no re-arm or resolve sends them out a second time
+        self._marks_shipping = marks_shipping
         self.needs_recovery = True
         self.closed = False  # handed over or dropped: a heartbeat may do it mid-recovery
         self.failures = 0  # rounds failed in a row; the relay backs this shard off until retry_at
@@ -867,7 +871,9 @@ class ShardWorker:
                 break
             if count >= s.batch_size:
                 break
-        batch.ended = [Row.from_db(r, state=r[9], reason=r[10], size=r[11]) for r in unmarked]
+        batch.ended = self._taken(
+            conn, [Row.from_db(r, state=r[9], reason=r[10], size=r[11]) for r in unmarked]
+        )
         batch.ended_full = len(batch.ended) >= s.batch_size or (
             sum(r.size for r in batch.ended) >= s.batch_max_bytes
         )
@@ -877,6 +883,29 @@ class ShardWorker:
                 horizon, lowest, left > unstamped.limit, unstamped.resets, bool(above)
             )
         return batch
+
+    def _taken(self, conn: psycopg.Connection[Any], ended: list[Row]) -> list[Row]:
+        """The rows to end, less the discarded ones an operator re-armed or resolved since the
+        claim read them, or is changing right now (shipped in a later round if they are still
+        discarded then); those left are marked as taken (shipping_mark). A round trip more,
+        only in a claim that read discarded rows."""
+        discarded = [r.id for r in ended if r.state == "discarded"]
+        if not discarded or not self._marks_shipping:
+            return ended
+        taken = {
+            int(i)
+            for (i,) in conn.execute(
+                self._q("shipping_mark"), {"ids": pgarray.integers(discarded)}, prepare=False
+            ).fetchall()
+        }
+        if len(taken) < len(discarded):
+            logger.info(
+                "shard %s: discarded records %s not shipped now: an operator is changing them, "
+                "or has (re-armed or resolved)",
+                self.shard,
+                sorted(set(discarded) - taken),
+            )
+        return [r for r in ended if r.state != "discarded" or r.id in taken]
 
     def _earliest_elsewhere(
         self, conn: psycopg.Connection[Any], by_tx: dict[str, list[Row]], skip_xids: list[str]

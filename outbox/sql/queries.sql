@@ -353,6 +353,14 @@ WHERE producer_group = %(producer_group)s AND tx_id = %(tx_id)s
 ORDER BY id
 FOR UPDATE NOWAIT;
 
+-- name: shipping_taken
+-- Of a transaction's rows locked by checker_lock_transaction, the discarded ones the relay has
+-- taken to ship to the dead-letter topic (shipping_mark), with when.
+SELECT id, shipping_since
+FROM {schema}.outbox_record
+WHERE id = ANY(%(ids)s::bigint[]) AND shipping_since IS NOT NULL AND ended_at IS NULL
+ORDER BY id;
+
 -- name: checker_rearm
 -- RocketMQ's resumeCheckHalfMessage: discarded, not yet shipped records go back to prepared and
 -- are due at once, their maximum prepared age counted from now (RocketMQ puts the half message

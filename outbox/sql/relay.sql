@@ -360,6 +360,21 @@ FROM (
 WHERE bytes_before < %(max_bytes)s
 ORDER BY id;
 
+-- name: shipping_mark
+-- Of the discarded rows relay_unmarked read, those still discarded and not ended, marked as
+-- taken to ship (their dead-letter copies and op markers): re-arm and resolve refuse them from
+-- then on. Under the rows' locks: one a command holds is skipped (it ships in a later round if
+-- it is still discarded), and one a command changed meanwhile is not discarded any more.
+UPDATE {schema}.outbox_record AS r
+SET shipping_since = coalesce(r.shipping_since, now())
+FROM (
+    SELECT id FROM {schema}.outbox_record
+    WHERE id = ANY(%(ids)s::bigint[]) AND state = 'discarded' AND ended_at IS NULL
+    FOR UPDATE SKIP LOCKED
+) AS taken
+WHERE r.id = taken.id
+RETURNING r.id;
+
 -- name: relay_lock_lease
 -- Inside the transaction that removes delivered rows: still ours? FOR UPDATE makes a takeover
 -- wait until this transaction ends, and the epoch tells if one happened before it. With where

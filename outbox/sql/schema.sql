@@ -41,6 +41,9 @@ CREATE TABLE {schema}.outbox_record (
     check_lease_until timestamptz,
     -- why the record was parked or discarded
     reason          text,
+    -- when the relay took a discarded record to ship its dead-letter copy and op marker: from
+    -- then on it is not re-armed nor resolved (it would go out twice)
+    shipping_since  timestamptz,
     CONSTRAINT outbox_record_state_valid
         CHECK (state IN ('prepared', 'committed', 'rolled_back', 'discarded', 'delivered', 'parked')),
     CONSTRAINT outbox_record_topic_valid

@@ -26,6 +26,7 @@ from outbox import sql as outbox_sql
 from outbox.migrations import (
     CHECKER_SCHEMA_VERSION,
     RELAY_SCHEMA_VERSION,
+    SHIPPING_CLAIM_VERSION,
     check_applied,
     current_version,
     latest_version,
@@ -373,12 +374,16 @@ def test_an_upgrade_waits_for_busy_tables_in_bounded_tries_not_a_deadlock(
 
 
 def test_an_upgrade_that_leaves_the_records_alone_does_not_wait_for_their_writers(
-    empty_db: str, caplog: pytest.LogCaptureFixture
+    empty_db: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every table was locked for any migration: one of the audit log's alone waited for an
     application's open transaction (3 s a try), and held back every publish behind it."""
-    last = one_release_behind(empty_db)
-    assert last.version == 9  # the audit log's; a later one may change the records
+    *older, last = released = outbox_sql.migrations()[:9]  # the release that brought 0009
+    assert last.version == 9  # the audit log's alone
+    assert "outbox_record" not in last.text
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        _migrated_to(conn, len(older))
+    monkeypatch.setattr(outbox_sql, "migrations", lambda: released)
     with psycopg.connect(empty_db) as app:
         outbox.publish(app, "orders", {"n": 1})  # and its transaction stays open
         with caplog.at_level(logging.WARNING, logger="outbox.migrations"):
@@ -458,6 +463,41 @@ def test_each_part_of_the_sidecar_runs_on_the_schema_version_it_says_it_needs(
     assert len(names) - len(untyped) >= 10  # the comparison below compares something
     assert {n: p for n, p in why["needs"].items() if n not in untyped and p is not None} == {}
     assert [n for n, p in why["below"].items() if n not in untyped and p is not None]
+
+
+def test_the_shipping_claim_is_used_only_where_the_schema_has_it(empty_db: str) -> None:
+    """The relay's mark of the discarded rows it takes, and the commands' check of it, need
+    SHIPPING_CLAIM_VERSION; below it (a migration put off) the relay starts and re-arm works,
+    as before."""
+    from checker import rearm
+
+    names = [name for name in outbox_sql._queries() if name.startswith("shipping_")]
+    assert len(names) == 2
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        for schema, version in (
+            ("has", SHIPPING_CLAIM_VERSION),
+            ("lacks", SHIPPING_CLAIM_VERSION - 1),
+        ):
+            _migrated_to(conn, version, schema)
+        why = {
+            schema: [
+                _prepared(
+                    conn, outbox_sql.with_schema(outbox_sql._queries()[n], schema).as_string()
+                )
+                for n in names
+            ]
+            for schema in ("has", "lacks")
+        }
+        assert why["has"] == [None, None]
+        assert all(w and "shipping_since" in w for w in why["lacks"]), why["lacks"]
+        # a discarded transaction on the older schema is re-armed, not failed on the column
+        conn.execute(
+            "INSERT INTO lacks.outbox_record (producer_group, tx_id, topic, value, key_hash, "
+            "state, reason) VALUES ('default', 'tx-1', 'orders', 'v', 1, 'discarded', 'max age')"
+        )
+        assert rearm(conn, "default", "tx-1", actor="ops", schema="lacks").changed
+        (state,) = conn.execute("SELECT state FROM lacks.outbox_record").fetchone() or ("",)
+        assert state == "prepared"
 
 
 def test_schema_version_passes_a_schema_older_than_the_library_that_the_sidecar_runs_on(

@@ -249,6 +249,55 @@ def test_a_batch_in_doubt_is_not_sent_again_after_the_outbox_schema_was_renamed(
             conn.execute("ALTER SCHEMA outbox_renamed RENAME TO outbox")
 
 
+def test_a_discarded_record_in_doubt_after_a_crash_is_not_rearmed_nor_sent_twice(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """Killed between the Kafka commit of a discarded transaction's dead-letter copy and the
+    end of its rows, a relay left them discarded until the shard's next owner recovered: a
+    re-arm meanwhile put them back to prepared, and they could then go to their topic too."""
+    from checker import rearm
+
+    topic = topic_factory()
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            written = outbox.prepare(conn, topic, "abandoned")
+        conn.execute(
+            "UPDATE outbox.outbox_record SET state = 'discarded', reason = 'max checks (15)' "
+            "WHERE tx_id = %s",
+            (written.tx_id,),
+        )
+    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
+    assert doomed.proc.wait(60) == -9, doomed.output()
+    dead_letter = doomed.settings.relay.dead_letter_topic
+    assert [m.value() for m in consume_all(kafka_bootstrap, dead_letter, "read_committed")] == [
+        b"abandoned"
+    ]
+
+    def not_ended() -> int:
+        with psycopg.connect(pg_dsn) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM outbox.outbox_record WHERE ended_at IS NULL"
+            ).fetchone()
+        return int(row[0]) if row else -1
+
+    assert not_ended() == 1  # in doubt: out in Kafka, not ended
+    with (
+        psycopg.connect(pg_dsn) as conn,
+        pytest.raises(outbox.IllegalTransitionError, match="taken by the relay"),
+    ):
+        rearm(conn, "default", written.tx_id, actor="ops")
+    survivor = relay_process(**FAST)
+    wait_for(lambda: not_ended() == 0, 60, "the survivor to end the discarded row", survivor)
+    assert survivor.terminate() == 0, survivor.output()
+    assert consume_all(kafka_bootstrap, topic, "read_committed") == []
+    assert [m.value() for m in consume_all(kafka_bootstrap, dead_letter, "read_committed")] == [
+        b"abandoned"
+    ]
+
+
 def test_a_transaction_open_on_the_marker_partition_hides_no_committed_marker(
     pg_dsn: str,
     kafka_bootstrap: str,

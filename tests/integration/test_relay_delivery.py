@@ -4029,40 +4029,111 @@ def test_a_dead_letter_topic_deleted_under_the_relay_is_made_again_and_no_copy_i
     assert [m.op.value for m in markers(kafka_bootstrap, relay)] == ["delivered", "discarded"]
 
 
+def rearm_or_resolve(dsn: str, action: str, tx_id: str) -> str:
+    """An operator's re-arm, or commit by hand, of a discarded transaction: "done", or why not."""
+    from checker import rearm, resolve
+
+    with psycopg.connect(dsn) as conn:
+        try:
+            if action == "rearm":
+                rearm(conn, "default", tx_id, actor="ops")
+            else:
+                resolve(conn, "default", tx_id, "COMMIT", actor="ops", reason="it was paid")
+        except IllegalTransitionError as exc:
+            return str(exc)
+    return "done"
+
+
 @pytest.mark.parametrize("retention", ["PT0S", "PT1H"])
-def test_a_discarded_record_resolved_by_hand_while_the_relay_ships_it_is_not_lost(
+@pytest.mark.parametrize("action", ["rearm", "resolve"])
+def test_a_discarded_record_the_relay_is_shipping_is_neither_rearmed_nor_resolved(
     pg_dsn: str,
     kafka_bootstrap: str,
     topic_factory: Callable[..., str],
     relay_factory: Any,
     retention: str,
+    action: str,
 ) -> None:
-    """An operator commits a discarded transaction (`outboxctl resolve`) while the relay has its
-    dead-letter copy in a Kafka transaction: the relay's end of the row must not take the
-    committed record with it; it goes out in the next round."""
-    from checker import resolve
-
+    """The relay holds no row lock while a discarded transaction's dead-letter copy is in its
+    Kafka transaction: a re-arm or resolve then went through, and the record went out twice,
+    as a dead-letter copy and to its topic. The relay marks the rows it takes; both refuse them."""
     topic = topic_factory()
     relay = relay_factory(delivered_retention=retention)
     relay.run_once()  # set up, shard 0 taken: nothing to ship yet
     (worker,) = relay.workers.values()
     written = discarded(pg_dsn, topic, "late but wanted")
     commit = worker.producer.commit
+    said: list[str] = []
 
-    def resolved_meanwhile(*waiting: Any) -> float:
-        with psycopg.connect(pg_dsn) as conn:
-            resolve(conn, "default", written.tx_id, "COMMIT", actor="ops", reason="it was paid")
+    def changed_meanwhile(*waiting: Any) -> float:
+        said.append(rearm_or_resolve(pg_dsn, action, written.tx_id))
         return commit(*waiting)
 
-    worker.producer.commit = resolved_meanwhile  # type: ignore[method-assign]
+    worker.producer.commit = changed_meanwhile  # type: ignore[method-assign]
     assert relay.run_once().ended == 1  # the dead-letter copy and its marker
     worker.producer.commit = commit  # type: ignore[method-assign]
-    assert relay.run_once().delivered == 1
-    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"late but wanted"]
+    (refusal,) = said
+    assert "taken by the relay to ship to the dead-letter topic (1 since" in refusal
+    assert relay.run_once().delivered == 0
+    assert consume_all(kafka_bootstrap, topic, "read_committed") == []
     dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
-    assert values(dead) == [b"late but wanted"]  # what the relay had shipped before the resolve
-    ops = [m.op.value for m in markers(kafka_bootstrap, relay)]
-    assert ops == ["discarded", "delivered"]
+    assert values(dead) == [b"late but wanted"]
+    assert [m.op.value for m in markers(kafka_bootstrap, relay)] == ["discarded"]
+    kept = [(state, ended) for _, state, _, ended, *_ in rows(pg_dsn)]
+    assert kept == ([] if retention == "PT0S" else [("discarded", True)])
+
+
+@pytest.mark.parametrize("how", ["rearmed", "locked"])
+def test_a_discarded_record_an_operator_changes_as_the_relay_takes_it_is_not_shipped(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+) -> None:
+    """Between the claim's read of a discarded row and its mark: re-armed (committed), the
+    relay leaves it to go out as what it became; locked by a command still deciding, the
+    relay neither waits for it nor ships it in that round."""
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()
+    (worker,) = relay.workers.values()
+    written = discarded(pg_dsn, topic, "changed in time")
+    taken = worker._taken
+    holder = psycopg.connect(pg_dsn)
+    let_go = threading.Timer(20, holder.rollback)  # if the mark waited for the lock
+
+    def changed_first(conn: Any, ended: list[Any]) -> list[Any]:
+        if how == "rearmed":
+            assert rearm_or_resolve(pg_dsn, "rearm", written.tx_id) == "done"
+        else:  # held until after the mark
+            holder.execute("SELECT 1 FROM outbox.outbox_record FOR UPDATE").fetchall()
+            let_go.start()
+        return taken(conn, ended)
+
+    monkeypatch.setattr(worker, "_taken", changed_first)
+    try:
+        assert relay.run_once().ended == 0
+    finally:
+        let_go.cancel()
+        holder.rollback()
+        holder.close()
+    monkeypatch.setattr(worker, "_taken", taken)
+    dead_letter = relay.settings.relay.dead_letter_topic
+    assert consume_all(kafka_bootstrap, dead_letter, "read_committed") == []
+    if how == "locked":  # still discarded, and shipped by the next round
+        assert relay.run_once().ended == 1
+        assert values(consume_all(kafka_bootstrap, dead_letter, "read_committed")) == [
+            b"changed in time"
+        ]
+        return
+    assert [state for _, state, *_ in rows(pg_dsn)] == ["prepared"]
+    with psycopg.connect(pg_dsn) as conn:
+        outbox.commit(conn, written.tx_id)
+    assert relay.run_once().delivered == 1
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"changed in time"]
+    assert [m.op.value for m in markers(kafka_bootstrap, relay)] == ["delivered"]
 
 
 def test_a_relay_that_lost_its_lease_does_not_fence_the_new_owner(
