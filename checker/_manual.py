@@ -24,13 +24,13 @@ drop.
 Each runs in one database transaction (a savepoint if the caller has one open) that first locks
 every record of the transaction with NOWAIT: if a checker is claiming them right now, the call
 fails with ``TransactionBusyError`` and changes nothing. The relay holds no row locks while it
-ships a discarded transaction (its dead-letter copies and ``discarded`` op markers), so a call in
-those milliseconds goes through: the relay then leaves the records as the call made them (it ends
-a row only in the state it shipped), and what they became is shipped too. The op-marker topic
-then holds both ends of the records, in the order they happened. A discarded record is the
-exception: the relay marks it as it takes it (``shipping_since``, under its lock), and re-arm
-and resolve refuse it from then on, else it went out twice, as a dead-letter copy and to its
-topic. Every change writes an ``audit_log`` row (actor, action, group, tx id, detail).
+ships rows' dead-letter copies and op markers. A parked record redriven meanwhile is left as the
+call made it (the relay ends a row only in the state it shipped) and goes to its topic too, as
+a redrive means. A discarded one is marked by the relay as it takes it (``shipping_since``,
+under its lock), and re-arm and resolve refuse it from then on: it went out twice, as a
+dead-letter copy and to its topic (still so on a schema older than ``SHIPPING_CLAIM_VERSION``,
+where nothing is marked). Every change writes an ``audit_log`` row (actor, action, group, tx
+id, detail).
 """
 
 from __future__ import annotations
@@ -298,8 +298,9 @@ def rearm(
     """discarded (not yet shipped) -> prepared, check count set to ``check_count``, due ``now``
     (default: the database's time, which the checker schedules by).
 
-    Raises UnknownTransactionError, IllegalTransitionError (not discarded, or already shipped:
-    re-publish instead), TransactionBusyError; in each case nothing changed.
+    Raises UnknownTransactionError, IllegalTransitionError (not discarded, or already shipped,
+    or taken by the relay to ship: re-publish instead), TransactionBusyError; in each case
+    nothing changed.
     """
     group, tx_id = check_producer_group(producer_group), check_stored_tx_id(tx_id)
     actor = _require_text("actor", actor)

@@ -892,6 +892,11 @@ class ShardWorker:
         discarded = [r.id for r in ended if r.state == "discarded"]
         if not discarded or not self._marks_shipping:
             return ended
+        if self._dead_letter_blocked_until > time.monotonic():
+            # Not shipped now (_ship leaves them): marked, they were refused to operators for
+            # as long as the topic refused their copies. Left out here, not in _ship only: a
+            # claim ahead must not leave them unmarked for a _ship the block has ended by.
+            return [r for r in ended if r.state != "discarded"]
         taken = {
             int(i)
             for (i,) in conn.execute(

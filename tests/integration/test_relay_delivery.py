@@ -4083,6 +4083,30 @@ def test_a_discarded_record_the_relay_is_shipping_is_neither_rearmed_nor_resolve
     assert kept == ([] if retention == "PT0S" else [("discarded", True)])
 
 
+def test_a_discarded_record_is_not_taken_while_the_dead_letter_topic_is_backed_off(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """Its copy cannot go then: marked anyway, it was refused to operators (re-arm, resolve)
+    for as long as the topic refused copies, though the relay did not ship it."""
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()
+    (worker,) = relay.workers.values()
+    written = discarded(pg_dsn, topic, "kept for the operator")
+    worker._dead_letter_blocked_until = time.monotonic() + 60
+    assert relay.run_once().ended == 0
+    with psycopg.connect(pg_dsn) as conn:
+        (marked,) = conn.execute(
+            "SELECT shipping_since FROM outbox.outbox_record WHERE tx_id = %s", (written.tx_id,)
+        ).fetchone() or (None,)
+    assert marked is None
+    assert rearm_or_resolve(pg_dsn, "rearm", written.tx_id) == "done"
+    worker._dead_letter_blocked_until = 0.0
+    assert relay.run_once().ended == 0  # prepared again: nothing to end
+    dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
+    assert dead == []
+
+
 @pytest.mark.parametrize("how", ["rearmed", "locked"])
 def test_a_discarded_record_an_operator_changes_as_the_relay_takes_it_is_not_shipped(
     pg_dsn: str,
