@@ -789,7 +789,7 @@ class ShardWorker:
         in Kafka whose rows are not ended yet, and stamped rows up to `after` (commit time,
         xid8; see _claimed_past). `limit`: how many rows of this shard pick the transactions
         (the batch size when None). `out_elsewhere`: see _out_elsewhere. Thread-safe: reads
-        no state that changes.
+        no state that changes but the dead-letter topic's back-off (a float: see _taken).
 
         A transaction that must wait (another shard sends it, or an earlier row of one of its
         keys is still to go out from another shard) is held back, and so is every later one

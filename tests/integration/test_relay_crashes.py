@@ -24,7 +24,7 @@ from relay import shard as shard_module
 from relay.markers import decode_markers
 from relay.service import RelayConfigError
 from tests.fixtures.kafka import consume_all
-from tests.fixtures.relay import RelayProcess
+from tests.fixtures.relay import RelayProcess, discarded
 
 FAST = {"lease_duration": "PT3S", "poll_interval": "PT0.2S"}
 
@@ -261,14 +261,7 @@ def test_a_discarded_record_in_doubt_after_a_crash_is_not_rearmed_nor_sent_twice
     from checker import rearm
 
     topic = topic_factory()
-    with psycopg.connect(pg_dsn) as conn:
-        with conn.transaction():
-            written = outbox.prepare(conn, topic, "abandoned")
-        conn.execute(
-            "UPDATE outbox.outbox_record SET state = 'discarded', reason = 'max checks (15)' "
-            "WHERE tx_id = %s",
-            (written.tx_id,),
-        )
+    written = discarded(pg_dsn, topic, "abandoned")
     doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
     assert doomed.proc.wait(60) == -9, doomed.output()
     dead_letter = doomed.settings.relay.dead_letter_topic

@@ -50,7 +50,7 @@ from relay.shard import STOP_ABORT_S, DeadLetterUnwritable, ShardWorker
 from relay.status import outbox_status
 from tests.fixtures.kafka import consume_all, java_murmur2
 from tests.fixtures.postgres import GrantedRoles
-from tests.fixtures.relay import as_role
+from tests.fixtures.relay import as_role, discarded
 
 
 def values(msgs: list[Message]) -> list[bytes]:
@@ -97,19 +97,6 @@ def counting(relay: Relay, method: str) -> list[None]:
 
     setattr(relay, method, counted)
     return calls
-
-
-def discarded(dsn: str, topic: str, *values: str) -> Any:
-    """A prepared transaction of these values, discarded as the checker leaves it."""
-    with psycopg.connect(dsn) as conn:
-        with conn.transaction():
-            written = outbox.prepare_many(conn, [Record(topic, v) for v in values])
-        conn.execute(
-            "UPDATE outbox.outbox_record SET state = 'discarded', reason = 'max checks (15)' "
-            "WHERE tx_id = %s",
-            (written.tx_id,),
-        )
-    return written
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 15.0) -> None:
