@@ -1114,6 +1114,12 @@ def test_the_relays_spread_over_nodes_unless_told_otherwise(helm: str, tmp_path:
          "reconcile.mode=schedule"),
         ("reconcile.horizon=29d",),
         ("reconcile.horizon=30d",),  # the findings' retention
+        ("reconcile.horizon=30d", "reconcile.extraArgs={--findings-retention,90d}"),
+        # --findings-retention leaves the other relations to the chart
+        ("reconcile.undeliveredDeadline=30s", "reconcile.extraArgs={--findings-retention,90d}"),
+        ("reconcile.deadline=.5", "reconcile.undeliveredDeadline=1e3", "reconcile.horizon=+90"),
+        # a scheduled run is not passed the trigger at all
+        ("reconcile.trigger=bogus", "reconcile.mode=schedule"),
     ],
 )  # fmt: skip
 def test_the_chart_refuses_the_reconciliations_durations_the_job_refuses(
@@ -1139,9 +1145,14 @@ def test_the_chart_refuses_the_reconciliations_durations_the_job_refuses(
     if not refused:
         job_settings(container(docs), monkeypatch)
         return
-    assert "reconcile." in refused
-    # the same values, left to the job by an argument naming one of them (its default)
-    docs = reconcile_docs(helm, *sets, "reconcile.extraArgs={--summary-window=1m}")
+    assert re.search(r"reconcile\.(undeliveredDeadline|horizon) \(", refused), refused
+    # the same values, left to the job by arguments giving the same deadline and horizon again
+    given = dict(s.split("=", 1) for s in sets)
+    again = f"{{--deadline={given.get('reconcile.deadline', '60s')},--horizon=" + (
+        f"{given.get('reconcile.horizon', '15m')}}}"
+    )
+    kept = [s for s in sets if not s.startswith("reconcile.extraArgs=")]
+    docs = reconcile_docs(helm, *kept, f"reconcile.extraArgs={again}")
     with pytest.raises(ReconcileConfigError):
         job_settings(container(docs), monkeypatch)
 
@@ -1149,10 +1160,11 @@ def test_the_chart_refuses_the_reconciliations_durations_the_job_refuses(
 @pytest.mark.parametrize(
     ("sets", "said"),
     [
-        (("reconcile.undeliveredDeadline=0",), 'undeliveredDeadline: "0" must be positive'),
+        (("reconcile.undeliveredDeadline=0",), "undeliveredDeadline: 0 must be positive"),
         (("reconcile.deadline=1m30x",), 'deadline: "1m30x" is not a duration'),
         (("reconcile.trigger=",), 'trigger: "" is not a duration'),
         (("reconcile.undeliveredDeadline=30s",), "undeliveredDeadline (30s) must not be shorter"),
+        (("reconcile.trigger=50ms",), "trigger (50ms) must be at least 100ms"),
     ],
 )
 def test_a_refused_reconciliation_duration_is_named(
@@ -1173,3 +1185,19 @@ def test_an_extra_argument_naming_a_duration_leaves_its_relations_to_the_job(
         "containers"
     ]
     assert job_settings(found, monkeypatch).horizon == timedelta(hours=1)
+
+
+def test_a_duration_given_as_a_large_number_in_a_values_file_is_taken(
+    helm: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """YAML's 1209600 reaches the template as a float64, printed 1.2096e+06: read as text, the
+    chart refused what the job takes (14 days). A null undelivered deadline is unset."""
+    values = tmp_path / "values.yaml"
+    values.write_text("reconcile:\n  horizon: 1209600\n  undeliveredDeadline: null\n")
+    docs = render(helm, "existingSecret=s", "reconcile.enabled=true", *RECONCILE, values=values)
+    (deployment,) = [d for d in docs if d["metadata"]["name"] == "orders-outbox-sidecar-reconcile"
+                     and d["kind"] == "Deployment"]  # fmt: skip
+    (found,) = deployment["spec"]["template"]["spec"]["containers"]
+    settings = job_settings(found, monkeypatch)
+    assert settings.horizon == timedelta(days=14)
+    assert settings.undelivered_deadline is None

@@ -238,12 +238,16 @@ read the pod's spec (and to the node's process list): secrets go in reconcile.ex
 {{- end -}}
 
 {{/* The seconds of one of the reconciliation's durations, read as the job reads them ("90",
-"500ms", "30s", "5m", "1h", "2d", or a sum such as "1m30s"): called with (dict "name" <its
-value's name> "value" <it>); fails naming a value the job would refuse. */}}
+"1.5", "500ms", "30s", "5m", "1h", "2d", or a sum such as "1m30s"; a number of a values file
+as it is: Go prints 1e6 and more in exponent form): called with (dict "name" <its value's
+name> "value" <it>); fails naming a value the job would refuse. */}}
 {{- define "outbox-sidecar.reconcileSeconds" -}}
-{{- $text := lower (nospace (toString .value)) -}}
 {{- $seconds := 0.0 -}}
-{{- if regexMatch `^[0-9]+([.][0-9]+)?$` $text -}}
+{{- if or (kindIs "float64" .value) (kindIs "int64" .value) (kindIs "int" .value) -}}
+{{- $seconds = float64 .value -}}
+{{- else -}}
+{{- $text := lower (replace " " "" (trim (toString .value))) -}}
+{{- if regexMatch `^[+]?([0-9]+([.][0-9]*)?|[.][0-9]+)(e[+-]?[0-9]+)?$` $text -}}
 {{- $seconds = float64 $text -}}
 {{- else -}}
 {{- $parts := regexFindAll `[0-9]+(?:[.][0-9]+)?(?:ms|s|m|h|d)` $text -1 -}}
@@ -256,54 +260,57 @@ value's name> "value" <it>); fails naming a value the job would refuse. */}}
 {{- $seconds = addf $seconds (mulf (float64 (trimSuffix $unit .)) (get $units $unit)) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
 {{- if or (le $seconds 0.0) (gt $seconds (mulf 36500 86400.0)) -}}
-{{- fail (printf "reconcile.%s: %q must be positive and at most 36500 days" .name (toString .value)) -}}
+{{- fail (printf "reconcile.%s: %v must be positive and at most 36500 days" .name .value) -}}
 {{- end -}}
 {{- $seconds -}}
 {{- end -}}
 
 {{/* What the job refuses of its durations at start is refused here, at the install or upgrade:
 the job crash-looped (or its CronJob failed each run) on a release Helm had called deployed.
-The relations are the job's (spark/config.py); extraArgs naming any of these durations, or an
-abbreviation argparse takes for one, leave them to the job. */}}
+The relations are the job's (spark/config.py). A duration reconcile.extraArgs gives (by an
+abbreviation argparse takes, too) leaves the relations it is in to the job. */}}
 {{- define "outbox-sidecar.checkReconcileDurations" -}}
 {{- $r := . -}}
+{{- $continuous := eq $r.mode "continuous" -}}
 {{- $seconds := dict -}}
-{{- range $name := list "deadline" "horizon" "trigger" -}}
+{{- /* a scheduled run is not passed the trigger: the job's default (10s) counts */}}
+{{- $_ := set $seconds "trigger" 10.0 -}}
+{{- range $name := ternary (list "deadline" "horizon" "trigger") (list "deadline" "horizon") $continuous -}}
 {{- $_ := set $seconds $name (float64 (include "outbox-sidecar.reconcileSeconds" (dict "name" $name "value" (get $r $name)))) -}}
 {{- end -}}
-{{- $undelivered := toString $r.undeliveredDeadline -}}
-{{- if ne $undelivered "" -}}
+{{- if and $continuous (lt (get $seconds "trigger") 0.1) -}}
+{{- fail (printf "reconcile.trigger (%v) must be at least 100ms" $r.trigger) -}}
+{{- end -}}
+{{- $undelivered := $r.undeliveredDeadline -}}
+{{- if and (not (kindIs "invalid" $undelivered)) (ne (toString $undelivered) "") -}}
 {{- $_ := set $seconds "undeliveredDeadline" (float64 (include "outbox-sidecar.reconcileSeconds" (dict "name" "undeliveredDeadline" "value" $undelivered))) -}}
 {{- end -}}
-{{- $overridden := false -}}
+{{- $given := dict -}}
 {{- range $r.extraArgs -}}
 {{- $flag := regexReplaceAll `=.*$` (toString .) "" -}}
 {{- if gt (len $flag) 2 -}}
-{{- range list "--deadline" "--undelivered-deadline" "--horizon" "--trigger" "--summary-window" "--findings-retention" -}}
-{{- if hasPrefix $flag . }}{{ $overridden = true }}{{ end -}}
+{{- range $option := list "deadline" "undelivered-deadline" "horizon" "trigger" "summary-window" "findings-retention" -}}
+{{- if hasPrefix $flag (printf "--%s" $option) }}{{ $_ := set $given $option true }}{{ end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
-{{- if not $overridden -}}
 {{- $deadline := get $seconds "deadline" -}}
 {{- $horizon := get $seconds "horizon" -}}
-{{- /* a scheduled run is not passed the trigger: the job checks its default */}}
-{{- $trigger := ternary (get $seconds "trigger") 10.0 (eq $r.mode "continuous") -}}
-{{- if and (hasKey $seconds "undeliveredDeadline") (lt (get $seconds "undeliveredDeadline") $deadline) -}}
-{{- fail (printf "reconcile.undeliveredDeadline (%s) must not be shorter than reconcile.deadline (%s)" $undelivered (toString $r.deadline)) -}}
+{{- $trigger := get $seconds "trigger" -}}
+{{- $triggers := ternary (toString $r.trigger) "the job's 10s: schedule mode passes none" $continuous -}}
+{{- if and (hasKey $seconds "undeliveredDeadline") (lt (get $seconds "undeliveredDeadline") $deadline) (not (hasKey $given "deadline")) (not (hasKey $given "undelivered-deadline")) -}}
+{{- fail (printf "reconcile.undeliveredDeadline (%v) must not be shorter than reconcile.deadline (%v)" $undelivered $r.deadline) -}}
 {{- end -}}
-{{- if lt $horizon (addf (mulf 2 $deadline) (mulf 2 $trigger)) -}}
-{{- fail (printf "reconcile.horizon (%s) must cover two deadlines and two trigger intervals (%v s): raise it" (toString $r.horizon) (addf (mulf 2 $deadline) (mulf 2 $trigger))) -}}
+{{- if and (lt $horizon (addf (mulf 2 $deadline) (mulf 2 $trigger))) (not (hasKey $given "horizon")) (not (hasKey $given "deadline")) (not (hasKey $given "trigger")) -}}
+{{- fail (printf "reconcile.horizon (%v) must cover two reconcile.deadlines (%v) and two triggers (%s): raise it" $r.horizon $r.deadline $triggers) -}}
 {{- end -}}
-{{- /* the job's --summary-window (1m) in the horizon less two deadlines */}}
-{{- if gt 60.0 (subf $horizon (mulf 2 $deadline)) -}}
-{{- fail (printf "reconcile.horizon (%s) less two deadlines (%s) must hold the job's summary window (1m): raise it" (toString $r.horizon) (toString $r.deadline)) -}}
+{{- if and (gt 60.0 (subf $horizon (mulf 2 $deadline))) (not (hasKey $given "horizon")) (not (hasKey $given "deadline")) (not (hasKey $given "summary-window")) -}}
+{{- fail (printf "reconcile.horizon (%v) less two reconcile.deadlines (%v) must hold the job's summary window (1m): raise it" $r.horizon $r.deadline) -}}
 {{- end -}}
-{{- /* the job's --findings-retention (30d) longer than the horizon */}}
-{{- if ge $horizon (mulf 30 86400.0) -}}
-{{- fail (printf "reconcile.horizon (%s) must be shorter than the job's findings retention (30d), or pass a longer --findings-retention in reconcile.extraArgs" (toString $r.horizon)) -}}
-{{- end -}}
+{{- if and (ge $horizon (mulf 30 86400.0)) (not (hasKey $given "horizon")) (not (hasKey $given "findings-retention")) -}}
+{{- fail (printf "reconcile.horizon (%v) must be shorter than the job's findings retention (30d), or pass a longer --findings-retention in reconcile.extraArgs" $r.horizon) -}}
 {{- end -}}
 {{- end -}}
 
@@ -372,7 +379,7 @@ spec:
         - --deadline
         - {{ $r.deadline | quote }}
         {{- /* not `with`: a 0 given went unsaid, dropped as unset; the job refuses it */}}
-        {{- if ne (toString $r.undeliveredDeadline) "" }}
+        {{- if and (not (kindIs "invalid" $r.undeliveredDeadline)) (ne (toString $r.undeliveredDeadline) "") }}
         - --undelivered-deadline
         - {{ $r.undeliveredDeadline | toString | quote }}
         {{- end }}
