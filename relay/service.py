@@ -323,9 +323,24 @@ class Relay:
         problem = schema_problem(self.conn, self.schema, RELAY_SCHEMA_VERSION)
         if problem:
             raise RelayConfigError(problem)
+        self._check_shipping_claim(at_start=True)
+
+    def _check_shipping_claim(self, *, at_start: bool = False) -> None:
+        """Whether the schema has shipping_since: at start, then every heartbeat interval until
+        it has (a migration run while the relay runs), the workers told."""
         version = current_version(self.conn, self.schema) or 0
         self._marks_shipping = version >= SHIPPING_CLAIM_VERSION
-        if not self._marks_shipping:
+        if self._marks_shipping:
+            for worker in self.workers.values():
+                worker.marks_shipping = True
+            if not at_start:
+                logger.info(
+                    "schema %s is at version %d now: discarded records are marked as they are "
+                    "taken to ship",
+                    self.schema,
+                    version,
+                )
+        elif at_start:
             logger.warning(
                 "schema %s is at version %d: discarded records are shipped without being "
                 "marked as taken (shipping_since, version %d), so a re-arm or resolve while "
@@ -560,6 +575,8 @@ class Relay:
         interval = self.settings.relay.heartbeat_interval.total_seconds()
         if time.monotonic() - self._last_trim >= interval:  # its own clock: heartbeats come
             try:  # between shards too, and would starve it
+                if not self._marks_shipping:
+                    self._check_shipping_claim()
                 self.trim_archive()
                 self.trim_audit_log()
                 with self.conn.transaction():

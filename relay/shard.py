@@ -411,8 +411,9 @@ class ShardWorker:
         # an open transaction), each up to kafka_transaction_timeout, are cut short
         self._stopping = stopping
         # the schema has shipping_since (SHIPPING_CLAIM_VERSION): discarded rows are marked as
-        # they are taken, so that no re-arm or resolve sends them out a second time
-        self._marks_shipping = marks_shipping
+        # they are taken, so that no re-arm or resolve sends them out a second time. Set by the
+        # relay once a migration brought it (a claim ahead reads it on its thread: a bool)
+        self.marks_shipping = marks_shipping
         self.needs_recovery = True
         self.closed = False  # handed over or dropped: a heartbeat may do it mid-recovery
         self.failures = 0  # rounds failed in a row; the relay backs this shard off until retry_at
@@ -890,7 +891,7 @@ class ShardWorker:
         discarded then); those left are marked as taken (shipping_mark). A round trip more,
         only in a claim that read discarded rows."""
         discarded = [r.id for r in ended if r.state == "discarded"]
-        if not discarded or not self._marks_shipping:
+        if not discarded or not self.marks_shipping:
             return ended
         if self._dead_letter_blocked_until > time.monotonic():
             # Not shipped now (_ship leaves them): marked, they were refused to operators for

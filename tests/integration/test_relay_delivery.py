@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import threading
 import time
@@ -31,7 +32,7 @@ from pydantic import SecretStr
 import outbox
 from checker import drop, redrive
 from outbox import IllegalTransitionError, Record
-from outbox.migrations import RELAY_SCHEMA_VERSION
+from outbox.migrations import RELAY_SCHEMA_VERSION, SHIPPING_CLAIM_VERSION
 from relay import service as service_module
 from relay import shard as shard_module
 from relay.config import SidecarSettings
@@ -4068,6 +4069,45 @@ def test_a_discarded_record_the_relay_is_shipping_is_neither_rearmed_nor_resolve
     assert [m.op.value for m in markers(kafka_bootstrap, relay)] == ["discarded"]
     kept = [(state, ended) for _, state, _, ended, *_ in rows(pg_dsn)]
     assert kept == ([] if retention == "PT0S" else [("discarded", True)])
+
+
+def test_a_relay_started_before_the_shipping_claims_migration_marks_once_it_ran(
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Started on a schema without shipping_since, the relay said so and never marked until
+    restarted: a migration run while it ran left operators' re-arms racing its copies."""
+    with psycopg.connect(pg_dsn) as conn:  # as if migration 0010 had not run yet
+        conn.execute(
+            "DELETE FROM outbox.schema_migration WHERE version = %s", (SHIPPING_CLAIM_VERSION,)
+        )
+    topic = topic_factory()
+    relay = relay_factory()
+    with caplog.at_level(logging.WARNING, logger="relay.service"):
+        relay.run_once()
+    assert "shipped without being marked as taken" in caplog.text
+    (worker,) = relay.workers.values()
+    assert not worker.marks_shipping
+    with psycopg.connect(pg_dsn) as conn:  # now it runs (the column is there already)
+        conn.execute(
+            "INSERT INTO outbox.schema_migration (version, name) VALUES (%s, 'shipping_claim')",
+            (SHIPPING_CLAIM_VERSION,),
+        )
+    relay.run_once()  # the test relays' heartbeat interval is 0: checked again at once
+    written = discarded(pg_dsn, topic, "marked at last")
+    commit = worker.producer.commit
+    said: list[str] = []
+
+    def rearmed_meanwhile(*waiting: Any) -> float:
+        said.append(rearm_or_resolve(pg_dsn, "rearm", written.tx_id))
+        return commit(*waiting)
+
+    worker.producer.commit = rearmed_meanwhile  # type: ignore[method-assign]
+    assert relay.run_once().ended == 1
+    (refusal,) = said
+    assert "taken by the relay" in refusal
 
 
 def test_a_discarded_record_is_not_taken_while_the_dead_letter_topic_is_backed_off(
