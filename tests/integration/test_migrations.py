@@ -467,8 +467,8 @@ def test_each_part_of_the_sidecar_runs_on_the_schema_version_it_says_it_needs(
 
 def test_the_shipping_claim_is_used_only_where_the_schema_has_it(empty_db: str) -> None:
     """The relay's mark of the discarded rows it takes, and the commands' check of it, need
-    SHIPPING_CLAIM_VERSION; below it (a migration put off) the relay starts and re-arm works,
-    as before."""
+    SHIPPING_CLAIM_VERSION; below it (a migration put off) re-arm works as before (the relay
+    on such a schema: test_relay_delivery)."""
     from checker import rearm
 
     names = [name for name in outbox_sql._queries() if name.startswith("shipping_")]
