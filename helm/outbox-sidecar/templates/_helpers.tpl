@@ -378,7 +378,8 @@ spec:
         {{- end }}
         - --deadline
         - {{ $r.deadline | quote }}
-        {{- /* not `with`: a 0 given went unsaid, dropped as unset; the job refuses it */}}
+        {{- /* not `with`: a 0 given went unsaid, dropped as unset (checkReconcileDurations
+               refuses it); null is unset */}}
         {{- if and (not (kindIs "invalid" $r.undeliveredDeadline)) (ne (toString $r.undeliveredDeadline) "") }}
         - --undelivered-deadline
         - {{ $r.undeliveredDeadline | toString | quote }}
