@@ -27,10 +27,11 @@ fails with ``TransactionBusyError`` and changes nothing. The relay holds no row 
 ships rows' dead-letter copies and op markers. A parked record redriven meanwhile is left as the
 call made it (the relay ends a row only in the state it shipped) and goes to its topic too, as
 a redrive means. A discarded one is marked by the relay as it takes it (``shipping_since``,
-under its lock), and re-arm and resolve refuse it from then on: it went out twice, as a
-dead-letter copy and to its topic (still so on a schema older than ``SHIPPING_CLAIM_VERSION``,
-where nothing is marked). Every change writes an ``audit_log`` row (actor, action, group, tx
-id, detail).
+under its lock), and re-arm and resolve refuse it until it is ended, or unmarked by the
+relay's recovery, which finds its Kafka transaction did not commit. Unrefused, it went out
+twice, as a dead-letter copy and to its topic (still so on a schema older than
+``SHIPPING_CLAIM_VERSION``, where nothing is marked). Every change writes an ``audit_log``
+row (actor, action, group, tx id, detail).
 """
 
 from __future__ import annotations

@@ -201,6 +201,8 @@ def _cmd_records(args: argparse.Namespace) -> int:
         return 0
     for r in found:
         reason = f"  {shown(r.reason)}" if r.reason else ""
+        if r.shipping_since is not None:
+            reason += f"  (taken by the relay to ship since {_utc(r.shipping_since)})"
         created = r.created_at.astimezone(UTC)  # not the session's zone, unnamed
         print(
             f"{r.id:>10}  {r.state:11} {r.producer_group}/{shown(r.tx_id)}  {r.topic}  "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import base64
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -11,6 +11,7 @@ import psycopg
 
 from outbox import sql as queries
 from outbox._core import State
+from outbox.migrations import SHIPPING_CLAIM_VERSION, current_version
 
 
 def shown(text: str) -> str:
@@ -38,6 +39,9 @@ class RecordRow:
     kafka_partition: int | None
     kafka_offset: int | None
     reason: str | None
+    # a discarded record the relay has taken to ship to the dead-letter topic: since when
+    # (re-arm and resolve refuse it meanwhile); None on a schema without the mark
+    shipping_since: datetime | None = None
 
     def key_text(self) -> str:
         """The key as text when it is printable UTF-8, else base64 (marked so): a newline or a
@@ -83,4 +87,20 @@ def list_records(
             "limit": limit,
         },
     ).fetchall()
-    return [RecordRow(*r) for r in rows]
+    found = [RecordRow(*r) for r in rows]
+    return _with_shipping_marks(conn, schema, found)
+
+
+def _with_shipping_marks(
+    conn: psycopg.Connection[Any], schema: str, found: list[RecordRow]
+) -> list[RecordRow]:
+    """The discarded records among `found` the relay has taken to ship, with since when: the
+    commands that refuse them say so, and the listing did not show why. Asked apart
+    (shipping_taken), so that a schema older than SHIPPING_CLAIM_VERSION is listed as before."""
+    discarded = [r.id for r in found if r.state == State.DISCARDED and r.ended_at is None]
+    if not discarded or (current_version(conn, schema) or 0) < SHIPPING_CLAIM_VERSION:
+        return found
+    taken = dict(
+        conn.execute(queries.query("shipping_taken", schema), {"ids": discarded}).fetchall()
+    )
+    return [replace(r, shipping_since=taken.get(r.id)) for r in found]

@@ -554,6 +554,8 @@ class ShardWorker:
                 ended_by_kind[kind] += ended
                 unmatched += other
             self._say_other_records(conn, unmatched)
+            if not first:  # no markers read: a mark may stand for copies sent
+                self._unmark_not_shipped(conn)
             conn.execute(
                 self._q("relay_set_marker_offset"),
                 {
@@ -912,6 +914,22 @@ class ShardWorker:
                 sorted(set(discarded) - taken),
             )
         return [r for r in ended if r.state != "discarded" or r.id in taken]
+
+    def _unmark_not_shipped(self, conn: psycopg.Connection[Any]) -> None:
+        """At recovery: the shard's discarded rows marked as taken (_taken) in a Kafka
+        transaction that did not commit, aborted or fenced by now. A dead-letter topic that
+        refuses copies for good (its ACL) left them marked, and operators' re-arms and resolves
+        refused, for as long as it refused (shipping_unmark)."""
+        if not self.marks_shipping:
+            return
+        unmarked = conn.execute(self._q("shipping_unmark"), self.key_range).fetchall()
+        if unmarked:
+            logger.info(
+                "shard %s: discarded records %s were taken to ship in a Kafka transaction that "
+                "did not commit: operators may change them again until they are shipped",
+                self.shard,
+                sorted(int(i) for (i,) in unmarked),
+            )
 
     def _earliest_elsewhere(
         self, conn: psycopg.Connection[Any], by_tx: dict[str, list[Row]], skip_xids: list[str]

@@ -375,6 +375,27 @@ FROM (
 WHERE r.id = taken.id
 RETURNING r.id;
 
+-- name: shipping_unmark
+-- At recovery, once the shard's producers are fenced (its own initialised, which aborts any
+-- open transaction of its transactional.id, and that of an earlier prefix the markers name)
+-- and the rows its committed markers name are ended: the discarded rows of the shard's keys
+-- still marked as taken went out in no committed Kafka transaction (a batch the dead-letter
+-- topic refused, a crash before the commit). Not at a shard's first recovery, which reads no
+-- markers (shard_lease emptied by an operator, say): a mark may stand for copies sent then.
+-- Unmarked, re-arm and resolve take them again (marked, they were refused for as long as the
+-- dead-letter topic refused copies); the next claim that ships them marks them anew. A row a
+-- command holds is skipped: that command sees the mark and refuses, as it would have.
+UPDATE {schema}.outbox_record AS r
+SET shipping_since = NULL
+FROM (
+    SELECT id FROM {schema}.outbox_record
+    WHERE ended_at IS NULL AND state = 'discarded' AND shipping_since IS NOT NULL
+      AND key_hash BETWEEN %(lo)s AND %(hi)s
+    FOR UPDATE SKIP LOCKED
+) AS stale
+WHERE r.id = stale.id
+RETURNING r.id;
+
 -- name: relay_lock_lease
 -- Inside the transaction that removes delivered rows: still ours? FOR UPDATE makes a takeover
 -- wait until this transaction ends, and the epoch tells if one happened before it. With where

@@ -232,3 +232,27 @@ def test_records_says_when_the_limit_cut_the_list(
     assert capsys.readouterr().out.splitlines()[-1] == "(the oldest 2; --limit for more)"
     assert main(["records", "--dsn", pg_dsn, "--limit", "3"]) == 0
     assert "--limit for more" not in capsys.readouterr().out
+
+
+def test_records_shows_which_discarded_records_the_relay_has_taken_to_ship(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`rearm` and `resolve` refuse a discarded record the relay has taken to ship, and the
+    listing an operator looks at next showed nothing of it."""
+    from tests.fixtures.relay import discarded
+
+    taken, left = discarded(pg_dsn, "t", "taken"), discarded(pg_dsn, "t", "left")
+    with psycopg.connect(pg_dsn) as conn:  # as the relay's claim marks it (shipping_mark)
+        conn.execute(
+            "UPDATE outbox.outbox_record SET shipping_since = '2026-01-02 03:04:05Z' "
+            "WHERE tx_id = %s",
+            (taken.tx_id,),
+        )
+    assert main(["records", "--dsn", pg_dsn, "--state", "discarded"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].endswith("(taken by the relay to ship since 2026-01-02 03:04:05Z)")
+    assert "taken by the relay" not in lines[1]
+    assert main(["records", "--dsn", pg_dsn, "--state", "discarded", "--json"]) == 0
+    shown = {r["tx_id"]: r["shipping_since"] for r in json.loads(capsys.readouterr().out)}
+    assert shown == {taken.tx_id: "2026-01-02T03:04:05+00:00", left.tx_id: None}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -27,7 +28,8 @@ from relay.config import SidecarSettings
 from relay.service import Relay, RelayConfigError
 from relay.shard import DeadLetterUnwritable
 from tests.fixtures.kafka import TIMEOUT_S, SaslListener, consume_all
-from tests.integration.test_relay_delivery import markers, rows, values
+from tests.fixtures.relay import discarded
+from tests.integration.test_relay_delivery import markers, rearm_or_resolve, rows, values
 
 pytestmark = pytest.mark.integration
 
@@ -226,6 +228,64 @@ def test_a_dead_letter_topic_it_may_not_write_holds_only_the_copies_back(
     assert relay.run_once().ended == 1
     dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
     assert [m.value() for m in dead] == [b"poison"]
+
+
+def test_a_discarded_record_a_refusing_dead_letter_topic_kept_is_left_to_operators(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    sasl_relay: Callable[..., Relay],
+    deny: Acls,
+) -> None:
+    """Marked as taken to ship before the dead-letter topic refused its copy (WRITE revoked),
+    the row stayed marked after the batch was aborted: re-arm and resolve were refused, "taken
+    by the relay to ship", for as long as the topic refused, though nothing shipped it."""
+    topic = topic_factory()
+    relay = sasl_relay()
+    relay.run_once()  # made its topics
+    revoke_write(deny, relay.settings.relay.dead_letter_topic)
+    written = discarded(pg_dsn, topic, "wanted after all")
+    with pytest.raises(DeadLetterUnwritable, match=r"takes no copies \(Topic authorization"):
+        relay.run_once()
+    (worker,) = relay.workers.values()
+    worker.retry_at = 0.0  # the shard's backoff: the test goes again at once
+    assert relay.run_once().ended == 0  # its recovery, and a claim that leaves the row
+    assert rearm_or_resolve(pg_dsn, "rearm", written.tx_id) == "done"
+    deny.clear()
+    worker.retry_at = worker._dead_letter_blocked_until = 0.0
+    assert relay.run_once().ended == 0  # prepared again: nothing to ship
+    dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
+    assert dead == []
+    assert [r[1] for r in rows(pg_dsn)] == ["prepared"]
+
+
+def test_a_shards_first_recovery_leaves_the_marks_it_cannot_check(
+    pg_dsn: str,
+    topic_factory: Callable[..., str],
+    sasl_relay: Callable[..., Relay],
+    deny: Acls,
+) -> None:
+    """A first recovery reads no markers (shard_lease emptied by an operator, say): a discarded
+    row's mark may stand for copies a relay sent before, and is left to the rows' shipping, not
+    taken off for re-arms (a later recovery, which reads the markers, takes it off)."""
+    topic = topic_factory()
+    written = discarded(pg_dsn, topic, "maybe sent")
+    with psycopg.connect(pg_dsn) as conn:  # as a relay's claim marked it before the lease went
+        conn.execute(
+            "UPDATE outbox.outbox_record SET shipping_since = '2026-01-02 03:04:05Z' "
+            "WHERE tx_id = %s",
+            (written.tx_id,),
+        )
+    relay = sasl_relay()
+    revoke_write(deny, relay.settings.relay.dead_letter_topic)  # the shipping goes no further
+    with pytest.raises(DeadLetterUnwritable):
+        relay.run_once()
+    assert "taken by the relay to ship" in rearm_or_resolve(pg_dsn, "rearm", written.tx_id)
+    with psycopg.connect(pg_dsn) as conn:
+        (since,) = conn.execute(
+            "SELECT shipping_since FROM outbox.outbox_record WHERE tx_id = %s", (written.tx_id,)
+        ).fetchone() or (None,)
+    assert since == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)  # kept: not unmarked and taken anew
 
 
 def _a_batch_in_doubt(relay: Relay, pg_dsn: str, topic: str, value: str) -> None:

@@ -466,13 +466,14 @@ def test_each_part_of_the_sidecar_runs_on_the_schema_version_it_says_it_needs(
 
 
 def test_the_shipping_claim_is_used_only_where_the_schema_has_it(empty_db: str) -> None:
-    """The relay's mark of the discarded rows it takes, and the commands' check of it, need
-    SHIPPING_CLAIM_VERSION; below it (a migration put off) re-arm works as before (the relay
-    on such a schema: test_relay_delivery)."""
+    """The relay's mark of the discarded rows it takes (and its recovery's unmark of those
+    not shipped), and the commands' check of it, need SHIPPING_CLAIM_VERSION; below it (a
+    migration put off) re-arm works as before (the relay on such a schema: test_relay_delivery)."""
     from checker import rearm
+    from relay.records import list_records
 
     names = [name for name in outbox_sql._queries() if name.startswith("shipping_")]
-    assert len(names) == 2
+    assert len(names) == 3
     with psycopg.connect(empty_db, autocommit=True) as conn:
         for schema, version in (
             ("has", SHIPPING_CLAIM_VERSION),
@@ -488,13 +489,16 @@ def test_the_shipping_claim_is_used_only_where_the_schema_has_it(empty_db: str) 
             ]
             for schema in ("has", "lacks")
         }
-        assert why["has"] == [None, None]
+        assert why["has"] == [None] * len(names)
         assert all(w and "shipping_since" in w for w in why["lacks"]), why["lacks"]
-        # a discarded transaction on the older schema is re-armed, not failed on the column
+        # a discarded transaction on the older schema is listed and re-armed, not failed on
+        # the column
         conn.execute(
             "INSERT INTO lacks.outbox_record (producer_group, tx_id, topic, value, key_hash, "
             "state, reason) VALUES ('default', 'tx-1', 'orders', 'v', 1, 'discarded', 'max age')"
         )
+        (listed,) = list_records(conn, "lacks")
+        assert (listed.state, listed.shipping_since) == ("discarded", None)
         assert rearm(conn, "default", "tx-1", actor="ops", schema="lacks").changed
         (state,) = conn.execute("SELECT state FROM lacks.outbox_record").fetchone() or ("",)
         assert state == "prepared"
