@@ -21,15 +21,16 @@ prebuild-images: install services-up
 	  $(IDLE) $(PY) scripts/image.py build reconcile) > .local/prebuild-images.log 2>&1 &
 
 # What the chart's tests need, built in the background while the rest installs, starts and runs
-# (the chart's tests come last, and wait for them: a lock each): the Go builds (helm;
-# kube-apiserver and etcd) from the start, the two images (minutes each) once the services are
+# (the chart's tests that need them come last, and wait for them: a lock each): the Go builds
+# (helm, then promtool; kube-apiserver and etcd) from the start, the two images (minutes each) once the services are
 # up. At the lowest priority (CPU; disk too where the I/O scheduler honours it): they take only
 # what the tests leave idle.
 IDLE := nice -n 19 $(shell command -v ionice >/dev/null && echo ionice -c 3)
 prebuild:
 	@mkdir -p .local
 	@$(IDLE) $(PYTHON) scripts/kube.py build > .local/prebuild-kube.log 2>&1 &
-	@$(IDLE) $(PYTHON) scripts/services.py helm > .local/prebuild-helm.log 2>&1 &
+	@($(IDLE) $(PYTHON) scripts/services.py helm && \
+	  $(IDLE) $(PYTHON) scripts/services.py promtool) > .local/prebuild-go-tools.log 2>&1 &
 
 # Unit tests only: no services needed.
 test-fast: install

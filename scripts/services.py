@@ -1,6 +1,6 @@
 """Start, stop and describe the real local stack: PostgreSQL, a KRaft Kafka broker, Spark's jars.
 
-Usage: scripts/services up|down|status|env|spark-jars|helm|restart postgres|kafka
+Usage: scripts/services up|down|status|env|spark-jars|helm|promtool|restart postgres|kafka
                         crash postgres|kafka
                         partition postgres|kafka|heal postgres|kafka
 
@@ -12,8 +12,9 @@ is (its port's packets dropped, with iptables, as root); `heal` ends it, and so 
 the sidecar's `database.transaction_pooling` go through it.
 
 `helm` prints the path of a Helm binary for the chart's tests: one on the PATH, else one built
-with `go install` into `.local/bin` (Helm is a Go module; the Go toolchain fetches it). The
-chart's tests also start a Kubernetes API server, with `scripts/kube.py`; `down` stops it too.
+with `go install` into `.local/bin` (Helm is a Go module; the Go toolchain fetches it); `promtool`
+likewise Prometheus's, with which they evaluate the chart's alert rules. The chart's tests also
+start a Kubernetes API server, with `scripts/kube.py`; `down` stops it too.
 
 Everything lives under `.local/` (ignored by git): binaries' data, resolved jars, logs, pid files.
 OUTBOX_LOCAL_DIR moves it (relative to the repository's root), so that a second stack on ports of
@@ -924,6 +925,9 @@ def spark_jars() -> list[Path]:
 
 
 HELM_VERSION = "v3.16.4"
+# The Prometheus module whose cmd/promtool checks and unit-tests the chart's alert rules
+# (Prometheus 3's module versions are v0.3xx: v0.316.0 is Prometheus 3.16)
+PROMETHEUS_VERSION = "v0.316.0"
 
 
 @contextmanager
@@ -937,22 +941,36 @@ def build_lock(name: str) -> Iterator[None]:
         yield
 
 
-def helm_bin() -> Path:
-    on_path = shutil.which("helm")
+def go_tool(name: str, package: str, version: str, takes: str) -> Path:
+    """`name` on the PATH, else built once with `go install package@version` into .local/bin."""
+    on_path = shutil.which(name)
     if on_path:
         return Path(on_path)
-    built = LOCAL / "bin" / "helm"
-    with build_lock("helm"):
+    built = LOCAL / "bin" / name
+    with build_lock(name):
         if not built.exists():
             go = shutil.which("go")
             if go is None:
-                fail("helm: neither helm nor a Go toolchain (to build it) is on the PATH")
-            log(f"building helm {HELM_VERSION} with go install (a minute or two, once)")
+                fail(f"{name}: neither {name} nor a Go toolchain (to build it) is on the PATH")
+            log(f"building {name} {version} with go install ({takes}, once)")
             run(
-                [go, "install", f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"],
+                [go, "install", f"{package}@{version}"],
                 env={**os.environ, "GOBIN": str(built.parent)},
             )
     return built
+
+
+def helm_bin() -> Path:
+    return go_tool("helm", "helm.sh/helm/v3/cmd/helm", HELM_VERSION, "a minute or two")
+
+
+def promtool_bin() -> Path:
+    return go_tool(
+        "promtool",
+        "github.com/prometheus/prometheus/cmd/promtool",
+        PROMETHEUS_VERSION,
+        "several minutes: Prometheus's service discoveries come with it",
+    )
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -1071,6 +1089,9 @@ def _inspect(cmd: str, argv: list[str]) -> int:
         return 0
     if cmd == "helm":
         print(helm_bin())
+        return 0
+    if cmd == "promtool":
+        print(promtool_bin())
         return 0
     if cmd == "env":
         for line in env_lines():

@@ -21,9 +21,11 @@ _LAYERS = {"unit", "integration", "spark", "deploy"}
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test with its layer from its folder, so `pytest -m unit` runs the fast subset.
-    The tests on the API server run last: on a fresh machine they wait for its Go build (started
-    in the background by `make test`), and the chart's other tests need not wait with them."""
-    items.sort(key=lambda item: "kube" in getattr(item, "fixturenames", ()))
+    The tests on the API server and those of the alert rules run last: on a fresh machine they
+    wait for the Go builds of the server and of promtool (started in the background by `make
+    test`), and the chart's other tests need not wait with them."""
+    last = {"kube", "promtool"}
+    items.sort(key=lambda item: bool(last & set(getattr(item, "fixturenames", ()))))
     tests_dir = Path(__file__).parent
     for item in items:
         layer = item.path.relative_to(tests_dir).parts[0]
