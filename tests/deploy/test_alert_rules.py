@@ -345,3 +345,92 @@ def test_no_scheduled_run_succeeding_fires_per_release_after_the_threshold(
             ],
         },
     )
+
+
+# alert, its series in the release's namespace (scraped every minute) (each also given to another
+# namespace, which must not fire), a time it does not fire yet, a time it fires, with labels
+SIMPLE = [
+    ("OutboxSidecarPartStopped", {'outbox_sidecar_part_stopped{%s, pod="a", part="checker"}':
+     "1+0x20", 'outbox_sidecar_part_stopped{%s, pod="a", part="relay"}': "0+0x20"},
+     4, 6, {"pod": "a", "part": "checker"}),
+    ("OutboxXidHorizonHeld", {'outbox_relay_horizon_held_seconds{%s, pod="a"}': "700+0x20"},
+     4, 6, {}),
+    # a day of samples a minute apart: hourly ones are gone between samples (the lookback)
+    ("OutboxParkedRecordsWaiting", {'outbox_relay_parked_records{%s, pod="a"}': "3+0x1600"},
+     23 * 60, 25 * 60, {}),
+    ("OutboxTransactionsDiscarded",
+     {'outbox_checker_discards_total{%s, pod="a", producer_group="pay", limit="max_checks"}':
+      "0 0 0 1+0x20"}, 2, 4, {"producer_group": "pay", "limit": "max_checks"}),
+    ("OutboxPreparedTooOld",
+     {'outbox_checker_oldest_prepared_age_seconds{%s, pod="a"}': "3700+60x20"}, 4, 6, {}),
+    ("OutboxCheckerFailing",
+     {'outbox_checker_rounds_total{%s, pod="a", result="error"}': "0+1x30",
+      'outbox_checker_rounds_total{%s, pod="a", result="ok"}': "0+100x30"}, 9, 12, {}),
+    ("OutboxRelayLeasesLost",
+     {'outbox_relay_lease_changes_total{%s, pod="a", change="lost"}': "0 0 0 1+0x20",
+      'outbox_relay_lease_changes_total{%s, pod="b", change="taken"}': "0+1x20"},
+     2, 4, {"pod": "a"}),
+    ("OutboxDeadLetterCopiesShrunk",
+     {'outbox_relay_dead_letter_copies_total{%s, pod="a", form="bare"}': "0 0 0 1+0x20",
+      'outbox_relay_dead_letter_copies_total{%s, pod="a", form="full"}': "0+5x20"},
+     2, 4, {"form": "bare"}),
+    ("OutboxReconcileFindings",
+     {'outbox_reconcile_findings_total{%s, pod="r", kind="missing"}': "0 0 0 2+0x20",
+      'outbox_reconcile_findings_total{%s, pod="r", kind="duplicate"}': "0+0x20"},
+     2, 4, {"kind": "missing"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("alert", "series", "quiet", "fires", "labels"),
+    SIMPLE,
+    ids=[case[0] for case in SIMPLE],
+)
+def test_each_other_alert_fires_on_its_trouble_in_its_namespace_only(
+    helm: str,
+    promtool: str,
+    tmp_path: Path,
+    alert: str,
+    series: dict[str, str],
+    quiet: int,
+    fires: int,
+    labels: dict[str, str],
+) -> None:
+    inputs = [
+        {"series": name % where, "values": values}
+        for name, values in series.items()
+        for where in (NS, OTHER)
+    ]
+    _test_rules(
+        promtool,
+        _rules(helm, tmp_path, *RECONCILE),
+        {
+            "interval": "1m",
+            "input_series": inputs,
+            "alert_rule_test": [
+                _at(quiet, alert),
+                _at(fires, alert, {"namespace": "default", **labels}),
+            ],
+        },
+    )
+
+
+def test_every_alert_of_the_chart_is_evaluated_here(helm: str, tmp_path: Path) -> None:
+    """A new alert gets a case of its own (above, or one of the tests before)."""
+    tested = {case[0] for case in SIMPLE} | {
+        "OutboxDeliveryLagging",
+        "OutboxCheckEndpointDown",
+        "OutboxShardsUnowned",
+        "OutboxRelayErrors",
+        "OutboxDeadLetterUnwritable",
+        "OutboxRecordsParked",
+        "OutboxReconcileStalled",
+        "OutboxReconcileRunFailed",
+        "OutboxReconcileUnsucceeded",
+    }
+    alerts = set()
+    for mode in ("continuous", "schedule"):
+        rules = _rules(helm, tmp_path, *RECONCILE, f"reconcile.mode={mode}")
+        groups = yaml.safe_load(rules.read_text())["groups"]
+        alerts |= {r["alert"] for g in groups for r in g["rules"]}
+    assert alerts == tested
