@@ -22,9 +22,9 @@ prebuild-images: install services-up
 
 # What the chart's tests need, built in the background while the rest installs, starts and runs
 # (the chart's tests that need them come last, and wait for them: a lock each): the Go builds
-# (helm, then promtool; kube-apiserver and etcd) from the start, the two images (minutes each) once the services are
-# up. At the lowest priority (CPU; disk too where the I/O scheduler honours it): they take only
-# what the tests leave idle.
+# (helm, then promtool; kube-apiserver and etcd) from the start, the two images (minutes each)
+# once the services are up. At the lowest priority (CPU; disk too where the I/O scheduler
+# honours it): they take only what the tests leave idle.
 IDLE := nice -n 19 $(shell command -v ionice >/dev/null && echo ionice -c 3)
 prebuild:
 	@mkdir -p .local
