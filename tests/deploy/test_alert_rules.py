@@ -1,7 +1,12 @@
 """The chart's alert rules evaluated by Prometheus's own promtool (`promtool test rules`): each
 fires on the series that mean its trouble, once its `for` has passed, with the labels an
 Alertmanager routes by, and stays quiet on healthy series and on another namespace's.
-test_helm_chart checks what the rules name (series, labels); these check what they compute."""
+test_helm_chart checks what the rules name (series, labels); these check what they compute.
+
+Series are written with `%s` where their namespace goes: each is given in the release's
+namespace (helm template's, `default`) and, the same, in another, whose alerts must not fire
+(the rules' default matcher is the release's namespace). Times are minutes from 0, a sample a
+minute (promtool's expanding notation: 'a+bxc' is c+1 values; 'stale' ends a series)."""
 
 from __future__ import annotations
 
@@ -20,16 +25,19 @@ RECONCILE = (
     "reconcile.bootstrapServers=kafka:9092",
     "reconcile.topics=orders.created",
 )
-NS = 'namespace="default"'  # helm template's namespace: the rules' matcher by default
-OTHER = 'namespace="other"'  # another release's outbox, in the same Prometheus
+SCHEDULED = (*RECONCILE, "reconcile.mode=schedule")
+NS = 'namespace="default"'
+OTHER = 'namespace="other"'
 WARN = {"severity": "warning"}
-GROUP = 'pod="a", producer_group="%s"'
 
 
-def _rules(helm: str, tmp_path: Path, *sets: str, annotations: bool = False) -> Path:
+def _render(helm: str, *sets: str) -> list[dict[str, Any]]:
+    return render(helm, "existingSecret=s", "prometheusRule.enabled=true", *sets)
+
+
+def _rules(docs: list[dict[str, Any]], tmp_path: Path, *, annotations: bool = False) -> Path:
     """The rendered PrometheusRule's groups as a rule file. Without `annotations`, the tests
     compare the alerts' labels only (promtool compares annotations whenever an alert has them)."""
-    docs = render(helm, "existingSecret=s", "prometheusRule.enabled=true", *sets)
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     groups = rule["spec"]["groups"]
     if not annotations:
@@ -41,8 +49,18 @@ def _rules(helm: str, tmp_path: Path, *sets: str, annotations: bool = False) -> 
     return path
 
 
-def _test_rules(promtool: str, rules: Path, *tests: dict[str, Any]) -> None:
-    spec = {"rule_files": [rules.name], "evaluation_interval": "1m", "tests": list(tests)}
+def _case(series: dict[str, str], *checks: dict[str, Any]) -> dict[str, Any]:
+    """A promtool test group: `series` in both namespaces (see the module's docstring)."""
+    inputs = [
+        {"series": name % where if "%s" in name else name, "values": values}
+        for name, values in series.items()
+        for where in ((NS, OTHER) if "%s" in name else (None,))
+    ]
+    return {"interval": "1m", "input_series": inputs, "alert_rule_test": list(checks)}
+
+
+def _test_rules(promtool: str, rules: Path, *cases: dict[str, Any]) -> None:
+    spec = {"rule_files": [rules.name], "evaluation_interval": "1m", "tests": list(cases)}
     path = rules.with_name("tests.yaml")
     path.write_text(yaml.safe_dump(spec))
     done = subprocess.run(
@@ -52,11 +70,14 @@ def _test_rules(promtool: str, rules: Path, *tests: dict[str, Any]) -> None:
 
 
 def _at(minute: int, alert: str, *firing: dict[str, str]) -> dict[str, Any]:
-    """At `minute`, these alerts of the name firing (none: it does not fire)."""
+    """At `minute`, these alerts of the name firing, in the release's namespace (none: it does
+    not fire)."""
     return {
         "eval_time": f"{minute}m",
         "alertname": alert,
-        "exp_alerts": [{"exp_labels": {**WARN, **labels}} for labels in firing],
+        "exp_alerts": [
+            {"exp_labels": {**WARN, "namespace": "default", **labels}} for labels in firing
+        ],
     }
 
 
@@ -64,7 +85,8 @@ def _at(minute: int, alert: str, *firing: dict[str, str]) -> dict[str, Any]:
 def test_promtool_takes_the_rules_and_their_templates(
     helm: str, promtool: str, tmp_path: Path, mode: str
 ) -> None:
-    rules = _rules(helm, tmp_path, *RECONCILE, f"reconcile.mode={mode}", annotations=True)
+    docs = _render(helm, *RECONCILE, f"reconcile.mode={mode}")
+    rules = _rules(docs, tmp_path, annotations=True)
     done = subprocess.run([promtool, "check", "rules", str(rules)], text=True, capture_output=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS" in done.stdout
@@ -75,286 +97,226 @@ def test_delivery_lag_fires_after_five_minutes_over_the_threshold_and_says_how_l
 ) -> None:
     """The oldest undelivered record grows a minute a minute: over 300 s from minute 6, firing
     from minute 11, its description the lag the worst relay of the namespace reports."""
-    rules = _rules(helm, tmp_path, annotations=True)
+    rules = _rules(_render(helm), tmp_path, annotations=True)
     lagging = yaml.safe_load(rules.read_text())["groups"][0]["rules"][0]
     assert lagging["alert"] == "OutboxDeliveryLagging"
+    firing = _at(12, "OutboxDeliveryLagging", {})
+    firing["exp_alerts"][0]["exp_annotations"] = {
+        "summary": lagging["annotations"]["summary"],
+        "description": lagging["annotations"]["description"].replace(
+            "{{ $value | humanizeDuration }}", "12m 0s"
+        ),
+    }
     _test_rules(
         promtool,
         rules,
-        {
-            "interval": "1m",
-            "input_series": [
-                {
-                    "series": f'outbox_relay_oldest_undelivered_seconds{{{NS}, pod="a"}}',
-                    "values": "0+60x20",
-                },
-                {
-                    "series": f'outbox_relay_oldest_undelivered_seconds{{{NS}, pod="b"}}',
-                    "values": "0+0x20",
-                },
-                {
-                    "series": f'outbox_relay_oldest_undelivered_seconds{{{OTHER}, pod="c"}}',
-                    "values": "9000+0x20",
-                },
-            ],
-            "alert_rule_test": [
-                _at(10, "OutboxDeliveryLagging"),
-                {
-                    **_at(12, "OutboxDeliveryLagging"),
-                    "exp_alerts": [
-                        {
-                            "exp_labels": {**WARN, "namespace": "default"},
-                            "exp_annotations": {
-                                "summary": lagging["annotations"]["summary"],
-                                "description": lagging["annotations"]["description"].replace(
-                                    "{{ $value | humanizeDuration }}", "12m 0s"
-                                ),
-                            },
-                        }
-                    ],
-                },
-            ],
-        },
+        _case(
+            {
+                'outbox_relay_oldest_undelivered_seconds{%s, pod="a"}': "0+60x20",
+                'outbox_relay_oldest_undelivered_seconds{%s, pod="b"}': "0+0x20",
+                'outbox_relay_oldest_undelivered_seconds{namespace="third", pod="c"}': "9000x20",
+            },
+            _at(10, "OutboxDeliveryLagging"),
+            firing,
+        ),
     )
 
 
-def test_an_endpoint_down_fires_after_ten_closed_free_minutes_per_producer_group(
+def test_an_endpoint_down_fires_after_ten_minutes_without_a_close_per_producer_group(
     helm: str, promtool: str, tmp_path: Path
 ) -> None:
-    """Open (1) or half open (2) for ten minutes fires; a single close in the ten does not."""
+    """Half open (1) or open (2) for ten minutes fires; one close in the ten does not, and
+    neither do the first nine minutes of a circuit never closed (fewer than ten samples)."""
+    circuit = 'outbox_checker_circuit_state{%s, pod="a", producer_group="%s"}'
     _test_rules(
         promtool,
-        _rules(helm, tmp_path),
-        {
-            "interval": "1m",
-            "input_series": [
-                {
-                    "series": f"outbox_checker_circuit_state{{{NS}, {GROUP % 'pay'}}}",
-                    "values": "0 0 1 2 1 2 1+0x20",
-                },
-                {
-                    "series": f"outbox_checker_circuit_state{{{NS}, {GROUP % 'ship'}}}",
-                    "values": "1+0x8 0 1+0x20",
-                },
-            ],
-            "alert_rule_test": [
-                _at(10, "OutboxCheckEndpointDown"),
-                _at(
-                    12,
-                    "OutboxCheckEndpointDown",
-                    {"namespace": "default", "producer_group": "pay"},
-                ),
-            ],
-        },
+        _rules(_render(helm), tmp_path),
+        _case(
+            {
+                circuit % ("%s", "pay"): "0 0 1 2 1 2 1+0x20",
+                circuit % ("%s", "ship"): "1+0x8 0 1+0x20",
+                circuit % ("%s", "new"): "2+0x30",
+            },
+            _at(8, "OutboxCheckEndpointDown"),
+            _at(10, "OutboxCheckEndpointDown", {"producer_group": "new"}),
+            _at(
+                12,
+                "OutboxCheckEndpointDown",
+                {"producer_group": "new"},
+                {"producer_group": "pay"},
+            ),
+        ),
     )
 
 
 def test_shards_without_a_relay_fire_after_ten_minutes_and_so_does_no_relay_at_all(
     helm: str, promtool: str, tmp_path: Path
 ) -> None:
-    """Relay b's pod goes at minute 5 (its series end): its two shards of four have no owner.
-    Another namespace's relays all gone: `absent` fires for its own namespace only when its
-    rules are that release's; here the release's namespace has relays."""
-    rules = _rules(helm, tmp_path)
-    relays = [
-        {"series": f'outbox_relay_shards_owned{{{NS}, pod="a"}}', "values": "2+0x30"},
-        {"series": f'outbox_relay_shards{{{NS}, pod="a"}}', "values": "4+0x30"},
-        {"series": f'outbox_relay_shards_owned{{{NS}, pod="b"}}', "values": "2 2 2 2 2 stale"},
-        {"series": f'outbox_relay_shards{{{NS}, pod="b"}}', "values": "4 4 4 4 4 stale"},
-    ]
+    """Relay b's pod goes at minute 5: its two shards of four have no owner, firing from
+    minute 15. Then the release's relays report nothing at all (crash-looping) while another
+    namespace's do: `absent` fires for the release's namespace after ten minutes."""
+    rules = _rules(_render(helm), tmp_path)
     _test_rules(
         promtool,
         rules,
-        {
-            "interval": "1m",
-            "input_series": relays,
-            "alert_rule_test": [
-                _at(14, "OutboxShardsUnowned"),
-                _at(16, "OutboxShardsUnowned", {"namespace": "default"}),
-            ],
-        },
-        {
-            "interval": "1m",
-            "input_series": [  # crash-looping relays report nothing: only another outbox's
-                {"series": f'outbox_relay_shards_owned{{{OTHER}, pod="c"}}', "values": "4+0x30"},
-                {"series": f'outbox_relay_shards{{{OTHER}, pod="c"}}', "values": "4+0x30"},
-            ],
-            "alert_rule_test": [
-                _at(9, "OutboxShardsUnowned"),
-                _at(11, "OutboxShardsUnowned", {"namespace": "default"}),
-            ],
-        },
+        _case(
+            {
+                'outbox_relay_shards_owned{%s, pod="a"}': "2+0x30",
+                'outbox_relay_shards{%s, pod="a"}': "4+0x30",
+                # stale: gone as a pod's series go (else the 5 minutes' lookback kept them)
+                'outbox_relay_shards_owned{%s, pod="b"}': "2 2 2 2 2 stale",
+                'outbox_relay_shards{%s, pod="b"}': "4 4 4 4 4 stale",
+            },
+            _at(14, "OutboxShardsUnowned"),
+            _at(16, "OutboxShardsUnowned", {}),
+        ),
+        _case(
+            {
+                f'outbox_relay_shards_owned{{{OTHER}, pod="c"}}': "4+0x30",
+                f'outbox_relay_shards{{{OTHER}, pod="c"}}': "4+0x30",
+            },
+            _at(9, "OutboxShardsUnowned"),
+            _at(11, "OutboxShardsUnowned", {}),
+        ),
     )
 
 
 def test_relay_errors_fire_over_the_rate_by_kind_and_dead_letter_refusals_at_any_rate(
     helm: str, promtool: str, tmp_path: Path
 ) -> None:
-    """0.1 errors a second of one kind for ten minutes fires; 0.05 (the threshold) does not.
-    The dead-letter topic's refusals, one a shard every 30 s, stay below that rate and have
-    an alert of their own."""
+    """0.1 errors a second of one kind (over 0.05 from minute 3) fires from minute 13; 0.05,
+    the threshold itself, never does. The dead-letter topic's refusals, one a shard every
+    30 s, stay below that rate and have an alert of their own."""
+    errors = 'outbox_relay_errors_total{%s, pod="a", kind="%s"}'
     _test_rules(
         promtool,
-        _rules(helm, tmp_path),
-        {
-            "interval": "1m",
-            "input_series": [
-                {
-                    "series": f'outbox_relay_errors_total{{{NS}, pod="a", kind="kafka"}}',
-                    "values": "0+6x30",
-                },
-                {
-                    "series": f'outbox_relay_errors_total{{{NS}, pod="a", kind="database"}}',
-                    "values": "0+3x30",
-                },
-                {
-                    "series": f'outbox_relay_errors_total{{{NS}, pod="a", '
-                    'kind="dead_letter_unwritable"}',
-                    "values": "0 0 0 2+2x30",
-                },
-            ],
-            "alert_rule_test": [
-                _at(10, "OutboxRelayErrors"),
-                _at(13, "OutboxRelayErrors", {"namespace": "default", "kind": "kafka"}),
-                _at(7, "OutboxDeadLetterUnwritable"),
-                _at(9, "OutboxDeadLetterUnwritable", {"namespace": "default"}),
-            ],
-        },
+        _rules(_render(helm), tmp_path),
+        _case(
+            {
+                errors % ("%s", "kafka"): "0+6x30",
+                errors % ("%s", "database"): "0+3x30",
+                errors % ("%s", "dead_letter_unwritable"): "0 0 0 2+2x30",
+            },
+            _at(12, "OutboxRelayErrors"),
+            _at(13, "OutboxRelayErrors", {"kind": "kafka"}),
+            _at(25, "OutboxRelayErrors", {"kind": "kafka"}),
+            _at(7, "OutboxDeadLetterUnwritable"),
+            _at(9, "OutboxDeadLetterUnwritable", {}),
+        ),
     )
 
 
-def test_a_parking_fires_at_once_and_clears_fifteen_minutes_after_the_last(
+def test_a_parking_fires_at_once_and_one_after_a_restart_counts_too(
     helm: str, promtool: str, tmp_path: Path
 ) -> None:
     """A parking at minute 6; the relay restarts at minute 10 (its counter starts again at 0)
-    and parks one more at minute 12: that one counts too, and the alert clears once it is out
-    of the 15 minutes' window."""
+    and parks one more at minute 12. At minute 20 only the reset and that parking are in the
+    15 minutes (a plain delta would be -3); the alert clears once it is out of them."""
     _test_rules(
         promtool,
-        _rules(helm, tmp_path),
-        {
-            "interval": "1m",
-            "input_series": [
-                {
-                    "series": f'outbox_relay_records_parked_total{{{NS}, pod="a"}}',
-                    "values": "3+0x5 4+0x3 0 0 1+0x30",
-                },
-            ],
-            "alert_rule_test": [
-                _at(5, "OutboxRecordsParked"),
-                _at(7, "OutboxRecordsParked", {"namespace": "default"}),
-                _at(25, "OutboxRecordsParked", {"namespace": "default"}),
-                _at(27, "OutboxRecordsParked"),
-            ],
-        },
+        _rules(_render(helm), tmp_path),
+        _case(
+            {'outbox_relay_records_parked_total{%s, pod="a"}': "3+0x5 4+0x3 0 0 1+0x30"},
+            _at(5, "OutboxRecordsParked"),
+            _at(7, "OutboxRecordsParked", {}),
+            _at(20, "OutboxRecordsParked", {}),
+            _at(25, "OutboxRecordsParked", {}),
+            _at(27, "OutboxRecordsParked"),
+        ),
     )
 
 
+@pytest.mark.parametrize("scraped", [False, True])
 def test_a_stalled_reconciliation_fires_once_its_last_judgement_is_old(
-    helm: str, promtool: str, tmp_path: Path
+    helm: str, promtool: str, tmp_path: Path, scraped: bool
 ) -> None:
     """Its last judgement at second 60, the threshold 900 s: over it from minute 17, firing
-    from minute 22 (time() in promtool counts from 0)."""
+    from minute 22 (time() counts from 0 here). Scraped (serviceMonitor), a job that reports
+    nothing at all fires too."""
+    sets = (*RECONCILE, "serviceMonitor.enabled=true") if scraped else RECONCILE
+    rules = _rules(_render(helm, *sets), tmp_path)
+    judged = {'outbox_reconcile_last_judgement_timestamp_seconds{%s, pod="r"}': "60+0x40"}
+    silent = {f'outbox_reconcile_last_judgement_timestamp_seconds{{{OTHER}, pod="r"}}': "60x40"}
     _test_rules(
         promtool,
-        _rules(helm, tmp_path, *RECONCILE),
-        {
-            "interval": "1m",
-            "input_series": [
-                {
-                    "series": f'outbox_reconcile_last_judgement_timestamp_seconds{{{NS}, pod="r"}}',
-                    "values": "0 60+0x40",
-                },
-            ],
-            "alert_rule_test": [
-                _at(21, "OutboxReconcileStalled"),
-                _at(23, "OutboxReconcileStalled", {"namespace": "default"}),
-            ],
-        },
+        rules,
+        _case(
+            judged,
+            _at(21, "OutboxReconcileStalled"),
+            _at(23, "OutboxReconcileStalled", {}),
+        ),
+        _case(
+            silent,
+            _at(4, "OutboxReconcileStalled"),
+            _at(6, "OutboxReconcileStalled", *([{}] if scraped else [])),
+        ),
     )
-
-
-def _scheduled(helm: str, tmp_path: Path) -> tuple[Path, str]:
-    docs = render(
-        helm, "existingSecret=s", "prometheusRule.enabled=true", *RECONCILE,
-        "reconcile.mode=schedule",
-    )  # fmt: skip
-    (cron,) = [d["metadata"]["name"] for d in docs if d["kind"] == "CronJob"]
-    return _rules(helm, tmp_path, *RECONCILE, "reconcile.mode=schedule"), cron
 
 
 def test_a_scheduled_run_that_failed_fires_until_a_later_run_succeeds(
     helm: str, promtool: str, tmp_path: Path
 ) -> None:
     """Run 100 (started at 6000 s) failed after the last success (3000 s): it fires; run 50,
-    failed before that success, does not. A success at 7000 s ends it."""
-    rules, cron = _scheduled(helm, tmp_path)
-    job = f'{NS}, job_name="{cron}-%s"'
+    failed before that success, does not. A success at 7000 s ends it. Before any success at
+    all, a failed run fires."""
+    docs = _render(helm, *SCHEDULED)
+    (cron,) = [d["metadata"]["name"] for d in docs if d["kind"] == "CronJob"]
+    job = f'%s, job_name="{cron}-%s"'
+    runs = {
+        f'kube_job_failed{{{job % ("%s", 100)}, condition="true"}}': "1+0x20",
+        f'kube_job_failed{{{job % ("%s", 100)}, condition="false"}}': "0+0x20",
+        f"kube_job_status_start_time{{{job % ('%s', 100)}}}": "6000+0x20",
+    }
     _test_rules(
         promtool,
-        rules,
-        {
-            "interval": "1m",
-            "input_series": [
-                {"series": f'kube_job_failed{{{job % 100}, condition="true"}}', "values": "1+0x20"},
-                {
-                    "series": f'kube_job_failed{{{job % 100}, condition="false"}}',
-                    "values": "0+0x20",
-                },
-                {"series": f"kube_job_status_start_time{{{job % 100}}}", "values": "6000+0x20"},
-                {"series": f'kube_job_failed{{{job % 50}, condition="true"}}', "values": "1+0x20"},
-                {"series": f"kube_job_status_start_time{{{job % 50}}}", "values": "2000+0x20"},
-                {
-                    "series": f'kube_cronjob_status_last_successful_time{{{NS}, cronjob="{cron}"}}',
-                    "values": "3000+0x9 7000+0x10",
-                },
-            ],
-            "alert_rule_test": [
-                _at(
-                    2,
-                    "OutboxReconcileRunFailed",
-                    {"namespace": "default", "job_name": f"{cron}-100"},
+        _rules(docs, tmp_path),
+        _case(
+            {
+                **runs,
+                f'kube_job_failed{{{job % ("%s", 50)}, condition="true"}}': "1+0x20",
+                f"kube_job_status_start_time{{{job % ('%s', 50)}}}": "2000+0x20",
+                f'kube_cronjob_status_last_successful_time{{%s, cronjob="{cron}"}}': (
+                    "3000+0x9 7000+0x10"
                 ),
-                _at(12, "OutboxReconcileRunFailed"),
-            ],
-        },
+            },
+            _at(2, "OutboxReconcileRunFailed", {"job_name": f"{cron}-100"}),
+            _at(12, "OutboxReconcileRunFailed"),
+        ),
+        _case(runs, _at(2, "OutboxReconcileRunFailed", {"job_name": f"{cron}-100"})),
     )
 
 
 def test_no_scheduled_run_succeeding_fires_per_release_after_the_threshold(
     helm: str, promtool: str, tmp_path: Path
 ) -> None:
-    """Made at 0 s and never succeeded: over 3600 s from minute 61, firing from minute 66, and
-    said with the namespace and CronJob, so that two releases' alerts stay two."""
-    rules, cron = _scheduled(helm, tmp_path)
+    """Made at 0 s and never succeeded: over 3600 s from minute 61, firing from minute 66, said
+    with the namespace and CronJob, so that two releases' alerts stay two. A success at 3000 s
+    counts from there instead."""
+    docs = _render(helm, *SCHEDULED)
+    (cron,) = [d["metadata"]["name"] for d in docs if d["kind"] == "CronJob"]
+    created = {f'kube_cronjob_created{{%s, cronjob="{cron}"}}': "0+0x80"}
+    succeeded = {f'kube_cronjob_status_last_successful_time{{%s, cronjob="{cron}"}}': "3000x80"}
     _test_rules(
         promtool,
-        rules,
-        {
-            "interval": "1m",
-            "input_series": [
-                {"series": f'kube_cronjob_created{{{NS}, cronjob="{cron}"}}', "values": "0+0x80"},
-                {
-                    "series": f'kube_cronjob_created{{{OTHER}, cronjob="{cron}"}}',
-                    "values": "0+0x80",
-                },
-            ],
-            "alert_rule_test": [
-                _at(65, "OutboxReconcileUnsucceeded"),
-                _at(67, "OutboxReconcileUnsucceeded", {"namespace": "default", "cronjob": cron}),
-            ],
-        },
+        _rules(docs, tmp_path),
+        _case(
+            created,
+            _at(65, "OutboxReconcileUnsucceeded"),
+            _at(67, "OutboxReconcileUnsucceeded", {"cronjob": cron}),
+        ),
+        _case({**created, **succeeded}, _at(67, "OutboxReconcileUnsucceeded")),
     )
 
 
-# alert, its series in the release's namespace (scraped every minute) (each also given to another
-# namespace, which must not fire), a time it does not fire yet, a time it fires, with labels
+# alert, its series (see the module's docstring), a time it does not fire yet, a time it fires,
+# with what labels besides namespace and severity
 SIMPLE = [
     ("OutboxSidecarPartStopped", {'outbox_sidecar_part_stopped{%s, pod="a", part="checker"}':
      "1+0x20", 'outbox_sidecar_part_stopped{%s, pod="a", part="relay"}': "0+0x20"},
      4, 6, {"pod": "a", "part": "checker"}),
-    ("OutboxXidHorizonHeld", {'outbox_relay_horizon_held_seconds{%s, pod="a"}': "700+0x20"},
-     4, 6, {}),
+    # at the threshold first: not over it (from minute 6, firing from minute 11)
+    ("OutboxXidHorizonHeld", {'outbox_relay_horizon_held_seconds{%s, pod="a"}':
+     "600+0x5 700+0x20"}, 10, 12, {}),
     # a day of samples a minute apart: hourly ones are gone between samples (the lookback)
     ("OutboxParkedRecordsWaiting", {'outbox_relay_parked_records{%s, pod="a"}': "3+0x1600"},
      23 * 60, 25 * 60, {}),
@@ -362,10 +324,12 @@ SIMPLE = [
      {'outbox_checker_discards_total{%s, pod="a", producer_group="pay", limit="max_checks"}':
       "0 0 0 1+0x20"}, 2, 4, {"producer_group": "pay", "limit": "max_checks"}),
     ("OutboxPreparedTooOld",
-     {'outbox_checker_oldest_prepared_age_seconds{%s, pod="a"}': "3700+60x20"}, 4, 6, {}),
+     {'outbox_checker_oldest_prepared_age_seconds{%s, pod="a"}': "3600+0x5 3700+60x20"},
+     10, 12, {}),
+    # rounds that succeed all along, failing from minute 13: firing from minute 23
     ("OutboxCheckerFailing",
-     {'outbox_checker_rounds_total{%s, pod="a", result="error"}': "0+1x30",
-      'outbox_checker_rounds_total{%s, pod="a", result="ok"}': "0+100x30"}, 9, 12, {}),
+     {'outbox_checker_rounds_total{%s, pod="a", result="error"}': "0+0x12 1+1x30",
+      'outbox_checker_rounds_total{%s, pod="a", result="ok"}': "0+100x45"}, 21, 24, {}),
     ("OutboxRelayLeasesLost",
      {'outbox_relay_lease_changes_total{%s, pod="a", change="lost"}': "0 0 0 1+0x20",
       'outbox_relay_lease_changes_total{%s, pod="b", change="taken"}': "0+1x20"},
@@ -382,9 +346,7 @@ SIMPLE = [
 
 
 @pytest.mark.parametrize(
-    ("alert", "series", "quiet", "fires", "labels"),
-    SIMPLE,
-    ids=[case[0] for case in SIMPLE],
+    ("alert", "series", "quiet", "fires", "labels"), SIMPLE, ids=[case[0] for case in SIMPLE]
 )
 def test_each_other_alert_fires_on_its_trouble_in_its_namespace_only(
     helm: str,
@@ -396,22 +358,10 @@ def test_each_other_alert_fires_on_its_trouble_in_its_namespace_only(
     fires: int,
     labels: dict[str, str],
 ) -> None:
-    inputs = [
-        {"series": name % where, "values": values}
-        for name, values in series.items()
-        for where in (NS, OTHER)
-    ]
     _test_rules(
         promtool,
-        _rules(helm, tmp_path, *RECONCILE),
-        {
-            "interval": "1m",
-            "input_series": inputs,
-            "alert_rule_test": [
-                _at(quiet, alert),
-                _at(fires, alert, {"namespace": "default", **labels}),
-            ],
-        },
+        _rules(_render(helm, *RECONCILE), tmp_path),
+        _case(series, _at(quiet, alert), _at(fires, alert, labels)),
     )
 
 
@@ -429,8 +379,7 @@ def test_every_alert_of_the_chart_is_evaluated_here(helm: str, tmp_path: Path) -
         "OutboxReconcileUnsucceeded",
     }
     alerts = set()
-    for mode in ("continuous", "schedule"):
-        rules = _rules(helm, tmp_path, *RECONCILE, f"reconcile.mode={mode}")
-        groups = yaml.safe_load(rules.read_text())["groups"]
+    for sets in (RECONCILE, SCHEDULED):
+        groups = yaml.safe_load(_rules(_render(helm, *sets), tmp_path).read_text())["groups"]
         alerts |= {r["alert"] for g in groups for r in g["rules"]}
     assert alerts == tested
