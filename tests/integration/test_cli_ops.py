@@ -239,15 +239,10 @@ def test_records_shows_which_discarded_records_the_relay_has_taken_to_ship(
 ) -> None:
     """`rearm` and `resolve` refuse a discarded record the relay has taken to ship, and the
     listing an operator looks at next showed nothing of it."""
-    from tests.fixtures.relay import discarded
+    from tests.fixtures.relay import discarded, taken_to_ship
 
     taken, left = discarded(pg_dsn, "t", "taken"), discarded(pg_dsn, "t", "left")
-    with psycopg.connect(pg_dsn) as conn:  # as the relay's claim marks it (shipping_mark)
-        conn.execute(
-            "UPDATE outbox.outbox_record SET shipping_since = '2026-01-02 03:04:05Z' "
-            "WHERE tx_id = %s",
-            (taken.tx_id,),
-        )
+    taken_to_ship(pg_dsn, taken.tx_id)  # at 2026-01-02 03:04:05Z
     assert main(["records", "--dsn", pg_dsn, "--state", "discarded"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -28,7 +27,7 @@ from relay.config import SidecarSettings
 from relay.service import Relay, RelayConfigError
 from relay.shard import DeadLetterUnwritable
 from tests.fixtures.kafka import TIMEOUT_S, SaslListener, consume_all
-from tests.fixtures.relay import discarded
+from tests.fixtures.relay import TAKEN_SINCE, discarded, taken_to_ship
 from tests.integration.test_relay_delivery import markers, rearm_or_resolve, rows, values
 
 pytestmark = pytest.mark.integration
@@ -270,12 +269,7 @@ def test_a_shards_first_recovery_leaves_the_marks_it_cannot_check(
     taken off for re-arms (a later recovery, which reads the markers, takes it off)."""
     topic = topic_factory()
     written = discarded(pg_dsn, topic, "maybe sent")
-    with psycopg.connect(pg_dsn) as conn:  # as a relay's claim marked it before the lease went
-        conn.execute(
-            "UPDATE outbox.outbox_record SET shipping_since = '2026-01-02 03:04:05Z' "
-            "WHERE tx_id = %s",
-            (written.tx_id,),
-        )
+    taken_to_ship(pg_dsn, written.tx_id)  # by a relay, before the lease rows went
     relay = sasl_relay()
     revoke_write(deny, relay.settings.relay.dead_letter_topic)  # the shipping goes no further
     with pytest.raises(DeadLetterUnwritable):
@@ -285,7 +279,7 @@ def test_a_shards_first_recovery_leaves_the_marks_it_cannot_check(
         (since,) = conn.execute(
             "SELECT shipping_since FROM outbox.outbox_record WHERE tx_id = %s", (written.tx_id,)
         ).fetchone() or (None,)
-    assert since == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)  # kept: not unmarked and taken anew
+    assert since == TAKEN_SINCE  # kept: not unmarked, and not taken anew
 
 
 def _a_batch_in_doubt(relay: Relay, pg_dsn: str, topic: str, value: str) -> None:
