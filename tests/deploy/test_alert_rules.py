@@ -181,6 +181,36 @@ def test_shards_without_a_relay_fire_after_ten_minutes_and_so_does_no_relay_at_a
     )
 
 
+@pytest.mark.parametrize(
+    ("matchers", "routed_to"),
+    [('job="orders"', "default"), ('namespace="orders", job="orders"', "orders")],
+)
+def test_nothing_reporting_fires_in_a_namespace_whatever_the_matchers(
+    helm: str, promtool: str, tmp_path: Path, matchers: str, routed_to: str
+) -> None:
+    """`absent` takes its labels from the matchers' equalities only: with custom matchers
+    that name no namespace, its alerts had none, and Alertmanager routes by it. They carry the
+    release's namespace then, and the one the matchers name otherwise."""
+    escaped = matchers.replace(",", "\\,")  # --set splits at commas
+    sets = (*RECONCILE, "serviceMonitor.enabled=true", f"prometheusRule.matchers={escaped}")
+    rules = _rules(_render(helm, *sets), tmp_path)
+    # another job's series: the matchers leave them out, so nothing of this outbox reports
+    others = {
+        f'outbox_relay_shards_owned{{{OTHER}, job="payments"}}': "4+0x20",
+        f'outbox_reconcile_last_judgement_timestamp_seconds{{{OTHER}, job="payments"}}': "60x20",
+    }
+    routed = {"namespace": routed_to, "job": "orders"}  # absent() keeps the equalities
+    _test_rules(
+        promtool,
+        rules,
+        _case(
+            others,
+            _at(11, "OutboxShardsUnowned", routed),
+            _at(6, "OutboxReconcileStalled", routed),
+        ),
+    )
+
+
 def test_relay_errors_fire_over_the_rate_by_kind_and_dead_letter_refusals_at_any_rate(
     helm: str, promtool: str, tmp_path: Path
 ) -> None:

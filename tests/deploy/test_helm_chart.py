@@ -443,7 +443,7 @@ def test_alert_rules_use_only_series_and_labels_the_sidecar_exports(helm: str, m
     assert "OutboxDeliveryLagging" in rules
     assert rules["OutboxDeliveryLagging"]["expr"].endswith("> 120")
     assert rules.keys() >= RECONCILE_ALERTS
-    assert "> 600 or absent(" in rules["OutboxReconcileStalled"]["expr"]
+    assert "> 600 or label_replace(absent(" in rules["OutboxReconcileStalled"]["expr"]
     assert "absent(outbox_relay_shards_owned" in rules["OutboxShardsUnowned"]["expr"]
     assert "outbox_sidecar_part_stopped" in rules["OutboxSidecarPartStopped"]["expr"]
     exported = _exported_series()
