@@ -553,7 +553,8 @@ def missing_records(
     commit time; with `window.include_stuck` also committed rows from before the window. A row
     still committed (the relay has not ended it) only if it committed by `undelivered_before`
     (None: as any other): until then the relay is behind, not wrong, and a later judgement
-    reports it as stuck if it still waits.
+    reports it as stuck if it still waits. Its detail says how long it had waited
+    (`waited_s`, to the judgement's `as_of`; none for a delivered row).
     """
     seen = copy_rows.select(F.col("outbox_id").alias("id"), "topic")
     due_at = F.when(F.col("state") == "delivered", F.coalesce("ended_at", "commit_time")).otherwise(
@@ -562,6 +563,13 @@ def missing_records(
     stuck = (F.col("state") == "committed") & (F.col("due_at") < F.lit(window.lo))
     due = (F.col("due_at") <= F.lit(window.hi)) & (
         (F.col("due_at") >= F.lit(window.lo)) | (F.lit(window.include_stuck) & stuck)
+    )
+    # How long a row the relay has not ended had waited when judged: with the undelivered
+    # deadline, every such row is from before its judgement's window, so a flag of that said
+    # nothing; this tells a relay stopped for days from one a few minutes behind.
+    waited_s = F.when(
+        F.col("state") == "committed",
+        F.round(F.lit(window.as_of).cast("double") - F.col("commit_time").cast("double"), 3),
     )
     if undelivered_before is not None:
         waited = F.col("commit_time") <= F.lit(undelivered_before)
@@ -587,7 +595,7 @@ def missing_records(
                 F.col("state").alias("ledger_state"),
                 F.col("commit_time"),
                 F.col("ended_at"),
-                stuck.alias("stuck"),
+                waited_s.alias("waited_s"),
             )
         ).alias("detail"),
     )

@@ -339,7 +339,10 @@ def test_judge_finds_each_kind_once(spark: SparkSession) -> None:
         99,
         "orders-service",
     )
-    assert json.loads(found[("missing", 12, "")]["detail"])["stuck"] is True
+    # how long the relay has left it, to the judgement; a delivered row did not wait for it
+    waited = STREAM_WINDOW.as_of - s(-600)
+    assert json.loads(found[("missing", 12, "")]["detail"])["waited_s"] == waited.total_seconds()
+    assert "waited_s" not in json.loads(found[("missing", 13, "")]["detail"])
     duplicate = json.loads(found[("duplicate", 3, "0:5")]["detail"])
     assert (duplicate["claimed_offset"], duplicate["copies"]) == (1, 2)
     assert json.loads(found[("orphan", 4, "0:2")]["detail"])["reason"] == "ledger_rolled_back"
