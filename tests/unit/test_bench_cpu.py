@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,3 +51,55 @@ def test_this_process_and_its_children_are_counted_apart() -> None:
     assert after.by_part["bench"] - before.by_part["bench"] >= 0.15
     assert after.by_part["relay"] - before.by_part.get("relay", 0.0) >= 0.1
     assert after.at > before.at
+
+
+SPIN = "import time\nt = time.process_time() + 0.3\nwhile time.process_time() < t: pass\n"
+
+
+def _gone(pid: int) -> bool:
+    """Ended and reaped (a zombie keeps its /proc entry until its parent waits for it)."""
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not Path(f"/proc/{pid}").exists()
+
+
+@needs_proc
+def test_a_descendant_counts_for_the_children_after_it_ended_and_a_stranger_as_other() -> None:
+    """A relay's or Spark JVM's own children (the JVM forks Python workers) count for it, also
+    once they ended; any other process on the machine counts as `other` (a build beside a run
+    halved its baselines), also once it ended."""
+    # A grandchild that spins once told, then ends (its shell waits for it: its time moves
+    # to the shell's children time) ...
+    spin_then_end = f"read go; {sys.executable} -c '{SPIN}'; echo spun; sleep 30"
+    # ... and one whose parent left first: reparented, not ours any more
+    orphan = (
+        "import subprocess, sys\n"
+        "subprocess.Popen([sys.executable, '-c', 'import os\\ninput()\\n' + "
+        f"{SPIN!r} + 'print(\"spun\", os.getpid())'])"
+    )
+    pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    with (
+        subprocess.Popen(["sh", "-c", spin_then_end], **pipes) as shell,
+        subprocess.Popen([sys.executable, "-c", orphan], **pipes) as stranger,
+    ):
+        try:
+            assert stranger.wait(30) == 0
+            before = sample(children="relay")
+            for started in (shell, stranger):
+                assert started.stdin is not None
+                started.stdin.write("go\n")
+                started.stdin.flush()
+            assert shell.stdout is not None
+            assert stranger.stdout is not None
+            assert shell.stdout.readline() == "spun\n"  # the shell has waited for it
+            said, pid = stranger.stdout.readline().split()
+            assert said == "spun"
+            assert _gone(int(pid))  # reaped by its new parent
+            after = sample(children="relay")
+        finally:
+            shell.kill()
+    mine = after.by_part["relay"] - before.by_part.get("relay", 0.0)
+    other = after.by_part["other"] - before.by_part.get("other", 0.0)
+    assert 0.25 <= mine < 0.5
+    assert other >= 0.25
