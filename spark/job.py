@@ -1284,6 +1284,7 @@ class ReconcileJob:
                     ledger, complete = self._read_ledger(window, classified, conn, cached)
                     ledger_rows = ledger.count()
                     coverage = self._coverage(conn) if complete else None
+                waited_to = self._waited_to(window, started)
                 with clock("plan"):  # building the plan: a second or so of the driver's
                     judgement = transform.judge(
                         obs,
@@ -1299,7 +1300,8 @@ class ReconcileJob:
                             settings.topic_pattern,
                             settings.not_deliveries,
                         ),
-                        undelivered_before=self._undelivered_before(window, started),
+                        undelivered_before=waited_to - settings.undelivered_after,
+                        waited_to=waited_to,
                     )
                     cached.append(judgement.classified.persist())
                 with clock("judge"):
@@ -1349,14 +1351,14 @@ class ReconcileJob:
         self._reported(report)
         return report
 
-    def _undelivered_before(self, window: JudgeWindow, now: datetime) -> datetime:
-        """Rows still waiting for the relay that committed by this have waited long enough to
-        be missing. A running job counts to `as_of` (how far it read Kafka: a copy not read yet
-        may answer a row the relay ends now); an audit to now, since the ledger says how it is
-        now: its `as_of` is --to plus the deadline, and the rows committed in the last minutes
-        before --to were never reported, however long they had been stuck."""
-        waited_to = now if self.settings.audit else window.as_of
-        return waited_to - self.settings.undelivered_after
+    def _waited_to(self, window: JudgeWindow, now: datetime) -> datetime:
+        """What the wait of rows still waiting for the relay counts to: those that committed
+        --undelivered-deadline before it have waited long enough to be missing. A running job
+        counts to `as_of` (how far it read Kafka: a copy not read yet may answer a row the relay
+        ends now); an audit to now, since the ledger says how it is now: its `as_of` is --to
+        plus the deadline, and the rows committed in the last minutes before --to were never
+        reported, however long they had been stuck."""
+        return now if self.settings.audit else window.as_of
 
     def _trim(self, newest: dict[int, int], window: JudgeWindow, current: int | None) -> None:
         """Delete the store's batches whose newest observation is older than the horizon.

@@ -546,6 +546,7 @@ def missing_records(
     copy_rows: DataFrame,
     window: JudgeWindow,
     undelivered_before: datetime | None = None,
+    waited_to: datetime | None = None,
 ) -> DataFrame:
     """Committed or delivered ledger rows, due, of which no copy is on their topic.
 
@@ -554,7 +555,8 @@ def missing_records(
     still committed (the relay has not ended it) only if it committed by `undelivered_before`
     (None: as any other): until then the relay is behind, not wrong, and a later judgement
     reports it as stuck if it still waits. Its detail says how long it had waited
-    (`waited_s`, to the judgement's `as_of`; none for a delivered row).
+    (`waited_s`) to `waited_to`, the time its wait is counted to (None: the window's `as_of`);
+    a delivered row has none.
     """
     seen = copy_rows.select(F.col("outbox_id").alias("id"), "topic")
     due_at = F.when(F.col("state") == "delivered", F.coalesce("ended_at", "commit_time")).otherwise(
@@ -564,13 +566,11 @@ def missing_records(
     due = (F.col("due_at") <= F.lit(window.hi)) & (
         (F.col("due_at") >= F.lit(window.lo)) | (F.lit(window.include_stuck) & stuck)
     )
-    # How long a row the relay has not ended had waited when judged: with the undelivered
-    # deadline, every such row is from before its judgement's window, so a flag of that said
-    # nothing; this tells a relay stopped for days from one a few minutes behind.
-    waited_s = F.when(
-        F.col("state") == "committed",
-        F.round(F.lit(window.as_of).cast("double") - F.col("commit_time").cast("double"), 3),
-    )
+    # How long a row the relay has not ended had waited when found: a relay stopped for days
+    # from one minutes behind. (A flag for rows from before the window said little: with the
+    # undelivered deadline longer than a window, a running job's were all from before it.)
+    waited = F.lit(waited_to or window.as_of).cast("double") - F.col("commit_time").cast("double")
+    waited_s = F.when(F.col("state") == "committed", F.round(waited, 3))
     if undelivered_before is not None:
         waited = F.col("commit_time") <= F.lit(undelivered_before)
         due = due & ((F.col("state") != "committed") | waited)
@@ -729,6 +729,7 @@ def judge(
     latency_counted: Column | None = None,
     watched_topic: Column | None = None,
     undelivered_before: datetime | None = None,
+    waited_to: datetime | None = None,
 ) -> Judgement:
     """All findings and the latency histogram of one judgement (see the module docstring).
 
@@ -746,7 +747,7 @@ def judge(
     one the job reads (`watched`): only those can be missing. The ledger holds others' rows too,
     looked up by the id of a copy found on a watched topic (another app's copy forwarding the
     headers): that copy is judged against them, and they were found missing.
-    `undelivered_before`: see missing_records.
+    `undelivered_before`, `waited_to`: see missing_records.
     """
     copy_rows = copies(obs)
     marker_rows = markers(obs)
@@ -777,6 +778,7 @@ def judge(
                 present,
                 window,
                 undelivered_before,
+                waited_to,
             )
         )
         .unionByName(markers_without_record(marker_rows, present, ledger, window))

@@ -922,7 +922,10 @@ def test_an_audit_counts_how_long_a_record_waits_for_the_relay_to_now(
     )  # fmt: skip
     report = ReconcileJob(settings, spark).audit()
     assert report.found == {"missing": 1}
-    assert [(f.kind, f.outbox_id) for f in read_findings(pg_dsn)] == [("missing", waiting)]
+    (found,) = read_findings(pg_dsn)
+    assert (found.kind, found.outbox_id) == ("missing", waiting)
+    # its wait, counted as the audit counted it (to as_of it was 12 s)
+    assert found.detail["waited_s"] >= timedelta(minutes=20).total_seconds()
 
     # one that has waited 3 minutes is the relay's still, in an audit up to now
     committed_ago("committed 3 minutes ago", timedelta(minutes=3))
