@@ -53,14 +53,16 @@ class CpuSample:
 
 def sample(children: str = "children") -> CpuSample:
     """CPU seconds so far of: `bench` (this process, its client libraries' threads included),
-    its descendants alive now under the name given (a relay; Spark's JVM and the Python workers
-    it forks), `postgres` (every server process, and the backends that exited, through the
-    postmaster's children time), `broker` (the Kafka server) and `other`: everything else on
-    the machine. A run beside `make prebuild`'s background builds halved the baselines and
-    doubled the broker's CPU per record; `other` says so in the figures themselves.
-    Outside `bench` and `postgres`, a process counts the children it has waited for too (a
-    build's compiler processes, the JVM's workers, come and go within a run), so that a child's
-    time stays in its part when it ends."""
+    its descendants under the name given (a relay; Spark's JVM and the Python workers it forks),
+    `postgres` (every server process, and the backends that exited, through the postmaster's
+    children time), `broker` (the Kafka server) and `other`: every other process this one can
+    see (kernel threads included; not interrupts, nor a hypervisor's steal). A run beside
+    `make prebuild`'s background builds halved the baselines and doubled the broker's CPU per
+    record; `other` says so in the figures themselves.
+    The descendants and `other` count the children they have waited for too, as this process
+    counts those it waited for among the descendants: a build's compilers, the JVM's workers
+    come and go within a run, and a child's time stays in its part once it ended. (A
+    descendant whose parent left first is adopted outside, and counts as `other` from then.)"""
     me = os.getpid()
     alive = {p.pid: p for p in processes()}
 
@@ -81,7 +83,8 @@ def sample(children: str = "children") -> CpuSample:
         elif "kafka.Kafka" in p.cmdline:
             part, cpu = "broker", p.cpu_s
         elif p.pid == me:
-            part, cpu = "bench", p.cpu_s
+            parts["bench"] = parts.get("bench", 0.0) + p.cpu_s
+            part, cpu = children, p.children_cpu_s
         else:
             part = children if mine(p) else "other"
             cpu = p.cpu_s + p.children_cpu_s

@@ -217,7 +217,7 @@ RECENT_PROGRESS_KEPT = 100  # spark.sql.streaming.numRecentProgressUpdates, Spar
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process and its children alive now (the Spark JVM)."""
+    """CPU time of this process and its descendants (the Spark JVM, its Python workers)."""
     parts = _cpu.sample().by_part
     return parts.get("bench", 0.0) + parts.get("children", 0.0)
 
@@ -307,7 +307,8 @@ def streaming_capacity(
         "last_judgement_copies": last_report.copies if last_report else None,
         # where a judgement spends its time (prepare, store read, ledger, plan, judge, sink, trim)
         "last_judgement_seconds": last_report.seconds if last_report else None,
-        # the stand-in producer included (bench: its Python and the driver's; spark: the JVM)
+        # the stand-in producer included (bench: its Python and the driver's; spark: the JVM and
+        # its Python workers)
         "cpu_us_per_record": cpu,
     }
 
@@ -535,7 +536,7 @@ def main() -> None:
         "reconcile_records_per_s": {k: round(n / v) for k, v in runs.items()},
         "reconcile_warm_is": f"median of {WARM_RUNS} runs after a warm-up run (earlier versions: "
         "the JVM's second run)",
-        # CPU per record by part (bench: the driver's Python; spark: its JVM), from /proc
+        # CPU per record by part (bench: the driver's Python; spark: its JVM and Python workers)
         "reconcile_cpu_us_per_record": cpu,
         "baseline_kafka_produce_records_per_s": round(baseline),
         "baseline_is": "stand-in for the relay: raw transactional produce of records + op "

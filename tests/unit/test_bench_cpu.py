@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench._cpu import CpuSample, per_record, sample
+from bench._cpu import CpuSample, ProcStat, per_record, sample
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc only")
 
@@ -56,15 +57,24 @@ def test_this_process_and_its_children_are_counted_apart() -> None:
 SPIN = "import time\nt = time.process_time() + 0.3\nwhile time.process_time() < t: pass\n"
 
 
-def _gone(pid: int) -> bool:
-    """Ended and reaped (a zombie keeps its /proc entry until its parent waits for it)."""
+def _ended(pid: int) -> bool:
+    """Ended: reaped, or a zombie (whose /proc entry still says its times, until its parent
+    waits for it; a container's first process may never)."""
+
+    def state() -> str | None:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return None
+
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+    while state() not in (None, "Z") and time.monotonic() < deadline:
         time.sleep(0.01)
-    return not Path(f"/proc/{pid}").exists()
+    return state() in (None, "Z")
 
 
 @needs_proc
+@pytest.mark.skipif(os.getpid() == 1, reason="the orphan would be adopted by this process")
 def test_a_descendant_counts_for_the_children_after_it_ended_and_a_stranger_as_other() -> None:
     """A relay's or Spark JVM's own children (the JVM forks Python workers) count for it, also
     once they ended; any other process on the machine counts as `other` (a build beside a run
@@ -95,7 +105,7 @@ def test_a_descendant_counts_for_the_children_after_it_ended_and_a_stranger_as_o
             assert shell.stdout.readline() == "spun\n"  # the shell has waited for it
             said, pid = stranger.stdout.readline().split()
             assert said == "spun"
-            assert _gone(int(pid))  # reaped by its new parent
+            assert _ended(int(pid))
             after = sample(children="relay")
         finally:
             shell.kill()
@@ -103,3 +113,41 @@ def test_a_descendant_counts_for_the_children_after_it_ended_and_a_stranger_as_o
     other = after.by_part["other"] - before.by_part.get("other", 0.0)
     assert 0.25 <= mine < 0.5
     assert other >= 0.25
+
+
+def _proc(pid: int, ppid: int, cpu: float, waited: float = 0.0, comm: str = "x") -> ProcStat:
+    return ProcStat(pid, ppid, comm, comm, cpu, waited)
+
+
+def test_time_stays_in_its_part_when_a_process_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between two samples: a relay's child ends (its time moves to the relay's children
+    time), a child of the bench ends (to the bench's), a stranger ends (to init's); parents
+    named in a loop (pids reused between reads) end nowhere."""
+    me = os.getpid()
+    init = 1
+    before = [
+        _proc(me, init, 5.0),
+        _proc(200, me, 2.0),  # the relay
+        _proc(300, 200, 1.0),  # its child, alive
+        _proc(250, me, 0.3),  # another child of the bench, alive
+        _proc(400, init, 0.5),  # a stranger (a compiler of a build), alive
+        _proc(init, 0, 0.1, 10.0),
+        _proc(500, init, 3.0, 1.0, comm="postgres"),
+        _proc(700, 701, 0.2),
+        _proc(701, 700, 0.2),
+    ]
+    after = [
+        _proc(me, init, 5.5, 0.4),  # has waited for 250: 0.4 in all
+        _proc(200, me, 2.5, 1.5),  # has waited for 300: 1.5 in all
+        _proc(init, 0, 0.1, 10.8),  # has waited for 400: 0.8 in all
+        _proc(500, init, 3.5, 1.0, comm="postgres"),
+        _proc(700, 701, 0.2),
+        _proc(701, 700, 0.2),
+    ]
+    monkeypatch.setattr("bench._cpu.processes", lambda: iter(before))
+    first = sample(children="relay")
+    monkeypatch.setattr("bench._cpu.processes", lambda: iter(after))
+    second = sample(children="relay")
+    moved = {part: round(second.by_part[part] - first.by_part[part], 6) for part in first.by_part}
+    # relay 2.5 - 2.0, its child 1.5 - 1.0, the bench's child 0.4 - 0.3
+    assert moved == {"bench": 0.5, "relay": 1.1, "other": 0.3, "postgres": 0.5}
