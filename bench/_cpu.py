@@ -9,6 +9,7 @@ take more CPU). Linux only; elsewhere the parts come out empty.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,6 +45,27 @@ def processes() -> Iterator[ProcStat]:
         yield ProcStat(int(name), int(fields[1]), comm, cmdline, utime + stime, cutime + cstime)
 
 
+def _part(p: ProcStat, me: int, alive: dict[int, ProcStat], children: str) -> tuple[str, float]:
+    """The part a process's CPU counts for (see sample()), and how much of it: this process's
+    own time aside, which is the bench's."""
+    if p.comm == "postgres":
+        return "postgres", p.cpu_s + (
+            p.children_cpu_s if p.ppid == 1 or " -D " in p.cmdline else 0.0
+        )
+    if "kafka.Kafka" in p.cmdline:
+        return "broker", p.cpu_s
+    if p.pid == me:
+        return children, p.children_cpu_s
+    seen = {p.pid}  # pids are read one by one, and reused: no loop, however they read
+    up = p
+    while up.ppid in alive and up.ppid not in seen:
+        if up.ppid == me:
+            return children, p.cpu_s + p.children_cpu_s
+        up = alive[up.ppid]
+        seen.add(up.pid)
+    return "other", p.cpu_s + p.children_cpu_s
+
+
 @dataclass(frozen=True)
 class CpuSample:
     at: float  # time.monotonic()
@@ -65,29 +87,11 @@ def sample(children: str = "children") -> CpuSample:
     descendant whose parent left first is adopted outside, and counts as `other` from then.)"""
     me = os.getpid()
     alive = {p.pid: p for p in processes()}
-
-    def mine(p: ProcStat) -> bool:
-        seen = {p.pid}  # pids are read one by one, and reused: no loop, however they read
-        while p.ppid in alive and p.ppid not in seen:
-            if p.ppid == me:
-                return True
-            p = alive[p.ppid]
-            seen.add(p.pid)
-        return False
-
     parts: dict[str, float] = {}
     for p in alive.values():
-        if p.comm == "postgres":
-            part = "postgres"
-            cpu = p.cpu_s + (p.children_cpu_s if p.ppid == 1 or " -D " in p.cmdline else 0.0)
-        elif "kafka.Kafka" in p.cmdline:
-            part, cpu = "broker", p.cpu_s
-        elif p.pid == me:
+        if p.pid == me:
             parts["bench"] = parts.get("bench", 0.0) + p.cpu_s
-            part, cpu = children, p.children_cpu_s
-        else:
-            part = children if mine(p) else "other"
-            cpu = p.cpu_s + p.children_cpu_s
+        part, cpu = _part(p, me, alive, children)
         parts[part] = parts.get(part, 0.0) + cpu
     idle = 0.0
     if os.path.exists("/proc/stat"):
@@ -108,3 +112,44 @@ def per_record(before: CpuSample, after: CpuSample, records: int) -> dict[str, f
     }
     out["idle_cores"] = round((after.idle_s - before.idle_s) / wall, 2) if wall > 0 else 0.0
     return out
+
+
+def busy_elsewhere(seconds: float = 1.0) -> tuple[float, list[str]]:
+    """Cores spent on `other` (see sample()) over `seconds`, and the names of the processes
+    that spent the most of it, their children ended meanwhile included (a build's compilers)."""
+
+    def others() -> dict[int, ProcStat]:
+        alive = {p.pid: p for p in processes()}
+        return {
+            pid: p for pid, p in alive.items() if _part(p, os.getpid(), alive, "")[0] == "other"
+        }
+
+    first, before = others(), sample()
+    time.sleep(seconds)
+    then, after = others(), sample()
+    used: dict[str, float] = {}
+    for pid, p in then.items():
+        was = first.get(pid)
+        since = 0.0 if was is None or was.comm != p.comm else was.cpu_s + was.children_cpu_s
+        used[p.comm] = used.get(p.comm, 0.0) + p.cpu_s + p.children_cpu_s - since
+    cores = (after.by_part.get("other", 0.0) - before.by_part.get("other", 0.0)) / (
+        after.at - before.at
+    )
+    busiest = sorted((n for n in used if used[n] > 0), key=lambda n: -used[n])[:3]
+    return max(cores, 0.0), busiest
+
+
+def warn_if_busy(threshold: float = 0.25, seconds: float = 1.0) -> float:
+    """Say on stderr when processes outside the stack keep the machine busy before a run (a
+    build, another benchmark, a test run): its figures then say little. Returns the cores."""
+    cores, busiest = busy_elsewhere(seconds)
+    if cores > threshold:
+        print(
+            f"warning: {cores:.1f} cores busy outside the bench and its services "
+            f"({', '.join(busiest)}): the figures will not compare with a quiet machine's. "
+            "make prebuild and prebuild-images build in the background for minutes "
+            "(.local/prebuild-*.log).",
+            file=sys.stderr,
+            flush=True,
+        )
+    return cores

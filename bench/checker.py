@@ -34,6 +34,7 @@ from typing import Any
 
 import psycopg
 
+from bench import _cpu
 from bench._services import scratch_database
 from outbox.checkback import CheckHandler, CheckRecord, CheckRequest, TransactionStatus, serve
 
@@ -173,6 +174,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     parser.add_argument("--batch", type=int, default=200, help="checker batch_size")
     args = parser.parse_args()
+    _cpu.warn_if_busy()
     sizes = [int(s) for s in args.sizes.split(",")]
     work = 0 if args.work == "all" else int(args.work)
 

@@ -22,6 +22,7 @@ import json
 import statistics
 from collections.abc import Sequence
 
+from bench import _cpu
 from bench._services import scratch_database, service_env, sweep_leftover_topics
 from bench.relay import Latency, delete_made_topics, latency
 
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs of each rate and count")
     parser.add_argument("--relays", type=int, default=1, help="relay processes sharing the shards")
     args = parser.parse_args()
+    _cpu.warn_if_busy()
     try:
         shard_counts = [int(n) for n in numbers(args.shards, int, "--shards")]
         rates = [float(r) for r in numbers(args.rates, float, "--rates")]

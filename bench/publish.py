@@ -25,6 +25,7 @@ from typing import Any
 import psycopg
 
 import outbox
+from bench import _cpu
 from bench._services import scratch_database
 
 VALUE = os.urandom(512).hex().encode()  # 1 KiB
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--transactions", type=int, default=1000, help="per variant and round")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    _cpu.warn_if_busy()
 
     samples: dict[str, list[float]] = {}
     with scratch_database() as dsn, psycopg.connect(dsn) as conn:

@@ -378,6 +378,7 @@ def main() -> None:
         help="the marginal rate's larger run: this many times --records (1 or less: not measured)",
     )
     args = parser.parse_args()
+    _cpu.warn_if_busy()
 
     from spark.config import ReconcileSettings, parse_duration
     from spark.findings import read_findings

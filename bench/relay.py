@@ -560,6 +560,7 @@ def main() -> None:
         help="the relay's batch_size, and B1's transaction and B2's claim (default: the relay's)",
     )
     args = parser.parse_args()
+    _cpu.warn_if_busy()
     batch = args.batch_size
     if batch < 1:
         parser.error(f"--batch-size must be at least 1, not {batch}")

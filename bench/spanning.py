@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from bench import _cpu
 from bench._services import ROOT, scratch_database, service_env, sweep_leftover_topics
 from bench.relay import (
     BATCH,
@@ -174,6 +175,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=BATCH, help="the relay's batch_size")
     parser.add_argument("--relays", type=int, default=1, help="relay processes sharing the shards")
     args = parser.parse_args()
+    _cpu.warn_if_busy()
     try:
         counts = [int(n) for n in args.shards.split(",")]
     except ValueError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench._cpu import CpuSample, ProcStat, per_record, sample
+from bench._cpu import CpuSample, ProcStat, per_record, sample, warn_if_busy
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc only")
 
@@ -151,3 +152,28 @@ def test_time_stays_in_its_part_when_a_process_ends(monkeypatch: pytest.MonkeyPa
     moved = {part: round(second.by_part[part] - first.by_part[part], 6) for part in first.by_part}
     # relay 2.5 - 2.0, its child 1.5 - 1.0, the bench's child 0.4 - 0.3
     assert moved == {"bench": 0.5, "relay": 1.1, "other": 0.3, "postgres": 0.5}
+
+
+@needs_proc
+@pytest.mark.skipif(os.getpid() == 1, reason="the orphan would be adopted by this process")
+def test_a_machine_busy_outside_the_stack_is_said_before_a_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A build left running in the background (make prebuild's) halved a run's baselines and
+    nothing said so: each benchmark says it first, naming what keeps the machine busy."""
+    spin = "import time\nt = time.monotonic() + 20\nwhile time.monotonic() < t: pass\n"
+    # not the bench's: its shell leaves it to be adopted, as a build's processes are
+    started = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c '{spin}' >/dev/null 2>&1 & echo $!"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    spinner = int(started.stdout)
+    try:
+        assert warn_if_busy(threshold=2.5) >= 0.5  # more than one spinner keeps busy: not said
+        assert capsys.readouterr().err == ""
+        assert warn_if_busy() >= 0.5
+        said = capsys.readouterr().err
+        assert "cores busy outside the bench" in said
+        assert "python" in said  # the spinner's name
+    finally:
+        os.kill(spinner, signal.SIGKILL)
