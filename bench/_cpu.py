@@ -25,6 +25,7 @@ class ProcStat:
     cmdline: str
     cpu_s: float  # user + system
     children_cpu_s: float  # of children it has waited for (exited)
+    started: int = 0  # clock ticks after boot: with the pid, names one process (pids are reused)
 
 
 def processes() -> Iterator[ProcStat]:
@@ -42,20 +43,23 @@ def processes() -> Iterator[ProcStat]:
         comm, rest = stat.split("(", 1)[1].rsplit(")", 1)
         fields = rest.split()  # from the state on: fields[1] is the parent's pid
         utime, stime, cutime, cstime = (int(x) / TICK for x in fields[11:15])
-        yield ProcStat(int(name), int(fields[1]), comm, cmdline, utime + stime, cutime + cstime)
+        started = int(fields[19])
+        yield ProcStat(
+            int(name), int(fields[1]), comm, cmdline, utime + stime, cutime + cstime, started
+        )
 
 
 def _part(p: ProcStat, me: int, alive: dict[int, ProcStat], children: str) -> tuple[str, float]:
     """The part a process's CPU counts for (see sample()), and how much of it: this process's
     own time aside, which is the bench's."""
+    if p.pid == me:
+        return children, p.children_cpu_s
     if p.comm == "postgres":
         return "postgres", p.cpu_s + (
             p.children_cpu_s if p.ppid == 1 or " -D " in p.cmdline else 0.0
         )
     if "kafka.Kafka" in p.cmdline:
         return "broker", p.cpu_s
-    if p.pid == me:
-        return children, p.children_cpu_s
     seen = {p.pid}  # pids are read one by one, and reused: no loop, however they read
     up = p
     while up.ppid in alive and up.ppid not in seen:
@@ -84,9 +88,18 @@ def sample(children: str = "children") -> CpuSample:
     The descendants and `other` count the children they have waited for too, as this process
     counts those it waited for among the descendants: a build's compilers, the JVM's workers
     come and go within a run, and a child's time stays in its part once it ended. (A
-    descendant whose parent left first is adopted outside, and counts as `other` from then.)"""
+    descendant whose parent left first is adopted outside, and counts as `other` from then.)
+    The parts are told by process, not by who asked for the work: another benchmark's or test
+    run's load on the same Postgres and broker counts as `postgres` and `broker`."""
+    return _sample_of(_scan(), children)
+
+
+def _scan() -> dict[int, ProcStat]:
+    return {p.pid: p for p in processes()}
+
+
+def _sample_of(alive: dict[int, ProcStat], children: str) -> CpuSample:
     me = os.getpid()
-    alive = {p.pid: p for p in processes()}
     parts: dict[str, float] = {}
     for p in alive.values():
         if p.pid == me:
@@ -114,28 +127,39 @@ def per_record(before: CpuSample, after: CpuSample, records: int) -> dict[str, f
     return out
 
 
-def busy_elsewhere(seconds: float = 1.0) -> tuple[float, list[str]]:
-    """Cores spent on `other` (see sample()) over `seconds`, and the names of the processes
-    that spent the most of it, their children ended meanwhile included (a build's compilers)."""
+def busy_elsewhere(seconds: float = 1.0, top: int = 3) -> tuple[float, list[str]]:
+    """Cores spent on `other` (see sample()) over `seconds`, and the names of the `top`
+    processes that spent the most of it, their children ended meanwhile included (a build's
+    compilers)."""
 
-    def others() -> dict[int, ProcStat]:
-        alive = {p.pid: p for p in processes()}
-        return {
-            pid: p for pid, p in alive.items() if _part(p, os.getpid(), alive, "")[0] == "other"
+    def scan() -> tuple[CpuSample, dict[tuple[int, int], ProcStat]]:
+        alive = _scan()
+        others = {
+            (p.pid, p.started): p
+            for p in alive.values()
+            if _part(p, os.getpid(), alive, "")[0] == "other"
         }
+        return _sample_of(alive, ""), others
 
-    first, before = others(), sample()
+    before, first = scan()
     time.sleep(seconds)
-    then, after = others(), sample()
+    after, then = scan()
     used: dict[str, float] = {}
-    for pid, p in then.items():
-        was = first.get(pid)
-        since = 0.0 if was is None or was.comm != p.comm else was.cpu_s + was.children_cpu_s
+    for key, p in then.items():
+        was = first.get(key)  # a process born meanwhile spent all its time in the window
+        since = 0.0 if was is None else was.cpu_s + was.children_cpu_s
         used[p.comm] = used.get(p.comm, 0.0) + p.cpu_s + p.children_cpu_s - since
+    alive_then = {p.pid: p for p in then.values()}
+    for key, p in first.items():
+        parent = alive_then.get(p.ppid)
+        if key not in then and parent is not None:
+            # an ended child's whole life moved to its parent's children time: only what it
+            # spent in the window is the parent's
+            used[parent.comm] -= p.cpu_s + p.children_cpu_s
     cores = (after.by_part.get("other", 0.0) - before.by_part.get("other", 0.0)) / (
         after.at - before.at
     )
-    busiest = sorted((n for n in used if used[n] > 0), key=lambda n: -used[n])[:3]
+    busiest = sorted((n for n in used if used[n] > 0), key=lambda n: -used[n])[:top]
     return max(cores, 0.0), busiest
 
 
@@ -144,9 +168,10 @@ def warn_if_busy(threshold: float = 0.25, seconds: float = 1.0) -> float:
     build, another benchmark, a test run): its figures then say little. Returns the cores."""
     cores, busiest = busy_elsewhere(seconds)
     if cores > threshold:
+        named = f" ({', '.join(busiest)})" if busiest else ""
         print(
-            f"warning: {cores:.1f} cores busy outside the bench and its services "
-            f"({', '.join(busiest)}): the figures will not compare with a quiet machine's. "
+            f"warning: {cores:.1f} cores busy outside the bench and its services{named}: "
+            "the figures will not compare with a quiet machine's. "
             "make prebuild and prebuild-images build in the background for minutes "
             "(.local/prebuild-*.log).",
             file=sys.stderr,

@@ -174,9 +174,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     parser.add_argument("--batch", type=int, default=200, help="checker batch_size")
     args = parser.parse_args()
-    _cpu.warn_if_busy()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        parser.error(f"--sizes must be whole numbers separated by commas, not {args.sizes!r}")
+    if not args.work.isdigit() and args.work != "all":
+        parser.error(f"--work must be all or a whole number, not {args.work!r}")
     work = 0 if args.work == "all" else int(args.work)
+    _cpu.warn_if_busy()  # once the arguments are known good
 
     def commit(_request: CheckRequest) -> TransactionStatus:
         return TransactionStatus.COMMIT

@@ -56,7 +56,6 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs of each rate and count")
     parser.add_argument("--relays", type=int, default=1, help="relay processes sharing the shards")
     args = parser.parse_args()
-    _cpu.warn_if_busy()
     try:
         shard_counts = [int(n) for n in numbers(args.shards, int, "--shards")]
         rates = [float(r) for r in numbers(args.rates, float, "--rates")]
@@ -67,6 +66,7 @@ def main() -> None:
     for name in ("seconds", "per_tx", "repeat", "relays"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be above 0, not {getattr(args, name)}")
+    _cpu.warn_if_busy()  # once the arguments are known good
     bootstrap = service_env()["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
     sweep_leftover_topics(bootstrap)
     atexit.register(delete_made_topics, bootstrap)

@@ -560,7 +560,6 @@ def main() -> None:
         help="the relay's batch_size, and B1's transaction and B2's claim (default: the relay's)",
     )
     args = parser.parse_args()
-    _cpu.warn_if_busy()
     batch = args.batch_size
     if batch < 1:
         parser.error(f"--batch-size must be at least 1, not {batch}")
@@ -572,6 +571,7 @@ def main() -> None:
     if min(args.records, args.small, args.large) <= batch:
         parser.error(f"--records, --small and --large must exceed the batch size, {batch}: a "
                      "drain's rate is timed after its first batch")  # fmt: skip
+    _cpu.warn_if_busy()  # once the arguments are known good
     bootstrap = service_env()["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
     sweep_leftover_topics(bootstrap)
     atexit.register(delete_made_topics, bootstrap)  # on an exception too

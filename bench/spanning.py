@@ -175,7 +175,6 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=BATCH, help="the relay's batch_size")
     parser.add_argument("--relays", type=int, default=1, help="relay processes sharing the shards")
     args = parser.parse_args()
-    _cpu.warn_if_busy()
     try:
         counts = [int(n) for n in args.shards.split(",")]
     except ValueError:
@@ -190,6 +189,7 @@ def main() -> None:
         parser.error(f"--relays must be at least 1, not {args.relays}")
     if args.batch_size < 1:
         parser.error(f"--batch-size must be at least 1, not {args.batch_size}")
+    _cpu.warn_if_busy()  # once the arguments are known good
     bootstrap = service_env()["OUTBOX_TEST_KAFKA_BOOTSTRAP"]
     sweep_leftover_topics(bootstrap)
     atexit.register(delete_made_topics, bootstrap)

@@ -135,6 +135,9 @@ def test_the_latency_benchmark_compares_each_shard_count_with_one_shard(
         ("bench.latency", ("--seconds", "0"), "--seconds must be above 0, not 0"),
         ("bench.latency", ("--per-tx", "0"), "--per-tx must be above 0, not 0"),
         ("bench.latency", ("--relays", "0"), "--relays must be above 0, not 0"),
+        ("bench.checker", ("--sizes", "10k"),
+         "--sizes must be whole numbers separated by commas, not '10k'"),
+        ("bench.checker", ("--work", "half"), "--work must be all or a whole number, not 'half'"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_anything_runs(
