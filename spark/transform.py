@@ -569,11 +569,11 @@ def missing_records(
     # How long a row the relay has not ended had waited when found: a relay stopped for days
     # from one minutes behind. (A flag for rows from before the window said little: with the
     # undelivered deadline longer than a window, a running job's were all from before it.)
-    waited = F.lit(waited_to or window.as_of).cast("double") - F.col("commit_time").cast("double")
-    waited_s = F.when(F.col("state") == "committed", F.round(waited, 3))
+    wait = F.lit(waited_to or window.as_of).cast("double") - F.col("commit_time").cast("double")
+    waited_s = F.when(F.col("state") == "committed", F.round(wait, 3))
     if undelivered_before is not None:
-        waited = F.col("commit_time") <= F.lit(undelivered_before)
-        due = due & ((F.col("state") != "committed") | waited)
+        waited_enough = F.col("commit_time") <= F.lit(undelivered_before)
+        due = due & ((F.col("state") != "committed") | waited_enough)
     rows = (
         ledger.where(F.col("state").isin(*COMMITTED_STATES))
         .withColumn("due_at", due_at)
