@@ -132,30 +132,44 @@ def busy_elsewhere(seconds: float = 1.0, top: int = 3) -> tuple[float, list[str]
     processes that spent the most of it, their children ended meanwhile included (a build's
     compilers)."""
 
-    def scan() -> tuple[CpuSample, dict[tuple[int, int], ProcStat]]:
+    def scan() -> tuple[CpuSample, dict[tuple[int, int], ProcStat], set[tuple[int, int]]]:
         alive = _scan()
         others = {
             (p.pid, p.started): p
             for p in alive.values()
             if _part(p, os.getpid(), alive, "")[0] == "other"
         }
-        return _sample_of(alive, ""), others
+        return _sample_of(alive, ""), others, {(p.pid, p.started) for p in alive.values()}
 
-    before, first = scan()
+    before, first, _ = scan()
+    first_by_pid = {p.pid: p for p in first.values()}
     time.sleep(seconds)
-    after, then = scan()
+    after, then, then_keys = scan()
     used: dict[str, float] = {}
     for key, p in then.items():
         was = first.get(key)  # a process born meanwhile spent all its time in the window
         since = 0.0 if was is None else was.cpu_s + was.children_cpu_s
         used[p.comm] = used.get(p.comm, 0.0) + p.cpu_s + p.children_cpu_s - since
-    alive_then = {p.pid: p for p in then.values()}
+    # A process that ended in the window moved its whole life to the children time of the
+    # nearest ancestor still alive that waited for it (a make over gcc over cc1, both ended):
+    # only what it spent in the window is that ancestor's. Capped at how much the ancestor's
+    # children time rose: a parent that ignores SIGCHLD gets nothing.
+    lives: dict[tuple[int, int], float] = {}
     for key, p in first.items():
-        parent = alive_then.get(p.ppid)
-        if key not in then and parent is not None:
-            # an ended child's whole life moved to its parent's children time: only what it
-            # spent in the window is the parent's
-            used[parent.comm] -= p.cpu_s + p.children_cpu_s
+        if key in then_keys:
+            continue  # alive still (maybe exec'd into postgres: then no more `other`)
+        up, seen = p, {p.pid}
+        while up.ppid in first_by_pid and up.ppid not in seen:
+            up = first_by_pid[up.ppid]
+            seen.add(up.pid)
+            if (up.pid, up.started) in then_keys:
+                break
+        home = (up.pid, up.started)
+        if up is not p and home in then:
+            lives[home] = lives.get(home, 0.0) + p.cpu_s + p.children_cpu_s
+    for home, life in lives.items():
+        rose = then[home].children_cpu_s - first[home].children_cpu_s
+        used[then[home].comm] -= min(life, max(rose, 0.0))
     cores = (after.by_part.get("other", 0.0) - before.by_part.get("other", 0.0)) / (
         after.at - before.at
     )

@@ -174,13 +174,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     parser.add_argument("--batch", type=int, default=200, help="checker batch_size")
     args = parser.parse_args()
+    for name in ("rounds", "checks", "concurrency", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
     except ValueError:
         parser.error(f"--sizes must be whole numbers separated by commas, not {args.sizes!r}")
-    if not args.work.isdigit() and args.work != "all":
-        parser.error(f"--work must be all or a whole number, not {args.work!r}")
-    work = 0 if args.work == "all" else int(args.work)
+    if min(sizes) < 1:
+        parser.error(f"--sizes must be at least 1 each, not {args.sizes!r}")
+    if args.work != "all" and not (args.work.isdecimal() and int(args.work) >= 1):
+        parser.error(f"--work must be all or a whole number of at least 1, not {args.work!r}")
+    work = 0 if args.work == "all" else int(args.work)  # 0: the whole backlog
     _cpu.warn_if_busy()  # once the arguments are known good
 
     def commit(_request: CheckRequest) -> TransactionStatus:

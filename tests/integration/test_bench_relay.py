@@ -137,7 +137,13 @@ def test_the_latency_benchmark_compares_each_shard_count_with_one_shard(
         ("bench.latency", ("--relays", "0"), "--relays must be above 0, not 0"),
         ("bench.checker", ("--sizes", "10k"),
          "--sizes must be whole numbers separated by commas, not '10k'"),
-        ("bench.checker", ("--work", "half"), "--work must be all or a whole number, not 'half'"),
+        ("bench.checker", ("--sizes", "100,0"), "--sizes must be at least 1 each, not '100,0'"),
+        ("bench.checker", ("--work", "half"),
+         "--work must be all or a whole number of at least 1, not 'half'"),
+        ("bench.checker", ("--work", "0"),
+         "--work must be all or a whole number of at least 1, not '0'"),
+        ("bench.checker", ("--rounds", "0"), "--rounds must be at least 1, not 0"),
+        ("bench.checker", ("--concurrency", "0"), "--concurrency must be at least 1, not 0"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_refused_before_anything_runs(
