@@ -35,6 +35,7 @@ from typing import Any
 import psycopg
 
 from bench import _cpu
+from bench._args import numbers
 from bench._services import scratch_database
 from outbox.checkback import CheckHandler, CheckRecord, CheckRequest, TransactionStatus, serve
 
@@ -178,11 +179,9 @@ def main() -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     try:
-        sizes = [int(s) for s in args.sizes.split(",")]
-    except ValueError:
-        parser.error(f"--sizes must be whole numbers separated by commas, not {args.sizes!r}")
-    if min(sizes) < 1:
-        parser.error(f"--sizes must be at least 1 each, not {args.sizes!r}")
+        sizes = numbers(args.sizes, int, "--sizes")
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.work != "all" and not (args.work.isdecimal() and int(args.work) >= 1):
         parser.error(f"--work must be all or a whole number of at least 1, not {args.work!r}")
     work = 0 if args.work == "all" else int(args.work)  # 0: the whole backlog

@@ -23,19 +23,9 @@ import statistics
 from collections.abc import Sequence
 
 from bench import _cpu
+from bench._args import numbers
 from bench._services import scratch_database, service_env, sweep_leftover_topics
 from bench.relay import Latency, delete_made_topics, latency
-
-
-def numbers(text: str, kind: type[int] | type[float], what: str) -> list[int | float]:
-    """A comma-separated list of positive numbers; ValueError saying what is wrong."""
-    try:
-        values = [kind(n) for n in text.split(",")]
-    except ValueError:
-        raise ValueError(f"{what} must be numbers separated by commas, not {text!r}") from None
-    if any(v <= 0 for v in values):
-        raise ValueError(f"{what} must each be above 0, not {text!r}")
-    return values
 
 
 def summary(runs: Sequence[Latency]) -> dict[str, float]:
@@ -57,8 +47,8 @@ def main() -> None:
     parser.add_argument("--relays", type=int, default=1, help="relay processes sharing the shards")
     args = parser.parse_args()
     try:
-        shard_counts = [int(n) for n in numbers(args.shards, int, "--shards")]
-        rates = [float(r) for r in numbers(args.rates, float, "--rates")]
+        shard_counts = numbers(args.shards, int, "--shards")
+        rates = numbers(args.rates, float, "--rates")
     except ValueError as exc:
         parser.error(str(exc))
     if 1 not in shard_counts:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import psycopg
 
 from bench import _cpu
+from bench._args import numbers
 from bench._services import ROOT, scratch_database, service_env, sweep_leftover_topics
 from bench.relay import (
     BATCH,
@@ -176,11 +177,9 @@ def main() -> None:
     parser.add_argument("--relays", type=int, default=1, help="relay processes sharing the shards")
     args = parser.parse_args()
     try:
-        counts = [int(n) for n in args.shards.split(",")]
-    except ValueError:
-        parser.error(f"--shards must be whole numbers separated by commas, not {args.shards!r}")
-    if any(n < 1 for n in counts):
-        parser.error(f"--shards must be at least 1 each, not {args.shards!r}")
+        counts = numbers(args.shards, int, "--shards")
+    except ValueError as exc:
+        parser.error(str(exc))
     if not 0 <= args.share <= 1:
         parser.error(f"--share must be between 0 and 1, not {args.share}")
     if args.records < 1:
