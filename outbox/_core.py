@@ -67,6 +67,19 @@ def wakeup_channel(schema: str) -> str:
     return f"{schema}{_WAKEUP_SUFFIX}"
 
 
+def check_schema_name(v: str) -> str:
+    """The outbox's schema name, or ValueError saying what is wrong with it."""
+    if not _SCHEMA_NAME.fullmatch(v):
+        raise ValueError(
+            f"{v!r} is not a plain identifier (letters, digits, _) of at most "
+            f"{MAX_SCHEMA_NAME} characters: its NOTIFY channel, the name plus "
+            f"{_WAKEUP_SUFFIX!r}, must fit Postgres's 63"
+        )
+    if v.startswith("pg_"):  # CREATE SCHEMA refuses it (PG_ it takes): no migrate could run
+        raise ValueError(f"{v!r} begins with 'pg_', which Postgres keeps for its own schemas")
+    return v
+
+
 class OutboxConfig(BaseModel):
     """How an application writes to the outbox. Validated once, when built."""
 
@@ -100,15 +113,7 @@ class OutboxConfig(BaseModel):
     @field_validator("schema_name")
     @classmethod
     def _schema_is_identifier(cls, v: str) -> str:
-        if not _SCHEMA_NAME.fullmatch(v):
-            raise ValueError(
-                f"{v!r} is not a plain identifier (letters, digits, _) of at most "
-                f"{MAX_SCHEMA_NAME} characters: its NOTIFY channel, the name plus "
-                f"{_WAKEUP_SUFFIX!r}, must fit Postgres's 63"
-            )
-        if v.startswith("pg_"):  # CREATE SCHEMA refuses it (PG_ it takes): no migrate could run
-            raise ValueError(f"{v!r} begins with 'pg_', which Postgres keeps for its own schemas")
-        return v
+        return check_schema_name(v)
 
     @field_validator("producer_group")
     @classmethod

@@ -143,7 +143,7 @@ def database_errors() -> Iterator[None]:
             TransactionConflict
             if exc.sqlstate in _CONFLICTS
             else ConnectionLost
-            if _lost(exc)
+            if connection_lost(exc)
             else OutboxDatabaseError
         )
         raise kind(f"the database failed: {exc}{_hint(exc)}", sqlstate=exc.sqlstate) from exc
@@ -169,7 +169,7 @@ _CONFLICTS = frozenset({"40001", "40P01"})
 _SHUT_DOWN = frozenset({"57P01", "57P02", "57P03", "57P04", "57P05", "25P03"})
 
 
-def _lost(exc: psycopg.Error) -> bool:
+def connection_lost(exc: psycopg.Error) -> bool:
     """The connection, not the statement, failed: class 08, a shutdown, or no answer at all
     (psycopg's own OperationalError without a SQLSTATE: the server closed the connection)."""
     state = exc.sqlstate

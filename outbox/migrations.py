@@ -21,10 +21,16 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
 from outbox import sql as queries
-from outbox._core import OutboxConfig
+from outbox._core import check_schema_name
 from outbox._dsn import parse_dsn
-from outbox._errors import OutboxDatabaseError, OutboxUsageError, SchemaError
-from outbox._session import in_pipeline
+from outbox._errors import (
+    ConnectionLost,
+    InvalidConfigError,
+    OutboxDatabaseError,
+    OutboxUsageError,
+    SchemaError,
+)
+from outbox._session import connection_lost, in_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +91,16 @@ def migrate(
     Takes a DSN, or a connection with no transaction open (the migration commits). Raises
     InvalidConfigError for a bad schema name, OutboxUsageError for a connection inside a
     transaction or in pipeline mode, SchemaError for a schema migrated by another build or a
-    newer library, and OutboxDatabaseError when the database fails (psycopg's error is the
-    __cause__).
+    newer library, ConnectionLost when the connection is refused or lost (a start-up loop
+    waiting for Postgres catches it), and OutboxDatabaseError when the database fails otherwise
+    (psycopg's error is the __cause__).
     """
-    schema = OutboxConfig(schema_name=schema).schema_name  # validates the identifier
+    if not isinstance(schema, str):
+        raise InvalidConfigError(f"migrate(): schema must be a str, not {type(schema).__name__}")
+    try:
+        check_schema_name(schema)
+    except ValueError as exc:  # named as migrate() calls it, not as OutboxConfig's setting
+        raise InvalidConfigError(f"migrate(): schema {exc}") from None
     try:
         if isinstance(conninfo_or_conn, str):
             parse_dsn(conninfo_or_conn)
@@ -125,9 +137,8 @@ def migrate(
             )
         return _migrate(conninfo_or_conn, schema)
     except psycopg.Error as exc:
-        raise OutboxDatabaseError(
-            f"migrating schema {schema!r} failed: {exc}", sqlstate=exc.sqlstate
-        ) from exc
+        kind = ConnectionLost if connection_lost(exc) else OutboxDatabaseError
+        raise kind(f"migrating schema {schema!r} failed: {exc}", sqlstate=exc.sqlstate) from exc
 
 
 def _tuples(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
