@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from outbox._errors import InvalidConfigError
+
 from ._handler import (
     AsyncCheckHandler,
     CheckHandler,
@@ -37,6 +39,19 @@ class _Disconnected(Exception):
 def asgi_app(handler: CheckHandler | AsyncCheckHandler, path: str = "/outbox/check") -> ASGIApp:
     """Serve ``handler`` for POST on ``path``: 404 elsewhere, 405 for other methods, 413 if the
     body exceeds ``handler.max_body_bytes`` (enforced while reading, not after)."""
+    if not isinstance(handler, (CheckHandler, AsyncCheckHandler)):
+        # Typed callers cannot; others were accepted, and every check answered 500 (an
+        # AttributeError): counted as failed checks, until max_checks discarded the pending ones.
+        hint = (  # type: ignore[unreachable]
+            ": wrap the resolver, asgi_app(AsyncCheckHandler(resolver, secrets)) (or "
+            "CheckHandler for a blocking one)"
+            if callable(handler)
+            else ""
+        )
+        raise InvalidConfigError(
+            f"asgi_app() takes a CheckHandler or an AsyncCheckHandler, not "
+            f"{type(handler).__name__}{hint}"
+        )
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":

@@ -621,6 +621,18 @@ def test_asgi_good_request(kind: str, resolver: Resolver, clock: Clock) -> None:
     assert resolver.asked == [make_request()]
 
 
+def test_asgi_app_refuses_what_is_not_a_check_handler(resolver: Resolver) -> None:
+    """As serve() does: asgi_app() took the resolver itself, and every check was answered 500
+    (an AttributeError), counted as failed checks until max_checks discarded the transactions."""
+    with pytest.raises(InvalidConfigError) as caught:
+        asgi_app(resolver)  # type: ignore[arg-type]
+    said = str(caught.value)
+    assert said.startswith("asgi_app() takes a CheckHandler or an AsyncCheckHandler, not ")
+    assert "asgi_app(AsyncCheckHandler(resolver, secrets))" in said
+    with pytest.raises(InvalidConfigError, match=r"AsyncCheckHandler, not str$"):
+        asgi_app("/outbox/check")  # type: ignore[arg-type]
+
+
 def test_asgi_mounted_under_root_path(handler: CheckHandler, clock: Clock) -> None:
     headers, body = build_request(Signer(NEW), make_request(), now=clock)
     scope = http_scope(path="/app/outbox/check", root_path="/app", headers=headers)
