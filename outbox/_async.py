@@ -266,7 +266,9 @@ class AsyncOutbox:
                 )
             raise
         try:
-            status = parse_status(await call_back(local_transaction, written), written)
+            status = parse_status(
+                await call_back(local_transaction, written), written, awaited=True
+            )
         except asyncio.CancelledError:
             _say_cancelled(
                 written,

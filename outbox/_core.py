@@ -362,10 +362,16 @@ def end(
     verb = "commit" if to_state is State.COMMITTED else "roll back"
     why = ""
     if State.DISCARDED.value in current:  # what the application can still do about it
-        why = (
+        discarded = (
             ". The checker discarded them, at its maximum checks or prepared age (`outboxctl "
-            "records` shows the reason); while the relay has not shipped them, `outboxctl "
-            "rearm` makes them prepared again, and this end can be made again"
+            "records` shows the reason)"
+        )
+        why = discarded + (
+            "; while the relay has not shipped them, `outboxctl rearm` makes them prepared "
+            "again, and this end can be made again"
+            if to_state is State.COMMITTED
+            else ": they go to the dead-letter topic, never to their own, which is what a "
+            "rollback wants"
         )
     raise IllegalTransitionError(
         f"cannot {verb} tx id {tx_id!r} of producer group {group!r}: its records are "

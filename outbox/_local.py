@@ -198,17 +198,22 @@ def _left_prepared(written: Written) -> str:
     )
 
 
-def parse_status(answer: object, written: Written) -> TransactionStatus:
-    """The local transaction's answer. Refused after that work ran, its records written: the
-    error names their transaction and says they stay prepared, so that nobody runs the work
-    again for them (the checker asks the application's check-back endpoint instead)."""
-    if inspect.isawaitable(answer):  # only the sync API gets one: the async one awaits it
+def parse_status(answer: object, written: Written, *, awaited: bool = False) -> TransactionStatus:
+    """The local transaction's answer (`awaited`: the async API's, which awaited what it
+    returned once). Refused after that work ran, its records written: the error names their
+    transaction and says they stay prepared, so that nobody runs the work again for them (the
+    checker asks the application's check-back endpoint instead)."""
+    if inspect.isawaitable(answer):
         if inspect.iscoroutine(answer):
             answer.close()  # never awaited: closed, so Python does not warn of it later
-        raise OutboxUsageError(
-            "the local transaction returned an awaitable, which Outbox cannot await: use "
-            f"AsyncOutbox.send_in_transaction. {_left_prepared(written)}"
+        said = (  # the async API awaits once: this came out of that
+            "the local transaction's answer, once awaited, was another awaitable (a Task or a "
+            "coroutine returned, not awaited): await it inside and return the status"
+            if awaited
+            else "the local transaction returned an awaitable, which Outbox cannot await: use "
+            "AsyncOutbox.send_in_transaction"
         )
+        raise OutboxUsageError(f"{said}. {_left_prepared(written)}")
     try:
         if isinstance(answer, TransactionStatus):
             return answer

@@ -103,9 +103,14 @@ def test_rollback_after_the_relay_or_checker_ended_it_is_illegal(pg_dsn: str, en
             " committed_xid = pg_current_xact_id() WHERE tx_id = %s",
             (ended, written.tx_id),
         )
-        with pytest.raises(outbox.IllegalTransitionError, match=ended):
+        with pytest.raises(outbox.IllegalTransitionError, match=ended) as refused:
             outbox.rollback(conn, written.tx_id)
     assert states(pg_dsn, written.tx_id) == [ended] * 2
+    # Re-arming so that a rollback can be made again would only discard them once more: that
+    # advice is a commit's.
+    assert "rearm" not in str(refused.value)
+    if ended == "discarded":
+        assert "never to their own, which is what a rollback wants" in str(refused.value)
 
 
 def test_commit_after_discard_is_illegal(pg_dsn: str) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from outbox import LocalTransactionResult, State, TransactionStatus, Written
+from outbox import LocalTransactionResult, OutboxUsageError, State, TransactionStatus, Written
+from outbox._local import parse_status
 
 COMMIT, ROLLBACK, UNKNOWN = (
     TransactionStatus.COMMIT,
@@ -37,3 +38,28 @@ def test_conflict_is_a_fate_that_contradicts_the_answer(
 ) -> None:
     result = LocalTransactionResult(Written("tx", (1,), "g"), status, state)
     assert result.conflict is conflict
+
+
+@pytest.mark.parametrize(
+    ("awaited", "said"),
+    [
+        (False, "returned an awaitable, which Outbox cannot await: use AsyncOutbox"),
+        (True, "answer, once awaited, was another awaitable (a Task or a coroutine"),
+    ],
+)
+def test_an_awaitable_answer_is_refused_with_the_fix_of_the_api_that_got_it(
+    awaited: bool, said: str
+) -> None:
+    """AsyncOutbox awaits the answer once: an awaitable out of that (a Task returned) was told
+    to use AsyncOutbox, which it was using."""
+
+    async def status() -> TransactionStatus:
+        return COMMIT
+
+    answer = status()
+    with pytest.raises(OutboxUsageError) as refused:
+        parse_status(answer, Written("tx", (1,), "g"), awaited=awaited)
+    assert said in str(refused.value)
+    assert ("AsyncOutbox" in str(refused.value)) is not awaited
+    assert "stay so" in str(refused.value)  # the records are named, left prepared
+    assert answer.cr_frame is None  # closed: never awaited, and no warning later
