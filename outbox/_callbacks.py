@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 
 def is_async(fn: object) -> bool:
-    """A coroutine function, or an object whose __call__ is one."""
+    """A coroutine function, or an object whose __call__ is one, partials of them included."""
+    while isinstance(fn, functools.partial):  # inspect unwraps them for functions, not objects
+        fn = fn.func
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 -- the bound method, not callable()
     )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from outbox import LocalTransactionResult, OutboxUsageError, State, TransactionStatus, Written
+from outbox._callbacks import is_async
 from outbox._local import parse_status
 
 COMMIT, ROLLBACK, UNKNOWN = (
@@ -63,3 +66,31 @@ def test_an_awaitable_answer_is_refused_with_the_fix_of_the_api_that_got_it(
     assert ("AsyncOutbox" in str(refused.value)) is not awaited
     assert "stay so" in str(refused.value)  # the records are named, left prepared
     assert answer.cr_frame is None  # closed: never awaited, and no warning later
+
+
+class _AsyncCallable:
+    async def __call__(self, written: Written, note: str = "") -> TransactionStatus:
+        return COMMIT
+
+
+async def _async_function(written: Written, note: str = "") -> TransactionStatus:
+    return COMMIT
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        (_async_function, True),
+        (_AsyncCallable(), True),
+        (functools.partial(_async_function, note="x"), True),
+        (functools.partial(_AsyncCallable(), note="x"), True),  # was taken for a sync one
+        (functools.partial(functools.partial(_AsyncCallable()), note="x"), True),
+        (functools.partial(lambda written, note="": COMMIT, note="x"), False),
+        (lambda written: COMMIT, False),
+    ],
+)
+def test_an_async_callback_is_told_apart_through_partials(fn: object, expected: bool) -> None:
+    """The sync send_in_transaction refuses an async local transaction before writing anything;
+    a partial of an object with an async __call__ got past, its records were prepared, and only
+    then was it refused."""
+    assert is_async(fn) is expected
