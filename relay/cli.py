@@ -33,7 +33,7 @@ from outbox.migrations import (
     schema_problem,
 )
 from relay import logs, sidecar
-from relay.cli_database import command_dsn, command_schema, connect
+from relay.cli_database import command_dsn, command_schema, connect, where
 from relay.config import SettingsUnreadable, SidecarSettings, load_settings
 from relay.http import ProbeServerUnavailable
 from relay.kafka import ProducerMisconfigured
@@ -46,16 +46,26 @@ from spark.findings import read_findings
 def _cmd_migrate(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         report = migrate(conn, schema=args.schema)
+    # which database, said: the one command that changes a schema
+    database = where(command_dsn(args))
     if args.json:
         print(
             json.dumps(
-                {"schema": report.schema, "applied": report.applied, "version": report.version}
+                {
+                    "schema": report.schema,
+                    "database": database,
+                    "applied": report.applied,
+                    "version": report.version,
+                }
             )
         )
     elif report.applied:
-        print(f"schema {report.schema}: applied {list(report.applied)}, now at {report.version}")
+        print(
+            f"schema {report.schema} in {database}: applied {list(report.applied)}, now at "
+            f"{report.version}"
+        )
     else:
-        print(f"schema {report.schema}: already at {report.version}, nothing to do")
+        print(f"schema {report.schema} in {database}: already at {report.version}, nothing to do")
     return 0
 
 

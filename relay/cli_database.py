@@ -50,10 +50,15 @@ def command_schema(args: argparse.Namespace) -> str:
 
 def command_dsn(args: argparse.Namespace) -> str:
     """--dsn, else OUTBOX_DATABASE_URL, else the sidecar's own database setting (so that
-    `kubectl exec ... -- outboxctl status` works in the sidecar's container as it is)."""
+    `kubectl exec ... -- outboxctl status` works in the sidecar's container as it is). A
+    --config whose settings name another database than OUTBOX_DATABASE_URL is refused: the
+    variable, left in a shell, won over the file named on the command line, while the file's
+    schema was used, and `migrate --config prod.toml` upgraded that schema in another database."""
     dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
     if dsn:
         parse_dsn(str(dsn), "--dsn" if args.dsn else "OUTBOX_DATABASE_URL")
+        if not args.dsn and getattr(args, "config", None):
+            _refuse_two_databases(str(dsn), args.config)
         return str(dsn)
     database, why = database_settings(getattr(args, "config", None))
     if database is None or database.dsn is None:
@@ -63,6 +68,23 @@ def command_dsn(args: argparse.Namespace) -> str:
             f"OUTBOX_SECRETS_DIR){f'; the sidecar settings: {why}' if why else ''}"
         )
     return database.dsn.get_secret_value()
+
+
+def _refuse_two_databases(url: str, config_file: str) -> None:
+    database, _ = database_settings(config_file)
+    if database is None or database.dsn is None:
+        return  # the file names no database: the variable's is the only one
+    configured = database.dsn.get_secret_value()
+    if conninfo_to_dict(configured) != conninfo_to_dict(url):
+        raise SystemExit(
+            f"outboxctl: --config's settings name the database {where(configured)} and "
+            f"OUTBOX_DATABASE_URL names {where(url)}: pass --dsn, or unset one of them"
+        )
+
+
+def where(dsn: str) -> str:
+    """host:port/dbname of a DSN, as a failure to connect names it: never its password."""
+    return _where(conninfo_to_dict(dsn))
 
 
 def connect(

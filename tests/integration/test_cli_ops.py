@@ -18,6 +18,7 @@ import pytest
 import outbox
 from outbox import State
 from relay.cli import main
+from relay.cli_database import where
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,6 +70,42 @@ def test_the_inspection_and_repair_commands_take_the_sidecars_config_file(
     assert main(["status", "--dsn", pg_dsn]) == 0  # without it: the default, `outbox`
     with pytest.raises(SystemExit, match=r"none\.toml does not exist\); pass --schema"):
         main(["status", "--dsn", pg_dsn, "--config", str(tmp_path / "none.toml")])
+
+
+def test_a_config_file_naming_another_database_than_the_url_variable_is_refused(
+    pg_dsn: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """OUTBOX_DATABASE_URL, left in a shell, won over the DSN of the file named by --config,
+    whose schema was used all the same: `migrate --config prod.toml` made that schema in
+    another database, and said only the schema."""
+    other = "postgresql://postgres:s3cret@127.0.0.1:1/prod_from_config"
+    config = tmp_path / "prod.toml"
+    config.write_text(f'[database]\ndsn = "{other}"\nschema_name = "from_config"\n')
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", pg_dsn)
+    with pytest.raises(SystemExit) as refused:
+        main(["migrate", "--config", str(config)])
+    said = str(refused.value.code)
+    assert "127.0.0.1:1/prod_from_config" in said
+    assert f"OUTBOX_DATABASE_URL names {where(pg_dsn)}" in said
+    assert "s3cret" not in said
+    assert not schema_exists(pg_dsn, "from_config")
+    # --dsn says which: no refusal, and migrate names the database it changed
+    assert main(["migrate", "--config", str(config), "--dsn", pg_dsn, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["schema"], report["database"]) == ("from_config", where(pg_dsn))
+    # the same database written another way is no conflict
+    config.write_text(f'[database]\ndsn = "{pg_dsn}"\nschema_name = "from_config"\n')
+    assert main(["migrate", "--config", str(config)]) == 0
+    assert f"schema from_config in {where(pg_dsn)}: already at" in capsys.readouterr().out
+
+
+def schema_exists(dsn: str, schema: str) -> bool:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT to_regnamespace(%s) IS NOT NULL", (schema,)).fetchone()
+    return bool(row and row[0])
 
 
 def test_a_schema_setting_that_cannot_be_read_is_said_not_replaced(
