@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -213,6 +213,9 @@ class Relay:
         self._marker_topic_checked_at = -float("inf")
         self._holder_warned: tuple[int, str] | None = None  # (pid, xid) last logged
         self._gauge_conn: psycopg.Connection[Any] | None = None  # refresh_gauges' own
+        # What the last gauge refresh read: whether this relay counted the backlog (one relay
+        # does), and the oldest undelivered commit time then (None: no backlog). None: no read.
+        self._last_counted: tuple[bool, datetime | None] | None = None
         # held by a refresh using _gauge_conn: the stop must not close it under the refresh
         # (libpq's connection freed while another thread reads on it)
         self._gauge_lock = threading.Lock()
@@ -1254,7 +1257,14 @@ class Relay:
         with self._gauge_lock:
             if self._closed_if_stopped():
                 return
-            holder = self._read_gauges()
+            try:
+                holder = self._read_gauges()
+            except Exception:
+                if self._closed_if_stopped():  # the stop cancelled the read: its gauges stand
+                    _gauges_stopped()
+                    return
+                self._gauges_unread()
+                raise
             if self._closed_if_stopped():  # stopped while reading: the stop left it to us
                 _gauges_stopped()  # again: what was read came after the stop's
                 return
@@ -1292,9 +1302,11 @@ class Relay:
                 metrics.BACKLOG.set(count)
                 metrics.OLDEST_AGE.set(float(age[0]) if age and age[0] is not None else 0.0)
                 metrics.PARKED_NOW.set(parked)
+                self._last_counted = (True, oldest)
             else:
                 for counted_elsewhere in (metrics.BACKLOG, metrics.OLDEST_AGE, metrics.PARKED_NOW):
                     counted_elsewhere.set(0)
+                self._last_counted = (False, None)
             holder: tuple[Any, ...] | None = conn.execute(
                 queries.query("relay_horizon_holder", self.schema)
             ).fetchone()
@@ -1302,6 +1314,23 @@ class Relay:
             self._close_gauge_conn_held()
             raise
         return holder
+
+    def _gauges_unread(self) -> None:
+        """A refresh that failed (the database unreachable, say). Left as last read, the age
+        stayed at its value from before, ~0 at the start of an outage, and the lag alert never
+        fired. The age goes on from the oldest commit time last counted: that record waits
+        still, as a relay without its database delivers nothing. The counts are unknown. A
+        relay that did not count the backlog (another one does) keeps its zeros."""
+        metrics.HORIZON_HELD.set(math.nan)
+        counted, oldest = self._last_counted or (True, None)
+        if not counted:
+            return
+        for unknown in (metrics.BACKLOG, metrics.PARKED_NOW):
+            unknown.set(math.nan)
+        if oldest is None:  # no backlog then, or never read: what came since is unknown
+            metrics.OLDEST_AGE.set(math.nan)
+        else:
+            metrics.OLDEST_AGE.set(max(0.0, (datetime.now(UTC) - oldest).total_seconds()))
 
     def _close_gauge_conn(self) -> None:
         """At the stop: closed now, or, a refresh reading on it, its query cancelled and the

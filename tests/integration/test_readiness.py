@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+from outbox import Outbox
 from relay.dbprobe import DatabaseProbe
 from relay.kafka import CLIENT_LOGGER, Topics
 from relay.service import Relay
@@ -193,6 +194,54 @@ def test_a_broker_that_does_not_answer_is_down_within_the_probes_wait() -> None:
     began = time.monotonic()
     assert not topics.reachable()
     assert time.monotonic() - began < 10  # its wait is 4 s
+
+
+def test_gauges_that_cannot_be_read_say_so_and_the_backlog_age_goes_on(
+    relay_factory: Callable[..., Relay], pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left as last read when a refresh failed, the age of the oldest undelivered record stayed
+    at its value from before the database went away, ~0, and the lag alert never fired (found
+    by a review of the sidecar)."""
+    from prometheus_client import REGISTRY
+
+    def sample(name: str) -> float:
+        value = REGISTRY.get_sample_value(name)
+        assert value is not None, name
+        return value
+
+    def refused(**_: Any) -> psycopg.Connection[Any]:
+        raise psycopg.OperationalError("connection refused (the test's database is away)")
+
+    def refresh_fails() -> None:
+        connect = relay._connect
+        monkeypatch.setattr(relay, "_connect", refused)
+        assert relay._gauge_conn is not None
+        relay._gauge_conn.close()  # lost: the next refresh connects again, and is refused
+        with pytest.raises(psycopg.OperationalError, match="refused"):
+            relay.refresh_gauges()
+        monkeypatch.setattr(relay, "_connect", connect)
+
+    relay = relay_factory()
+    relay.run_once()
+    relay.refresh_gauges()
+    assert sample("outbox_relay_backlog_records") == 0
+    refresh_fails()  # with no backlog then, what came since is unknown
+    for unknown in (
+        "outbox_relay_backlog_records",
+        "outbox_relay_oldest_undelivered_seconds",
+        "outbox_relay_parked_records",
+        "outbox_relay_horizon_held_seconds",
+    ):
+        assert math.isnan(sample(unknown)), unknown
+
+    with psycopg.connect(pg_dsn) as conn:  # a record no round takes: the backlog's oldest
+        Outbox().publish(conn, "gauges.t", "v")
+    relay.refresh_gauges()
+    assert sample("outbox_relay_backlog_records") == 1
+    age_read = sample("outbox_relay_oldest_undelivered_seconds")
+    refresh_fails()
+    assert sample("outbox_relay_oldest_undelivered_seconds") > age_read  # it goes on
+    assert math.isnan(sample("outbox_relay_backlog_records"))
 
 
 def test_a_stopped_relay_says_it_holds_no_shard_and_does_not_know_the_backlog(
