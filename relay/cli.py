@@ -37,10 +37,10 @@ from relay.cli_database import command_dsn, command_schema, connect, where
 from relay.config import SettingsUnreadable, SidecarSettings, load_settings
 from relay.http import ProbeServerUnavailable
 from relay.kafka import ProducerMisconfigured
-from relay.records import list_records, shown
+from relay.records import check_filters, list_records, shown
 from relay.status import outbox_status
 from spark._errors import ReconcileConfigError
-from spark.findings import read_findings
+from spark.findings import check_options, read_findings
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
@@ -184,22 +184,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_records(args: argparse.Namespace) -> int:
+    # Bad options said as such (2) before any connection: after it, a bad --limit with the
+    # database away said "connection refused" (1), and a bad DSN was a usage error here alone.
     try:
-        with connect(args, write=False) as conn:
-            _require_schema(conn, args.schema)
-            found = list_records(
-                conn,
-                args.schema,
-                state=args.state,
-                producer_group=args.producer_group,
-                tx_id=args.tx_id,
-                topic=args.topic,
-                # one more than asked, to say whether the list was cut (a bad limit as given)
-                limit=args.limit + 1 if args.limit >= 1 else args.limit,
-            )
-    except ValueError as exc:  # bad input: nothing was asked
+        check_filters(args.state, args.limit)
+    except ValueError as exc:
         print(f"outboxctl records: {exc}", file=sys.stderr)
         return 2
+    with connect(args, write=False) as conn:
+        _require_schema(conn, args.schema)
+        found = list_records(
+            conn,
+            args.schema,
+            state=args.state,
+            producer_group=args.producer_group,
+            tx_id=args.tx_id,
+            topic=args.topic,
+            limit=args.limit + 1,  # one more than asked, to say whether the list was cut
+        )
     cut, found = len(found) > args.limit, found[: args.limit]
     if args.json:
         print(json.dumps([r.as_dict() for r in found], default=_json_default))
@@ -246,21 +248,23 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def _cmd_findings(args: argparse.Namespace) -> int:
+    try:  # as records: bad options said before any connection, and as such
+        check_options(args.kind or None, args.limit)
+    except ValueError as exc:
+        print(f"outboxctl findings: {exc}", file=sys.stderr)
+        return 2
+    dsn = command_dsn(args)
     try:
         found = read_findings(
-            command_dsn(args),
+            dsn,
             args.schema,
             kinds=args.kind or None,
-            # one more than asked, to say whether the list was cut (a bad limit as given)
-            limit=args.limit + 1 if args.limit >= 1 else args.limit,
+            limit=args.limit + 1,  # one more than asked, to say whether the list was cut
             since=args.since,
         )
     except ReconcileConfigError as exc:  # the schema, not the input: not a usage error
         print(f"outboxctl findings: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:  # bad input (a kind, the limit): nothing was asked
-        print(f"outboxctl findings: {exc}", file=sys.stderr)
-        return 2
     cut, found = len(found) > args.limit, found[: args.limit]
     if args.json:
         print(json.dumps([f.as_dict() for f in found], default=str))
@@ -271,12 +275,12 @@ def _cmd_findings(args: argparse.Namespace) -> int:
             )
         return 0
     for f in found:
-        where = f"{f.kafka_partition}:{f.kafka_offset}" if f.kafka_partition is not None else "-"
+        at = f"{f.kafka_partition}:{f.kafka_offset}" if f.kafka_partition is not None else "-"
         tx = f"{f.producer_group or '-'}/{shown(f.tx_id) if f.tx_id is not None else '-'}"
         # found first and last: one no judgement finds again any more is old news
         print(
             f"{f.event_time.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}  {f.kind:15} {f.topic}  "
-            f"id {f.outbox_id}  {tx}  at {where}  found "
+            f"id {f.outbox_id}  {tx}  at {at}  found "
             f"{f.detected_at.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}, last "
             f"{f.last_seen_at.astimezone(UTC):%Y-%m-%d %H:%M:%SZ}"
         )

@@ -62,6 +62,15 @@ class RecordRow:
         return out
 
 
+def check_filters(state: str | None, limit: int) -> None:
+    """ValueError naming what is wrong with a listing's state or limit: checked before any
+    connection, so that a bad option is told as one with the database away too."""
+    if state is not None and state not in {s.value for s in State}:
+        raise ValueError(f"state must be one of {', '.join(s.value for s in State)}, not {state!r}")
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
+
+
 def list_records(
     conn: psycopg.Connection[Any],
     schema: str,
@@ -73,10 +82,7 @@ def list_records(
     limit: int = 100,
 ) -> list[RecordRow]:
     """Records matching every filter given, oldest first, at most `limit`."""
-    if state is not None and state not in {s.value for s in State}:
-        raise ValueError(f"state must be one of {', '.join(s.value for s in State)}, not {state!r}")
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, not {limit}")
+    check_filters(state, limit)
     rows = conn.execute(
         queries.query("cli_records", schema),
         {

@@ -69,7 +69,11 @@ class WindowSummary:
         return out
 
 
-def _kinds(kinds: Iterable[str] | None) -> list[str] | None:
+def check_options(kinds: Iterable[str] | None, limit: int) -> list[str] | None:
+    """The kinds asked for (None: all), or ValueError naming what is wrong with them or the
+    limit: checked before any connection."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
     if kinds is None:
         return None
     chosen = list(kinds)
@@ -87,10 +91,9 @@ def read_findings(
     since: datetime | None = None,
 ) -> list[Finding]:
     """The newest findings first (by detection time), optionally of some kinds only."""
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, not {limit}")
+    chosen = check_options(kinds, limit)
     schema = OutboxConfig(schema_name=schema).schema_name
-    params = {"kinds": _kinds(kinds), "since": since, "limit": limit}
+    params = {"kinds": chosen, "since": since, "limit": limit}
     with connect(dsn, write=False) as conn, schema_needed(schema):
         cur = conn.cursor(row_factory=dict_row)
         rows = cur.execute(_sql.query("read_findings", schema), params).fetchall()

@@ -3,10 +3,12 @@ them cannot mislead."""
 
 from __future__ import annotations
 
+import socket
 from datetime import UTC, datetime
 
 import pytest
 
+from relay.cli import main
 from relay.records import RecordRow, shown
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -64,3 +66,41 @@ def test_a_tx_id_or_reason_is_printed_with_its_control_characters_escaped(
     text: str, printed: str
 ) -> None:
     assert shown(text) == printed
+
+
+@pytest.fixture
+def refused_dsn() -> str:
+    """A loopback port nothing listens on: any connection is refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"postgresql://postgres@127.0.0.1:{port}/app"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["records", "--limit", "0"], "outboxctl records: limit must be at least 1, not 0"),
+        (["records", "--state", "lost"], "outboxctl records: state must be one of prepared"),
+        (["findings", "--limit", "0"], "outboxctl findings: limit must be at least 1, not 0"),
+        (["findings", "--kind", "lost"], "outboxctl findings: unknown finding kinds ['lost']"),
+    ],
+)
+def test_a_bad_listing_option_is_a_usage_error_with_the_database_away(
+    argv: list[str], said: str, refused_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked after connecting, `records --limit 0` said "connection refused" (exit 1) when
+    the database was away, and exit 2 when it was there: a script could not tell them apart."""
+    assert main([*argv, "--dsn", refused_dsn, "--schema", "outbox"]) == 2
+    err = capsys.readouterr().err
+    assert said in err
+    assert "refused" not in err
+
+
+@pytest.mark.parametrize("command", ["records", "findings", "status"])
+def test_a_malformed_dsn_fails_every_listing_alike(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`records` took a malformed --dsn for bad input (2), `status` for a failure (1)."""
+    assert main([command, "--dsn", "postgresql://u:p%zz@h/db", "--schema", "outbox"]) == 1
+    assert "p%zz" not in capsys.readouterr().err  # the password stays unsaid
