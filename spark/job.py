@@ -102,7 +102,9 @@ from spark.kafka_properties import load as load_kafka_properties
 from spark.latency import OpenWindows, close, merge_rows
 from spark.vanished import VanishedPartitions
 
-logger = logging.getLogger(__name__)
+# Named, not __name__: run as a script (`python -m spark.job`, `spark-submit spark/job.py`) that
+# is __main__, outside the `spark` logger whose level --log-level sets.
+logger = logging.getLogger("spark.job")
 
 QUERY_NAME = "outbox_reconcile"
 STORE_DIR = "observations"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -742,3 +744,28 @@ def test_the_log_level_is_one_of_the_sidecars_and_is_refused_by_name_otherwise(
         parser.parse_args(["--bootstrap", "k", "--topics", "a", "--log-level", "verbose"])
     assert exited.value.code == 2
     assert "--log-level: invalid choice: 'VERBOSE'" in capsys.readouterr().err
+
+
+def test_the_job_logs_under_the_spark_logger_when_run_as_a_script(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Run as `python -m spark.job` or `spark-submit spark/job.py`, the module is __main__: its
+    logger was `__main__`, outside the `spark` logger whose level --log-level sets, and the
+    job's own lines kept the root's level whatever was asked (found by a review of the job)."""
+    import logging
+    import runpy
+
+    asked: list[str] = []
+    get_logger = logging.getLogger
+
+    def recording(name: str | None = None) -> logging.Logger:
+        asked.append(str(name))
+        return get_logger(name)
+
+    monkeypatch.setattr(logging, "getLogger", recording)
+    monkeypatch.setattr(sys, "argv", ["spark/job.py", "--help"])
+    with pytest.raises(SystemExit) as done, contextlib.redirect_stdout(io.StringIO()):
+        runpy.run_module("spark.job", run_name="__main__")
+    assert done.value.code == 0
+    assert "spark.job" in asked
+    assert "__main__" not in asked
