@@ -165,6 +165,10 @@ class RunReport:
     windows: list[dict[str, Any]] = field(default_factory=list)
     coverage_start: datetime | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
+    # Of `copies` and `markers`, those whose Kafka time is in [lo, hi): each is judged by one
+    # judgement of a running job, where the others see it again as context (metrics.py).
+    copies_judged: int = 0
+    markers_judged: int = 0
 
     @property
     def found_total(self) -> int:
@@ -176,6 +180,8 @@ class RunReport:
             **self.window.as_dict(),
             "copies": self.copies,
             "markers": self.markers,
+            "copies_judged": self.copies_judged,
+            "markers_judged": self.markers_judged,
             "ledger_rows": self.ledger_rows,
             "found": {k: self.found.get(k, 0) for k in FINDING_KINDS},
             "new": {k: self.new.get(k, 0) for k in FINDING_KINDS},
@@ -1265,16 +1271,23 @@ class ReconcileJob:
         obs = obs.persist()
         cached: list[DataFrame] = [obs]
         try:
+            in_window = (F.col("ts") >= F.lit(window.lo)) & (F.col("ts") < F.lit(window.hi))
             with clock("store"):  # one pass: the counts for the report and the trim
                 batches = (
                     obs.groupBy("batch", "source")
-                    .agg(F.count(F.lit(1)).alias("n"), F.unix_micros(F.max("ts")).alias("newest"))
+                    .agg(
+                        F.count(F.lit(1)).alias("n"),
+                        F.count(F.when(in_window, True)).alias("judged"),
+                        F.unix_micros(F.max("ts")).alias("newest"),
+                    )
                     .collect()
                 )
             seen: Counter[str] = Counter()
+            judged: Counter[str] = Counter()
             newest: dict[int, int] = {}
             for row in batches:
                 seen[row["source"]] += row["n"]
+                judged[row["source"]] += row["judged"]
                 if row["batch"] is not None:
                     newest[row["batch"]] = max(newest.get(row["batch"], 0), row["newest"] or 0)
             with sink.connect(settings.dsn.get_secret_value()) as conn:
@@ -1339,6 +1352,8 @@ class ReconcileJob:
             window=window,
             copies=seen[transform.RECORD],
             markers=seen[transform.MARKER],
+            copies_judged=judged[transform.RECORD],
+            markers_judged=judged[transform.MARKER],
             ledger_rows=ledger_rows,
             found=dict(Counter(row[0] for row in findings)),
             new=dict(new),

@@ -1380,6 +1380,39 @@ def test_a_judgement_run_again_reuses_the_code_spark_generated_for_it(
     assert compiled[1] <= 40, compiled
 
 
+def test_each_copy_and_marker_is_counted_judged_once_however_many_judgements_see_it(
+    spark: SparkSession,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    transactional_producer: Producer,
+    tmp_path: Path,
+) -> None:
+    """The judged counters (and rate() on them, the dashboard's "copies judged a second") took
+    every copy a judgement looked at, its context of one deadline before too: each copy was
+    counted by ~13 judgements with the defaults (found by a review of the job's metrics)."""
+    from spark.job import ReconcileJob
+
+    orders, markers = topic_factory(), topic_factory()
+    settings = running_settings(pg_dsn, kafka_bootstrap, orders, markers, tmp_path)
+    deadline = settings.deadline
+    now = datetime.now(UTC)
+    rows = publish(pg_dsn, [outbox.Record(orders, {"i": i}, key=f"k{i}") for i in range(3)])
+    # Due in the first judgement (before now - deadline), and in the next one's context (within
+    # a deadline before where the first ends).
+    RelayStandIn(pg_dsn, transactional_producer, markers).deliver(
+        rows, at=now - deadline - deadline / 2
+    )
+    job = ReconcileJob(settings, spark, clock=lambda: now)
+    first = job.run_once()
+    assert (first.copies, first.copies_judged, first.markers_judged) == (3, 3, 3)
+    with job._lock:  # as the continuous query's micro-batches call it
+        following = job.judge(now + deadline / 2, "tick")
+    assert following.window.lo == first.window.hi  # the next stretch, nothing judged again
+    assert (following.copies, following.markers) == (3, 3)  # seen again, as its context
+    assert (following.copies_judged, following.markers_judged) == (0, 0)
+
+
 def test_stop_while_a_micro_batch_waits_for_a_judgement_returns(
     spark: SparkSession,
     pg_dsn: str,

@@ -69,13 +69,17 @@ def test_reports_add_up_to_new_findings_judgements_and_what_was_judged() -> None
         _report(
             "batch 7",
             {"missing": 1, "duplicate": 2},
-            copies=40,
-            markers=41,
+            copies=400,  # its context too: seen again by the next judgements
+            markers=410,
+            copies_judged=40,
+            markers_judged=41,
             seconds={"store": 1.5, "ledger": 0.5},
         )
     )
     metrics.observe(_report("tick", {"missing": 0}, seconds={"idle_check": 0.01}))
-    metrics.observe(_report("batch 8", {"missing": 3}, copies=2, markers=1))
+    metrics.observe(
+        _report("batch 8", {"missing": 3}, copies=20, markers=10, copies_judged=2, markers_judged=1)
+    )
     s = _samples(metrics)
     assert s[("outbox_reconcile_findings_total", (("kind", "missing"),))] == 4
     assert s[("outbox_reconcile_findings_total", (("kind", "duplicate"),))] == 2
