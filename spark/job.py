@@ -1827,6 +1827,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--http-port serves a streaming job's probes and metrics: "
             "not with --once or --from/--to"
         )
+    # Before the session: Spark's start and a first read of the whole horizon came first.
+    sink.check_database(settings.dsn.get_secret_value(), settings.schema_name)
     with ExitStack() as cleanup:  # the session stopped, then the probes
         made: list[ReconcileJob] = []  # the probes answer from before the job exists
         on_report = None

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from relay.dbconnect import dead_peer_options, dsn_keys, own_transaction_mode
 from spark import _sql
@@ -71,6 +72,24 @@ def schema_needed(schema: str) -> Iterator[None]:
             f"schema {schema!r} has no reconciliation tables: run `outboxctl migrate` "
             f"(migration 0002) first ({exc.diag.message_primary})"
         ) from exc
+
+
+# What the job reads (the ledger) and writes (findings, summary windows).
+_TABLES = ("outbox_record", "reconciliation_finding", "reconciliation_window")
+
+
+def check_database(dsn: str, schema: str) -> None:
+    """Before Spark starts: the database takes the job's login and holds the tables it reads
+    and writes, to its role. Found first inside the first micro-batch, after Spark had read
+    the whole horizon from Kafka, a wrong password or a schema not migrated came out as "the
+    reconciliation query failed" with the JVM's trace, or as Postgres's words alone."""
+    with connect(dsn, write=False) as conn, schema_needed(schema):
+        for table in _TABLES:  # LIMIT 0 reads nothing; the privilege is checked all the same
+            conn.execute(
+                sql.SQL("SELECT FROM {}.{} LIMIT 0").format(
+                    sql.Identifier(schema), sql.Identifier(table)
+                )
+            )
 
 
 @dataclass(frozen=True)

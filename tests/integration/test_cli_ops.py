@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -288,3 +289,35 @@ def test_records_shows_which_discarded_records_the_relay_has_taken_to_ship(
     assert main(["records", "--dsn", pg_dsn, "--state", "discarded", "--json"]) == 0
     shown = {r["tx_id"]: r["shipping_since"] for r in json.loads(capsys.readouterr().out)}
     assert shown == {taken.tx_id: "2026-01-02T03:04:05+00:00", left.tx_id: None}
+
+
+def test_the_reconciliation_on_a_schema_not_migrated_fails_before_spark_starts(
+    pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was found inside the first micro-batch, after Spark had read the whole horizon from
+    Kafka, in Postgres's words alone (found by a review of the job)."""
+    from spark import job
+
+    def spark_started(*_: object) -> None:
+        raise AssertionError("Spark was started")
+
+    monkeypatch.setattr(job, "build_session", spark_started)
+    argv = ["reconcile", "--dsn", pg_dsn, "--schema", "not_migrated", "--bootstrap", "k:9092"]
+    argv += ["--topics", "a", "--checkpoint", str(tmp_path / "cp"), "--once"]
+    assert main(argv) == 1
+    said = capsys.readouterr().err
+    assert "schema 'not_migrated' has no reconciliation tables: run `outboxctl migrate`" in said
+    role = f"no_ledger_{uuid.uuid4().hex[:8]}"  # roles are the cluster's: one of its own
+    with psycopg.connect(pg_dsn) as conn:  # a role that may not read the ledger: said too
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f"GRANT USAGE ON SCHEMA outbox TO {role}")
+    refused = psycopg.conninfo.make_conninfo(pg_dsn, user=role)
+    argv[argv.index(pg_dsn)] = refused
+    argv[argv.index("not_migrated")] = "outbox"
+    try:
+        assert main(argv) == 1
+        assert "permission denied for table outbox_record" in capsys.readouterr().err
+    finally:
+        with psycopg.connect(pg_dsn) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")

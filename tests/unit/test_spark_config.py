@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import socket
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -769,3 +770,26 @@ def test_the_job_logs_under_the_spark_logger_when_run_as_a_script(
     assert done.value.code == 0
     assert "spark.job" in asked
     assert "__main__" not in asked
+
+
+def test_a_database_the_job_cannot_reach_fails_it_before_spark_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found first inside the first micro-batch, after Spark had started and read the whole
+    horizon from Kafka, as "the reconciliation query failed" with the JVM's trace (found by a
+    review of the job)."""
+    import psycopg
+
+    from spark import job
+
+    def spark_started(*_: object) -> None:
+        raise AssertionError("Spark was started")
+
+    monkeypatch.setattr(job, "build_session", spark_started)
+    with socket.socket() as s:  # a loopback port nothing listens on: refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["--dsn", f"postgresql://reconciler:pw@127.0.0.1:{port}/app", "--schema", "outbox"]
+    argv += ["--bootstrap", "k:9092", "--topics", "a", "--checkpoint", str(tmp_path / "cp")]
+    with pytest.raises(psycopg.OperationalError, match="refused"):
+        job.main([*argv, "--once"])
