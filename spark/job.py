@@ -65,6 +65,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import psycopg
 from py4j.protocol import Py4JJavaError
@@ -319,6 +320,7 @@ class ReconcileJob:
         if self.settings.audit:
             raise ReconcileConfigError("an audit (--from/--to) runs with audit()")
         self._check_source()
+        self._say_a_checkpoint_not_shared()
         as_of = self._clock()  # availableNow reads up to the offsets of its start
         window = JudgeWindow.streaming(as_of, self.settings.deadline, self.settings.horizon)
         self._say_a_gap_since_the_last_run(window)
@@ -366,6 +368,7 @@ class ReconcileJob:
         if self._query is not None:
             return
         self._check_source()
+        self._say_a_checkpoint_not_shared()
         self._stopping.clear()
         self._failure = None
         self._last_judged = self._clock()
@@ -955,6 +958,22 @@ class ReconcileJob:
             out.cancel()
             raise
         out.close()
+
+    def _say_a_checkpoint_not_shared(self) -> None:
+        """Warn of a checkpoint on each machine's own disk on a cluster (spark.job's docs)."""
+        context = self.spark.sparkContext
+        default_fs = context._jsc.hadoopConfiguration().get("fs.defaultFS")
+        master = context.master or "local"
+        if local_checkpoint_on_a_cluster(master, self._checkpoint(), default_fs):
+            logger.warning(
+                "--checkpoint %s is on each machine's own disk (file:) and the master %s is "
+                "not local: the executors write the observation store there and the driver "
+                "reads it, so unless it is a volume mounted on every node, the judgements find "
+                "an empty store and report every delivered record missing. Put it on a file "
+                "system all share (hdfs://, s3a://, ...)",
+                self._checkpoint(),
+                master,
+            )
 
     def _check_source(self) -> None:
         """Refuse a checkpoint made for other topics. Spark's Kafka source reads a partition its
@@ -1889,6 +1908,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         print(json.dumps(report.as_dict()) if args.json else report.format(), flush=True)
         return EXIT_FINDINGS if args.fail_on_findings and report.found_total else 0
+
+
+def local_checkpoint_on_a_cluster(master: str, checkpoint: str, default_fs: str | None) -> bool:
+    """Is the checkpoint on each machine's own disk (`file:`, given so or by a path without a
+    scheme on a default file system that is), with executors on other machines than the
+    driver's (any master but local[...])? The observation store under it is written by the
+    executors and read by the driver."""
+    if master == "local" or master.startswith("local["):
+        return False
+    scheme = urlparse(checkpoint).scheme or urlparse(default_fs or "file:///").scheme or "file"
+    return scheme.lower() == "file"
 
 
 def _cancel_jobs(spark: SparkSession) -> Callable[[], None]:

@@ -793,3 +793,27 @@ def test_a_database_the_job_cannot_reach_fails_it_before_spark_starts(
     argv += ["--bootstrap", "k:9092", "--topics", "a", "--checkpoint", str(tmp_path / "cp")]
     with pytest.raises(psycopg.OperationalError, match="refused"):
         job.main([*argv, "--once"])
+
+
+@pytest.mark.parametrize(
+    ("master", "checkpoint", "default_fs", "warned"),
+    [
+        ("local[2]", "/tmp/cp", None, False),  # one machine: its disk is shared
+        ("local", ".local/reconcile", "file:///", False),
+        ("spark://m:7077", ".local/reconcile", "file:///", True),  # the README's local path
+        ("spark://m:7077", ".local/reconcile", None, True),
+        ("yarn", "file:///checkpoints/r", "hdfs://nn:8020", True),
+        ("spark://m:7077", "/checkpoints/r", "hdfs://nn:8020", False),  # on the default HDFS
+        ("yarn", "hdfs:///checkpoints/r", None, False),
+        ("k8s://https://api:6443", "s3a://bucket/cp", "file:///", False),
+    ],
+)
+def test_a_checkpoint_on_each_machines_own_disk_on_a_cluster_is_told_apart(
+    master: str, checkpoint: str, default_fs: str | None, warned: bool
+) -> None:
+    """The executors write the observation store under the checkpoint and the driver reads it:
+    on each machine's own disk, every judgement read an empty store and reported every
+    delivered record missing, without an error (found by a review of the job)."""
+    from spark.job import local_checkpoint_on_a_cluster
+
+    assert local_checkpoint_on_a_cluster(master, checkpoint, default_fs) is warned
