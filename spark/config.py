@@ -35,7 +35,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from outbox._core import OutboxConfig
+from outbox._core import check_schema_name
 from outbox._dsn import check_dsn_setting, parse_dsn
 from outbox._errors import InvalidConfigError, InvalidTopicError
 from outbox._records import check_topic
@@ -347,7 +347,7 @@ class ReconcileSettings(BaseModel):
     @field_validator("schema_name")
     @classmethod
     def _identifier(cls, v: str) -> str:
-        return OutboxConfig(schema_name=v).schema_name
+        return check_schema_name(v)
 
     @field_validator(
         "deadline",

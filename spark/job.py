@@ -1812,14 +1812,52 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
     try:
         settings = ReconcileSettings(**values)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = "; ".join(f"{_flag_of(e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ReconcileConfigError(problems) from None
+    _refuse_flags_that_do_nothing(args, settings)
     # What the JDBC driver cannot take (a Unix socket's DSN, a service without its file) is
     # said now, not at the first ledger read, after Kafka was read and the Spark session built.
     settings.jdbc()
     return settings
+
+
+# Settings whose flag is not `--` and the name with dashes (errors name what was typed).
+_FLAGS = {
+    "schema_name": "--schema",
+    "bootstrap_servers": "--bootstrap",
+    "kafka_options": "--kafka-config/--kafka-option",
+    "ignored_topics": "--ignore-topic",
+    "former_outbox_names": "--former-outbox-name",
+    "audit_from": "--from",
+    "audit_to": "--to",
+}
+
+
+def _flag_of(loc: tuple[int | str, ...]) -> str:
+    if not loc:
+        return "arguments"  # a check of several together: its message names them
+    name = str(loc[0])
+    return _FLAGS.get(name, f"--{name.replace('_', '-')}")
+
+
+def _refuse_flags_that_do_nothing(args: argparse.Namespace, settings: ReconcileSettings) -> None:
+    """Given, and then ignored in silence: said instead."""
+    if settings.audit and args.once:
+        raise ReconcileConfigError("--once goes without --from/--to: an audit runs once anyway")
+    if not settings.audit and not settings.once:
+        given = {"--json": args.json, "--fail-on-findings": args.fail_on_findings}
+        ignored = [flag for flag, on in given.items() if on]
+        if ignored:
+            raise ReconcileConfigError(
+                f"{' and '.join(ignored)} go with --once or --from/--to: a streaming job ends "
+                "with no report (its findings are in the database, its figures in /metrics)"
+            )
+    both = set(settings.topics) & set(settings.not_deliveries)
+    if both:
+        raise ReconcileConfigError(
+            f"{', '.join(sorted(both))}: named in --topics and as not a delivery "
+            "(--ignore-topic, --dead-letter-topic): nothing on it would be judged"
+        )
 
 
 def _as_delta(value: timedelta | str) -> timedelta:
@@ -1846,8 +1884,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--http-port serves a streaming job's probes and metrics: "
             "not with --once or --from/--to"
         )
-    # Before the session: Spark's start and a first read of the whole horizon came first.
-    sink.check_database(settings.dsn.get_secret_value(), settings.schema_name)
     with ExitStack() as cleanup:  # the session stopped, then the probes
         made: list[ReconcileJob] = []  # the probes answer from before the job exists
         on_report = None
@@ -1864,6 +1900,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ProbeServerUnavailable as exc:
                 raise ReconcileConfigError(str(exc)) from None
             cleanup.callback(probes.stop)
+        # Before the session: Spark's start and a first read of the whole horizon came first.
+        sink.check_database(settings.dsn.get_secret_value(), settings.schema_name)
         spark, owned = build_session(settings)
         if owned:
             cleanup.callback(spark.stop)

@@ -765,6 +765,8 @@ def test_the_job_logs_under_the_spark_logger_when_run_as_a_script(
 
     monkeypatch.setattr(logging, "getLogger", recording)
     monkeypatch.setattr(sys, "argv", ["spark/job.py", "--help"])
+    # run as a script is, not imported before (runpy warns of that)
+    monkeypatch.delitem(sys.modules, "spark.job", raising=False)
     with pytest.raises(SystemExit) as done, contextlib.redirect_stdout(io.StringIO()):
         runpy.run_module("spark.job", run_name="__main__")
     assert done.value.code == 0
@@ -817,3 +819,46 @@ def test_a_checkpoint_on_each_machines_own_disk_on_a_cluster_is_told_apart(
     from spark.job import local_checkpoint_on_a_cluster
 
     assert local_checkpoint_on_a_cluster(master, checkpoint, default_fs) is warned
+
+
+@pytest.mark.parametrize(
+    ("more", "said"),
+    [
+        (["--checkpoint", "cp", "--json"], "--json go with --once or --from/--to"),
+        (
+            ["--checkpoint", "cp", "--json", "--fail-on-findings"],
+            "--json and --fail-on-findings go with --once or --from/--to",
+        ),
+        (
+            ["--from", "2026-01-01T00:00Z", "--to", "2026-01-02T00:00Z", "--once"],
+            "--once goes without --from/--to",
+        ),
+        (
+            ["--checkpoint", "cp", "--once", "--ignore-topic", "a"],
+            "a: named in --topics and as not a delivery",
+        ),
+        (
+            ["--checkpoint", "cp", "--once", "--dead-letter-topic", "a"],
+            "a: named in --topics and as not a delivery",
+        ),
+        # errors name the flag typed, not the setting's field
+        (["--checkpoint", "cp", "--schema", "a-b"], "--schema: Value error, 'a-b' is not"),
+        (["--checkpoint", "cp", "--shuffle-partitions", "0"], "--shuffle-partitions: "),
+    ],
+)
+def test_flags_that_would_do_nothing_or_are_wrong_are_refused_by_name(
+    more: list[str], said: str
+) -> None:
+    """Accepted and then ignored in silence: --json and --fail-on-findings by a streaming job
+    (which always exited 0), --once by an audit, a topic judged and ignored at once; and
+    errors named `schema_name` or `shuffle_partitions`, no flag (found by a review of the
+    job)."""
+    from spark.job import build_parser, settings_from_args
+
+    args = build_parser().parse_args(
+        ["--dsn", "postgresql://u@db/app", "--schema", "outbox", "--bootstrap", "k",
+         "--topics", "a", *more]
+    )  # fmt: skip
+    with pytest.raises(spark.ReconcileConfigError) as refused:
+        settings_from_args(args)
+    assert said in str(refused.value)
