@@ -323,7 +323,15 @@ class ReconcileSettings(BaseModel):
         as a missing Kafka source at the first micro-batch. URIs (hdfs:, local:) go as given."""
         out: list[str] = []
         for jar in v:
-            if "://" in jar or ":" in jar.split("/", 1)[0] or not glob.has_magic(jar):
+            if "://" in jar or ":" in jar.split("/", 1)[0]:
+                out.append(jar)
+                continue
+            if not glob.has_magic(jar):
+                if not os.path.isfile(jar):  # Spark leaves it out with a log line, and goes on
+                    raise ValueError(
+                        f"jars: {jar!r} is no file here (Spark would leave it out, and the Kafka "
+                        "source or the JDBC driver in it would be missing)"
+                    )
                 out.append(jar)
                 continue
             found = sorted(glob.glob(jar))
@@ -331,6 +339,18 @@ class ReconcileSettings(BaseModel):
                 raise ValueError(f"jars: {jar!r} matches no file")
             out.extend(found)
         return tuple(out)
+
+    @field_validator("jdbc_url")
+    @classmethod
+    def _postgres_jdbc_url(cls, v: str | None) -> str | None:
+        # else taken, and refused by the driver at the first ledger read, after Kafka was read
+        if v is not None and not v.startswith("jdbc:postgresql:"):
+            scheme = v.split("//", 1)[0][:40]  # not the rest: it may hold a password
+            raise ValueError(
+                f"not a PostgreSQL JDBC URL (jdbc:postgresql://host:port/dbname): it begins "
+                f"{scheme!r}"
+            )
+        return v
 
     @field_validator("topics", "marker_topic", "dead_letter_topic")
     @classmethod

@@ -490,10 +490,13 @@ def test_audit_window_waits_for_the_deadline() -> None:
         JudgeWindow.audit(T, T + timedelta(hours=1), now=T + timedelta(seconds=30), deadline=d)
 
 
-def test_command_line_to_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_command_line_to_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from spark.job import build_parser, settings_from_args
 
     monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://u@db/app")
+    monkeypatch.chdir(tmp_path)  # the jars named are files here
+    for jar in ("a.jar", "b.jar"):
+        (tmp_path / jar).write_bytes(b"")
     args = build_parser().parse_args(
         ["--bootstrap", "k:9092", "--topic-pattern", "orders.*", "--deadline", "30s",
          "--trigger", "5s", "--checkpoint", "s3a://b/cp", "--once", "--kafka-option",
@@ -862,3 +865,19 @@ def test_flags_that_would_do_nothing_or_are_wrong_are_refused_by_name(
     with pytest.raises(spark.ReconcileConfigError) as refused:
         settings_from_args(args)
     assert said in str(refused.value)
+
+
+def test_a_jar_or_jdbc_url_that_cannot_work_is_refused_before_spark_starts(tmp_path: Path) -> None:
+    """A plain jar path that is no file was left out by Spark with a log line, and the job then
+    said to pass --jars, which was passed; a --jdbc-url without jdbc:postgresql: failed at the
+    first ledger read, after Kafka was read (found by a review of the job)."""
+    with pytest.raises(ValueError, match=r"jars: '/typo/x\.jar' is no file here"):
+        ReconcileSettings(**{**BASE, "jars": ("/typo/x.jar",)})
+    (tmp_path / "x.jar").write_bytes(b"")
+    jars = (str(tmp_path / "x.jar"), "hdfs://nn/j/y.jar", "local:/opt/z.jar")
+    assert ReconcileSettings(**{**BASE, "jars": jars}).jars == jars  # URIs go as given
+    with pytest.raises(ValueError, match="not a PostgreSQL JDBC URL") as refused:
+        ReconcileSettings(**{**BASE, "jdbc_url": "postgresql://u:s3cret@db/app"})
+    assert "s3cret" not in str(refused.value)
+    url = "jdbc:postgresql://db:5432/app"
+    assert ReconcileSettings(**{**BASE, "jdbc_url": url}).jdbc_url == url
