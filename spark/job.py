@@ -1760,8 +1760,9 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
         else:
             database, why = database_settings()
         if database is None:
+            missing = "--schema" if dsn else "--dsn and --schema"
             raise ReconcileConfigError(
-                f"the sidecar's database settings cannot be read ({why}): pass --dsn and --schema"
+                f"the sidecar's database settings cannot be read ({why}): pass {missing}"
             )
         dsn = dsn or (database.dsn.get_secret_value() if database.dsn is not None else None)
         schema = database.schema_name if schema is None else schema

@@ -380,8 +380,12 @@ def test_without_the_sidecars_whole_package_the_job_asks_for_dsn_and_schema(
     from spark.job import build_parser, settings_from_args
 
     monkeypatch.setitem(sys.modules, "relay.cli_database", None)  # importing it fails
+    monkeypatch.delenv("OUTBOX_DATABASE_URL", raising=False)
     argv = ["--bootstrap", "k:9092", "--topics", "a", "--checkpoint", "/cp"]
     with pytest.raises(spark.ReconcileConfigError, match="pass --dsn and --schema"):
+        settings_from_args(build_parser().parse_args(argv))
+    # --dsn given: only the schema is asked for (it said "pass --dsn and --schema" all the same)
+    with pytest.raises(spark.ReconcileConfigError, match=r"\): pass --schema$"):
         settings_from_args(build_parser().parse_args([*argv, "--dsn", "postgresql://r@h/x"]))
     given = settings_from_args(
         build_parser().parse_args([*argv, "--dsn", "postgresql://r@h/x", "--schema", "s"])
