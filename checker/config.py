@@ -41,6 +41,8 @@ from pydantic import (
 )
 
 from outbox._dsn import MASK
+from outbox._errors import InvalidProducerGroupError
+from outbox._records import check_producer_group
 from outbox.checkback import Signer
 from relay.durations import Duration
 
@@ -203,6 +205,12 @@ class CheckerSettings(BaseModel):
         two names differing only by case would be one group's two endpoints."""
         by_folded: dict[str, list[str]] = {}
         for name in endpoints:
+            try:  # else taken, and never matched: that group's records discarded at max age
+                check_producer_group(name)
+            except InvalidProducerGroupError as exc:
+                raise ValueError(
+                    f"endpoints.{name}: no producer group has this name: {exc}"
+                ) from None
             by_folded.setdefault(name.casefold(), []).append(name)
         for names in by_folded.values():
             if len(names) > 1:

@@ -454,11 +454,12 @@ class Checker:
                     _metrics.NOT_SENT.labels(endpoint.group, "circuit_open").inc()
                     continue
                 if state is CircuitState.HALF_OPEN:
-                    if tx.producer_group in probing:
+                    # by endpoint: groups that differ by case share one, and its one probe
+                    if endpoint.group in probing:
                         if tx.check_lost:  # given back now: else logged and counted lost again
                             later.append(self._later(tx, now))
                         continue  # one probe at a time; the rest stay due
-                    probing.add(tx.producer_group)
+                    probing.add(endpoint.group)
                 lease = endpoint.settings.timeout + s.lease_margin
                 claims.append(
                     Claim(

@@ -2066,6 +2066,39 @@ def test_open_circuit_reschedules_without_asking_or_counting_then_probes(
     assert all(one(pg_dsn, tx)["state"] == "committed" for tx in txs)
 
 
+def test_groups_differing_by_case_share_their_endpoints_one_probe(
+    pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """Probes were told apart by the group as written: `orders` and `ORDERS`, one endpoint,
+    each had one claimed; the second was refused by the breaker and counted not sent for an
+    open circuit (found by a review of the checker)."""
+    flaky = Flaky()
+    with serve(CheckHandler(flaky, [SECRET])) as server:
+        failing = [prepare(pg_dsn)[0] for _ in range(2)]
+        tx_lower, _ = prepare(pg_dsn, GROUP)
+        tx_upper, created = prepare(pg_dsn, GROUP.upper())
+        clock = Clock(created + 7 * S)
+        s = settings(
+            {GROUP: endpoint_settings(server.url, concurrency=1)},
+            circuit_failure_threshold=2,
+            circuit_cooldown="PT60S",
+        )
+        checker = make_checker(s, clock)
+        t0 = clock.now
+        assert checker.run_once().outcomes["http_error"] == 2  # opened
+        flaky.failing = False
+        clock.now = t0 + 60 * S  # half-open: one probe for the endpoint, whichever group
+        before = metric("outbox_checker_checks_not_sent_total", producer_group=GROUP,
+                        why="circuit_open")  # fmt: skip
+        probe = checker.run_once()
+        assert (probe.checked, probe.not_sent) == (1, 0)
+        after = metric("outbox_checker_checks_not_sent_total", producer_group=GROUP,
+                       why="circuit_open")  # fmt: skip
+        assert after == before
+        assert checker.run_once().committed == 3  # closed again: the rest go out
+    assert {one(pg_dsn, tx)["state"] for tx in [*failing, tx_lower, tx_upper]} == {"committed"}
+
+
 def test_lost_checks_waiting_for_a_half_open_circuits_probe_are_counted_lost_once(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:

@@ -243,3 +243,11 @@ def test_all_is_complete() -> None:
     }
     assert set(checker.__all__) >= public, public - set(checker.__all__)
     assert all(hasattr(checker, name) for name in checker.__all__)
+
+
+@pytest.mark.parametrize("name", ["a b", "orders/eu", "x" * 129])
+def test_an_endpoint_no_producer_group_can_have_is_refused_by_name(name: str) -> None:
+    """Taken, it matched no group ever: that group's transactions were discarded at their
+    maximum age, and `outboxctl config` showed the setting as fine (found by a review)."""
+    with pytest.raises(ValidationError, match=r"endpoints\..*: no producer group has this name"):
+        CheckerSettings.model_validate({"endpoints": {name: endpoint()}})
