@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 
@@ -22,6 +23,14 @@ class CircuitState(enum.IntEnum):
     CLOSED = 0
     HALF_OPEN = 1
     OPEN = 2
+
+
+@dataclass(frozen=True)
+class Permit:
+    """A request allow() let out: `opening` counts the circuit's openings before it."""
+
+    opening: int
+    probe: bool
 
 
 class CircuitBreaker:
@@ -45,6 +54,7 @@ class CircuitBreaker:
         self._state = CircuitState.CLOSED
         self._failures = 0
         self._opened_at: datetime | None = None
+        self._openings = 0
         self._probe_in_flight = False
 
     def _set(self, state: CircuitState) -> None:
@@ -76,16 +86,17 @@ class CircuitBreaker:
                 return None
             return self._opened_at + self._cooldown
 
-    def allow(self) -> bool:
-        """May a request go out now? In half-open state only one (the probe) is allowed."""
+    def allow(self) -> Permit | None:
+        """May a request go out now (a Permit for its outcome), or not (None)? In half-open
+        state only one (the probe) is allowed."""
         with self._lock:
             state = self._refresh()
             if state is CircuitState.CLOSED:
-                return True
+                return Permit(self._openings, probe=False)
             if state is CircuitState.HALF_OPEN and not self._probe_in_flight:
                 self._probe_in_flight = True
-                return True
-            return False
+                return Permit(self._openings, probe=True)
+            return None
 
     def record_success(self) -> None:
         with self._lock:
@@ -94,11 +105,17 @@ class CircuitBreaker:
             self._opened_at = None
             self._set(CircuitState.CLOSED)
 
-    def record_failure(self) -> None:
+    def record_failure(self, permit: Permit | None = None) -> None:
+        """A request failed. One let out before the circuit opened (`permit`; None: since)
+        says nothing the failures that opened it did not: counted, a late one pushed an open
+        circuit's cooldown back, or reopened a half-open one with its probe still out."""
         with self._lock:
             state = self._refresh()
+            if permit is not None and permit.opening != self._openings:
+                return
             self._failures += 1
             if state is CircuitState.HALF_OPEN or self._failures >= self._threshold:
                 self._opened_at = self._clock()
+                self._openings += 1
                 self._probe_in_flight = False
                 self._set(CircuitState.OPEN)

@@ -573,7 +573,8 @@ class Checker:
             return claim, CheckAnswer(Outcome.DEFERRED, "could not start within the lease")
         if self._stop.is_set():  # each would take up to its timeout, past the stop's grace
             return claim, CheckAnswer(Outcome.DEFERRED, "the checker is stopping")
-        if not endpoint.breaker.allow():
+        permit = endpoint.breaker.allow()
+        if permit is None:
             return claim, CheckAnswer(Outcome.CIRCUIT_OPEN, "circuit open")
         try:
             answer = endpoint.client.check(claim.request(self.settings.request_max_bytes))
@@ -588,7 +589,7 @@ class Checker:
         if answer.outcome.answered:
             endpoint.breaker.record_success()
         elif answer.outcome.sent:
-            endpoint.breaker.record_failure()
+            endpoint.breaker.record_failure(permit)
         return claim, answer
 
     def _ask_and_apply(

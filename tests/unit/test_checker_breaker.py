@@ -103,3 +103,37 @@ def test_rejects_nonsense(clock: Clock) -> None:
         CircuitBreaker(failure_threshold=0, cooldown=COOLDOWN, clock=clock)
     with pytest.raises(ValueError):
         CircuitBreaker(failure_threshold=1, cooldown=timedelta(0), clock=clock)
+
+
+def test_a_late_failure_of_a_request_sent_before_the_circuit_opened_changes_nothing(
+    breaker: CircuitBreaker, clock: Clock
+) -> None:
+    """A request out while the circuit was closed, failing after it opened, pushed the open
+    circuit's cooldown back; failing while it was half-open, it reopened it with the probe
+    still out (found by a review of the checker)."""
+    late = [breaker.allow() for _ in range(3)]  # out together, under the closed circuit
+    for _ in range(3):
+        breaker.record_failure()  # others' failures open it
+    assert breaker.state is CircuitState.OPEN
+    clock.now += timedelta(seconds=4)
+    breaker.record_failure(late[0])
+    assert breaker.retry_at == T0 + COOLDOWN  # not pushed back to T0 + 4 s + COOLDOWN
+    clock.now = T0 + COOLDOWN + timedelta(seconds=1)
+    probe = breaker.allow()
+    assert probe is not None
+    assert probe.probe
+    breaker.record_failure(late[1])  # with the probe still out
+    assert breaker.state is CircuitState.HALF_OPEN
+    breaker.record_success()  # the probe's answer decides
+    assert breaker.state is CircuitState.CLOSED
+
+
+def test_the_probes_failure_opens_the_circuit_again(breaker: CircuitBreaker, clock: Clock) -> None:
+    for _ in range(3):
+        breaker.record_failure()
+    clock.now += COOLDOWN
+    probe = breaker.allow()
+    assert probe is not None
+    breaker.record_failure(probe)
+    assert breaker.state is CircuitState.OPEN
+    assert breaker.retry_at == clock.now + COOLDOWN
