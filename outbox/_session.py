@@ -10,7 +10,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.abc import Buffer
 from psycopg.adapt import Loader
-from psycopg.pq import PipelineStatus
+from psycopg.pq import Format, PipelineStatus
 from psycopg.pq import TransactionStatus as PgTxStatus
 from psycopg.rows import tuple_row
 
@@ -118,13 +118,31 @@ class _TextAsStr(Loader):
         return bytes(data).decode("utf-8")
 
 
+class _BinaryTextAsStr(_TextAsStr):
+    """The same for results asked in binary (a text's binary form is its bytes)."""
+
+    format = Format.BINARY
+
+
 _C = TypeVar("_C", psycopg.Cursor[Any], psycopg.AsyncCursor[Any])
 
 
 def _own_text(cur: _C) -> _C:
-    for name in ("text", "varchar"):
-        cur.adapters.register_loader(name, _TextAsStr)
+    text_as_str(cur)
     return cur
+
+
+def text_as_str(
+    target: psycopg.Connection[Any]
+    | psycopg.AsyncConnection[Any]
+    | psycopg.Cursor[Any]
+    | psycopg.AsyncCursor[Any],
+) -> None:
+    """Text results as str on `target` (a cursor, or a connection the sidecar owns), on a
+    SQL_ASCII database too (_TextAsStr)."""
+    for name in ("text", "varchar"):
+        target.adapters.register_loader(name, _TextAsStr)
+        target.adapters.register_loader(name, _BinaryTextAsStr)
 
 
 @contextmanager

@@ -13,6 +13,8 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from outbox._session import text_as_str
+
 # The kernel's limit for TCP_KEEPIDLE: above it every connection failed ("setsockopt failed").
 MAX_KEEPALIVE_S = 32767
 
@@ -141,6 +143,10 @@ def own_transaction_mode(
     transaction read-write mode during recovery"; a reader (`write=False`: outboxctl status,
     records) still reads there. Statements run outside a transaction block on an autocommit
     connection keep the defaults: only reads run so (probes, gauges)."""
+    # Every connection of the sidecar passes here: its text results as str on a SQL_ASCII
+    # database too, where psycopg gives bytes, and the relay refused its own schema's
+    # migration names (b'initial' is not 'initial'), the checker every claim.
+    text_as_str(conn)
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     if write:
         conn.read_only = False

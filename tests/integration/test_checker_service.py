@@ -57,6 +57,7 @@ from outbox.checkback import (
     build_response,
     serve,
 )
+from relay.cli import main as cli_main
 from relay.config import load_settings
 from tests.fixtures.postgres import GrantedRoles
 from tests.integration.test_relay_commit_wait import standby_that_never_answers  # noqa: F401
@@ -332,6 +333,29 @@ def test_commit_answer_commits_every_record_and_wakes_the_relay(
     ]
     after = metric("outbox_checker_checks_total", producer_group=GROUP, outcome="commit")
     assert after == before + 1
+
+
+def test_the_checker_and_the_manual_commands_work_on_a_sql_ascii_database(
+    database_in: Callable[[str], str], endpoint: Endpoint, make_checker: Callable[..., Checker]
+) -> None:
+    """psycopg gives text as bytes on a SQL_ASCII database, which the library supports: the
+    checker's claim failed on b'orders'.casefold() every round, and `resolve` read states as
+    "b'prepared'" (found by a review of the checker)."""
+    dsn = database_in("SQL_ASCII")
+    endpoint.resolver.default = COMMIT
+    first, _ = prepare(dsn)
+    second, created = prepare(dsn)
+    clock = Clock(created + 6 * S)  # both past their check immunity
+    checker = make_checker(settings({GROUP: endpoint_settings(endpoint.url)}), clock, dsn=dsn)
+    result = checker.run_once()
+    assert (result.checked, result.committed) == (2, 2)
+    assert {bytes(r["state"]) for tx in (first, second) for r in rows(dsn, tx)} == {b"committed"}
+    unchecked, _ = prepare(dsn, check_immunity=3600)
+    argv = ["resolve", "--dsn", dsn, "--schema", "outbox", "--producer-group", GROUP]
+    assert (
+        cli_main([*argv, "--tx-id", unchecked, "--rollback", "--actor", "a", "--reason", "r"]) == 0
+    )
+    assert {bytes(r["state"]) for r in rows(dsn, unchecked)} == {b"rolled_back"}  # bytes here
 
 
 def test_a_tx_id_another_writer_stored_is_ended_as_the_table_takes_it(

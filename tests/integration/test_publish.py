@@ -6,19 +6,16 @@ import asyncio
 import base64
 import re
 import threading
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row, namedtuple_row, scalar_row
 
 import outbox
 from outbox import Outbox, Record
 from outbox._session import statement_cursor
-from tests.fixtures.services import Services
 
 
 def rows(dsn: str, schema: str = "outbox") -> list[tuple[Any, ...]]:
@@ -595,30 +592,6 @@ def test_header_names_survive_a_global_json_dumps_on_a_latin1_connection(
         ).fetchone()
     assert row is not None
     assert row[0][0][0] == "café"
-
-
-@pytest.fixture
-def database_in(services: Services) -> Iterator[Callable[[str], str]]:
-    """Makes migrated databases in a legacy encoding (on SQL_ASCII psycopg reads text as
-    bytes); drops them after the test."""
-    made: list[str] = []
-
-    def make(encoding: str) -> str:
-        name = f"outbox_{encoding.lower()}_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(services.pg_dsn, autocommit=True) as admin:
-            admin.execute(
-                f"CREATE DATABASE {name} ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C'"
-                " TEMPLATE template0"
-            )
-        made.append(name)
-        dsn = make_conninfo(services.pg_dsn, dbname=name)
-        outbox.migrate(dsn)
-        return dsn
-
-    yield make
-    with psycopg.connect(services.pg_dsn, autocommit=True) as admin:
-        for name in made:
-            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def test_the_outbox_works_on_a_sql_ascii_database(database_in: Callable[[str], str]) -> None:

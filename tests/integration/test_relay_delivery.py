@@ -4284,3 +4284,34 @@ def test_the_delivery_lag_is_observed_once_a_transaction_from_its_database_commi
     assert count == 2  # a transaction of three records counts once
     assert within_a_minute == 1  # the other waited two minutes, from its commit
     assert 120 <= total < 180
+
+
+def test_the_relay_delivers_from_a_sql_ascii_database(
+    database_in: Callable[[str], str],
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    relay_settings: Callable[..., SidecarSettings],
+) -> None:
+    """The library works on a SQL_ASCII database (README), where psycopg gives text as bytes;
+    the relay read its own text results (the xid horizon, states) as bytes there (found by a
+    review of the checker, which had the same gap)."""
+    dsn = database_in("SQL_ASCII")
+    topic = topic_factory()
+    with psycopg.connect(dsn) as conn:
+        with conn.transaction():
+            outbox.publish(conn, topic, "legacy-a", key="k", headers=[("trace", "t1")])
+        with conn.transaction():
+            half = outbox.prepare(conn, topic, "never", key="k")
+        outbox.rollback(conn, half.tx_id)
+        conn.commit()
+    relay = relay_factory(as_role(relay_settings(), dsn))
+    assert relay.run_once().delivered == 1
+    got = consume_all(kafka_bootstrap, topic, "read_committed")
+    assert values(got) == [b"legacy-a"]
+    assert dict(got[0].headers() or [])["trace"] == b"t1"
+    assert sorted(m.op.value for m in markers(kafka_bootstrap, relay)) == [
+        "delivered",
+        "rolled_back",
+    ]
+    assert rows(dsn) == []
