@@ -154,8 +154,9 @@ def test_shards_without_a_relay_fire_after_ten_minutes_and_so_does_no_relay_at_a
 ) -> None:
     """Relay b's pod goes at minute 5: its two shards of four have no owner, firing from
     minute 15. Then the release's relays report nothing at all (crash-looping) while another
-    namespace's do: `absent` fires for the release's namespace after ten minutes."""
-    rules = _rules(_render(helm), tmp_path)
+    namespace's do: `absent` fires for the release's namespace after ten minutes, where the
+    chart scrapes the relays (its ServiceMonitor); nothing scraping them, it fired for ever."""
+    rules = _rules(_render(helm, "serviceMonitor.enabled=true"), tmp_path)
     _test_rules(
         promtool,
         rules,
@@ -179,6 +180,12 @@ def test_shards_without_a_relay_fire_after_ten_minutes_and_so_does_no_relay_at_a
             _at(11, "OutboxShardsUnowned", {}),
         ),
     )
+    for sets in ((), ("mode=sidecar", "serviceMonitor.enabled=true")):  # not its relays'
+        _test_rules(
+            promtool,
+            _rules(_render(helm, *sets, "podMonitor.selector.app=orders"), tmp_path),
+            _case({}, _at(11, "OutboxShardsUnowned"), _at(30, "OutboxShardsUnowned")),
+        )
 
 
 @pytest.mark.parametrize(
@@ -207,6 +214,26 @@ def test_nothing_reporting_fires_in_a_namespace_whatever_the_matchers(
             others,
             _at(11, "OutboxShardsUnowned", routed),
             _at(6, "OutboxReconcileStalled", routed),
+        ),
+    )
+
+
+def test_parked_records_waiting_fire_through_a_handover_of_the_counting_relay(
+    helm: str, promtool: str, tmp_path: Path
+) -> None:
+    """One relay counts the parked records and the others say 0; a deploy replaces them, and
+    the max read 0 for a scrape: the day's wait started again, and with daily deploys the alert
+    never fired (found by a review of the chart)."""
+    _test_rules(
+        promtool,
+        _rules(_render(helm), tmp_path),
+        _case(
+            {  # a counts until its pod goes at 12 h; b counts from a minute later
+                'outbox_relay_parked_records{%s, pod="a"}': "3+0x720 stale",
+                'outbox_relay_parked_records{%s, pod="b"}': "_x721 0 3+0x900",
+            },
+            _at(23 * 60, "OutboxParkedRecordsWaiting"),
+            _at(25 * 60, "OutboxParkedRecordsWaiting", {}),
         ),
     )
 

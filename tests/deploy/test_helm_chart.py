@@ -434,6 +434,8 @@ def test_alert_rules_use_only_series_and_labels_the_sidecar_exports(helm: str, m
             "prometheusRule.reconcileStalledSeconds=600",
             "reconcile.enabled=true",
             "serviceMonitor.enabled=true",  # the job is scraped: its series' absence is said
+            "podMonitor.enabled=true",  # so are the sidecars (mode=sidecar)
+            "podMonitor.selector.app=orders",
             *RECONCILE,
         )
     )
@@ -488,7 +490,10 @@ def test_alert_rules_judge_the_releases_namespace_and_say_it_by_default(helm: st
             'outbox_checker_rounds_total{namespace="default", result="error"}',
         ),
         # the parkings' alert clears 15 minutes after the last one; the records still wait
-        ("OutboxParkedRecordsWaiting", 'outbox_relay_parked_records{namespace="default"}) > 0'),
+        (
+            "OutboxParkedRecordsWaiting",
+            'outbox_relay_parked_records{namespace="default"}[15m])) > 0',
+        ),
         # a loss is one event: an increase, not a rate that must hold for minutes
         ("OutboxRelayLeasesLost", 'change="lost"}[15m])) > 0'),
         ("OutboxDeadLetterCopiesShrunk", 'form!="full"}[15m])) > 0'),
