@@ -125,17 +125,27 @@ def test_delivery_lag_fires_after_five_minutes_over_the_threshold_and_says_how_l
 def test_an_endpoint_down_fires_after_ten_minutes_without_a_close_per_producer_group(
     helm: str, promtool: str, tmp_path: Path
 ) -> None:
-    """Half open (1) or open (2) for ten minutes fires; one close in the ten does not, and
-    neither do the first nine minutes of a circuit never closed (fewer than ten samples)."""
+    """Half open (1) or open (2) for ten minutes, checks held back or failing meanwhile, fires;
+    one close in the ten does not, and neither do the first nine minutes of a circuit never
+    closed (fewer than ten samples). A circuit with nothing to ask stays open after its endpoint
+    recovered (it changes only with a request): that fired for hours (found by a review)."""
     circuit = 'outbox_checker_circuit_state{%s, pod="a", producer_group="%s"}'
+    held = 'outbox_checker_checks_not_sent_total{%s, pod="a", producer_group="%s", why="%s"}'
+    failed = 'outbox_checker_checks_total{%s, pod="a", producer_group="%s", outcome="%s"}'
     _test_rules(
         promtool,
         _rules(_render(helm), tmp_path),
         _case(
             {
                 circuit % ("%s", "pay"): "0 0 1 2 1 2 1+0x20",
+                held % ("%s", "pay", "circuit_open"): "0+1x30",
                 circuit % ("%s", "ship"): "1+0x8 0 1+0x20",
+                held % ("%s", "ship", "circuit_open"): "0+1x30",
                 circuit % ("%s", "new"): "2+0x30",
+                failed % ("%s", "new", "timeout"): "0+1x30",
+                circuit % ("%s", "idle"): "2+0x30",  # open, nothing due: quiet
+                held % ("%s", "idle", "deferred"): "0+1x30",
+                failed % ("%s", "idle", "commit"): "0+1x30",
             },
             _at(8, "OutboxCheckEndpointDown"),
             _at(10, "OutboxCheckEndpointDown", {"producer_group": "new"}),
