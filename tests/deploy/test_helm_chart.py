@@ -796,6 +796,46 @@ def test_bad_values_are_refused_with_what_is_wrong(
 
 
 @pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("OUTBOX_DATABASE", {"dsn": "postgresql://relay:pw@db/orders"}),
+        ("OUTBOX_CHECKER__ENDPOINTS", {"orders": {"url": "http://o/c", "secrets": ["whsec_x"]}}),
+        ("OUTBOX_KAFKA", {"sasl_password": "pw"}),
+        ("OUTBOX_KAFKA", {"extra": {"ssl.key.password": "pw"}}),
+        ("OUTBOX_KAFKA__EXTRA", {"ssl.key.passphrase": "pw"}),
+        ("OUTBOX_DATABASE", '{"dsn": "postgresql://relay:pw@db/orders"}'),  # as text
+    ],
+)
+def test_a_secret_in_a_section_given_whole_in_env_is_refused(
+    helm: str, name: str, value: Any
+) -> None:
+    """The sidecar reads a whole section from one variable as JSON, and the chart renders a map
+    in `env` as JSON: only variables named like a secret were refused, and these rendered with
+    the secret in the pod's spec (found by a review of the chart)."""
+    out = subprocess.run(
+        [helm, "template", "orders", str(CHART), "--set", "existingSecret=s",
+         "--set-json", f"env.{name}={json.dumps(value)}"],
+        text=True, capture_output=True,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert f"env.{name} holds a secret" in out.stderr
+
+
+def test_a_section_given_whole_in_env_without_a_secret_renders(helm: str) -> None:
+    endpoints = {"orders": {"url": "http://o/c", "timeout": "PT5S"}}
+    args = [
+        "--set",
+        "existingSecret=s",
+        "--set-json",
+        f"env.OUTBOX_CHECKER__ENDPOINTS={json.dumps(endpoints)}",
+    ]
+    out = subprocess.run(
+        [helm, "template", "orders", str(CHART), *args], text=True, capture_output=True
+    )
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize(
     "sets",
     [
         ('config=[relay]\nshutdown_grace = "PT28S"',),

@@ -163,8 +163,13 @@ keys of settings that hold one, bare, dotted or quoted, at a line's start or in 
 {{- fail (printf "config: %s holds a secret, and the ConfigMap shows it to anyone who may read ConfigMaps; put it in the Secret (existingSecret), one key per setting named like its variable in lower case (outbox_database__dsn, outbox_kafka__sasl_password, ...)" (regexReplaceAll (printf "^%s$" $key) (trim $found) "${1}")) -}}
 {{- end -}}
 {{- range $name, $value := .Values.env -}}
+{{- $text := include "outbox-sidecar.text" $value -}}
 {{- $secret := regexMatch `(?i)(__DSN|PASSWORD|__SECRETS)$` $name -}}
-{{- if and (eq (upper $name) "OUTBOX_KAFKA__EXTRA") (regexMatch `(?i)password|secret|jaas|oauthbearer\.config|key\.pem` (toString $value)) -}}
+{{- if and (eq (upper $name) "OUTBOX_KAFKA__EXTRA") (regexMatch `(?i)password|passphrase|secret|jaas|oauthbearer\.config|key\.pem` $text) -}}
+{{- $secret = true -}}
+{{- end -}}
+{{- /* a section given whole, as JSON (OUTBOX_DATABASE={"dsn": ...}): the keys of its secrets */ -}}
+{{- if regexMatch `(?i)"(dsn|sasl_password|ssl_key_password|secrets|[^"]*(password|passphrase|jaas\.config|oauthbearer\.config|client\.secret|key\.pem))"\s*:` $text -}}
 {{- $secret = true -}}
 {{- end -}}
 {{- if $secret -}}
