@@ -2051,6 +2051,15 @@ def test_dead_endpoint_does_not_starve_a_healthy_one_in_the_same_round(
     assert all(one(pg_dsn, tx)["state"] == "prepared" for tx in dead_txs)
 
 
+def tripping_in_two(url: str) -> CheckerSettings:
+    """One request at a time to `url`, its circuit opened by two failures for a minute."""
+    return settings(
+        {GROUP: endpoint_settings(url, concurrency=1)},
+        circuit_failure_threshold=2,
+        circuit_cooldown="PT60S",
+    )
+
+
 def test_open_circuit_reschedules_without_asking_or_counting_then_probes(
     pg_dsn: str, endpoint: Endpoint, make_checker: Callable[..., Checker]
 ) -> None:
@@ -2061,11 +2070,7 @@ def test_open_circuit_reschedules_without_asking_or_counting_then_probes(
             tx_id, created = prepare(pg_dsn)
             txs.append(tx_id)
         clock = Clock(created + 7 * S)
-        s = settings(
-            {GROUP: endpoint_settings(server.url, concurrency=1)},
-            circuit_failure_threshold=2,
-            circuit_cooldown="PT60S",
-        )
+        s = tripping_in_two(server.url)
         checker = make_checker(s, clock)
         t0 = clock.now
         first = checker.run_once()
@@ -2102,11 +2107,7 @@ def test_groups_differing_by_case_share_their_endpoints_one_probe(
         tx_lower, _ = prepare(pg_dsn, GROUP)
         tx_upper, created = prepare(pg_dsn, GROUP.upper())
         clock = Clock(created + 7 * S)
-        s = settings(
-            {GROUP: endpoint_settings(server.url, concurrency=1)},
-            circuit_failure_threshold=2,
-            circuit_cooldown="PT60S",
-        )
+        s = tripping_in_two(server.url)
         checker = make_checker(s, clock)
         t0 = clock.now
         assert checker.run_once().outcomes["http_error"] == 2  # opened
