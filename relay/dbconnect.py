@@ -145,8 +145,10 @@ def own_transaction_mode(
     connection keep the defaults: only reads run so (probes, gauges)."""
     # Every connection of the sidecar passes here: its text results as str on a SQL_ASCII
     # database too, where psycopg gives bytes, and the relay refused its own schema's
-    # migration names (b'initial' is not 'initial'), the checker every claim.
-    text_as_str(conn)
+    # migration names (b'initial' is not 'initial'), the checker every claim. Only there:
+    # elsewhere psycopg's own loaders (in C) are faster than ours.
+    if conn.info.encoding == "ascii":  # psycopg's name of SQL_ASCII
+        text_as_str(conn)
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     if write:
         conn.read_only = False
