@@ -30,7 +30,6 @@ class Permit:
     """A request allow() let out: `opening` counts the circuit's openings before it."""
 
     opening: int
-    probe: bool
 
 
 class CircuitBreaker:
@@ -92,10 +91,10 @@ class CircuitBreaker:
         with self._lock:
             state = self._refresh()
             if state is CircuitState.CLOSED:
-                return Permit(self._openings, probe=False)
+                return Permit(self._openings)
             if state is CircuitState.HALF_OPEN and not self._probe_in_flight:
                 self._probe_in_flight = True
-                return Permit(self._openings, probe=True)
+                return Permit(self._openings)
             return None
 
     def record_success(self) -> None:

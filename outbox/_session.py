@@ -128,7 +128,7 @@ _C = TypeVar("_C", psycopg.Cursor[Any], psycopg.AsyncCursor[Any])
 
 
 def _own_text(cur: _C) -> _C:
-    text_as_str(cur)
+    text_as_str(cur, binary=False)  # the outbox's own reads are text: two loaders, not four
     return cur
 
 
@@ -137,12 +137,15 @@ def text_as_str(
     | psycopg.AsyncConnection[Any]
     | psycopg.Cursor[Any]
     | psycopg.AsyncCursor[Any],
+    *,
+    binary: bool = True,
 ) -> None:
     """Text results as str on `target` (a cursor, or a connection the sidecar owns), on a
-    SQL_ASCII database too (_TextAsStr)."""
+    SQL_ASCII database too (_TextAsStr); with `binary`, results asked in binary too."""
     for name in ("text", "varchar"):
         target.adapters.register_loader(name, _TextAsStr)
-        target.adapters.register_loader(name, _BinaryTextAsStr)
+        if binary:
+            target.adapters.register_loader(name, _BinaryTextAsStr)
 
 
 @contextmanager
