@@ -44,7 +44,7 @@ from outbox._dsn import MASK
 from outbox._errors import InvalidProducerGroupError
 from outbox._records import check_producer_group
 from outbox.checkback import Signer
-from relay.durations import Duration
+from relay.durations import Duration, iso_days
 
 
 class EndpointSettings(BaseModel):
@@ -252,12 +252,12 @@ class CheckerSettings(BaseModel):
                     ) from None
         if self.max_prepared_age <= self.check_immunity:
             raise ValueError(
-                f"max_prepared_age ({self.max_prepared_age}) must be longer than check_immunity "
-                f"({self.check_immunity}): every prepared transaction would be discarded "
-                "unasked, its producer never checked"
+                f"max_prepared_age ({iso_days(self.max_prepared_age)}) must be longer than "
+                f"check_immunity ({iso_days(self.check_immunity)}): every prepared transaction "
+                "would be discarded unasked, its producer never checked"
             )
         if self.check_interval > self.max_backoff:
             raise ValueError(
-                f"check_interval ({self.check_interval}) must not exceed max_backoff "
-                f"({self.max_backoff}), which caps every wait between checks"
+                f"check_interval ({iso_days(self.check_interval)}) must not exceed max_backoff "
+                f"({iso_days(self.max_backoff)}), which caps every wait between checks"
             )

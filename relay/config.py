@@ -45,7 +45,7 @@ from outbox._core import OutboxConfig
 from outbox._dsn import MASK, check_dsn_setting, masked_dsn
 from outbox._errors import InvalidTopicError
 from outbox._records import check_topic
-from relay.durations import Duration
+from relay.durations import Duration, iso_days
 from relay.markers import MARKER_MESSAGE_MARGIN
 
 DEFAULT_SECRETS_DIR = Path("/run/secrets/outbox")
@@ -321,9 +321,9 @@ class RelaySettings(BaseModel):
         # heartbeats, and taken back: epochs bump, producers are fenced, over and over.
         if self.heartbeat_interval * 2 >= self.lease_duration:
             raise ValueError(
-                f"heartbeat_interval ({self.heartbeat_interval}) must be under half of "
-                f"lease_duration ({self.lease_duration}): a lease must be renewed before it can "
-                "expire, with room for a slow round"
+                f"heartbeat_interval ({iso_days(self.heartbeat_interval)}) must be under half "
+                f"of lease_duration ({iso_days(self.lease_duration)}): a lease must be renewed "
+                "before it can expire, with room for a slow round"
             )
         return self
 

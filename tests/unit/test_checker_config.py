@@ -115,10 +115,17 @@ def test_checker_rejects(bad: dict[str, object]) -> None:
     ("bad", "said"),
     [
         # every prepared transaction was discarded before its first check
-        ({"check_immunity": "PT6S", "max_prepared_age": "PT2S"}, "must be longer than"),
+        # in ISO 8601, as they are given (not Python's 0:00:02)
+        (
+            {"check_immunity": "PT6S", "max_prepared_age": "PT2S"},
+            r"max_prepared_age \(PT2S\) must be longer than check_immunity \(PT6S\)",
+        ),
         ({"check_immunity": "PT6S", "max_prepared_age": "PT6S"}, "must be longer than"),
         # the interval was ignored: every wait was max_backoff
-        ({"check_interval": "PT20M", "max_backoff": "PT10M"}, "must not exceed max_backoff"),
+        (
+            {"check_interval": "PT20M", "max_backoff": "PT10M"},
+            r"check_interval \(PT20M\) must not exceed max_backoff \(PT10M\)",
+        ),
     ],
 )
 def test_checker_times_that_contradict_each_other_are_refused(

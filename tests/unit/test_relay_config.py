@@ -164,7 +164,11 @@ def test_a_setting_refused_does_not_print_its_value(
 @pytest.mark.parametrize(
     ("relay", "said"),
     [
-        ({"lease_duration": "PT10S", "heartbeat_interval": "PT5S"}, "must be under half of"),
+        # in ISO 8601, as they are given (not Python's 0:00:05)
+        (
+            {"lease_duration": "PT10S", "heartbeat_interval": "PT5S"},
+            r"heartbeat_interval \(PT5S\) must be under half of lease_duration \(PT10S\)",
+        ),
         ({"poll_interval": "PT0S"}, "poll_interval"),  # rounds back to back, for nothing
         ({"shutdown_grace": "-PT5S"}, "shutdown_grace"),  # a SIGTERM skipped the graceful stop
         ({"shutdown_grace": "PT0S"}, "shutdown_grace"),  # no stop ends within none: exit 1
