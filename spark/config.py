@@ -74,6 +74,19 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def format_duration(value: timedelta) -> str:
+    """As the flags take it (`1h30m`, `2.5s`): errors said Python's `0:01:00`."""
+    micros = value // timedelta(microseconds=1)
+    parts = []
+    for unit, size in (("d", 86_400_000_000), ("h", 3_600_000_000), ("m", 60_000_000)):
+        count, micros = divmod(micros, size)
+        if count:
+            parts.append(f"{count}{unit}")
+    if micros or not parts:
+        parts.append(f"{micros / 1_000_000:.6f}".rstrip("0").rstrip(".") + "s")
+    return "".join(parts)
+
+
 def parse_time(text: str) -> datetime:
     """An ISO 8601 instant; without a zone it is taken as UTC."""
     value = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
@@ -427,8 +440,8 @@ class ReconcileSettings(BaseModel):
             raise ValueError("a streaming run needs a checkpoint location")
         if self.undelivered_deadline is not None and self.undelivered_deadline < self.deadline:
             raise ValueError(
-                f"--undelivered-deadline ({self.undelivered_deadline}) must not be shorter than "
-                f"--deadline ({self.deadline})"
+                f"--undelivered-deadline ({format_duration(self.undelivered_deadline)}) must "
+                f"not be shorter than --deadline ({format_duration(self.deadline)})"
             )
         if self.horizon < 2 * self.deadline + 2 * self.trigger:
             raise ValueError("the horizon must cover two deadlines and two trigger intervals")
@@ -436,13 +449,15 @@ class ReconcileSettings(BaseModel):
             # the summary window holding the last judged time then began before the horizon:
             # every judgement until its end was one of the whole horizon, no late arrival judged
             raise ValueError(
-                f"the summary window ({self.summary_window}) must fit in the horizon less two "
-                f"deadlines ({self.horizon - 2 * self.deadline}): raise --horizon"
+                f"the summary window ({format_duration(self.summary_window)}) must fit in the "
+                f"horizon less two deadlines ({format_duration(self.horizon - 2 * self.deadline)})"
+                ": raise --horizon"
             )
         if self.findings_retention is not None and self.findings_retention <= self.horizon:
             raise ValueError(
-                f"the findings retention ({self.findings_retention}) must be longer than the "
-                f"horizon ({self.horizon}): a record is re-judged while inside the horizon"
+                f"the findings retention ({format_duration(self.findings_retention)}) must be "
+                f"longer than the horizon ({format_duration(self.horizon)}): a record is "
+                "re-judged while inside the horizon"
             )
         return self
 
@@ -574,7 +589,7 @@ class JudgeWindow:
         if hi <= start:
             raise ReconcileConfigError(
                 f"nothing to audit yet: records after {hi.isoformat()} are not due until the "
-                f"deadline ({deadline}) has passed"
+                f"deadline ({format_duration(deadline)}) has passed"
             )
         return cls(as_of, start - deadline, start, hi, include_stuck=False)
 

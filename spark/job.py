@@ -1816,6 +1816,9 @@ def settings_from_args(args: argparse.Namespace) -> ReconcileSettings:
         problems = "; ".join(f"{_flag_of(e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ReconcileConfigError(problems) from None
     _refuse_flags_that_do_nothing(args, settings)
+    if settings.audit_from is not None and settings.audit_to is not None:
+        # A window not due yet is said now, not after Spark started (ReconcileJob.audit).
+        JudgeWindow.audit(settings.audit_from, settings.audit_to, _utcnow(), settings.deadline)
     # What the JDBC driver cannot take (a Unix socket's DSN, a service without its file) is
     # said now, not at the first ledger read, after Kafka was read and the Spark session built.
     settings.jdbc()
@@ -1845,6 +1848,11 @@ def _refuse_flags_that_do_nothing(args: argparse.Namespace, settings: ReconcileS
     """Given, and then ignored in silence: said instead."""
     if settings.audit and args.once:
         raise ReconcileConfigError("--once goes without --from/--to: an audit runs once anyway")
+    if settings.audit and settings.checkpoint is not None:
+        raise ReconcileConfigError(
+            "--checkpoint goes without --from/--to: an audit reads its window from Kafka in one "
+            "batch and keeps nothing (it neither resumes from a checkpoint nor moves one on)"
+        )
     if not settings.audit and not settings.once:
         given = {"--json": args.json, "--fail-on-findings": args.fail_on_findings}
         ignored = [flag for flag, on in given.items() if on]

@@ -20,6 +20,7 @@ from spark import _sql
 from spark.config import (
     JudgeWindow,
     ReconcileSettings,
+    format_duration,
     jdbc_target,
     offset_log_time,
     parse_duration,
@@ -44,6 +45,17 @@ BASE = {
      ("2d", 172800), ("1m30s", 90), (" 10 s ", 10)],
 )  # fmt: skip
 def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "0s"), (0.5, "0.5s"), (90, "1m30s"), (3600, "1h"), (90061.25, "1d1h1m1.25s"),
+     (0.000001, "0.000001s")],
+)  # fmt: skip
+def test_durations_are_said_as_the_flags_take_them(seconds: float, text: str) -> None:
+    """Errors said Python's `0:01:00`, which no flag takes."""
+    assert format_duration(timedelta(seconds=seconds)) == text
     assert parse_duration(text) == timedelta(seconds=seconds)
 
 
@@ -301,7 +313,10 @@ def test_the_kafka_source_asks_for_no_long_poll_unless_told() -> None:
         ({"trigger": timedelta(microseconds=400)}, "at least 0.1s"),
         ({"summary_window": timedelta(microseconds=400)}, "at least 0.1s"),
         # every judgement of the whole horizon until the window's end, no late arrival judged
-        ({"summary_window": timedelta(minutes=14)}, "fit in the horizon less two deadlines"),
+        (
+            {"summary_window": timedelta(minutes=14)},
+            r"window \(14m\) must fit in the horizon less two deadlines \(13m\)",
+        ),
         ({"jdbc_read_timeout": timedelta(0)}, "positive"),
         ({"schema_name": "bad-name"}, "identifier"),
         # Spark's subscribe list dropped an empty name: every copy reported without a marker
@@ -321,7 +336,7 @@ def test_the_kafka_source_asks_for_no_long_poll_unless_told() -> None:
         # a record would be reported missing before a delivered one's counterparts could show
         (
             {"deadline": timedelta(minutes=2), "undelivered_deadline": timedelta(minutes=1)},
-            r"--undelivered-deadline \(0:01:00\) must not be shorter than --deadline",
+            r"--undelivered-deadline \(1m\) must not be shorter than --deadline \(2m\)",
         ),
         ({"undelivered_deadline": timedelta(0)}, "positive"),
     ],
@@ -840,6 +855,16 @@ def test_a_checkpoint_on_each_machines_own_disk_on_a_cluster_is_told_apart(
             ["--from", "2026-01-01T00:00Z", "--to", "2026-01-02T00:00Z", "--once"],
             "--once goes without --from/--to",
         ),
+        # an audit neither resumes from a checkpoint nor moves one on
+        (
+            ["--checkpoint", "cp", "--from", "2026-01-01T00:00Z", "--to", "2026-01-02T00:00Z"],
+            "--checkpoint goes without --from/--to",
+        ),
+        # said before Spark starts, not after its session was built
+        (
+            ["--from", "2098-01-01T00:00Z", "--to", "2099-01-01T00:00Z"],
+            "nothing to audit yet",
+        ),
         (
             ["--checkpoint", "cp", "--once", "--ignore-topic", "a"],
             "a: named in --topics and as not a delivery",
@@ -857,7 +882,8 @@ def test_flags_that_would_do_nothing_or_are_wrong_are_refused_by_name(
     more: list[str], said: str
 ) -> None:
     """Accepted and then ignored in silence: --json and --fail-on-findings by a streaming job
-    (which always exited 0), --once by an audit, a topic judged and ignored at once; and
+    (which always exited 0), --once and --checkpoint by an audit, a topic judged and ignored
+    at once; an audit not due yet, found only once Spark's session was built; and
     errors named `schema_name` or `shuffle_partitions`, no flag (found by a review of the
     job)."""
     from spark.job import build_parser, settings_from_args
