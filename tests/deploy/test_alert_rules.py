@@ -28,7 +28,7 @@ RECONCILE = (
 SCHEDULED = (*RECONCILE, "reconcile.mode=schedule")
 NS = 'namespace="default"'
 OTHER = 'namespace="other"'
-WARN = {"severity": "warning"}
+WARN = {"severity": "warning", "outbox_release": "orders"}  # the release: helm template's
 
 
 def _render(helm: str, *sets: str) -> list[dict[str, Any]]:
@@ -224,6 +224,43 @@ def test_nothing_reporting_fires_in_a_namespace_whatever_the_matchers(
             others,
             _at(11, "OutboxShardsUnowned", routed),
             _at(6, "OutboxReconcileStalled", routed),
+        ),
+    )
+
+
+def test_two_outboxes_in_one_namespace_are_told_apart_by_matchers_and_release(
+    helm: str, promtool: str, tmp_path: Path
+) -> None:
+    """Two releases in one namespace, each with matchers of its relays' job (the chart's
+    ServiceMonitor's: the Service's name). The reconciliation is scraped under a job of its own:
+    with the relays' matchers its series were never selected, and its stall fired for ever;
+    `reconcileMatchers` selects them. The alerts carry the release (`outbox_release`): the two
+    releases' alerts had the same labels, one alert to Alertmanager (found by a review)."""
+    job = 'job="orders-outbox-sidecar"'
+    sets = (
+        *RECONCILE,
+        "serviceMonitor.enabled=true",
+        f"prometheusRule.matchers={job}",
+        'prometheusRule.reconcileMatchers=job="orders-outbox-sidecar-reconcile"',
+    )
+    rules = _rules(_render(helm, *sets), tmp_path)
+    payments = 'job="payments-outbox-sidecar"'
+    _test_rules(
+        promtool,
+        rules,
+        _case(
+            {
+                # this release's relays own half the shards; the other release's, all of theirs
+                f'outbox_relay_shards_owned{{{NS}, {job}, pod="a"}}': "2+0x20",
+                f'outbox_relay_shards{{{NS}, {job}, pod="a"}}': "4+0x20",
+                f'outbox_relay_shards_owned{{{NS}, {payments}, pod="p"}}': "4+0x20",
+                f'outbox_relay_shards{{{NS}, {payments}, pod="p"}}': "4+0x20",
+                # the reconciliation judges every minute (the sample is the time of its last)
+                f"outbox_reconcile_last_judgement_timestamp_seconds{{{NS}, "
+                'job="orders-outbox-sidecar-reconcile"}': "0+60x20",
+            },
+            _at(11, "OutboxShardsUnowned", {}),  # the release's labels: see WARN
+            _at(11, "OutboxReconcileStalled"),
         ),
     )
 
