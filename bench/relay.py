@@ -2,6 +2,8 @@
 
 Side by side in one run, on the same Postgres and broker, with 1 KiB records:
   B1  a raw confluent-kafka transactional produce loop, transactions of the relay's batch size
+  B1' B1 with the Kafka work of the relay's protocol: its headers, delivery reports awaited,
+      op markers (a measure: the issue's ratio is to B1)
   B2  a raw psycopg claim-and-delete loop (FOR UPDATE SKIP LOCKED), no Kafka
   relay  `outboxctl relay` as a child process draining a backlog of the same size
 Figures: relay / min(B1, B2) (goal >= 0.6, stretch 0.8); commit-to-visible latency p50/p99 for a
@@ -9,7 +11,9 @@ read_committed consumer at half the relay's measured rate (or --latency-rate), t
 10 records, from the commit time Postgres recorded (goals <= 25 ms / <= 150 ms; reported with
 the rate the writer really reached); the relay's peak RSS (goal < 200 MB); the drop in
 throughput from a small to a large backlog (goal <= 20%); the drain with two shards whose
-transactions span both (a measure, no goal). Final line: JSON.
+transactions span both (a measure, no goal). B1, B1', B2 and the relay take turns, their order
+turned each repeat; each figure is the median of the repeats, and each repeat's own ratio is
+listed too. Final line: JSON.
 
     .venv/bin/python -m bench.relay [--records 20000] [--small 10000] [--large 1000000]
                                     [--latency-seconds 15] [--latency-rate R] [--repeat 3]
@@ -34,6 +38,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +56,16 @@ from bench._services import (
 )
 from outbox import Outbox, OutboxConfig, Record, State, _core
 from relay.config import RelaySettings
-from relay.markers import decode_markers
+from relay.markers import (
+    OUTBOX_ID_HEADER,
+    OUTBOX_NAME_HEADER,
+    OUTBOX_PRODUCER_GROUP_HEADER,
+    OUTBOX_TX_ID_HEADER,
+    Op,
+    decode_markers,
+    marker_entry,
+    marker_messages,
+)
 from relay.sharding import shard_of
 
 VALUE = os.urandom(512).hex().encode()  # 1 KiB
@@ -123,6 +137,71 @@ def b1_kafka(bootstrap: str, count: int, batch: int = BATCH) -> Timed:
         for i in range(start, min(count, start + batch)):
             producer.produce(topic, value=VALUE, key=str(i % 100).encode())
         producer.commit_transaction(60)
+    rate = count / (time.perf_counter() - started)
+    return Timed(rate, _cpu.per_record(before, _cpu.sample(), count))
+
+
+def b1_protocol(bootstrap: str, count: int, batch: int = BATCH) -> Timed:
+    """B1 with the Kafka work the relay's protocol asks for, and no relay: its four headers on
+    each record, the delivery reports awaited, and an op marker of each record in marker
+    messages on a topic of their own, in the same transaction; the relay's partitioner. Not a
+    ceiling the issue names (its ratio is to B1): it tells the protocol's cost from the relay's."""
+    topic, markers = create_topic(bootstrap), create_topic(bootstrap, partitions=1)
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "transactional.id": f"bench-{uuid.uuid4().hex}",
+            "linger.ms": 2,
+            "partitioner": "murmur2_random",
+        }
+    )
+    producer.init_transactions(30)
+    producer.begin_transaction()  # untimed, as B1's: both topics' metadata and partitions
+    producer.produce(topic, value=VALUE, key=b"warm-up")
+    producer.produce(markers, value=b"{}", key=b"0")
+    producer.commit_transaction(60)
+    landed: dict[int, tuple[int, int]] = {}
+
+    def report(outbox_id: int) -> Callable[[Any, Any], None]:
+        def on_delivery(err: Any, msg: Any) -> None:
+            if err is None:
+                landed[outbox_id] = (msg.partition(), msg.offset())
+
+        return on_delivery
+
+    outbox, commit_ts = "bench/outbox", datetime.now(UTC)
+    before = _cpu.sample()
+    started = time.perf_counter()
+    for start in range(0, count, batch):
+        producer.begin_transaction()
+        ids = range(start, min(count, start + batch))
+        for i in ids:
+            tx_id = f"fill-{i // PER_TX}".encode()
+            producer.produce(
+                topic,
+                value=VALUE,
+                key=str(i % 100).encode(),
+                headers=[
+                    (OUTBOX_ID_HEADER, str(i).encode()),
+                    (OUTBOX_TX_ID_HEADER, tx_id),
+                    (OUTBOX_PRODUCER_GROUP_HEADER, b"bench"),
+                    (OUTBOX_NAME_HEADER, outbox),
+                ],
+                on_delivery=report(i),
+            )
+        producer.flush(60)  # a marker says where its record landed
+        entries = [
+            marker_entry(
+                Op.DELIVERED, id=i, tx_id=f"fill-{i // PER_TX}", producer_group="bench",
+                topic=topic, key=str(i % 100).encode(), partition=landed[i][0],
+                offset=landed[i][1], commit_ts=commit_ts, reason=None,
+            )
+            for i in ids
+        ]  # fmt: skip
+        for message in marker_messages(entries, shard=0, relay="bench", epoch=1, outbox=outbox):
+            producer.produce(markers, value=message, key=b"0")
+        producer.commit_transaction(60)
+        landed.clear()
     rate = count / (time.perf_counter() - started)
     return Timed(rate, _cpu.per_record(before, _cpu.sample(), count))
 
@@ -578,23 +657,41 @@ def main() -> None:
 
     # This machine's broker is noisy (B1 has varied 2x between runs): each figure is the median
     # of --repeat runs, interleaved so that a slow spell hits all three alike.
+    # The order turns each repeat: a spell that slows the first or last of a repeat hits each.
     b1s: list[Timed] = []
+    b1ps: list[Timed] = []
     b2s: list[Timed] = []
     runs: list[Drain] = []
-    for _ in range(args.repeat):
-        b1s.append(b1_kafka(bootstrap, args.records, batch))
+
+    def b2_run() -> None:
         with scratch_database() as dsn:
             b2s.append(b2_postgres(dsn, args.records, batch))
+
+    def relay_run() -> None:
         with scratch_database() as dsn:
             runs.append(drain(dsn, bootstrap, args.records, batch=batch))
+
+    steps: list[Callable[[], None]] = [
+        lambda: b1s.append(b1_kafka(bootstrap, args.records, batch)),
+        lambda: b1ps.append(b1_protocol(bootstrap, args.records, batch)),
+        b2_run,
+        relay_run,
+    ]
+    for n in range(args.repeat):
+        for step in steps[n % len(steps) :] + steps[: n % len(steps)]:
+            step()
         print(
-            f"B1 {b1s[-1].rate:8.0f}/s   B2 {b2s[-1].rate:8.0f}/s   relay {runs[-1].rate:8.0f}/s "
-            f"(after its first batch {runs[-1].steady_rate:.0f}/s; {args.records} backlog, peak "
-            f"RSS {runs[-1].peak_rss_mb:.0f} MB)\n"
-            f"  CPU µs/record: B1 {b1s[-1].cpu}\n  B2 {b2s[-1].cpu}\n  relay {runs[-1].cpu}",
+            f"B1 {b1s[-1].rate:8.0f}/s   B1' {b1ps[-1].rate:8.0f}/s   B2 {b2s[-1].rate:8.0f}/s   "
+            f"relay {runs[-1].rate:8.0f}/s (after its first batch {runs[-1].steady_rate:.0f}/s; "
+            f"{args.records} backlog, peak RSS {runs[-1].peak_rss_mb:.0f} MB)\n"
+            f"  CPU µs/record: B1 {b1s[-1].cpu}\n  B1' {b1ps[-1].cpu}\n  B2 {b2s[-1].cpu}\n"
+            f"  relay {runs[-1].cpu}",
             flush=True,
         )
+    # each repeat's own ratio: how far the run-to-run noise moves the headline's
+    ratios = sorted(r.rate / min(a.rate, b.rate) for a, b, r in zip(b1s, b2s, runs, strict=True))
     b1 = statistics.median(t.rate for t in b1s)
+    b1_protocol_rate = statistics.median(t.rate for t in b1ps)
     b2 = statistics.median(t.rate for t in b2s)
     small = statistics.median(r.rate for r in runs)
     steady = statistics.median(r.steady_rate for r in runs)
@@ -651,9 +748,14 @@ def main() -> None:
                 # after its first batch: the stamping of the backlog and the first claim apart
                 "relay_steady_per_s": round(steady),
                 "ratio_relay_vs_min_b1_b2": round(small / min(b1, b2), 3),
+                "ratio_per_repeat": [round(r, 3) for r in ratios],
+                # B1 with the relay's headers and markers (b1_protocol): no goal, a measure
+                "b1_protocol_per_s": round(b1_protocol_rate),
+                "ratio_relay_vs_b1_protocol": round(small / b1_protocol_rate, 3),
                 # where each one's records cost CPU: medians per part over the runs
                 "cpu_us_per_record": {
                     "b1": median_cpu([t.cpu for t in b1s]),
+                    "b1_protocol": median_cpu([t.cpu for t in b1ps]),
                     "b2": median_cpu([t.cpu for t in b2s]),
                     "relay": median_cpu([r.cpu for r in runs]),
                 },
