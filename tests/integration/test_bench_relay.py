@@ -14,8 +14,11 @@ import psycopg
 import pytest
 
 import outbox
-from bench.relay import warmup_keys
+from bench import relay as bench_relay
+from bench.relay import b1_protocol, warmup_keys
+from relay.markers import OUTBOX_ID_HEADER, Op, decode_markers
 from relay.sharding import shard_of
+from tests.fixtures.kafka import consume_all
 
 ROOT = Path(__file__).resolve().parents[2]
 # The relays spread their shards a heartbeat or two after they meet: 1 s apart, not 5 s, here
@@ -68,7 +71,35 @@ def test_a_small_run_reports_every_figure_for_the_batch_size_asked(kafka_bootstr
         <= 1 - (large - 0.5) / (small + 0.5) + 0.0005
     )
     assert 0 < report["peak_rss_mb"] < 1000
-    assert set(report["cpu_us_per_record"]) == {"b1", "b2", "relay"}
+    assert set(report["cpu_us_per_record"]) == {"b1", "b1_protocol", "b2", "relay"}
+    assert report["b1_protocol_per_s"] > 0
+    assert len(report["ratio_per_repeat"]) == 1
+
+
+def test_b1_protocol_writes_a_marker_of_each_record_where_it_landed(kafka_bootstrap: str) -> None:
+    """B1' is said to do the Kafka work of the relay's protocol: each record with the relay's
+    headers, and a delivered marker naming the partition and offset it landed at."""
+    timed = b1_protocol(kafka_bootstrap, 250, batch=100)
+    assert timed.rate > 0
+    topic, markers = bench_relay.made_topics[-2:]
+    try:
+        landed = {
+            int(dict(m.headers() or [])[OUTBOX_ID_HEADER]): (m.partition(), m.offset())
+            for m in consume_all(kafka_bootstrap, topic, "read_committed")
+            if m.key() != b"warm-up"
+        }
+        said = [
+            marker
+            for m in consume_all(kafka_bootstrap, markers, "read_committed")
+            if m.value() != b"{}"  # the untimed warm-up's
+            for marker in decode_markers(m.value() or b"")
+        ]
+    finally:
+        bench_relay.delete_made_topics(kafka_bootstrap)
+    assert sorted(landed) == list(range(250))
+    assert {marker.op for marker in said} == {Op.DELIVERED}
+    assert {marker.id: (marker.partition, marker.offset) for marker in said} == landed
+    assert len(said) == 250
 
 
 def test_the_spanning_benchmark_compares_each_shard_count_with_its_baseline(
