@@ -100,7 +100,9 @@ def fill_outbox(dsn: str, topic: str, count: int, per_tx: int = PER_TX) -> None:
                     (producer_group, tx_id, topic, key, value, key_hash, state, committed_xid)
                 SELECT 'bench', 'fill-' || %(start)s, %(topic)s,
                        convert_to(((%(start)s + g) %% 100)::text, 'UTF8'), %(value)s,
-                       hashtextextended(((%(start)s + g) %% 100)::text, 0), 'committed',
+                       -- as publish() hashes a key: its bytes' hex
+                       hashtextextended(encode(convert_to(((%(start)s + g) %% 100)::text,
+                                                          'UTF8'), 'hex'), 0), 'committed',
                        pg_current_xact_id()
                 FROM generate_series(0, %(n)s - 1) AS g
                 """,

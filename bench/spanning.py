@@ -49,8 +49,8 @@ KEYS = [f"k{i}" for i in range(50)]
 
 
 def key_shards(dsn: str, shards: int) -> dict[str, int]:
-    """Each key's shard, by the key hash filler() writes (as bench/relay.py's fill does; not
-    publish()'s, which hashes the key's bytes: any hash spreads the keys alike)."""
+    """Each key's shard, by the key hash filler() writes (not publish()'s, which hashes the
+    key's bytes, as bench/relay.py's fill does: any hash spreads the keys alike)."""
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
             "SELECT k, hashtextextended(k, 0) FROM unnest(%s::text[]) AS k", (KEYS,)
