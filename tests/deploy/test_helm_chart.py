@@ -725,8 +725,31 @@ def test_the_dashboard_is_off_by_default(helm: str) -> None:
                     "25, 25 s",
                 ),
                 (("config=[relay]\nshutdown_grace = 'PT60S'",), 30, "PT60S, 60 s"),  # TOML's '
+                # forms that passed unchecked and outlasted the pod's 30 s (found by a review)
+                (('config=[relay]\nshutdown_grace = "P1D"',), 30, "P1D, 86400 s"),
+                (("config=relay.shutdown_grace = 60",), 30, "60, 60 s"),
+                (('config=relay = {shutdown_grace = "P0DT60S"}',), 30, "P0DT60S, 60 s"),
             ]
         ],
+        # the probes reach the sidecar's HTTP server on httpPort at every address: off, or on
+        # loopback, the liveness probe restarted the sidecar for ever (found by a review)
+        (("existingSecret=s", "env.OUTBOX_HTTP__ENABLED=false"), "env.OUTBOX_HTTP__ENABLED: "),
+        (("existingSecret=s", "env.OUTBOX_HTTP__HOST=127.0.0.1"), "env.OUTBOX_HTTP__HOST: "),
+        (("existingSecret=s", "config=[http]\nenabled = false"), "config: the http section"),
+        (("existingSecret=s", 'config=http.host = "127.0.0.1"'), "config: the http section"),
+        # spark-submit refused "%!s(int64=1024)"; a heap near the limit was OOM-killed later
+        *[
+            (("existingSecret=s", "reconcile.enabled=true", *RECONCILE, more), said)
+            for more, said in [
+                ("reconcile.driverMemory=1024", "reconcile.driverMemory: give it as a string"),
+                ("reconcile.driverMemory=4g", "reconcile.driverMemory (4g) must be at most 3/4"),
+            ]
+        ],
+        # a form the chart cannot read: refused, not left unchecked
+        (
+            ("existingSecret=s", 'config=[relay]\nshutdown_grace = "00:01:00"'),
+            'relay.shutdown_grace "00:01:00": give it as seconds or as ISO 8601',
+        ),
         *[
             (("existingSecret=s", f"config={config}"), f"config: {key} holds a secret")
             for config, key in [
@@ -845,7 +868,7 @@ def test_a_section_given_whole_in_env_without_a_secret_renders(helm: str) -> Non
         ("terminationGracePeriodSeconds=null",),  # Kubernetes' default then
         ('config=[relay]\nshutdown_grace = "PT1M30S"', "terminationGracePeriodSeconds=92"),
         ("env.OUTBOX_RELAY__SHUTDOWN_GRACE=PT5S", 'config=[relay]\nshutdown_grace = "PT1M"'),
-        ('config=[relay]\nshutdown_grace = "P1D"',),  # a form the sidecar judges, not the chart
+        ('config=[relay]\nshutdown_grace = "P0DT1M"', "terminationGracePeriodSeconds=62"),
         ("mode=sidecar", 'config=[relay]\nshutdown_grace = "PT1M"'),  # the application's pod
     ],
 )
@@ -853,6 +876,20 @@ def test_a_shutdown_grace_the_pods_termination_outlasts_is_taken(
     helm: str, sets: tuple[str, ...]
 ) -> None:
     assert render(helm, "existingSecret=s", *sets)
+
+
+def test_a_shutdown_grace_in_the_relay_section_given_whole_in_env_is_held_to_the_period(
+    helm: str,
+) -> None:
+    """OUTBOX_RELAY={"shutdown_grace": 60} was not read, and the pods' 30 s cut the stop short."""
+    out = subprocess.run(
+        [helm, "template", "orders", str(CHART), "--set", "existingSecret=s",
+         "--set-json", 'env.OUTBOX_RELAY={"shutdown_grace": 60, "shards": 2}'],
+        text=True, capture_output=True,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "terminationGracePeriodSeconds (30) must be at least 2 s above" in out.stderr
+    assert "(60, 60 s)" in out.stderr
 
 
 @pytest.mark.parametrize(
@@ -987,6 +1024,22 @@ def test_the_reconciliation_runs_as_one_writer_of_its_checkpoint_with_args_the_j
     assert not [
         k for k in docs if k.startswith(("Service/", "ServiceMonitor/")) and "reconcile" in k
     ]
+
+
+def test_the_reconciliations_spark_ui_is_off_unless_asked(helm: str) -> None:
+    """Spark's UI answered anyone reaching the pod, unauthenticated, and could kill the query's
+    jobs (found by a review of the chart); the heap is passed as given."""
+
+    def submit_args(*sets: str) -> str:
+        pod = reconcile_docs(helm, *sets)["Deployment/orders-outbox-sidecar-reconcile"]
+        (container,) = pod["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        return str(env["PYSPARK_SUBMIT_ARGS"])
+
+    assert submit_args() == "--driver-memory 1g --conf spark.ui.enabled=false pyspark-shell"
+    assert submit_args("reconcile.sparkUI=true", "reconcile.driverMemory=2g") == (
+        "--driver-memory 2g pyspark-shell"
+    )
 
 
 def test_a_service_monitor_scrapes_the_running_reconciliation_apart_from_the_relays(

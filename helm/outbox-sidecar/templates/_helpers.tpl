@@ -151,6 +151,18 @@ schema, the sidecar reading another). */}}
 {{- fail (printf "env.%s: the chart sets it from %s; set that instead" $name (get $own (upper $name))) -}}
 {{- end -}}
 {{- end -}}
+{{- /* The probes and the Service reach the sidecar's HTTP server on httpPort, on every
+address: turned off or bound to loopback, the liveness probe failed and the kubelet restarted
+the sidecar for ever (in sidecar mode, the application's pod unready each time) */ -}}
+{{- range $name, $value := .Values.env -}}
+{{- $upper := upper $name -}}
+{{- if or (eq $upper "OUTBOX_HTTP") (eq $upper "OUTBOX_HTTP__ENABLED") (and (eq $upper "OUTBOX_HTTP__HOST") (not (has (toString $value) (list "0.0.0.0" "::")))) -}}
+{{- fail (printf "env.%s: the chart's probes reach the sidecar's HTTP server on httpPort at every address (0.0.0.0, or :: as OUTBOX_HTTP__HOST); it may be neither turned off nor bound elsewhere" $name) -}}
+{{- end -}}
+{{- end -}}
+{{- if regexMatch `(?m)^[ \t]*(\[[ \t]*http[ \t]*\]|http[ \t]*(\.|=))` .Values.config -}}
+{{- fail "config: the http section is the chart's (httpPort; the probes reach the server at every address); leave it out (OUTBOX_HTTP__HOST=:: in env for IPv6)" -}}
+{{- end -}}
 {{- if regexMatch "(?m)^\\s*schema_name\\s*=" .Values.config -}}
 {{- fail "config: database.schema_name is set from migrations.schema (the hook and the sidecar use it both); set that instead" -}}
 {{- end -}}
@@ -179,32 +191,40 @@ keys of settings that hold one, bare, dotted or quoted, at a line's start or in 
 {{- end -}}
 
 {{/* The Deployment's terminationGracePeriodSeconds at least 2 s above relay.shutdown_grace
-(`env` wins over `config`; 25 s by default), when given as seconds or as ISO 8601 hours, minutes
-and seconds (other forms are the sidecar's to judge): Kubernetes killed the relay in its stop,
-before it handed its shards back, and they waited out relay.lease_duration. */}}
+(`env` wins over `config`; 25 s by default): Kubernetes killed the relay in its stop, before it
+handed its shards back, and they waited out relay.lease_duration. Found as a key of `config`
+(in [relay], dotted or in an inline table), OUTBOX_RELAY__SHUTDOWN_GRACE or the relay section
+given whole in OUTBOX_RELAY; read as seconds or ISO 8601 days, hours, minutes and seconds. A
+form the chart cannot read is refused: forms it let pass unchecked (P1D, 00:01:00) outlasted
+the pod's 30 s. */}}
 {{- define "outbox-sidecar.checkGrace" -}}
-{{- $text := regexFind `(?m)^[ \t]*shutdown_grace[ \t]*=[^\n]*` .Values.config -}}
-{{- $text = regexReplaceAll `^[ \t]*shutdown_grace[ \t]*=[ \t]*["']?([^"'#]*)["']?.*$` $text "${1}" -}}
+{{- $given := regexFind `(?m)^[^#\n]*shutdown_grace[ \t]*=[ \t]*("[^"]*"|'[^']*'|[^ \t,}#\n]+)` .Values.config -}}
+{{- $text := regexReplaceAll `^[^#\n]*shutdown_grace[ \t]*=[ \t]*` $given "" -}}
 {{- range $name, $value := .Values.env -}}
 {{- if eq (upper $name) "OUTBOX_RELAY__SHUTDOWN_GRACE" }}{{ $text = toString $value }}{{ end -}}
+{{- if eq (upper $name) "OUTBOX_RELAY" -}}
+{{- $json := include "outbox-sidecar.text" $value -}}
+{{- $found := regexFind `"shutdown_grace"\s*:\s*("[^"]*"|[^,}\s]+)` $json -}}
+{{- if $found }}{{ $text = regexReplaceAll `^"shutdown_grace"\s*:\s*` $found "" }}{{ end -}}
 {{- end -}}
-{{- /* the relay's default, when no form of the key is anywhere outside comments (a dotted
-key or an inline table the line's pattern misses: their value is the sidecar's to judge) */}}
-{{- if and (not $text) (not (regexMatch "(?m)^[^#\n]*shutdown_grace" .Values.config)) -}}
-{{- $text = "25" -}}
 {{- end -}}
-{{- $text = upper (trim $text) -}}
+{{- $text = upper (trim (trimAll `"'` (trim $text))) -}}
+{{- if not $text }}{{ $text = "25" }}{{ end -}}
 {{- $seconds := -1.0 -}}
+{{- $iso := `^P(?:([0-9]+)D)?(?:T(?:([0-9]+)H)?(?:([0-9]+)M)?(?:([0-9]+(?:[.][0-9]+)?)S)?)?$` -}}
 {{- if regexMatch `^[0-9]+([.][0-9]+)?$` $text -}}
 {{- $seconds = float64 $text -}}
-{{- else if regexMatch `^PT([0-9]+H)?([0-9]+M)?([0-9]+([.][0-9]+)?S)?$` $text -}}
-{{- $h := float64 (default "0" (regexReplaceAll `^PT(?:([0-9]+)H)?.*$` $text "${1}")) -}}
-{{- $m := float64 (default "0" (regexReplaceAll `^PT(?:[0-9]+H)?(?:([0-9]+)M)?.*$` $text "${1}")) -}}
-{{- $s := float64 (default "0" (regexReplaceAll `^PT(?:[0-9]+H)?(?:[0-9]+M)?(?:([0-9.]+)S)?$` $text "${1}")) -}}
-{{- $seconds = addf (mulf $h 3600) (mulf $m 60) $s -}}
+{{- else if and (regexMatch $iso $text) (not (has $text (list "P" "PT"))) -}}
+{{- $d := float64 (default "0" (regexReplaceAll $iso $text "${1}")) -}}
+{{- $h := float64 (default "0" (regexReplaceAll $iso $text "${2}")) -}}
+{{- $m := float64 (default "0" (regexReplaceAll $iso $text "${3}")) -}}
+{{- $s := float64 (default "0" (regexReplaceAll $iso $text "${4}")) -}}
+{{- $seconds = addf (mulf $d 86400) (mulf $h 3600) (mulf $m 60) $s -}}
+{{- else -}}
+{{- fail (printf "relay.shutdown_grace %q: give it as seconds or as ISO 8601 days, hours, minutes and seconds (e.g. PT25S, PT1M30S), so that the chart can hold terminationGracePeriodSeconds above it" $text) -}}
 {{- end -}}
 {{- $period := .Values.terminationGracePeriodSeconds -}}
-{{- if and (ge $seconds 0.0) (not (kindIs "invalid" $period)) (lt (float64 $period) (addf $seconds 2)) -}}
+{{- if and (not (kindIs "invalid" $period)) (lt (float64 $period) (addf $seconds 2)) -}}
 {{- fail (printf "terminationGracePeriodSeconds (%v) must be at least 2 s above relay.shutdown_grace (%s, %v s): Kubernetes kills the sidecar when it ends, before the relay's stop has handed its shards back and the process has exited" $period $text $seconds) -}}
 {{- end -}}
 {{- end -}}
@@ -319,6 +339,28 @@ abbreviation argparse takes, too) leaves the relations it is in to the job. */}}
 {{- end -}}
 {{- end -}}
 
+{{/* reconcile.driverMemory as Spark reads a size (a number of MiB, or with k, m, g, t), and at
+most 3/4 of the pod's memory limit: a number from a values file rendered as "%!s(int64=1024)",
+which spark-submit refused, and a heap near the limit grew into the kernel's OOM kill hours
+later (the JVM's memory outside its heap, and the Python driver's, come on top). */}}
+{{- define "outbox-sidecar.checkDriverMemory" -}}
+{{- $size := `^([0-9]+)([kKmMgGtT])?[bB]?$` -}}
+{{- if not (and (kindIs "string" .driverMemory) (regexMatch $size (toString .driverMemory))) -}}
+{{- fail (printf "reconcile.driverMemory: give it as a string Spark reads as a size (quoted, e.g. \"1g\", \"1536m\"), not %v" .driverMemory) -}}
+{{- end -}}
+{{- $units := dict "" 1048576.0 "K" 1024.0 "M" 1048576.0 "G" 1073741824.0 "T" 1099511627776.0 -}}
+{{- $heap := mulf (float64 (regexReplaceAll $size .driverMemory "${1}")) (get $units (upper (regexReplaceAll $size .driverMemory "${2}"))) -}}
+{{- $limit := toString (dig "limits" "memory" "" (.resources | default dict)) -}}
+{{- $quantity := `^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$` -}}
+{{- if regexMatch $quantity $limit -}}
+{{- $kube := dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 -}}
+{{- $bytes := mulf (float64 (regexReplaceAll $quantity $limit "${1}")) (get $kube (regexReplaceAll $quantity $limit "${2}")) -}}
+{{- if gt $heap (mulf $bytes 0.75) -}}
+{{- fail (printf "reconcile.driverMemory (%s) must be at most 3/4 of reconcile.resources.limits.memory (%s): the JVM's memory outside its heap and the Python driver's come on top, and the kernel kills the pod at the limit" .driverMemory $limit) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The reconciliation's pod (reconcile.yaml), for its Deployment or its CronJob: called with
 (dict "root" . "claim" <the checkpoint's claim>). */}}
 {{- define "outbox-sidecar.reconcilePod" -}}
@@ -326,6 +368,7 @@ abbreviation argparse takes, too) leaves the relations it is in to the job. */}}
 {{- $root := .root -}}
 {{- include "outbox-sidecar.checkReconcileArgs" $r -}}
 {{- include "outbox-sidecar.checkReconcileDurations" $r -}}
+{{- include "outbox-sidecar.checkDriverMemory" $r -}}
 metadata:
   labels: {{- include "outbox-sidecar.reconcileSelectorLabels" $root | nindent 4 }}
   {{- with $root.Values.podAnnotations }}
@@ -422,8 +465,8 @@ spec:
               key: dsn
         - name: HOME  # Spark and Java write under it; the root filesystem is read-only
           value: /tmp
-        - name: PYSPARK_SUBMIT_ARGS  # the driver's heap, set before its JVM starts
-          value: {{ printf "--driver-memory %s pyspark-shell" $r.driverMemory | quote }}
+        - name: PYSPARK_SUBMIT_ARGS  # the driver's heap and the UI, set before its JVM starts
+          value: {{ printf "--driver-memory %s%s pyspark-shell" $r.driverMemory (ternary "" " --conf spark.ui.enabled=false" $r.sparkUI) | quote }}
       {{- if eq $r.mode "continuous" }}
       ports:
         - {name: http, containerPort: {{ $r.httpPort }}}
