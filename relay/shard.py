@@ -341,15 +341,12 @@ class _Ending:
     """A batch committed in Kafka whose rows are being ended (relay/background.py)."""
 
     markers: list[Ended]
-    poison: dict[int, str]  # its records the broker refused: parked in the same transaction
     next_offset: int  # in the marker partition, past its markers
     lease_params: dict[str, Any]
     xids: list[str]  # its transactions and rows, kept out of the next claim meanwhile
     ids: list[int]
-    # Those of `xids` whose records all went (none parked by this end), and of those, the ones
-    # with rows in other shards too: what the relay's other shards count as out (OutElsewhere).
-    # A parked record's row is parked only by this end: if the end fails, recovery finds no
-    # marker of it, and it goes again later, maybe from another shard, after its key's next.
+    # Those of `xids` whose records all went (none parked), and of those, the ones with rows
+    # in other shards too: what the relay's other shards count as out (OutElsewhere).
     out: list[str]
     spanning: list[str]
     wake_relays: bool = False  # the end wakes the other relays (ShardWorker.wake_relays)
@@ -1513,6 +1510,14 @@ class ShardWorker:
             )
         _failpoints.hit(_failpoints.AFTER_PRODUCE)
         self._settle_before_commit()
+        if poison:
+            # Parked before the commit, not by the end: an end that failed left them committed,
+            # with no marker for the recovery to end them by, and a record refused here (its
+            # partition or topic missing) went out later, once they existed, after the records
+            # of its key this batch sent. A lease lost raises here: the batch is aborted.
+            self._park(conn, poison)
+            self._alone.difference_update(poison)
+            self._unknown_topic_retried.difference_update(poison)
         if waiting is not None:
             # A stop lets the commit begin: every report is in, and a commit ends the batch as
             # soon as an abort. It is given up (left to the next owner) only if it outlasts
@@ -1540,7 +1545,6 @@ class ShardWorker:
         }
         ending = _Ending(
             markers=markers,
-            poison=poison,
             next_offset=max(s.offset for s in marker_sends if s.offset is not None) + 1,
             lease_params=self._lease_params(),
             xids=[xid for tx in batch.transactions if (xid := tx[0].committed_xid)],
@@ -1592,9 +1596,9 @@ class ShardWorker:
             raise
 
     def _end_batch(self, conn: psycopg.Connection[Any], ending: _Ending) -> int:
-        """In one Postgres transaction that re-checks the lease: end the batch's rows, park the
-        records the broker refused, move the shard's marker offset past its markers. Returns
-        how many rows were changed by hand meanwhile. Thread-safe: the ender runs it."""
+        """In one Postgres transaction that re-checks the lease: end the batch's rows and move
+        the shard's marker offset past its markers (its poison was parked before its commit).
+        Returns how many rows were changed by hand meanwhile. Thread-safe: the ender runs it."""
         markers = ending.markers
         # Pipelined (2 round trips, not 5): the lease is checked before the commit, and the
         # LeaseLost it raises rolls back what was sent after it.
@@ -1613,14 +1617,12 @@ class ShardWorker:
                     "topic_id": self._marker_topic_id,
                 },
             )
-            parked = self._park(conn, ending.poison, lease_locked=True) if ending.poison else []
             if ending.wake_relays:
                 conn.execute(
                     self._q("relay_wake_relays"),
                     {"channel": wakeup_channel(self.schema), "relay_id": self.relay_id},
                 )
             self._check_lease(lease)
-        self._parked(parked)  # committed now
         changed = self._count_changed(markers, cursors)
         if changed:
             logger.warning(
@@ -1639,10 +1641,8 @@ class ShardWorker:
         """What this worker keeps about rows, once they ended (in its own thread)."""
         if self._unknown_topic_retried:
             self._unknown_topic_retried.difference_update(m.id for m in ending.markers)
-            self._unknown_topic_retried.difference_update(ending.poison)
         if self._alone:
             self._alone.difference_update(m.id for m in ending.markers)
-            self._alone.difference_update(ending.poison)
         if self._copy_refused:
             for m in ending.markers:
                 self._copy_refused.pop(m.id, None)
@@ -2079,15 +2079,11 @@ class ShardWorker:
             metrics.ERRORS.labels("changed_while_shipped").inc(changed)
         return changed
 
-    def _park(
-        self, conn: psycopg.Connection[Any], poison: dict[int, str], *, lease_locked: bool = False
-    ) -> list[tuple[list[int], str]]:
-        """Park the rows of `poison` (by id: why), and return them by reason. `lease_locked`:
-        in the caller's transaction, which reports them with _parked() once it committed (a
-        lease lost rolls it back, and "parked" was logged and counted for rows that were not)."""
+    def _park(self, conn: psycopg.Connection[Any], poison: dict[int, str]) -> None:
+        """Park the rows of `poison` (by id: why), in a transaction that checks the lease: a
+        relay that lost it must not park the heir's rows (nor say it parked them)."""
         with conn.transaction():
-            if not lease_locked:  # a relay that lost its lease must not park the heir's rows
-                self._lock_lease(conn)
+            self._lock_lease(conn)
             # By reason: a transaction's records for a missing topic share one. One statement
             # and one log line each: 80,000 such records took 30 s to park, in 80,000 lines.
             by_reason: dict[str, list[int]] = {}
@@ -2095,10 +2091,7 @@ class ShardWorker:
                 by_reason.setdefault(reason, []).append(row_id)
             for reason, ids in by_reason.items():
                 conn.execute(self._q("relay_park"), {"ids": ids, "reason": reason})
-        parked = [(ids, reason) for reason, ids in by_reason.items()]
-        if not lease_locked:
-            self._parked(parked)
-        return parked
+        self._parked([(ids, reason) for reason, ids in by_reason.items()])
 
     def _parked(self, parked: list[tuple[list[int], str]]) -> None:
         for ids, reason in parked:

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, OffsetSpec
+from confluent_kafka.admin import AdminClient, NewPartitions, OffsetSpec
 from prometheus_client import REGISTRY
 
 import outbox
@@ -134,6 +134,36 @@ def test_kill_9_at_each_point_loses_and_duplicates_nothing(
     assert_exactly_once(consume_all(kafka_bootstrap, topic, "read_committed"), expected)
     counts = delivered_markers(kafka_bootstrap, survivor.settings.relay.op_marker_topic)
     assert sorted(counts.values()) == [1] * len(expected)  # one committed marker per record
+
+
+def test_a_record_refused_before_sending_stays_parked_through_a_crash_before_the_end(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_process: Callable[..., RelayProcess],
+) -> None:
+    """A record the relay refuses before sending (its partition is missing) is parked before
+    the batch's Kafka commit. It was parked by the batch's end: killed in between, the row
+    stayed committed with no marker to end it, and once the partition existed the next relay
+    sent it after its key's later record, which had gone with the batch (found by a review)."""
+    topic = topic_factory(partitions=1)
+    with psycopg.connect(pg_dsn) as conn:
+        with conn.transaction():
+            outbox.publish(conn, topic, "poison", key="k", partition=3)  # no partition 3
+        with conn.transaction():
+            outbox.publish(conn, topic, "later", key="k")
+    doomed = relay_process(failpoint=_failpoints.AFTER_KAFKA_COMMIT, **FAST)
+    assert doomed.proc.wait(60) == -9, doomed.output()
+    with psycopg.connect(pg_dsn) as conn:
+        states = dict(conn.execute("SELECT value, state FROM outbox.outbox_record").fetchall())
+    assert states == {b"poison": "parked", b"later": "committed"}  # in doubt, in Kafka
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_partitions([NewPartitions(topic, 4)])[topic].result(30)  # it would fit now
+    survivor = relay_process(**FAST)
+    wait_for(lambda: undelivered(pg_dsn) == 0, 60, "the recovery", survivor)
+    assert survivor.terminate() == 0, survivor.output()
+    got = [m.value() for m in consume_all(kafka_bootstrap, topic, "read_committed")]
+    assert got == [b"later"]
 
 
 def test_records_a_recovery_ends_are_counted_delivered_and_ended(

@@ -342,16 +342,17 @@ def test_poison_records_are_parked_and_the_rest_goes_on(
     assert (third.delivered, third.ended, third.parked) == (0, 0, 0)
 
 
-def test_records_an_end_would_park_are_not_reported_parked_when_its_lease_is_lost(
+def test_records_a_batch_would_park_are_not_parked_nor_reported_once_its_lease_is_lost(
     pg_dsn: str,
+    kafka_bootstrap: str,
     topic_factory: Callable[..., str],
     relay_factory: Any,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The end that parks them rolls back on a lost lease: "parked" was logged and counted for
-    rows that stayed as they were."""
-    from relay.shard import LeaseLost
-
+    """A batch parks its poison before its Kafka commit, in a transaction that checks the
+    lease: a relay that lost it parks none of the heir's rows, says nothing was parked, and
+    aborts the batch (before, the end parked them, and "parked" was logged and counted for
+    rows its rolled-back end left as they were)."""
     topic = topic_factory(partitions=1)
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         outbox.publish(conn, topic, "good")
@@ -359,24 +360,24 @@ def test_records_an_end_would_park_are_not_reported_parked_when_its_lease_is_los
     relay = relay_factory()
     relay.heartbeat()
     (worker,) = relay.workers.values()
-    gate = threading.Event()
-    assert relay.ender is not None
-    relay.ender.submit(lambda _conn: gate.wait(30))
     kind = {"reason": "partition_out_of_range"}
     before = REGISTRY.get_sample_value("outbox_relay_records_parked_total", kind) or 0.0
+    real_park = worker._park
+
+    def heir_takes_the_shard_first(conn: Any, poison: dict[int, str]) -> None:
+        with psycopg.connect(pg_dsn) as other:
+            other.execute("UPDATE outbox.shard_lease SET owner = 'heir', epoch = epoch + 1")
+        real_park(conn, poison)
+
+    worker._park = heir_takes_the_shard_first  # type: ignore[method-assign]
     with caplog.at_level("WARNING", logger="relay.shard"):
-        try:
-            assert relay.run_once(pipelined=True).delivered == 1  # its end waits at the gate
-            with psycopg.connect(pg_dsn) as conn:  # another relay takes the shard meanwhile
-                conn.execute("UPDATE outbox.shard_lease SET owner = 'heir', epoch = epoch + 1")
-        finally:
-            gate.set()
-        with pytest.raises(LeaseLost):
-            worker.settle()
+        assert relay.run_once().delivered == 0
+    assert "shard 0 fenced: shard 0 (epoch 1) is no longer ours" in caplog.text
     assert not [r for r in caplog.records if "parked" in r.getMessage()]
     after = REGISTRY.get_sample_value("outbox_relay_records_parked_total", kind) or 0.0
     assert after == before
     assert sorted(r[1] for r in rows(pg_dsn)) == ["committed", "committed"]  # for the heir
+    assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == []  # aborted
 
 
 def test_a_transaction_parked_for_one_reason_is_parked_in_one_statement_and_log_line(
@@ -3416,12 +3417,13 @@ def test_what_another_shard_of_the_relay_committed_in_kafka_is_not_waited_for_un
         assert left.fetchone() == (0,)
 
 
-def test_a_transaction_with_a_record_parked_by_its_end_is_waited_for_until_that_end(
+def test_a_key_s_later_transaction_goes_once_its_earlier_one_s_record_is_parked(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
-    """Its parked record's row is parked by the end alone: if the end failed, that row would
-    go again later, maybe from another shard, after its key's next record. So the other shard
-    holds its key's later records back until the end is done."""
+    """A batch parks its poison before its Kafka commit: the key's later records, in another
+    shard, go without waiting for that batch's end. (Parked by the end, a row of an end that
+    failed stayed committed, and went later after its key's next record; so the other shard
+    held them back until the end.)"""
     topic = topic_factory(partitions=1)
     (a_key,), (b_key,) = keys_by_shard(pg_dsn, 2, 1)
     relay = relay_factory(shards=2)
@@ -3435,11 +3437,10 @@ def test_a_transaction_with_a_record_parked_by_its_end_is_waited_for_until_that_
     assert relay.ender is not None
     relay.ender.submit(lambda _conn: gate.wait(30))
     try:
-        held = relay.run_once(pipelined=True)
-        assert (held.delivered, held.held_back) == (1, True)  # T-a; the last waits for T's end
+        went = relay.run_once(pipelined=True)
+        assert (went.delivered, went.held_back) == (2, False)  # T-a, and the last: T-b parked
     finally:
         gate.set()
-    relay.run_once(pipelined=True)  # T's end parks T-b; the last goes
     relay.run_once()
     got = by_key(kafka_bootstrap, topic)
     assert got[a_key.encode()] == [b"T-a"]
@@ -3449,10 +3450,11 @@ def test_a_transaction_with_a_record_parked_by_its_end_is_waited_for_until_that_
         assert parked.fetchall() == [(b"T-b",)]
 
 
-def test_a_transaction_waits_for_the_end_of_an_earlier_one_of_its_key_with_a_parked_record(
+def test_a_transaction_waits_for_an_earlier_one_of_its_key_until_its_record_is_parked(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
-    """As above, from the other side: the home shard of a later transaction of the key waits."""
+    """As above, from the other side: the home shard of a later transaction of the key waits
+    for the earlier one's record to be parked, not for that one's end."""
     topic = topic_factory(partitions=1)
     (a_key, _), (b_key, b2_key) = keys_by_shard(pg_dsn, 2, 2)
     relay = relay_factory(shards=2)
@@ -3469,12 +3471,11 @@ def test_a_transaction_waits_for_the_end_of_an_earlier_one_of_its_key_with_a_par
     assert relay.ender is not None
     relay.ender.submit(lambda _conn: gate.wait(30))
     try:
-        assert relay.run_once(pipelined=True).delivered == 1  # P-b2; T waits for P
-        held = relay.run_once(pipelined=True)
-        assert (held.delivered, held.held_back) == (0, True)  # still, until P's end
+        assert relay.run_once(pipelined=True).delivered == 1  # P-b2 (P-b parked); T waited
+        went = relay.run_once(pipelined=True)
+        assert (went.delivered, went.held_back) == (2, False)  # P's end still waits
     finally:
         gate.set()
-    relay.run_once(pipelined=True)  # P's end parks P-b; T goes
     relay.run_once()
     assert by_key(kafka_bootstrap, topic)[b_key.encode()] == [b"T-b"]
 
