@@ -741,10 +741,24 @@ def test_the_dashboard_is_off_by_default(helm: str) -> None:
         *[
             (("existingSecret=s", "reconcile.enabled=true", *RECONCILE, more), said)
             for more, said in [
-                ("reconcile.driverMemory=1024", "reconcile.driverMemory: give it as a string"),
+                ("reconcile.driverMemory=1024", "reconcile.driverMemory: give it as a number and"),
                 ("reconcile.driverMemory=4g", "reconcile.driverMemory (4g) must be at most 3/4"),
+                # the JVM's -Xmx reads a plain number as bytes, and refuses "gb"
+                ("reconcile.driverMemory=1gb", "reconcile.driverMemory: give it as a number and"),
+                (
+                    "reconcile.resources.limits.memory=1.2Gi",
+                    "reconcile.driverMemory (1g) must be at most 3/4",
+                ),
+                ("reconcile.resources.limits.memory=lots", "limits.memory \"lots\": give it as"),
             ]
         ],
+        # quoted keys are TOML too
+        (
+            ("existingSecret=s", 'config=[relay]\n"shutdown_grace" = 60'),
+            "must be at least 2 s above relay.shutdown_grace (60, 60 s)",
+        ),
+        (("existingSecret=s", 'config=["http"]\nenabled = false'), "config: the http section"),
+        (("existingSecret=s", "config=http = {enabled = false}"), "config: the http section"),
         # a form the chart cannot read: refused, not left unchecked
         (
             ("existingSecret=s", 'config=[relay]\nshutdown_grace = "00:01:00"'),
@@ -1040,6 +1054,15 @@ def test_the_reconciliations_spark_ui_is_off_unless_asked(helm: str) -> None:
     assert submit_args("reconcile.sparkUI=true", "reconcile.driverMemory=2g") == (
         "--driver-memory 2g pyspark-shell"
     )
+    # as text (a quoted YAML value): "false" failed the render with a type error
+    sets = ["existingSecret=s", "reconcile.enabled=true", *RECONCILE]
+    out = subprocess.run(
+        [helm, "template", "orders", str(CHART), *(a for x in sets for a in ("--set", x)),
+         "--set-string", "reconcile.sparkUI=false"],
+        text=True, capture_output=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "--conf spark.ui.enabled=false pyspark-shell" in out.stdout
 
 
 def test_a_service_monitor_scrapes_the_running_reconciliation_apart_from_the_relays(

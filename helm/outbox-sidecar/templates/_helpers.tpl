@@ -160,7 +160,7 @@ the sidecar for ever (in sidecar mode, the application's pod unready each time) 
 {{- fail (printf "env.%s: the chart's probes reach the sidecar's HTTP server on httpPort at every address (0.0.0.0, or :: as OUTBOX_HTTP__HOST); it may be neither turned off nor bound elsewhere" $name) -}}
 {{- end -}}
 {{- end -}}
-{{- if regexMatch `(?m)^[ \t]*(\[[ \t]*http[ \t]*\]|http[ \t]*(\.|=))` .Values.config -}}
+{{- if regexMatch `(?m)^[ \t]*(\[[ \t]*["']?http["']?[ \t]*\]|["']?http["']?[ \t]*(\.|=[ \t]*\{))` .Values.config -}}
 {{- fail "config: the http section is the chart's (httpPort; the probes reach the server at every address); leave it out (OUTBOX_HTTP__HOST=:: in env for IPv6)" -}}
 {{- end -}}
 {{- if regexMatch "(?m)^\\s*schema_name\\s*=" .Values.config -}}
@@ -198,8 +198,8 @@ given whole in OUTBOX_RELAY; read as seconds or ISO 8601 days, hours, minutes an
 form the chart cannot read is refused: forms it let pass unchecked (P1D, 00:01:00) outlasted
 the pod's 30 s. */}}
 {{- define "outbox-sidecar.checkGrace" -}}
-{{- $given := regexFind `(?m)^[^#\n]*shutdown_grace[ \t]*=[ \t]*("[^"]*"|'[^']*'|[^ \t,}#\n]+)` .Values.config -}}
-{{- $text := regexReplaceAll `^[^#\n]*shutdown_grace[ \t]*=[ \t]*` $given "" -}}
+{{- $given := regexFind `(?m)^[^#\n]*\bshutdown_grace["']?[ \t]*=[ \t]*("[^"]*"|'[^']*'|[^ \t,}#\n]+)` .Values.config -}}
+{{- $text := regexReplaceAll `^[^#\n]*\bshutdown_grace["']?[ \t]*=[ \t]*` $given "" -}}
 {{- range $name, $value := .Values.env -}}
 {{- if eq (upper $name) "OUTBOX_RELAY__SHUTDOWN_GRACE" }}{{ $text = toString $value }}{{ end -}}
 {{- if eq (upper $name) "OUTBOX_RELAY" -}}
@@ -339,24 +339,31 @@ abbreviation argparse takes, too) leaves the relations it is in to the job. */}}
 {{- end -}}
 {{- end -}}
 
-{{/* reconcile.driverMemory as Spark reads a size (a number of MiB, or with k, m, g, t), and at
-most 3/4 of the pod's memory limit: a number from a values file rendered as "%!s(int64=1024)",
-which spark-submit refused, and a heap near the limit grew into the kernel's OOM kill hours
-later (the JVM's memory outside its heap, and the Python driver's, come on top). */}}
+{{/* reconcile.driverMemory as the JVM takes a heap (-Xmx: a number and a unit, k, m, g or t),
+and at most 3/4 of the pod's memory limit: a number from a values file rendered as
+"%!s(int64=1024)", which spark-submit refused, and a heap near the limit grew into the kernel's
+OOM kill hours later (the JVM's memory outside its heap, and the Python driver's, come on top). */}}
 {{- define "outbox-sidecar.checkDriverMemory" -}}
-{{- $size := `^([0-9]+)([kKmMgGtT])?[bB]?$` -}}
+{{- $size := `^([0-9]+)([kKmMgGtT])$` -}}
 {{- if not (and (kindIs "string" .driverMemory) (regexMatch $size (toString .driverMemory))) -}}
-{{- fail (printf "reconcile.driverMemory: give it as a string Spark reads as a size (quoted, e.g. \"1g\", \"1536m\"), not %v" .driverMemory) -}}
+{{- fail (printf "reconcile.driverMemory: give it as a number and a unit, k, m, g or t, quoted (e.g. \"1g\", \"1536m\"), not %v" .driverMemory) -}}
 {{- end -}}
-{{- $units := dict "" 1048576.0 "K" 1024.0 "M" 1048576.0 "G" 1073741824.0 "T" 1099511627776.0 -}}
+{{- $units := dict "K" 1024.0 "M" 1048576.0 "G" 1073741824.0 "T" 1099511627776.0 -}}
 {{- $heap := mulf (float64 (regexReplaceAll $size .driverMemory "${1}")) (get $units (upper (regexReplaceAll $size .driverMemory "${2}"))) -}}
-{{- $limit := toString (dig "limits" "memory" "" (.resources | default dict)) -}}
-{{- $quantity := `^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$` -}}
-{{- if regexMatch $quantity $limit -}}
+{{- $limit := dig "limits" "memory" nil (.resources | default dict) -}}
+{{- if not (kindIs "invalid" $limit) -}}
+{{- $bytes := -1.0 -}}
+{{- $quantity := `^([0-9]+(?:[.][0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$` -}}
+{{- if or (kindIs "float64" $limit) (kindIs "int64" $limit) (kindIs "int" $limit) -}}
+{{- $bytes = float64 $limit -}}
+{{- else if regexMatch $quantity (toString $limit) -}}
 {{- $kube := dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 -}}
-{{- $bytes := mulf (float64 (regexReplaceAll $quantity $limit "${1}")) (get $kube (regexReplaceAll $quantity $limit "${2}")) -}}
+{{- $bytes = mulf (float64 (regexReplaceAll $quantity (toString $limit) "${1}")) (get $kube (regexReplaceAll $quantity (toString $limit) "${2}")) -}}
+{{- else -}}
+{{- fail (printf "reconcile.resources.limits.memory %q: give it as a quantity the chart can hold reconcile.driverMemory to (e.g. 3Gi, 2.5Gi, 3000M)" (toString $limit)) -}}
+{{- end -}}
 {{- if gt $heap (mulf $bytes 0.75) -}}
-{{- fail (printf "reconcile.driverMemory (%s) must be at most 3/4 of reconcile.resources.limits.memory (%s): the JVM's memory outside its heap and the Python driver's come on top, and the kernel kills the pod at the limit" .driverMemory $limit) -}}
+{{- fail (printf "reconcile.driverMemory (%s) must be at most 3/4 of reconcile.resources.limits.memory (%v): the JVM's memory outside its heap and the Python driver's come on top, and the kernel kills the pod at the limit" .driverMemory $limit) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -466,7 +473,7 @@ spec:
         - name: HOME  # Spark and Java write under it; the root filesystem is read-only
           value: /tmp
         - name: PYSPARK_SUBMIT_ARGS  # the driver's heap and the UI, set before its JVM starts
-          value: {{ printf "--driver-memory %s%s pyspark-shell" $r.driverMemory (ternary "" " --conf spark.ui.enabled=false" $r.sparkUI) | quote }}
+          value: {{ printf "--driver-memory %s%s pyspark-shell" $r.driverMemory (ternary "" " --conf spark.ui.enabled=false" (eq (toString $r.sparkUI) "true")) | quote }}
       {{- if eq $r.mode "continuous" }}
       ports:
         - {name: http, containerPort: {{ $r.httpPort }}}
