@@ -192,6 +192,9 @@ def b1_protocol(bootstrap: str, count: int, batch: int = BATCH) -> Timed:
                 on_delivery=report(i),
             )
         producer.flush(60)  # a marker says where its record landed
+        unreported = [i for i in ids if i not in landed]
+        if unreported:
+            raise RuntimeError(f"B1': records {unreported[:5]}... not delivered")
         entries = [
             marker_entry(
                 Op.DELIVERED, id=i, tx_id=f"fill-{i // PER_TX}", producer_group="bench",
@@ -658,7 +661,7 @@ def main() -> None:
     atexit.register(delete_made_topics, bootstrap)  # on an exception too
 
     # This machine's broker is noisy (B1 has varied 2x between runs): each figure is the median
-    # of --repeat runs, interleaved so that a slow spell hits all three alike.
+    # of --repeat runs, interleaved so that a slow spell hits each alike.
     # The order turns each repeat: a spell that slows the first or last of a repeat hits each.
     b1s: list[Timed] = []
     b1ps: list[Timed] = []
@@ -690,7 +693,7 @@ def main() -> None:
             f"  relay {runs[-1].cpu}",
             flush=True,
         )
-    # each repeat's own ratio: how far the run-to-run noise moves the headline's
+    # each repeat's own ratio (sorted): how far the run-to-run noise moves the headline's
     ratios = sorted(r.rate / min(a.rate, b.rate) for a, b, r in zip(b1s, b2s, runs, strict=True))
     b1 = statistics.median(t.rate for t in b1s)
     b1_protocol_rate = statistics.median(t.rate for t in b1ps)
