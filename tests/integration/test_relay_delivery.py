@@ -2558,7 +2558,10 @@ def test_an_end_that_postgres_ends_to_break_a_deadlock_is_made_again(
     worker.settle()  # raises if the end failed
     assert not worker.needs_recovery
     after = REGISTRY.get_sample_value("outbox_relay_errors_total", {"kind": "end_deadlock"})
-    assert (after or 0.0) == (deadlocks or 0.0) + 1
+    # Once, mostly; twice at times: the ended end's rows are free, but the other session must
+    # wake to lock X, and the end made again can lock it first, closing the cycle once more
+    # (a run of the relay tests saw 2). Either way it ended without a recovery, in its attempts.
+    assert 1 <= (after or 0.0) - (deadlocks or 0.0) <= shard_module.END_DEADLOCK_ATTEMPTS - 1
     assert rows(pg_dsn) == []
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"x", b"y"]
 
