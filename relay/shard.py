@@ -346,7 +346,9 @@ class _Ending:
     xids: list[str]  # its transactions and rows, kept out of the next claim meanwhile
     ids: list[int]
     # Those of `xids` whose records all went (none parked), and of those, the ones with rows
-    # in other shards too: what the relay's other shards count as out (OutElsewhere).
+    # in other shards too: what the relay's other shards count as out (OutElsewhere). One
+    # with a parked record is left out, as when the end parked it: the other shards wait for
+    # its end, a wait at most, now that its poison is parked before its Kafka commit.
     out: list[str]
     spanning: list[str]
     wake_relays: bool = False  # the end wakes the other relays (ShardWorker.wake_relays)
@@ -790,6 +792,7 @@ class ShardWorker:
         xid8; see _claimed_past). `limit`: how many rows of this shard pick the transactions
         (the batch size when None). `out_elsewhere`: see _out_elsewhere. Thread-safe: reads
         no state that changes but the dead-letter topic's back-off (a float: see _taken).
+        Raises LeaseLost if the lease was taken and it read discarded rows (see _taken).
 
         A transaction that must wait (another shard sends it, or an earlier row of one of its
         keys is still to go out from another shard) is held back, and so is every later one
@@ -897,12 +900,15 @@ class ShardWorker:
             # as long as the topic refused their copies. Left out here, not in _ship only: a
             # claim ahead must not leave them unmarked for a _ship the block has ended by.
             return [r for r in ended if r.state != "discarded"]
-        taken = {
-            int(i)
-            for (i,) in conn.execute(
-                self._q("shipping_mark"), {"ids": pgarray.integers(discarded)}, prepare=False
-            ).fetchall()
-        }
+        marking = conn.execute(
+            self._q("shipping_mark"),
+            {"ids": pgarray.integers(discarded), **self._lease_params()},
+            prepare=False,
+        ).fetchone()
+        held, marked = marking if marking is not None else (False, [])
+        if not held:  # the heir's rows now: its recovery unmarked what it does not ship
+            raise LeaseLost(f"shard {self.shard} (epoch {self.lease.epoch}) is no longer ours")
+        taken = {int(i) for i in marked}
         if len(taken) < len(discarded):
             logger.info(
                 "shard %s: discarded records %s not shipped now: an operator is changing them, "

@@ -365,15 +365,29 @@ ORDER BY id;
 -- taken to ship (their dead-letter copies and op markers): re-arm and resolve refuse them from
 -- then on. Under the rows' locks: one a command holds is skipped (it ships in a later round if
 -- it is still discarded), and one a command changed meanwhile is not discarded any more.
-UPDATE {schema}.outbox_record AS r
-SET shipping_since = coalesce(r.shipping_since, now())
-FROM (
-    SELECT id FROM {schema}.outbox_record
-    WHERE id = ANY(%(ids)s::bigint[]) AND state = 'discarded' AND ended_at IS NULL
-    FOR UPDATE SKIP LOCKED
-) AS taken
-WHERE r.id = taken.id
-RETURNING r.id;
+-- Only while the shard's lease is this relay's (`held`): a relay that had lost it (its claim
+-- made ahead, running on) marked the heir's rows after the heir's recovery had unmarked them,
+-- and re-arm and resolve refused them until the heir shipped them. Returns whether the lease
+-- is held, and the ids marked. The share lock waits for an end of this shard's (its lease
+-- FOR UPDATE) to commit: a claim made ahead that read discarded rows waits for the end of the
+-- batch before it (rare: a round that ships discarded records).
+WITH held AS (
+    SELECT 1 FROM {schema}.shard_lease
+    WHERE shard = %(shard)s AND owner = %(owner)s AND epoch = %(epoch)s
+    FOR SHARE
+), marked AS (
+    UPDATE {schema}.outbox_record AS r
+    SET shipping_since = coalesce(r.shipping_since, now())
+    FROM (
+        SELECT id FROM {schema}.outbox_record
+        WHERE id = ANY(%(ids)s::bigint[]) AND state = 'discarded' AND ended_at IS NULL
+          AND EXISTS (SELECT 1 FROM held)
+        FOR UPDATE SKIP LOCKED
+    ) AS taken
+    WHERE r.id = taken.id
+    RETURNING r.id
+)
+SELECT EXISTS (SELECT 1 FROM held), coalesce(array_agg(id), '{{}}'::bigint[]) FROM marked;
 
 -- name: shipping_unmark
 -- At recovery, once the shard's producers are fenced (its own initialised, which aborts any

@@ -4215,6 +4215,33 @@ def test_a_relay_that_lost_its_lease_does_not_fence_the_new_owner(
     assert values(consume_all(kafka_bootstrap, topic, "read_committed")) == [b"after the hand-over"]
 
 
+def test_a_relay_that_lost_its_lease_does_not_mark_the_heirs_discarded_records(
+    pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
+) -> None:
+    """A claim marks the discarded records it takes to ship (re-arm and resolve refuse them
+    from then on). A relay whose lease was taken marked the heir's, after the heir's recovery
+    had unmarked them: refused to operators until the heir shipped them (found by a review)."""
+    from relay.shard import LeaseLost
+
+    topic = topic_factory()
+    relay = relay_factory()
+    relay.run_once()  # owns shard 0
+    written = discarded(pg_dsn, topic, "the heir's to ship")
+    with psycopg.connect(pg_dsn) as conn:  # taken meanwhile; the relay does not know yet
+        conn.execute("UPDATE outbox.shard_lease SET owner = 'heir', epoch = epoch + 1")
+    (stale,) = relay.workers.values()
+    with pytest.raises(LeaseLost):
+        stale.deliver_once(relay.conn, None)
+    with psycopg.connect(pg_dsn) as conn:
+        (marked,) = conn.execute(
+            "SELECT shipping_since FROM outbox.outbox_record WHERE tx_id = %s", (written.tx_id,)
+        ).fetchone() or (None,)
+    assert marked is None
+    assert rearm_or_resolve(pg_dsn, "rearm", written.tx_id) == "done"
+    dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
+    assert dead == []
+
+
 def test_a_fenced_producer_whose_lease_is_still_ours_recovers_instead_of_idling(
     pg_dsn: str, kafka_bootstrap: str, topic_factory: Callable[..., str], relay_factory: Any
 ) -> None:
