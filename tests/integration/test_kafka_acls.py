@@ -27,7 +27,7 @@ from relay.config import SidecarSettings
 from relay.service import Relay, RelayConfigError
 from relay.shard import DeadLetterUnwritable
 from tests.fixtures.kafka import TIMEOUT_S, SaslListener, consume_all
-from tests.fixtures.relay import TAKEN_SINCE, discarded, taken_to_ship
+from tests.fixtures.relay import TAKEN_SINCE, discarded, shipping_since, taken_to_ship
 from tests.integration.test_relay_delivery import markers, rearm_or_resolve, rows, values
 
 pytestmark = pytest.mark.integration
@@ -275,11 +275,7 @@ def test_a_shards_first_recovery_leaves_the_marks_it_cannot_check(
     with pytest.raises(DeadLetterUnwritable):
         relay.run_once()
     assert "taken by the relay to ship" in rearm_or_resolve(pg_dsn, "rearm", written.tx_id)
-    with psycopg.connect(pg_dsn) as conn:
-        (since,) = conn.execute(
-            "SELECT shipping_since FROM outbox.outbox_record WHERE tx_id = %s", (written.tx_id,)
-        ).fetchone() or (None,)
-    assert since == TAKEN_SINCE  # kept: not unmarked, and not taken anew
+    assert shipping_since(pg_dsn, written.tx_id) == TAKEN_SINCE  # kept: not unmarked, nor anew
 
 
 def _a_batch_in_doubt(relay: Relay, pg_dsn: str, topic: str, value: str) -> None:

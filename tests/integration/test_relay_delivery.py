@@ -52,7 +52,7 @@ from relay.shard import STOP_ABORT_S, DeadLetterUnwritable, ShardWorker
 from relay.status import outbox_status
 from tests.fixtures.kafka import consume_all, java_murmur2
 from tests.fixtures.postgres import GrantedRoles
-from tests.fixtures.relay import as_role, discarded
+from tests.fixtures.relay import as_role, discarded, shipping_since
 
 
 def values(msgs: list[Message]) -> list[bytes]:
@@ -4129,11 +4129,7 @@ def test_a_discarded_record_is_not_taken_while_the_dead_letter_topic_is_backed_o
     written = discarded(pg_dsn, topic, "kept for the operator")
     worker._dead_letter_blocked_until = time.monotonic() + 60
     assert relay.run_once().ended == 0
-    with psycopg.connect(pg_dsn) as conn:
-        (marked,) = conn.execute(
-            "SELECT shipping_since FROM outbox.outbox_record WHERE tx_id = %s", (written.tx_id,)
-        ).fetchone() or (None,)
-    assert marked is None
+    assert shipping_since(pg_dsn, written.tx_id) is None
     assert rearm_or_resolve(pg_dsn, "rearm", written.tx_id) == "done"
     worker._dead_letter_blocked_until = 0.0
     assert relay.run_once().ended == 0  # prepared again: nothing to end
@@ -4232,11 +4228,7 @@ def test_a_relay_that_lost_its_lease_does_not_mark_the_heirs_discarded_records(
     (stale,) = relay.workers.values()
     with pytest.raises(LeaseLost):
         stale.deliver_once(relay.conn, None)
-    with psycopg.connect(pg_dsn) as conn:
-        (marked,) = conn.execute(
-            "SELECT shipping_since FROM outbox.outbox_record WHERE tx_id = %s", (written.tx_id,)
-        ).fetchone() or (None,)
-    assert marked is None
+    assert shipping_since(pg_dsn, written.tx_id) is None
     assert rearm_or_resolve(pg_dsn, "rearm", written.tx_id) == "done"
     dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
     assert dead == []
