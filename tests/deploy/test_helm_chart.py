@@ -749,7 +749,7 @@ def test_the_dashboard_is_off_by_default(helm: str) -> None:
                     "reconcile.resources.limits.memory=1.2Gi",
                     "reconcile.driverMemory (1g) must be at most 3/4",
                 ),
-                ("reconcile.resources.limits.memory=lots", "limits.memory \"lots\": give it as"),
+                ("reconcile.resources.limits.memory=lots", 'limits.memory "lots": give it as'),
             ]
         ],
         # quoted keys are TOML too
