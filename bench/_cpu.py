@@ -127,6 +127,15 @@ def per_record(before: CpuSample, after: CpuSample, records: int) -> dict[str, f
     return out
 
 
+def work_us(per_record_cpu: dict[str, float]) -> float:
+    """The CPU a record cost the stack, from per_record(): every part but `other` (work outside
+    the run, a build's say) and the idle cores. The bench process's own `bench` part counts: it
+    is where a baseline's client does its work."""
+    return round(
+        sum(v for k, v in per_record_cpu.items() if k.endswith("_us") and k != "other_us"), 1
+    )
+
+
 def busy_elsewhere(seconds: float = 1.0, top: int = 3) -> tuple[float, list[str]]:
     """Cores spent on `other` (see sample()) over `seconds`, and the names of the `top`
     processes that spent the most of it, their children ended meanwhile included (a build's

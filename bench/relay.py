@@ -724,6 +724,7 @@ def main() -> None:
         with scratch_database() as dsn:
             backlog_small.append(drain(dsn, bootstrap, args.small, batch=batch))
     small_backlog = statistics.median(d.rate for d in backlog_small)
+    small_backlog_steady = statistics.median(d.steady_rate for d in backlog_small)
     delete_made_topics(bootstrap)
     with scratch_database() as dsn:
         large_run = drain(dsn, bootstrap, args.large, batch=batch)
@@ -734,12 +735,20 @@ def main() -> None:
         *(d.peak_rss_mb for d in backlog_small),
     ]
     print(
-        f"relay, backlog {args.small}: {small_backlog:.0f}/s, backlog {args.large}: {large:.0f}/s "
+        f"relay, backlog {args.small}: {small_backlog:.0f}/s ({small_backlog_steady:.0f}/s after "
+        f"its first batch), backlog {args.large}: {large:.0f}/s "
         f"({large_run.steady_rate:.0f}/s after its first batch, which went out "
         f"{large_run.first_batch_s:.1f} s after its go; peak RSS {rss_large:.0f} MB)",
         flush=True,
     )
 
+    # The CPU a record cost the whole stack (our process, Postgres, the broker): a relay does
+    # B1's Kafka work and B2's Postgres work, and on a machine they saturate, the rate it can
+    # reach is bounded by their sum; above 1, it costs more than its two halves together.
+    work = {
+        name: statistics.median(_cpu.work_us(t.cpu) for t in timed)
+        for name, timed in (("b1", b1s), ("b1_protocol", b1ps), ("b2", b2s), ("relay", runs))
+    }
     print(
         json.dumps(
             {
@@ -764,6 +773,11 @@ def main() -> None:
                     "b2": median_cpu([t.cpu for t in b2s]),
                     "relay": median_cpu([r.cpu for r in runs]),
                 },
+                "cpu_work_us_per_record": {k: round(v, 1) for k, v in work.items()},
+                "cpu_relay_vs_b1_plus_b2": round(work["relay"] / (work["b1"] + work["b2"]), 3),
+                "cpu_relay_vs_b1_protocol_plus_b2": round(
+                    work["relay"] / (work["b1_protocol"] + work["b2"]), 3
+                ),
                 "latency_rate_per_s": round(lat_rate),
                 "latency_rate_achieved_per_s": round(lat.achieved_per_s),
                 # false: the writer fell behind, and the percentiles are of a lighter load
@@ -780,6 +794,12 @@ def main() -> None:
                 "large_backlog": args.large,
                 "relay_large_backlog_per_s": round(large),
                 "throughput_drop_small_to_large": round(1 - large / small_backlog, 3),
+                # the same after each drain's first batch: without the fixed costs (the go, the
+                # stamping, the first claim), a larger share of a small drain than a large one's
+                "relay_small_backlog_steady_per_s": round(small_backlog_steady),
+                "throughput_drop_steady": round(
+                    1 - large_run.steady_rate / small_backlog_steady, 3
+                ),
                 "relay_large_backlog_steady_per_s": round(large_run.steady_rate),
                 "large_backlog_first_batch_s": round(large_run.first_batch_s, 1),
                 "goals": {

@@ -22,6 +22,7 @@ from bench._cpu import (
     processes,
     sample,
     warn_if_busy,
+    work_us,
 )
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc only")
@@ -251,3 +252,10 @@ def test_a_process_busy_outside_the_stack_is_named(tmp_path: Path) -> None:
         os.kill(spinner, signal.SIGKILL)
     assert cores >= 0.5
     assert "busy-spinner" in busiest
+
+
+def test_work_is_every_part_of_the_stack_but_other_and_idle() -> None:
+    cpu = {"bench_us": 10.0, "relay_us": 50.0, "postgres_us": 30.5, "broker_us": 20.0,
+           "other_us": 400.0, "idle_cores": 1.5}  # fmt: skip
+    assert work_us(cpu) == 110.5
+    assert work_us({"idle_cores": 2.0}) == 0.0
