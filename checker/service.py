@@ -70,6 +70,7 @@ from relay.dbconnect import (
     own_transaction_mode,
 )
 from relay.dbprobe import DatabaseProbe
+from relay.http import CHECK_WITHIN_S, gather
 
 if TYPE_CHECKING:
     from relay.config import SidecarSettings
@@ -1005,7 +1006,9 @@ class Checker:
     def ready(self) -> dict[str, Any]:
         """What /readyz reports. ``ready`` needs the database only: an endpoint that is down is
         the producer's problem and must not take the sidecar (and its pod) out of service."""
-        database = self._db_probe.reachable()
+        database = gather(
+            {"database": self._db_probe.reachable}, CHECK_WITHIN_S, late=lambda _: False
+        )["database"]
         return {
             "ready": database and not self._closed,
             "database": database,

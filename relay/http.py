@@ -28,38 +28,60 @@ HEAD_DEADLINE_S = 10.0
 MAX_CONNECTIONS = 32
 IDLE_AFTER_S = 0.5  # a connection waiting this long for its request may be cut to make room
 _head_watchdog = Watchdog("probes-watchdog")
+# /readyz answers within READY_WITHIN_S, under the chart's readiness probe timeout (5 s): a part
+# that has not answered by then is reported not ready, and said late. A part's own checks (the
+# database, the broker) get CHECK_WITHIN_S, so that the one not reachable is named first.
+READY_WITHIN_S = 4.0
+CHECK_WITHIN_S = 3.0
 
 Alive = Callable[[], bool]
 Ready = Callable[[], dict[str, Any]]
 T = TypeVar("T")
 
 
-def gather(checks: Mapping[str, Callable[[], T]]) -> dict[str, T]:
+def gather(
+    checks: Mapping[str, Callable[[], T]],
+    within_s: float | None = None,
+    late: Callable[[str], T] | None = None,
+) -> dict[str, T]:
     """Each check on a thread of its own, all waited for: in an outage each may wait a connect
     timeout or two, and one after another /readyz took 20-30 s to answer, well past a kubelet's
-    probe timeout. A check's exception is raised after all have ended. Daemon threads: a check
-    stuck past the process's end does not hold it up."""
-    if len(checks) <= 1:
+    probe timeout. A check's exception is raised once all have ended. Daemon threads: a check
+    stuck past the process's end does not hold it up.
+    With `within_s`, a check not ended by then is given `late(name)` (without `late`,
+    TimeoutError), and an exception of one that ended is raised then: a probe must answer
+    before its client gives up, and the database's own waits (a connect timeout, 10 s by
+    default) ran past the kubelet's timeout, which then said only that the probe timed out,
+    not what was not reachable."""
+    if len(checks) <= 1 and within_s is None:
         return {name: check() for name, check in checks.items()}
     results: dict[str, T] = {}
-    failures: list[BaseException] = []
+    failures: dict[str, BaseException] = {}  # in the order they failed
 
     def run(name: str, check: Callable[[], T]) -> None:
         try:
             results[name] = check()
         except BaseException as exc:  # raised in the caller's thread below
-            failures.append(exc)
+            failures[name] = exc
 
-    threads = [
-        threading.Thread(target=run, args=item, name=f"probe-{item[0]}", daemon=True)
-        for item in checks.items()
-    ]
-    for thread in threads:
+    threads = {
+        name: threading.Thread(target=run, args=(name, check), name=f"probe-{name}", daemon=True)
+        for name, check in checks.items()
+    }
+    for thread in threads.values():
         thread.start()
-    for thread in threads:
-        thread.join()
-    if failures:
-        raise failures[0]
+    deadline = None if within_s is None else time.monotonic() + within_s
+    for thread in threads.values():
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    ended = {name for name, thread in threads.items() if not thread.is_alive()}
+    failed = [exc for name, exc in list(failures.items()) if name in ended]
+    if failed:
+        raise failed[0]
+    if len(ended) < len(checks):
+        if late is None:
+            unended = ", ".join(sorted(set(checks) - ended))
+            raise TimeoutError(f"not ended within {within_s:g} s: {unended}")
+        return {name: results[name] if name in ended else late(name) for name in checks}
     return {name: results[name] for name in checks}
 
 
@@ -82,10 +104,14 @@ class ProbeServer:
         settings: tuple[str, str] = ("http.port", "http.host"),
         head_deadline_s: float = HEAD_DEADLINE_S,
         max_connections: int = MAX_CONNECTIONS,
+        ready_within_s: float = READY_WITHIN_S,
     ):
         self.alive = alive
         self.ready = ready
         probes = self
+
+        def _late(name: str) -> dict[str, Any]:
+            return {"ready": False, "late": f"no answer within {ready_within_s:g} s"}
 
         class Handler(BaseHTTPRequestHandler):
             timeout = head_deadline_s  # each read and write; the watch bounds the head in all
@@ -124,7 +150,7 @@ class ProbeServer:
                     status = {name: check() for name, check in probes.alive.items()}
                     self._send(200 if all(status.values()) else 503, status)
                 elif path == "/readyz":
-                    report = gather(probes.ready)
+                    report = gather(probes.ready, ready_within_s, _late)
                     ok = all(r.get("ready", False) for r in report.values())
                     self._send(200 if ok else 503, report)
                 elif path == "/metrics":

@@ -36,7 +36,7 @@ from relay.background import BackgroundConnection
 from relay.config import LIBRDKAFKA_MESSAGE_MAX_BYTES, SidecarSettings, marker_size_refused
 from relay.dbconnect import bound_idle_time, dead_peer_options, own_transaction_mode
 from relay.dbprobe import DatabaseProbe
-from relay.http import gather
+from relay.http import CHECK_WITHIN_S, gather
 from relay.kafka import (
     Fenced,
     OutcomeUnknown,
@@ -1236,7 +1236,11 @@ class Relay:
     def ready(self) -> dict[str, Any]:
         """What /readyz reports; `ready` needs the database, the broker, and the relay's
         setup (its topics made and its settings checked) done: until then it delivers nothing."""
-        reached = gather({"database": self._db_probe.reachable, "broker": self.topics.reachable})
+        reached = gather(
+            {"database": self._db_probe.reachable, "broker": self.topics.reachable},
+            CHECK_WITHIN_S,
+            late=lambda _: False,
+        )
         database, broker = reached["database"], reached["broker"]
         return {
             "ready": database and broker and self._set_up,

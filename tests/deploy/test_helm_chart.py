@@ -16,6 +16,7 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
+from relay.http import READY_WITHIN_S
 from spark.job import EXIT_FINDINGS
 from tests.fixtures.helm import CHART, ROOT, app_chart, pod_specs, render
 
@@ -77,6 +78,8 @@ def test_standalone_runs_relays_with_probes_a_grace_period_and_a_migration_hook(
     assert container["args"] == ["run"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # /readyz answers within READY_WITHIN_S, saying what is late, before the kubelet gives up
+    assert container["readinessProbe"]["timeoutSeconds"] > READY_WITHIN_S
     assert pod["terminationGracePeriodSeconds"] > 25  # above relay.shutdown_grace (PT25S)
     assert pod["enableServiceLinks"] is False  # Services' OUTBOX_..._SERVICE_HOST and such
     # the Service reaches the container's port by the name it has

@@ -15,6 +15,7 @@ from psycopg.conninfo import make_conninfo
 
 from outbox import Outbox
 from relay.dbprobe import DatabaseProbe
+from relay.http import CHECK_WITHIN_S, READY_WITHIN_S
 from relay.kafka import CLIENT_LOGGER, Topics
 from relay.service import Relay
 
@@ -173,6 +174,24 @@ def test_a_relays_database_and_broker_are_probed_at_once(
     relay.topics.reachable = broker_noted  # type: ignore[method-assign]
     report = relay.ready()
     assert (report["database"], report["broker"]) == (True, True)
+
+
+def test_a_relays_database_check_that_does_not_answer_in_time_says_unreachable(
+    relay_factory: Callable[..., Relay],
+) -> None:
+    """Its own waits (a connect timeout, 10 s by default) ran past the kubelet's probe timeout
+    (5 s), which then said only that the probe timed out: the report names the database."""
+    relay = relay_factory()
+    release = threading.Event()
+    relay._db_probe.reachable = lambda: release.wait(30)  # type: ignore[method-assign]
+    try:
+        began = time.monotonic()
+        report = relay.ready()
+        took = time.monotonic() - began
+    finally:
+        release.set()
+    assert (report["ready"], report["database"], report["broker"]) == (False, False, True)
+    assert CHECK_WITHIN_S <= took < READY_WITHIN_S
 
 
 def test_the_brokers_probe_asks_for_no_topics_metadata(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -111,6 +112,69 @@ def test_gather_raises_a_checks_failure_after_all_have_ended() -> None:
     assert ended.is_set()
     assert gather({"one": lambda: 1}) == {"one": 1}
     assert gather({}) == {}
+
+
+def test_gather_within_a_deadline_gives_a_late_check_its_stand_in() -> None:
+    """The database's own waits (a connect timeout, 10 s by default) ran past the kubelet's
+    probe timeout: a check not ended within the deadline is answered for, the others kept."""
+    release = threading.Event()
+    try:
+        started = time.monotonic()
+        answer = gather(
+            {"database": lambda: release.wait(30), "broker": lambda: True},
+            0.3,
+            late=lambda name: f"{name} late",
+        )
+        took = time.monotonic() - started
+        assert answer == {"database": "database late", "broker": True}
+        assert list(answer) == ["database", "broker"]  # in the checks' order
+        assert took < 10
+        with pytest.raises(TimeoutError, match=re.escape("not ended within 0.2 s: database")):
+            gather({"database": lambda: release.wait(30), "broker": lambda: True}, 0.2)
+        # alone, it still runs on a thread of its own: the deadline holds for one check too
+        assert gather({"database": lambda: release.wait(30)}, 0.2, late=lambda _: False) == {
+            "database": False
+        }
+    finally:
+        release.set()
+
+
+def test_gather_within_a_deadline_raises_the_failure_of_a_check_that_ended() -> None:
+    release = threading.Event()
+
+    def fails() -> bool:
+        raise RuntimeError("probe broke")
+
+    try:
+        with pytest.raises(RuntimeError, match="probe broke"):
+            gather({"late": lambda: release.wait(30), "fails": fails}, 0.3, late=lambda _: False)
+    finally:
+        release.set()
+
+
+def test_readyz_answers_within_its_deadline_with_the_part_that_did_not() -> None:
+    """Past the kubelet's timeout the kubelet said only that the probe timed out."""
+    release = threading.Event()
+    server = ProbeServer(
+        "127.0.0.1",
+        0,
+        alive={},
+        ready={"relay": lambda: {"ready": release.wait(30)}, "checker": lambda: {"ready": True}},
+        ready_within_s=0.5,
+    )
+    server.start()
+    try:
+        code, body = get(server.port, "/readyz")
+        assert (code, json.loads(body)) == (
+            503,
+            {
+                "relay": {"ready": False, "late": "no answer within 0.5 s"},
+                "checker": {"ready": True},
+            },
+        )
+    finally:
+        release.set()
+        server.stop()
 
 
 def _connected(port: int) -> socket.socket:
@@ -228,7 +292,9 @@ def test_at_the_connection_cap_with_every_request_being_answered_a_new_one_is_re
         answering.release()
         return {"ready": release.wait(30)}
 
-    server = ProbeServer("127.0.0.1", 0, alive={}, ready={"relay": slow}, max_connections=2)
+    server = ProbeServer(
+        "127.0.0.1", 0, alive={}, ready={"relay": slow}, max_connections=2, ready_within_s=60
+    )
     server.start()
     waiting = [threading.Thread(target=get, args=(server.port, "/readyz")) for _ in range(2)]
     try:

@@ -123,7 +123,7 @@ chart, to run one relay in each of its pods (add the volumes of outbox-sidecar.v
   readinessProbe:
     httpGet: {path: /readyz, port: outbox-http}
     periodSeconds: 5
-    timeoutSeconds: 5
+    timeoutSeconds: 5  {{- /* above relay/http.py's READY_WITHIN_S: /readyz says what is late */}}
   {{- end }}
   resources: {{- toYaml .Values.resources | nindent 4 }}
   securityContext: {{- toYaml .Values.securityContext | nindent 4 }}
