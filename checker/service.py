@@ -70,7 +70,7 @@ from relay.dbconnect import (
     own_transaction_mode,
 )
 from relay.dbprobe import DatabaseProbe
-from relay.http import CHECK_WITHIN_S, gather
+from relay.http import CHECK_WITHIN_S, InFlight, gather
 
 if TYPE_CHECKING:
     from relay.config import SidecarSettings
@@ -247,6 +247,7 @@ class Checker:
         # psycopg.connect's, beyond the DSN (DatabaseSettings.connect_options: a pooler's needs)
         self._connect_options = dict(connect_options or {})
         self._db_probe = DatabaseProbe(self._connect, wait_s=connect_timeout_s)
+        self._ready_checks = InFlight()  # /readyz's check still running
         self._clock = clock or utc_now
         # Scheduled by the database's clock: created_at and the other checkers' leases are its
         # times. By this host's, a host 6 s ahead cut the check immunity by 6 s, and two hosts
@@ -1007,7 +1008,10 @@ class Checker:
         """What /readyz reports. ``ready`` needs the database only: an endpoint that is down is
         the producer's problem and must not take the sidecar (and its pod) out of service."""
         database = gather(
-            {"database": self._db_probe.reachable}, CHECK_WITHIN_S, late=lambda _: False
+            {"database": self._db_probe.reachable},
+            CHECK_WITHIN_S,
+            late=lambda _: False,
+            in_flight=self._ready_checks,
         )["database"]
         return {
             "ready": database and not self._closed,

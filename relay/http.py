@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, wait
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar, cast
 
@@ -39,10 +40,41 @@ Ready = Callable[[], dict[str, Any]]
 T = TypeVar("T")
 
 
+class InFlight:
+    """Checks still running, by name. A probe that finds its check still running from an earlier
+    probe waits for that one (within its own deadline) instead of starting another: a check stuck
+    past its probe's deadline (a connect to a host that does not answer, a JVM that stalls) holds
+    one thread however often it is probed, not one more per probe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, Future[Any]] = {}
+
+    def start(self, name: str, check: Callable[[], T]) -> Future[T]:
+        with self._lock:
+            running = self._running.get(name)
+            if running is not None and not running.done():
+                return running
+            future: Future[T] = Future()
+            self._running[name] = future
+        threading.Thread(
+            target=_settle, args=(future, check), name=f"probe-{name}", daemon=True
+        ).start()
+        return future
+
+
+def _settle(future: Future[T], check: Callable[[], T]) -> None:
+    try:
+        future.set_result(check())
+    except BaseException as exc:  # raised in the thread that waits for it
+        future.set_exception(exc)
+
+
 def gather(
     checks: Mapping[str, Callable[[], T]],
     within_s: float | None = None,
     late: Callable[[str], T] | None = None,
+    in_flight: InFlight | None = None,
 ) -> dict[str, T]:
     """Each check on a thread of its own, all waited for: in an outage each may wait a connect
     timeout or two, and one after another /readyz took 20-30 s to answer, well past a kubelet's
@@ -52,37 +84,24 @@ def gather(
     TimeoutError), and an exception of one that ended is raised then: a probe must answer
     before its client gives up, and the database's own waits (a connect timeout, 10 s by
     default) ran past the kubelet's timeout, which then said only that the probe timed out,
-    not what was not reachable."""
+    not what was not reachable. `in_flight`: the caller's checks still running, shared with
+    its earlier calls (see InFlight)."""
     if len(checks) <= 1 and within_s is None:
         return {name: check() for name, check in checks.items()}
-    results: dict[str, T] = {}
-    failures: dict[str, BaseException] = {}  # in the order they failed
-
-    def run(name: str, check: Callable[[], T]) -> None:
-        try:
-            results[name] = check()
-        except BaseException as exc:  # raised in the caller's thread below
-            failures[name] = exc
-
-    threads = {
-        name: threading.Thread(target=run, args=(name, check), name=f"probe-{name}", daemon=True)
-        for name, check in checks.items()
-    }
-    for thread in threads.values():
-        thread.start()
-    deadline = None if within_s is None else time.monotonic() + within_s
-    for thread in threads.values():
-        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-    ended = {name for name, thread in threads.items() if not thread.is_alive()}
-    failed = [exc for name, exc in list(failures.items()) if name in ended]
-    if failed:
-        raise failed[0]
+    running = in_flight or InFlight()
+    futures = {name: running.start(name, check) for name, check in checks.items()}
+    wait(futures.values(), timeout=within_s)
+    ended = {name for name, future in futures.items() if future.done()}
+    for name in ended:
+        failure = futures[name].exception()
+        if failure is not None:
+            raise failure
     if len(ended) < len(checks):
         if late is None:
             unended = ", ".join(sorted(set(checks) - ended))
             raise TimeoutError(f"not ended within {within_s:g} s: {unended}")
-        return {name: results[name] if name in ended else late(name) for name in checks}
-    return {name: results[name] for name in checks}
+        return {name: futures[name].result() if name in ended else late(name) for name in checks}
+    return {name: futures[name].result() for name in checks}
 
 
 class ProbeServerUnavailable(OSError):
@@ -109,6 +128,8 @@ class ProbeServer:
         self.alive = alive
         self.ready = ready
         probes = self
+
+        in_flight = InFlight()
 
         def _late(name: str) -> dict[str, Any]:
             return {"ready": False, "late": f"no answer within {ready_within_s:g} s"}
@@ -150,7 +171,7 @@ class ProbeServer:
                     status = {name: check() for name, check in probes.alive.items()}
                     self._send(200 if all(status.values()) else 503, status)
                 elif path == "/readyz":
-                    report = gather(probes.ready, ready_within_s, _late)
+                    report = gather(probes.ready, ready_within_s, _late, in_flight)
                     ok = all(r.get("ready", False) for r in report.values())
                     self._send(200 if ok else 503, report)
                 elif path == "/metrics":

@@ -36,7 +36,7 @@ from relay.background import BackgroundConnection
 from relay.config import LIBRDKAFKA_MESSAGE_MAX_BYTES, SidecarSettings, marker_size_refused
 from relay.dbconnect import bound_idle_time, dead_peer_options, own_transaction_mode
 from relay.dbprobe import DatabaseProbe
-from relay.http import CHECK_WITHIN_S, gather
+from relay.http import CHECK_WITHIN_S, InFlight, gather
 from relay.kafka import (
     Fenced,
     OutcomeUnknown,
@@ -223,6 +223,7 @@ class Relay:
             lambda: self._connect(autocommit=True),
             wait_s=self.settings.database.connect_timeout_s,
         )
+        self._ready_checks = InFlight()  # /readyz's checks still running
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it
         # is stamped (see _stamp)
         self._next_full_stamp = 0.0
@@ -1240,6 +1241,7 @@ class Relay:
             {"database": self._db_probe.reachable, "broker": self.topics.reachable},
             CHECK_WITHIN_S,
             late=lambda _: False,
+            in_flight=self._ready_checks,
         )
         database, broker = reached["database"], reached["broker"]
         return {

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from relay.http import ProbeServer, gather
+from relay.http import InFlight, ProbeServer, gather
 from tests.fixtures.http import get
 
 
@@ -152,6 +152,33 @@ def test_gather_within_a_deadline_raises_the_failure_of_a_check_that_ended() -> 
         release.set()
 
 
+def test_a_check_still_running_from_an_earlier_probe_is_waited_for_not_started_again() -> None:
+    """Each probe past its deadline left its check's thread behind: a client probing often a
+    check that hangs (a JVM that stalls) grew the threads without bound."""
+    release = threading.Event()
+    calls: list[int] = []
+
+    def stuck() -> bool:
+        calls.append(1)
+        return release.wait(30)
+
+    in_flight = InFlight()
+    try:
+        for _ in range(3):
+            assert gather({"db": stuck}, 0.1, lambda _: "late", in_flight) == {"db": "late"}
+        assert len(calls) == 1
+        release.set()
+        assert gather({"db": stuck}, 10, lambda _: "late", in_flight) == {"db": True}
+        assert len(calls) in (1, 2)  # the one still running, or one started after it ended
+        release.clear()
+        calls.clear()
+        # ended: the next probe checks anew
+        assert gather({"db": lambda: calls.append(1) or True}, 10, None, in_flight) == {"db": True}
+        assert calls == [1]
+    finally:
+        release.set()
+
+
 def test_readyz_answers_within_its_deadline_with_the_part_that_did_not() -> None:
     """Past the kubelet's timeout the kubelet said only that the probe timed out."""
     release = threading.Event()
@@ -284,13 +311,18 @@ def test_a_connection_cut_to_make_room_is_not_answered_once_its_input_ends(
 
 
 def test_at_the_connection_cap_with_every_request_being_answered_a_new_one_is_refused(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     release, answering = threading.Event(), threading.Semaphore(0)
 
     def slow() -> dict[str, Any]:  # an outage's readiness check, waiting a connect timeout
-        answering.release()
         return {"ready": release.wait(30)}
+
+    def gather_noted(*args: Any) -> Any:  # both requests wait for the one check still running
+        answering.release()
+        return gather(*args)
+
+    monkeypatch.setattr("relay.http.gather", gather_noted)
 
     server = ProbeServer(
         "127.0.0.1", 0, alive={}, ready={"relay": slow}, max_connections=2, ready_within_s=60
