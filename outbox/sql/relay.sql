@@ -360,6 +360,12 @@ FROM (
 WHERE bytes_before < %(max_bytes)s
 ORDER BY id;
 
+-- name: shipping_mark_waits
+-- Right before shipping_mark, the claim's last statement: its share lock of the lease waits for
+-- the end of the shard's batch before to commit (seconds, for a large one), and a role's
+-- lock_timeout failed the claim there.
+SELECT set_config('lock_timeout', '0', true);
+
 -- name: shipping_mark
 -- Of the discarded rows relay_unmarked read, those still discarded and not ended, marked as
 -- taken to ship (their dead-letter copies and op markers): re-arm and resolve refuse them from

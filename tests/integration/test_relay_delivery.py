@@ -27,7 +27,7 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 from prometheus_client import REGISTRY
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import SecretStr
 
 import outbox
@@ -4076,6 +4076,46 @@ def test_a_discarded_record_the_relay_is_shipping_is_neither_rearmed_nor_resolve
     assert [m.op.value for m in markers(kafka_bootstrap, relay)] == ["discarded"]
     kept = [(state, ended) for _, state, _, ended, *_ in rows(pg_dsn)]
     assert kept == ([] if retention == "PT0S" else [("discarded", True)])
+
+
+def test_a_claim_that_ships_discarded_rows_waits_for_an_end_whatever_the_roles_lock_timeout(
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    relay_factory: Any,
+    relay_settings: Callable[..., SidecarSettings],
+) -> None:
+    """The claim's shipping mark takes the lease's share lock, which the end of the shard's batch
+    before holds until it commits (seconds, for a large one): a role's lock_timeout failed the
+    claim there. Here another session holds the lease's lock, as an end does, past it."""
+    topic = topic_factory()
+    impatient = make_conninfo(pg_dsn, options="-c lock_timeout=100ms")
+    # no heartbeat in the timed round: its renewal would wait for the lock first
+    settings = relay_settings(heartbeat_interval="PT60S", lease_duration="PT180S")
+    relay = relay_factory(as_role(settings, impatient))
+    relay.run_once()  # set up, shard 0 taken
+    written = discarded(pg_dsn, topic, "a")
+    done: list[RelayRound] = []
+    with psycopg.connect(pg_dsn) as end:
+        end.execute("SELECT 1 FROM outbox.shard_lease WHERE shard = 0 FOR UPDATE")
+        round_ = threading.Thread(target=lambda: done.append(relay.run_once()))
+        round_.start()
+
+        def marking_waits() -> bool:  # the one session here that can wait for a lock
+            row = end.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchone()
+            return bool(row and row[0])
+
+        wait_for(marking_waits)
+        round_.join(0.5)  # five times the role's lock_timeout
+        assert round_.is_alive()
+    round_.join(30)
+    assert [r.ended for r in done] == [1]
+    dead = consume_all(kafka_bootstrap, relay.settings.relay.dead_letter_topic, "read_committed")
+    assert values(dead) == [b"a"]
+    assert [m.id for m in markers(kafka_bootstrap, relay)] == list(written.ids)
 
 
 def test_a_relay_started_before_the_shipping_claims_migration_marks_once_it_ran(
