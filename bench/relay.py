@@ -742,13 +742,18 @@ def main() -> None:
         flush=True,
     )
 
-    # The CPU a record cost the whole stack (our process, Postgres, the broker): a relay does
-    # B1's Kafka work and B2's Postgres work, and on a machine they saturate, the rate it can
-    # reach is bounded by their sum; above 1, it costs more than its two halves together.
+    # The CPU a record cost the whole stack (the client or relay, Postgres, the broker). A relay
+    # does B1's Kafka work and B2's Postgres work: where the cores are all busy, its rate is at
+    # most cores / its CPU per record, so above 1 here it cannot reach min(B1, B2) however it
+    # overlaps them. None where /proc is not there to read.
     work = {
-        name: statistics.median(_cpu.work_us(t.cpu) for t in timed)
+        name: statistics.median(_cpu.work_us(t.cpu, measuring=name == "relay") for t in timed)
         for name, timed in (("b1", b1s), ("b1_protocol", b1ps), ("b2", b2s), ("relay", runs))
     }
+
+    def cpu_ratio(halves: float) -> float | None:
+        return round(work["relay"] / halves, 3) if halves > 0 else None
+
     print(
         json.dumps(
             {
@@ -774,10 +779,8 @@ def main() -> None:
                     "relay": median_cpu([r.cpu for r in runs]),
                 },
                 "cpu_work_us_per_record": {k: round(v, 1) for k, v in work.items()},
-                "cpu_relay_vs_b1_plus_b2": round(work["relay"] / (work["b1"] + work["b2"]), 3),
-                "cpu_relay_vs_b1_protocol_plus_b2": round(
-                    work["relay"] / (work["b1_protocol"] + work["b2"]), 3
-                ),
+                "cpu_relay_vs_b1_plus_b2": cpu_ratio(work["b1"] + work["b2"]),
+                "cpu_relay_vs_b1_protocol_plus_b2": cpu_ratio(work["b1_protocol"] + work["b2"]),
                 "latency_rate_per_s": round(lat_rate),
                 "latency_rate_achieved_per_s": round(lat.achieved_per_s),
                 # false: the writer fell behind, and the percentiles are of a lighter load
@@ -794,8 +797,10 @@ def main() -> None:
                 "large_backlog": args.large,
                 "relay_large_backlog_per_s": round(large),
                 "throughput_drop_small_to_large": round(1 - large / small_backlog, 3),
-                # the same after each drain's first batch: without the fixed costs (the go, the
-                # stamping, the first claim), a larger share of a small drain than a large one's
+                # the same after each drain's first batch, a measure, not the goal's figure: it
+                # leaves out the go, the first claim and the stamping of the backlog's commit
+                # times, which grows with the backlog (a million rows: ~30-60 s before the first
+                # batch), so it flatters the large backlog
                 "relay_small_backlog_steady_per_s": round(small_backlog_steady),
                 "throughput_drop_steady": round(
                     1 - large_run.steady_rate / small_backlog_steady, 3

@@ -258,4 +258,5 @@ def test_work_is_every_part_of_the_stack_but_other_and_idle() -> None:
     cpu = {"bench_us": 10.0, "relay_us": 50.0, "postgres_us": 30.5, "broker_us": 20.0,
            "other_us": 400.0, "idle_cores": 1.5}  # fmt: skip
     assert work_us(cpu) == 110.5
+    assert work_us(cpu, measuring=True) == 100.5  # the bench's poll of a relay's drain: not work
     assert work_us({"idle_cores": 2.0}) == 0.0
