@@ -48,7 +48,7 @@ from checker._manual import (
 )
 from outbox import SchemaError
 from outbox.checkback import TransactionStatus
-from relay.cli_database import connect
+from relay.cli_database import connect, url_not_another_database
 from relay.signals import StopOnSignals
 
 logger = logging.getLogger(__name__)
@@ -327,7 +327,8 @@ def _cmd_parked(args: argparse.Namespace) -> int:
                 "takes nothing): not dropped; run it again once they have one",
                 file=sys.stderr,
             )
-        elif not results and not args.json:
+            return 1  # not done: a script must not take it for done (--json lists only those)
+        if not results and not args.json:
             print(f"no record is parked for topic {args.topic}")
     elif not results and not args.json:
         print(f"no record is parked for topic {args.topic}")
@@ -342,6 +343,8 @@ def _cmd_checker(args: argparse.Namespace) -> int:
     database: dict[str, Any] = {}
     dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")  # as the other commands take it
     if dsn:
+        if not args.dsn:  # and refuse it as they do: it would check another database's rows
+            url_not_another_database(dsn, args.config)
         database["dsn"] = dsn
     if args.schema_given:  # else the settings decide
         database["schema_name"] = args.schema

@@ -50,15 +50,14 @@ def command_schema(args: argparse.Namespace) -> str:
 
 def command_dsn(args: argparse.Namespace) -> str:
     """--dsn, else OUTBOX_DATABASE_URL, else the sidecar's own database setting (so that
-    `kubectl exec ... -- outboxctl status` works in the sidecar's container as it is). A
-    --config whose settings name another database than OUTBOX_DATABASE_URL is refused: the
-    variable, left in a shell, won over the file named on the command line, while the file's
-    schema was used, and `migrate --config prod.toml` upgraded that schema in another database."""
+    `kubectl exec ... -- outboxctl status` works in the sidecar's container as it is). A config
+    file's settings that name another database than OUTBOX_DATABASE_URL are refused
+    (url_not_another_database)."""
     dsn = args.dsn or os.environ.get("OUTBOX_DATABASE_URL")
     if dsn:
         parse_dsn(str(dsn), "--dsn" if args.dsn else "OUTBOX_DATABASE_URL")
-        if not args.dsn and getattr(args, "config", None):
-            _refuse_two_databases(str(dsn), args.config)
+        if not args.dsn:
+            url_not_another_database(str(dsn), getattr(args, "config", None))
         return str(dsn)
     database, why = database_settings(getattr(args, "config", None))
     if database is None or database.dsn is None:
@@ -70,15 +69,26 @@ def command_dsn(args: argparse.Namespace) -> str:
     return database.dsn.get_secret_value()
 
 
-def _refuse_two_databases(url: str, config_file: str) -> None:
-    database, _ = database_settings(config_file)
+def url_not_another_database(url: str, config_file: str | None) -> None:
+    """Refuses OUTBOX_DATABASE_URL where a config file is given (`config_file`, else
+    $OUTBOX_CONFIG_FILE) and the settings with it name another database: the variable, left in a
+    shell, won over the file's DSN while the file's schema was used, and `migrate --config
+    prod.toml` upgraded that schema in another database; a file given by $OUTBOX_CONFIG_FILE
+    was not checked at all. Without a file the variable wins over the environment's setting,
+    as documented. Another role on the same database is no conflict."""
+    named = config_file or os.environ.get("OUTBOX_CONFIG_FILE")
+    if not named:
+        return
+    database, _ = database_settings(named)
     if database is None or database.dsn is None:
-        return  # the file names no database: the variable's is the only one
+        return  # the settings name no database: the variable's is the only one
     configured = database.dsn.get_secret_value()
-    if conninfo_to_dict(configured) != conninfo_to_dict(url):
+    if where(configured) != where(url):
+        source = "--config" if config_file else "$OUTBOX_CONFIG_FILE"
         raise SystemExit(
-            f"outboxctl: --config's settings name the database {where(configured)} and "
-            f"OUTBOX_DATABASE_URL names {where(url)}: pass --dsn, or unset one of them"
+            f"outboxctl: the settings of {source} ({named}) name the database "
+            f"{where(configured)} and OUTBOX_DATABASE_URL names {where(url)}: pass --dsn, or "
+            "unset one of them"
         )
 
 

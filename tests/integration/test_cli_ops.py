@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 import outbox
 from outbox import State
@@ -101,6 +102,36 @@ def test_a_config_file_naming_another_database_than_the_url_variable_is_refused(
     config.write_text(f'[database]\ndsn = "{pg_dsn}"\nschema_name = "from_config"\n')
     assert main(["migrate", "--config", str(config)]) == 0
     assert f"schema from_config in {where(pg_dsn)}: already at" in capsys.readouterr().out
+
+
+def test_a_config_file_given_by_its_variable_is_checked_against_the_url_variable_too(
+    pg_dsn: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Only a --config typed on the command line was checked: with $OUTBOX_CONFIG_FILE (the
+    sidecar container's, or a shell's) and OUTBOX_DATABASE_URL naming another database, the
+    commands, `outboxctl checker` too, worked there with the file's schema."""
+    other = "postgresql://postgres:s3cret@127.0.0.1:1/prod_from_config"
+    config = tmp_path / "prod.toml"
+    config.write_text(f'[database]\ndsn = "{other}"\nschema_name = "from_config"\n')
+    monkeypatch.setenv("OUTBOX_CONFIG_FILE", str(config))
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", pg_dsn)
+    for argv in (["migrate"], ["checker", "--once", "--json"]):
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        said = str(refused.value.code)
+        assert f"the settings of $OUTBOX_CONFIG_FILE ({config}) name the database" in said
+        assert "127.0.0.1:1/prod_from_config" in said
+        assert "s3cret" not in said
+    assert not schema_exists(pg_dsn, "from_config")
+    # another role on the same database is the same database
+    same = make_conninfo(pg_dsn, user="someone_else", password="other")
+    config.write_text(f'[database]\ndsn = "{same}"\nschema_name = "from_config"\n')
+    assert main(["migrate"]) == 0
+    assert schema_exists(pg_dsn, "from_config")
+    capsys.readouterr()
 
 
 def schema_exists(dsn: str, schema: str) -> bool:
