@@ -98,7 +98,8 @@ async def _abort_after_cancel(conn: psycopg.AsyncConnection[Any]) -> None:
     not written, twice on a retry. Aborting the transaction makes a cancelled call mean one
     thing whatever its timing: nothing of it commits. Already aborted (the server cancelled
     the statement), or outside a transaction (autocommit), there is nothing to do. In
-    pipeline mode the statement below is queued like any other (checked by hand only)."""
+    pipeline mode the statement below is queued like any other, and fails the caller's next
+    Sync (test_async_cancel.py)."""
     if conn.closed or conn.info.transaction_status != PgTxStatus.INTRANS:
         return
     abort = asyncio.ensure_future(conn.execute(_ABORT))

@@ -29,13 +29,19 @@ class SlowReplies:
     def __init__(self) -> None:
         self.delay = 0.0
         self.then_silent = False  # after the reply held back, none more: a network gone quiet
+        # held back only once the client has sent this (a statement of the call's own, not
+        # the Sync it makes first)
+        self.once_sent: bytes | None = None
+        self._sent = False
 
     async def _pipe(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, held: bool
     ) -> None:
         try:
             while data := await reader.read(65536):
-                if held and self.delay:
+                if not held and self.once_sent is not None and self.once_sent in data:
+                    self._sent = True
+                if held and self.delay and (self.once_sent is None or self._sent):
                     await asyncio.sleep(self.delay)
                     if self.then_silent:
                         self.delay = 3600.0
@@ -112,6 +118,41 @@ def test_a_publish_timed_out_after_the_server_ran_it_commits_nothing(pg_dsn: str
     status, retried = asyncio.run(main())
     assert status == TransactionStatus.INERROR
     assert "roll it back" in retried
+    assert asyncio.run(count(pg_dsn)) == 1  # only the one published after
+
+
+def test_a_publish_in_pipeline_mode_timed_out_after_the_server_ran_it_commits_nothing(
+    pg_dsn: str,
+) -> None:
+    """The same in pipeline mode (checked by hand only before): the abort is queued like any
+    other statement, and its error comes at the caller's next Sync, the block's commit, which
+    then commits nothing. By then psycopg has read the cancelled statement's end: the status
+    reads INTRANS, not the ACTIVE of statements still queued."""
+    records = [Record("orders", {"n": i}, key=str(i)) for i in range(50)]
+    box = AsyncOutbox(producer_group=GROUP)
+
+    async def main() -> str:
+        proxy = SlowReplies()
+        ended = "committed"
+        async with proxy.serving(pg_dsn) as dsn, await psycopg.AsyncConnection.connect(dsn) as conn:
+            try:
+                async with conn.pipeline(), conn.transaction():
+                    await conn.execute("SELECT 1")  # the business rows
+                    # the call's own Sync answered at once, its INSERT's reply held back
+                    proxy.delay, proxy.once_sent = 1.0, b"INSERT INTO"
+                    with pytest.raises(TimeoutError):
+                        async with asyncio.timeout(0.3):
+                            await box.publish_many(conn, records)
+                    proxy.delay = 0.0
+                    # the caller goes on: its block commits
+            except psycopg.Error as exc:
+                ended = str(exc)
+            async with conn.transaction():  # the connection goes on
+                await box.publish(conn, "orders", "after", key="a")
+        return ended
+
+    said = asyncio.run(main())
+    assert "roll it back" in said
     assert asyncio.run(count(pg_dsn)) == 1  # only the one published after
 
 
