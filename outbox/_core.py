@@ -342,7 +342,10 @@ def end(
         return Transition(group, tx_id, to_state, changed=True, ids=tuple(r[0] for r in rows))
     states = yield queries.query("transaction_states", schema), params
     current = tuple(str(s) for s, _count in states)
-    if not current and ids:
+    # Given its records, a prepared one left means end_transaction found none of them in the
+    # transaction (else it had moved them all): they are another transaction's. Said as
+    # "its records are prepared, and only prepared records can change" before.
+    if ids and (not current or State.PREPARED.value in current):
         raise UnknownTransactionError(
             f"tx id {tx_id!r} of producer group {group!r} holds none of records "
             f"{min(ids)}..{max(ids)}: ended and removed already, or never its (a later "

@@ -165,6 +165,17 @@ def test_an_end_for_a_record_no_longer_held_leaves_a_later_transaction_of_the_tx
     assert states(pg_dsn, tx_id) == ["committed"]
 
 
+def test_an_end_given_another_transactions_records_says_they_are_not_its(pg_dsn: str) -> None:
+    """The records of another prepared transaction, given by mistake, were refused with "its
+    records are prepared, and only prepared records can change"."""
+    mine, other = prepared(pg_dsn, 1), prepared(pg_dsn, 1)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for end in (outbox.commit, outbox.rollback):
+            with pytest.raises(outbox.UnknownTransactionError, match="holds none of records"):
+                end(conn, mine.tx_id, record_ids=other.ids)
+    assert states(pg_dsn, mine.tx_id) == states(pg_dsn, other.tx_id) == ["prepared"]
+
+
 @pytest.mark.parametrize("record_ids", [5, "12", [], [True], [0], [1.0]])
 def test_record_ids_that_are_no_records_ids_are_refused(pg_dsn: str, record_ids: Any) -> None:
     written = prepared(pg_dsn, 1)
