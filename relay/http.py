@@ -92,8 +92,8 @@ def gather(
     futures = {name: running.start(name, check) for name, check in checks.items()}
     wait(futures.values(), timeout=within_s)
     ended = {name for name, future in futures.items() if future.done()}
-    for name in ended:
-        failure = futures[name].exception()
+    for name in checks:  # in the checks' order, whichever failed first
+        failure = futures[name].exception() if name in ended else None
         if failure is not None:
             raise failure
     if len(ended) < len(checks):
