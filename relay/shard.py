@@ -900,7 +900,7 @@ class ShardWorker:
             # as long as the topic refused their copies. Left out here, not in _ship only: a
             # claim ahead must not leave them unmarked for a _ship the block has ended by.
             return [r for r in ended if r.state != "discarded"]
-        conn.execute(self._q("shipping_mark_waits"))  # in the claim's pipeline: no round trip
+        conn.execute(self._q("relay_shipping_mark_waits"))  # in the claim's pipeline: no round trip
         marking = conn.execute(
             self._q("shipping_mark"),
             {"ids": pgarray.integers(discarded), **self._lease_params()},

@@ -360,7 +360,7 @@ FROM (
 WHERE bytes_before < %(max_bytes)s
 ORDER BY id;
 
--- name: shipping_mark_waits
+-- name: relay_shipping_mark_waits
 -- Right before shipping_mark, the claim's last statement: its share lock of the lease waits for
 -- the end of the shard's batch before to commit (seconds, for a large one), and a role's
 -- lock_timeout failed the claim there.
