@@ -49,6 +49,7 @@ from checker._manual import (
 from outbox import SchemaError
 from outbox.checkback import TransactionStatus
 from relay.cli_database import connect, url_not_another_database
+from relay.records import shown
 from relay.signals import StopOnSignals
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def _print(args: argparse.Namespace, result: ManualResult) -> None:
     if args.json:
         print(json.dumps(result.as_dict()))
         return
-    where = f"tx {result.tx_id} of producer group {result.producer_group}"
+    where = f"tx {shown(result.tx_id)} of producer group {result.producer_group}"
     if result.action == "drop" and not result.changed:
         ids = ", ".join(map(str, result.record_ids))
         print(f"{where}: would drop {len(result.record_ids)} parked record(s): {ids} (dry run)")
@@ -309,10 +310,18 @@ def _cmd_parked(args: argparse.Namespace) -> int:
     # Each transaction is said as it is done: if one fails (busy, say), those before it are
     # done already, and the operator must see which.
     done: list[ManualResult] = []
-    say = done.append if args.json else lambda result: _print(args, result)
+
+    def say(result: ManualResult) -> None:
+        done.append(result)
+        if not args.json:
+            _print(args, result)
+            sys.stdout.flush()  # a pipe's buffer held them: a closed reader was found at exit
+
     results = None
     try:
         results = _connected(args, lambda conn: of_topic(conn, args, say))
+    except BrokenPipeError:
+        return _output_closed(args, len(done))
     finally:
         if args.json and (done or results is not None):  # on an error, what went before it
             print(json.dumps([r.as_dict() for r in done]))
@@ -333,6 +342,25 @@ def _cmd_parked(args: argparse.Namespace) -> int:
     elif not results and not args.json:
         print(f"no record is parked for topic {args.topic}")
     return 0
+
+
+def _output_closed(args: argparse.Namespace, done: int) -> int:
+    """The reader of a topic's run went away (`| head`): the transaction whose line could not
+    be written was done, and the run stopped there. Said on stderr: else the operator took the
+    lines shown for all that was done, or for all there was."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as relay.cli.main
+    did = (
+        "listed (dry run)"
+        if args.dry_run
+        else {"redrive": "redriven", "drop": "dropped"}[args.command]
+    )
+    print(
+        f"outboxctl {args.command}: the output was closed: stopped after {done} "
+        f"transaction(s) of topic {args.topic} {did}, not all of them shown; the rest are "
+        "untouched (run it again for them)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _cmd_checker(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -604,6 +606,62 @@ def test_redrive_of_a_topic_stopped_by_a_busy_transaction_says_which_went_before
         assert out.startswith(f"tx {first_tx} of producer group")
         assert busy_tx not in out
     assert (state(pg_dsn, first_tx), state(pg_dsn, busy_tx)) == ("committed", "parked")
+
+
+@pytest.mark.parametrize("command", ["redrive", "drop"])
+def test_a_topics_run_whose_reader_went_away_stops_and_says_so(pg_dsn: str, command: str) -> None:
+    """`outboxctl redrive --topic X | head -1`: it stopped at the first line it could not
+    write, exit 1, and said nothing; the operator took the line shown for all that was done.
+    Each line goes out as its transaction is done, so the stop comes at the next one."""
+    (_, first, *_), (_, second, *_), (_, third, *_) = (
+        parked(pg_dsn, "billing.missing") for _ in range(3)
+    )
+    holder = psycopg.connect(pg_dsn)
+    holder.execute("SELECT id FROM outbox.outbox_record WHERE tx_id = %s FOR UPDATE", (second,))
+    argv = ["--dsn", pg_dsn, "--topic", "billing.missing", "--actor", "erin", "--reason", "r"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "relay.cli", command, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        try:
+            assert proc.stdout.readline().startswith(f"tx {first} of producer group")
+            proc.stdout.close()  # the reader goes away while the second one waits for its lock
+            holder.close()
+            err = proc.stderr.read()
+            assert proc.wait(30) == 1
+        finally:
+            holder.close()
+            if proc.poll() is None:
+                proc.kill()
+    done = "redriven" if command == "redrive" else "dropped"
+    assert f"stopped after 2 transaction(s) of topic billing.missing {done}" in err
+    assert "Traceback" not in err
+    left = {"redrive": "committed", "drop": None}[command]
+    for tx_id in (first, second):
+        assert {s for _, s in rows_of(pg_dsn, tx_id)} == ({left} if left else set())
+    assert state(pg_dsn, third) == "parked"  # untouched
+
+
+def test_a_topics_run_shows_a_stored_tx_id_with_its_control_characters_escaped(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tx id written by another writer (SQL) with a terminal escape or a newline in it: said
+    as it was, it could fake lines of the run's output."""
+    _, tx_id, *_ = parked(pg_dsn, "billing.missing")
+    odd = "a\nb\x1b[2J"
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("UPDATE outbox.outbox_record SET tx_id = %s WHERE tx_id = %s", (odd, tx_id))
+    argv = ["--dsn", pg_dsn, "--topic", "billing.missing", "--actor", "erin", "--reason", "r"]
+    assert main(["redrive", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tx a\\nb\\x1b[2J of producer group")
+    assert out.count("\n") == 1
+    assert "\x1b" not in out
+    assert state(pg_dsn, odd) == "committed"
 
 
 def test_redrive_of_a_topic_waits_out_a_moments_lock_and_passes_one_redriven_meanwhile(
