@@ -318,7 +318,7 @@ class Relay:
                 f"the relay's database role may not read which transactions run and when they "
                 f"committed ({exc.diag.message_primary}): it orders records by commit time. "
                 "Grant it EXECUTE ON FUNCTION pg_stat_get_activity(integer), pg_prepared_xact(), "
-                "pg_xact_commit_timestamp(xid)"
+                "pg_xact_commit_timestamp(xid), pg_current_snapshot(), pg_snapshot_xip(pg_snapshot)"
             ) from exc
         finally:
             self.conn.rollback()

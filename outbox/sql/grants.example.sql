@@ -25,9 +25,10 @@ GRANT SELECT ON {schema}.schema_migration TO {writer}, {relay};
 -- an index's expression and the checker's due scan call it; a database that revoked EXECUTE
 -- from PUBLIC refused the writer's prepare(check_immunity=...) and every checker round
 GRANT EXECUTE ON FUNCTION {schema}.immune_until(timestamptz, interval) TO {writer}, {relay};
--- The relay also calls pg_stat_get_activity(integer), pg_prepared_xact() and
--- pg_xact_commit_timestamp(xid), which every role may call unless the database revoked that
--- from PUBLIC (the relay then refuses to start, and says what to grant).
+-- The relay also calls pg_stat_get_activity(integer), pg_prepared_xact(),
+-- pg_xact_commit_timestamp(xid), pg_current_snapshot() and pg_snapshot_xip(pg_snapshot), which
+-- every role may call unless the database revoked that from PUBLIC (the relay then refuses to
+-- start, and says what to grant).
 
 GRANT USAGE ON SCHEMA {schema} TO {reconciler};
 -- The ledger's columns only (spark/queries.sql): not the values and headers the job never reads.

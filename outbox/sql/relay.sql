@@ -87,10 +87,13 @@ SELECT count(*), min(id), min(committed_xid)::text FROM (
 -- Committed rows not stamped yet (their transaction id is above the horizon, or they were not
 -- reached yet): nothing that committed after the earliest of them may go out before it does.
 -- None is below `stamped_below` (relay_stamp_commit_ts). Nor after a transaction that has
--- taken its commit time but is not visible yet (relay_running_xids, read before this).
+-- taken its commit time but is not visible yet (relay_running_xids, read before this, and
+-- those running in this statement's own snapshot).
 SELECT least(min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)),
              (SELECT min(pg_xact_commit_timestamp(x))
-              FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x))
+              FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x),
+             (SELECT min(pg_xact_commit_timestamp(x::xid))
+              FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
 FROM {schema}.outbox_record
 WHERE state = 'committed' AND commit_ts IS NULL
   AND committed_xid >= %(stamped_below)s::xid8
@@ -107,8 +110,11 @@ WHERE state = 'committed' AND commit_ts IS NULL
 -- and went out first though it committed second. So nothing that committed after one of these
 -- that has its commit time now goes out before it. Read here, before the statement that uses
 -- them: read there, after its snapshot, a transaction that became visible in between would be in
--- neither. backend_xid is shown to every role. Missed: one that takes its id and reaches its
--- commit between the two statements (back to back, in one pipeline).
+-- neither. backend_xid is shown to every role. One that takes its id and reaches its commit
+-- between the two statements (back to back, in one pipeline) is missed here: the statement
+-- that uses them also takes those running in its own snapshot (pg_snapshot_xip), which has it.
+-- Of those, only one with a commit time holds anything back: one still running takes a later
+-- time than any row the statement sees, so that another database's, or a relay's, is no wait.
 SELECT set_config('outbox_relay.running_xids', coalesce(array_agg(x)::text, '{{}}'), true)
 FROM (
     SELECT a.backend_xid
@@ -126,7 +132,9 @@ FROM (
 -- At the relay's start, after relay_running_xids: that its role may call what the hold-back
 -- calls (relay/service.py, Relay._check_functions_callable).
 SELECT pg_xact_commit_timestamp(x)
-FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x;
+FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x
+UNION ALL
+SELECT pg_xact_commit_timestamp(x::xid) FROM pg_snapshot_xip(pg_current_snapshot()) AS x;
 
 -- name: relay_unstamped_below
 -- After an unstamped claim (relay_claim with `inline`), in its pipeline: the xid horizon, how
@@ -170,7 +178,10 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
        -- end wakes nobody either): one of them has taken its commit time by now. Also true
        -- for those that merely committed meanwhile: a round more, not a wait for a wake-up.
        OR EXISTS (SELECT 1 FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x
-                  WHERE pg_xact_commit_timestamp(x) IS NOT NULL);
+                  WHERE pg_xact_commit_timestamp(x) IS NOT NULL)
+       -- (and one that list missed, as the claim's own snapshot did not: see relay_running_xids)
+       OR EXISTS (SELECT 1 FROM pg_snapshot_xip(pg_current_snapshot()) AS x
+                  WHERE pg_xact_commit_timestamp(x::xid) IS NOT NULL);
 
 -- name: relay_claim_plan
 -- Before relay_claim, in its transaction: the claim must walk the commit-order index and stop
@@ -226,7 +237,9 @@ WITH bound AS MATERIALIZED (
                                           AS o(lo, hi)
                              WHERE key_hash BETWEEN o.lo AND o.hi)), (
                SELECT min(pg_xact_commit_timestamp(x))  -- see relay_running_xids
-               FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x))
+               FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x), (
+               SELECT min(pg_xact_commit_timestamp(x::xid))  -- and this snapshot's own
+               FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
            ELSE %(hold_back)s::timestamptz END AS hold_back
 ),
 first AS (

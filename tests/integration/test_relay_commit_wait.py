@@ -16,6 +16,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 import outbox
+from outbox import sql as queries
 from relay.config import SidecarSettings
 from relay.service import Relay, RelayConfigError
 from scripts.services import NO_STANDBY
@@ -101,6 +102,7 @@ def relay_as(roles: GrantedRoles, settings: Callable[..., SidecarSettings], fact
 
 
 @pytest.mark.parametrize("stamping", [False, True], ids=["usual round", "stamping round"])
+@pytest.mark.parametrize("missed", [False, True], ids=["listed before", "missed before"])
 def test_a_transaction_waiting_for_its_standby_holds_back_those_that_committed_after_it(
     pg_dsn: str,
     kafka_bootstrap: str,
@@ -110,12 +112,26 @@ def test_a_transaction_waiting_for_its_standby_holds_back_those_that_committed_a
     relay_factory: Any,
     standby_that_never_answers: psycopg.Connection[Any],
     stamping: bool,
+    missed: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """T1 takes its commit time, then waits for its standby; T2, of the same key, with the
     smaller xid and synchronous_commit local, commits after it and is visible first. Below the
     horizon, T2 went out first, though it committed second. Without NOTIFY, as the README
     advises at high rates: a notifying commit holds Postgres's notify lock until it is
-    visible, and the other's commit waits for it."""
+    visible, and the other's commit waits for it. `missed`: T1 took its id and reached its
+    commit after the relay read which transactions run (relay_running_xids), right before the
+    statement that holds back: that statement's own snapshot has it."""
+    if missed:
+        real = queries.query
+        nothing_running = b"SELECT set_config('outbox_relay.running_xids', '{}', true)"
+        monkeypatch.setattr(
+            queries,
+            "query",
+            lambda name, schema: (
+                nothing_running if name == "relay_running_xids" else real(name, schema)
+            ),
+        )
     admin = standby_that_never_answers
     quiet = outbox.Outbox(notify=False)
     topic = topic_factory()
@@ -161,7 +177,12 @@ def test_a_transaction_waiting_for_its_standby_holds_back_those_that_committed_a
 
 
 @pytest.mark.parametrize(
-    "function", ["pg_stat_get_activity(integer)", "pg_xact_commit_timestamp(xid)"]
+    "function",
+    [
+        "pg_stat_get_activity(integer)",
+        "pg_xact_commit_timestamp(xid)",
+        "pg_snapshot_xip(pg_snapshot)",
+    ],
 )
 def test_a_relay_that_may_not_read_which_transactions_run_refuses_to_start(
     pg_dsn: str,
