@@ -48,7 +48,7 @@ from checker._manual import (
 )
 from outbox import SchemaError
 from outbox.checkback import TransactionStatus
-from relay.cli_database import connect, url_not_another_database
+from relay.cli_database import connect, require_schema, url_not_another_database
 from relay.records import shown
 from relay.signals import StopOnSignals
 
@@ -193,6 +193,7 @@ def _connected(
     """`action` on a connection of its own; None once bad input was refused (said on stderr)."""
     try:
         with connect(args, autocommit=True) as conn:
+            require_schema(conn, args.schema)
             return action(conn)
     except ValueError as exc:  # bad input: nothing was sent
         print(f"outboxctl {args.command}: {exc}", file=sys.stderr)

@@ -16,13 +16,12 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from importlib.metadata import version
-from typing import Any
 
 import psycopg
 from pydantic import ValidationError
 
 from checker import cli as checker_cli
-from outbox import OutboxError, SchemaError, State, migrate
+from outbox import OutboxError, State, migrate
 from outbox import sql as outbox_sql
 from outbox._describe import describe
 from outbox.migrations import (
@@ -33,7 +32,7 @@ from outbox.migrations import (
     schema_problem,
 )
 from relay import logs, sidecar
-from relay.cli_database import command_dsn, command_schema, connect, where
+from relay.cli_database import command_dsn, command_schema, connect, require_schema, where
 from relay.config import SettingsUnreadable, SidecarSettings, load_settings
 from relay.http import ProbeServerUnavailable
 from relay.kafka import ProducerMisconfigured
@@ -127,16 +126,6 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _require_schema(conn: psycopg.Connection[Any], schema: str) -> None:
-    """What to do about a schema not migrated, rather than the SQL error of its first query.
-    An older version is read as it is (mid-upgrade, the status matters most)."""
-    if current_version(conn, schema) is None:
-        raise SchemaError(
-            f"schema {schema!r} holds no outbox: run `outboxctl migrate --schema {schema}`, or "
-            "name the sidecar's schema with --schema"
-        )
-
-
 def _json_default(value: object) -> str:
     """Times as ISO 8601 (as `findings --json` writes them), anything else as text."""
     return value.isoformat() if isinstance(value, datetime) else str(value)
@@ -149,7 +138,7 @@ def _utc(t: datetime) -> str:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     with connect(args, write=False) as conn:
-        _require_schema(conn, args.schema)
+        require_schema(conn, args.schema)
         status = outbox_status(conn, args.schema)
     # every state, 0 too: a script reading states["parked"] got a KeyError when none was
     status["states"] = {state.value: status["states"].get(state.value, 0) for state in State}
@@ -192,7 +181,7 @@ def _cmd_records(args: argparse.Namespace) -> int:
         print(f"outboxctl records: {exc}", file=sys.stderr)
         return 2
     with connect(args, write=False) as conn:
-        _require_schema(conn, args.schema)
+        require_schema(conn, args.schema)
         found = list_records(
             conn,
             args.schema,

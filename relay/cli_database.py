@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from outbox._core import OutboxConfig
 from outbox._describe import describe
 from outbox._dsn import parse_dsn
-from outbox._errors import InvalidConfigError
+from outbox._errors import InvalidConfigError, SchemaError
+from outbox.migrations import current_version
 from relay.config import DatabaseLookupSettings, load_database_settings
 from relay.dbconnect import dead_peer_options, own_transaction_mode
 
@@ -134,3 +135,15 @@ def _where(given: dict[str, Any]) -> str:
     port = given.get("port") or os.environ.get("PGPORT") or "the default port"
     dbname = given.get("dbname") or os.environ.get("PGDATABASE") or "the default database"
     return f"{host}:{port}/{dbname}"
+
+
+def require_schema(conn: psycopg.Connection[Any], schema: str) -> None:
+    """What to do about a schema not migrated, rather than the SQL error of its first query
+    (for the repair commands that was "run `outboxctl migrate`", which for a mistyped --schema
+    makes a second outbox). An older version is read as it is (mid-upgrade, the status matters
+    most)."""
+    if current_version(conn, schema) is None:
+        raise SchemaError(
+            f"schema {schema!r} holds no outbox: run `outboxctl migrate --schema {schema}`, or "
+            "name the sidecar's schema with --schema"
+        )
