@@ -355,8 +355,9 @@ def end(
         )
     if not current:
         raise UnknownTransactionError(
-            f"no records of tx id {tx_id!r} in producer group {group!r}: never prepared, "
-            "its prepare not committed yet, or delivered and removed already",
+            f"no records of tx id {tx_id!r} in producer group {group!r}: never prepared in "
+            "this producer group (a prepare under another one is not found here: pass its "
+            "producer_group), its prepare not committed yet, or delivered and removed already",
             producer_group=group,
             tx_id=tx_id,
         )

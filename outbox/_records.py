@@ -97,7 +97,20 @@ def check_producer_group(group: object) -> str:
     return group
 
 
+def _not_a_str(tx_id: object) -> None:
+    """A publish's or prepare's result given whole for its tx id (`commit(conn, written)`):
+    said as what it is, with what to pass, rather than as a tx id of the wrong length."""
+    inner = getattr(tx_id, "tx_id", None)
+    if not isinstance(tx_id, str) and isinstance(inner, str):
+        kind = type(tx_id).__name__
+        raise InvalidTxIdError(
+            f"tx id must be a str, not a {kind}: pass its tx_id ({inner!r}), as "
+            f"`{kind.lower()}.tx_id`"
+        )
+
+
 def check_tx_id(tx_id: object) -> str:
+    _not_a_str(tx_id)
     if not isinstance(tx_id, str) or not _TX_ID.fullmatch(tx_id):
         raise InvalidTxIdError(
             f"tx id {tx_id!r} is invalid: use 1 to 128 printable ASCII characters, no spaces"
@@ -109,6 +122,7 @@ def check_stored_tx_id(tx_id: object) -> str:
     """A tx id to look up and end (commit, rollback, resolve, rearm): what the table takes, 1
     to 128 characters. Another writer may have stored one that check_tx_id refuses for new
     records; the checker's COMMIT for it was never applied, and it could not be resolved."""
+    _not_a_str(tx_id)
     if not isinstance(tx_id, str) or not 1 <= len(tx_id) <= 128:
         raise InvalidTxIdError(f"tx id {tx_id!r} is invalid: use 1 to 128 characters")
     # What no row can hold: Postgres text takes no NUL, and a lone surrogate is no UTF-8 (a

@@ -133,8 +133,19 @@ def test_unknown_tx_id(pg_dsn: str) -> None:
             outbox.commit(conn, "nope")
         assert raised.value.tx_id == "nope"
         prepared_in_other_group = prepared(pg_dsn, 1, producer_group="other")
-        with pytest.raises(outbox.UnknownTransactionError):
-            outbox.commit(conn, prepared_in_other_group.tx_id)  # default group: not ours
+        with pytest.raises(  # default group: not ours; the message names the likely cause
+            outbox.UnknownTransactionError,
+            match=r"never prepared in this producer group .*pass its producer_group",
+        ):
+            outbox.commit(conn, prepared_in_other_group.tx_id)
+        with pytest.raises(
+            outbox.InvalidTxIdError,
+            match=re.escape(
+                "tx id must be a str, not a Written: pass its tx_id "
+                f"({prepared_in_other_group.tx_id!r}), as `written.tx_id`"
+            ),
+        ):
+            outbox.commit(conn, prepared_in_other_group, producer_group="other")  # type: ignore[arg-type]
         assert outbox.commit(conn, prepared_in_other_group.tx_id, producer_group="other").changed
 
 
