@@ -51,8 +51,13 @@ from psycopg.types.json import Jsonb
 from checker._errors import TransactionBusyError
 from outbox import sql as queries
 from outbox._core import OutboxConfig, State, wakeup_channel
-from outbox._errors import IllegalTransitionError, UnknownTransactionError
-from outbox._records import check_producer_group, check_stored_tx_id, check_topic
+from outbox._errors import IllegalTransitionError, InvalidTopicError, UnknownTransactionError
+from outbox._records import (
+    check_producer_group,
+    check_stored_topic,
+    check_stored_tx_id,
+    kafka_internal,
+)
 from outbox._session import database_errors
 from outbox._sync import Outbox
 from outbox.checkback import TransactionStatus
@@ -534,7 +539,12 @@ def redrive_topic(
     tried again a few times; one no longer parked (another operator's redrive) is passed by.
     Each redrive commits as it is reported, unless ``conn`` has a transaction open: then they
     are all part of it, the caller's to commit."""
-    topic = check_topic(topic)  # a name no record can have: said so, not "none parked"
+    topic = check_stored_topic(topic)  # a name no record can have: said so, not "none parked"
+    if kafka_internal(topic):
+        raise InvalidTopicError(
+            f"topic {topic!r} is Kafka's own: the broker takes no records there, and a redrive "
+            "would only have them parked again; `outboxctl drop --topic` removes them"
+        )
     actor = _require_text("actor", actor)
     reason = _require_text("reason", reason)
     schema = OutboxConfig(schema_name=schema).schema_name
@@ -635,7 +645,7 @@ def drop_topic(
     """``drop`` of every record parked for ``topic`` whose dead-letter copy and op marker are
     out (those the relay has not shipped yet are left: ``parked_unshipped`` counts them), one
     transaction after another, each audited on its own, as ``redrive_topic`` goes."""
-    topic = check_topic(topic)  # a name no record can have: said so, not "none parked"
+    topic = check_stored_topic(topic)  # a name no record can have: said so, not "none parked"
     actor = _require_text("actor", actor)
     reason = _require_text("reason", reason)
     schema = OutboxConfig(schema_name=schema).schema_name
@@ -667,7 +677,7 @@ def parked_unshipped(conn: Conn, topic: str, schema: str = "outbox") -> int:
     with database_errors(), conn.transaction():
         row = conn.execute(
             queries.query("checker_parked_unshipped_of_topic", schema),
-            {"topic": check_topic(topic)},
+            {"topic": check_stored_topic(topic)},
         ).fetchone()
     return int(row[0]) if row else 0
 

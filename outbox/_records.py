@@ -89,6 +89,20 @@ def check_topic(topic: object) -> str:
     return topic
 
 
+def kafka_internal(topic: str) -> bool:
+    """One of Kafka's own topics, which the broker keeps a client's records from."""
+    return topic in _KAFKA_INTERNAL_TOPICS
+
+
+def check_stored_topic(topic: object) -> str:
+    """A topic to find records by (redrive, drop): any the table takes. Kafka's own topics are
+    refused for new records only: a row written before that, or by another writer, may name
+    one, and was out of reach of `drop --topic`."""
+    if isinstance(topic, str) and kafka_internal(topic):
+        return topic
+    return check_topic(topic)
+
+
 def check_producer_group(group: object) -> str:
     if not isinstance(group, str) or not _PRODUCER_GROUP.fullmatch(group):
         raise InvalidProducerGroupError(

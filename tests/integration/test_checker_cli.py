@@ -646,6 +646,26 @@ def test_a_topics_run_whose_reader_went_away_stops_and_says_so(pg_dsn: str, comm
     assert state(pg_dsn, third) == "parked"  # untouched
 
 
+def test_records_parked_for_a_kafka_internal_topic_are_dropped_by_topic_not_redriven(
+    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The library refuses Kafka's own topics for new records; a row written before that (or
+    by another writer) names one, and `--topic` refused it: out of reach of `drop --topic`."""
+    _, tx_id, *_ = parked(pg_dsn, "billing.missing")
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(
+            "UPDATE outbox.outbox_record SET topic = '__consumer_offsets' WHERE tx_id = %s",
+            (tx_id,),
+        )
+    argv = ["--dsn", pg_dsn, "--topic", "__consumer_offsets", "--actor", "erin", "--reason", "r"]
+    assert main(["redrive", *argv]) == 2  # the broker takes nothing there: parked again
+    assert "`outboxctl drop --topic` removes them" in capsys.readouterr().err
+    assert state(pg_dsn, tx_id) == "parked"
+    assert main(["drop", *argv]) == 0
+    assert capsys.readouterr().out.startswith(f"tx {tx_id} of producer group")
+    assert rows_of(pg_dsn, tx_id) == []
+
+
 def test_a_topics_run_shows_a_stored_tx_id_with_its_control_characters_escaped(
     pg_dsn: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
