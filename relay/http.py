@@ -10,7 +10,6 @@ import socket
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -50,7 +49,6 @@ class InFlight:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: dict[str, Future[Any]] = {}
-        self._watched: weakref.WeakSet[Future[Any]] = weakref.WeakSet()
 
     def start(self, name: str, check: Callable[[], T]) -> Future[T]:
         with self._lock:
@@ -63,22 +61,6 @@ class InFlight:
             target=_settle, args=(future, check), name=f"probe-{name}", daemon=True
         ).start()
         return future
-
-    def say_if_it_fails(self, name: str, future: Future[Any]) -> None:
-        """A check its probe answered for as late: its failure, when it comes, is logged (once,
-        however many probes waited for it). Else what was wrong (a refused connection, a host
-        not found, a bad password) was said nowhere: the probe said only that it was late."""
-        with self._lock:
-            if future in self._watched:
-                return
-            self._watched.add(future)
-        future.add_done_callback(lambda ended: _say_late_failure(name, ended))
-
-
-def _say_late_failure(name: str, future: Future[Any]) -> None:
-    failure = future.exception()
-    if failure is not None:
-        logger.warning("the %s check failed after its probe had answered: %s", name, failure)
 
 
 def _settle(future: Future[T], check: Callable[[], T]) -> None:
@@ -115,9 +97,6 @@ def gather(
         if failure is not None:
             raise failure
     if len(ended) < len(checks):
-        for name in checks:
-            if name not in ended:
-                running.say_if_it_fails(name, futures[name])
         if late is None:
             unended = ", ".join(sorted(set(checks) - ended))
             raise TimeoutError(f"not ended within {within_s:g} s: {unended}")
