@@ -88,12 +88,13 @@ SELECT count(*), min(id), min(committed_xid)::text FROM (
 -- reached yet): nothing that committed after the earliest of them may go out before it does.
 -- None is below `stamped_below` (relay_stamp_commit_ts). Nor after a transaction that has
 -- taken its commit time but is not visible yet (relay_running_xids, read before this, and
--- those running in this statement's own snapshot).
+-- those that took their id since, running in this statement's own snapshot).
 SELECT least(min(coalesce(pg_xact_commit_timestamp(committed_xid::xid), state_changed_at)),
              (SELECT min(pg_xact_commit_timestamp(x))
               FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x),
              (SELECT min(pg_xact_commit_timestamp(x::xid))
-              FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
+              FROM pg_snapshot_xip(pg_current_snapshot()) AS x
+              WHERE x >= current_setting('outbox_relay.running_xmax')::xid8))
 FROM {schema}.outbox_record
 WHERE state = 'committed' AND commit_ts IS NULL
   AND committed_xid >= %(stamped_below)s::xid8
@@ -111,11 +112,17 @@ WHERE state = 'committed' AND commit_ts IS NULL
 -- that has its commit time now goes out before it. Read here, before the statement that uses
 -- them: read there, after its snapshot, a transaction that became visible in between would be in
 -- neither. backend_xid is shown to every role. One that takes its id and reaches its commit
--- between the two statements (back to back, in one pipeline) is missed here: the statement
--- that uses them also takes those running in its own snapshot (pg_snapshot_xip), which has it.
--- Of those, only one with a commit time holds anything back: one still running takes a later
--- time than any row the statement sees, so that another database's, or a relay's, is no wait.
-SELECT set_config('outbox_relay.running_xids', coalesce(array_agg(x)::text, '{{}}'), true)
+-- between the two statements (back to back, in one pipeline) is missed here; the statement
+-- that uses them also takes those its own snapshot lists as running (pg_snapshot_xip) whose
+-- id is at or above this snapshot's xmax (`running_xmax`): only one that took its id after
+-- this read (or ran already, and is listed here unless another database's or a relay's). Not
+-- every one running there: with a synchronous standby, a relay's end in its wait for it held
+-- back what committed after it took its time, a standby round trip a batch. Still missed: one
+-- whose id is above every id that had ended by the claim's snapshot (no snapshot lists an id
+-- that high).
+SELECT set_config('outbox_relay.running_xids', coalesce(array_agg(x)::text, '{{}}'), true),
+       set_config('outbox_relay.running_xmax', pg_snapshot_xmax(pg_current_snapshot())::text,
+                  true)
 FROM (
     SELECT a.backend_xid
     FROM pg_stat_get_activity(NULL) AS a
@@ -181,7 +188,8 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text,
                   WHERE pg_xact_commit_timestamp(x) IS NOT NULL)
        -- (and one that list missed, as the claim's own snapshot did not: see relay_running_xids)
        OR EXISTS (SELECT 1 FROM pg_snapshot_xip(pg_current_snapshot()) AS x
-                  WHERE pg_xact_commit_timestamp(x::xid) IS NOT NULL);
+                  WHERE x >= current_setting('outbox_relay.running_xmax')::xid8
+                    AND pg_xact_commit_timestamp(x::xid) IS NOT NULL);
 
 -- name: relay_claim_plan
 -- Before relay_claim, in its transaction: the claim must walk the commit-order index and stop
@@ -239,7 +247,8 @@ WITH bound AS MATERIALIZED (
                SELECT min(pg_xact_commit_timestamp(x))  -- see relay_running_xids
                FROM unnest(current_setting('outbox_relay.running_xids')::xid[]) AS x), (
                SELECT min(pg_xact_commit_timestamp(x::xid))  -- and this snapshot's own
-               FROM pg_snapshot_xip(pg_current_snapshot()) AS x))
+               FROM pg_snapshot_xip(pg_current_snapshot()) AS x
+               WHERE x >= current_setting('outbox_relay.running_xmax')::xid8))
            ELSE %(hold_back)s::timestamptz END AS hold_back
 ),
 first AS (

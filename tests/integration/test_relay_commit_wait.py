@@ -121,22 +121,25 @@ def test_a_transaction_waiting_for_its_standby_holds_back_those_that_committed_a
     advises at high rates: a notifying commit holds Postgres's notify lock until it is
     visible, and the other's commit waits for it. `missed`: T1 took its id and reached its
     commit after the relay read which transactions run (relay_running_xids), right before the
-    statement that holds back: that statement's own snapshot has it."""
-    if missed:
-        real = queries.query
-        nothing_running = b"SELECT set_config('outbox_relay.running_xids', '{}', true)"
-        monkeypatch.setattr(
-            queries,
-            "query",
-            lambda name, schema: (
-                nothing_running if name == "relay_running_xids" else real(name, schema)
-            ),
-        )
+    statement that holds back: that statement's own snapshot lists it (a transaction with a
+    later id has ended: else no snapshot lists an id that high, the gap still open)."""
     admin = standby_that_never_answers
     quiet = outbox.Outbox(notify=False)
     topic = topic_factory()
     relay = relay_as(granted_roles, relay_settings, relay_factory)
     relay.run_once()  # its first stamp: the next round claims unstamped rows itself
+    if missed:  # the relay's read of running transactions as it was before T1 took its id
+        (xmax,) = admin.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())").fetchone()  # type: ignore[misc]
+        staged = (
+            "SELECT set_config('outbox_relay.running_xids', '{}', true),"
+            f" set_config('outbox_relay.running_xmax', '{xmax}', true)"
+        ).encode()
+        real = queries.query
+        monkeypatch.setattr(
+            queries,
+            "query",
+            lambda name, schema: staged if name == "relay_running_xids" else real(name, schema),
+        )
     with (
         contextlib.closing(psycopg.connect(pg_dsn)) as t2,
         contextlib.closing(psycopg.connect(pg_dsn)) as t1,
@@ -158,6 +161,9 @@ def test_a_transaction_waiting_for_its_standby_holds_back_those_that_committed_a
             ).fetchone()  # type: ignore[misc]
             assert int(t2_xid) < int(t1_xid)  # as staged
             assert t1_ts < t2_ts
+            with psycopg.connect(pg_dsn, autocommit=True) as later:  # commits locally
+                (later_xid,) = later.execute("SELECT pg_current_xact_id()").fetchone()  # type: ignore[misc]
+            assert int(str(later_xid)) > int(t1_xid)
             if stamping:
                 relay._stamp_all_again()  # a full stamp: the round stamps, then claims
             held = relay.run_once()
