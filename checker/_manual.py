@@ -62,6 +62,7 @@ from outbox._session import database_errors
 from outbox._sync import Outbox
 from outbox.checkback import TransactionStatus
 from outbox.migrations import SHIPPING_CLAIM_VERSION, current_version
+from relay.records import shown
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def _patiently(act: Callable[[], ManualResult], group: str, tx_id: str) -> Manua
             time.sleep(_BUSY_WAIT_S * attempt)
         except (IllegalTransitionError, UnknownTransactionError) as exc:
             # redriven or dropped by another operator meanwhile: parked no more, or gone
-            logger.info("tx %s of producer group %s passed by: %s", tx_id, group, exc)
+            logger.info("tx %s of producer group %s passed by: %s", shown(tx_id), group, exc)
             return None
     raise AssertionError("unreachable: the last try raises")
 
@@ -349,7 +350,11 @@ def rearm(
             },
         )
     logger.info(
-        "re-armed tx %s of producer group %s (%d records) by %s", tx_id, group, len(ids), actor
+        "re-armed tx %s of producer group %s (%d records) by %s",
+        shown(tx_id),
+        group,
+        len(ids),
+        actor,
     )
     return ManualResult(
         group,
@@ -447,7 +452,7 @@ def resolve(
         )
     logger.info(
         "resolved tx %s of producer group %s by hand: %s (%s) by %s",
-        tx_id,
+        shown(tx_id),
         group,
         status.value,
         reason,
@@ -508,7 +513,7 @@ def redrive(
     logger.info(
         "redrove %d parked record(s) of tx %s of producer group %s by %s: %s",
         len(ids),
-        tx_id,
+        shown(tx_id),
         group,
         actor,
         reason,
@@ -622,7 +627,7 @@ def drop(
     logger.warning(
         "dropped %d parked record(s) of tx %s of producer group %s by %s: %s",
         len(ids),
-        tx_id,
+        shown(tx_id),
         group,
         actor,
         reason,

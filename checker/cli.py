@@ -350,15 +350,16 @@ def _output_closed(args: argparse.Namespace, done: int) -> int:
     be written was done, and the run stopped there. Said on stderr: else the operator took the
     lines shown for all that was done, or for all there was."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as relay.cli.main
-    did = (
-        "listed (dry run)"
-        if args.dry_run
-        else {"redrive": "redriven", "drop": "dropped"}[args.command]
-    )
+    if args.dry_run:
+        said = f"{done} transaction(s) of topic {args.topic} listed, nothing dropped (dry run)"
+    else:
+        did = {"redrive": "redriven", "drop": "dropped"}[args.command]
+        said = (
+            f"{done} transaction(s) of topic {args.topic} {did}, not all of them shown; the "
+            "rest are untouched (run it again for them)"
+        )
     print(
-        f"outboxctl {args.command}: the output was closed: stopped after {done} "
-        f"transaction(s) of topic {args.topic} {did}, not all of them shown; the rest are "
-        "untouched (run it again for them)",
+        f"outboxctl {args.command}: the output was closed: stopped after {said}",
         file=sys.stderr,
     )
     return 1

@@ -608,8 +608,10 @@ def test_redrive_of_a_topic_stopped_by_a_busy_transaction_says_which_went_before
     assert (state(pg_dsn, first_tx), state(pg_dsn, busy_tx)) == ("committed", "parked")
 
 
-@pytest.mark.parametrize("command", ["redrive", "drop"])
-def test_a_topics_run_whose_reader_went_away_stops_and_says_so(pg_dsn: str, command: str) -> None:
+@pytest.mark.parametrize("command", [["redrive"], ["drop"], ["drop", "--dry-run"]], ids=" ".join)
+def test_a_topics_run_whose_reader_went_away_stops_and_says_so(
+    pg_dsn: str, command: list[str]
+) -> None:
     """`outboxctl redrive --topic X | head -1`: it stopped at the first line it could not
     write, exit 1, and said nothing; the operator took the line shown for all that was done.
     Each line goes out as its transaction is done, so the stop comes at the next one."""
@@ -620,7 +622,7 @@ def test_a_topics_run_whose_reader_went_away_stops_and_says_so(pg_dsn: str, comm
     holder.execute("SELECT id FROM outbox.outbox_record WHERE tx_id = %s FOR UPDATE", (second,))
     argv = ["--dsn", pg_dsn, "--topic", "billing.missing", "--actor", "erin", "--reason", "r"]
     with subprocess.Popen(
-        [sys.executable, "-m", "relay.cli", command, *argv],
+        [sys.executable, "-m", "relay.cli", *command, *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -637,10 +639,14 @@ def test_a_topics_run_whose_reader_went_away_stops_and_says_so(pg_dsn: str, comm
             holder.close()
             if proc.poll() is None:
                 proc.kill()
-    done = "redriven" if command == "redrive" else "dropped"
+    done = {"redrive": "redriven", "drop": "dropped"}[command[0]]
+    if "--dry-run" in command:
+        done = "listed, nothing dropped (dry run)"
     assert f"stopped after 2 transaction(s) of topic billing.missing {done}" in err
     assert "Traceback" not in err
-    left = {"redrive": "committed", "drop": None}[command]
+    left = (
+        "parked" if "--dry-run" in command else {"redrive": "committed", "drop": None}[command[0]]
+    )
     for tx_id in (first, second):
         assert {s for _, s in rows_of(pg_dsn, tx_id)} == ({left} if left else set())
     assert state(pg_dsn, third) == "parked"  # untouched
@@ -667,16 +673,20 @@ def test_records_parked_for_a_kafka_internal_topic_are_dropped_by_topic_not_redr
 
 
 def test_a_topics_run_shows_a_stored_tx_id_with_its_control_characters_escaped(
-    pg_dsn: str, capsys: pytest.CaptureFixture[str]
+    pg_dsn: str, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A tx id written by another writer (SQL) with a terminal escape or a newline in it: said
-    as it was, it could fake lines of the run's output."""
+    as it was, it could fake lines of the run's output, and of its log."""
     _, tx_id, *_ = parked(pg_dsn, "billing.missing")
     odd = "a\nb\x1b[2J"
     with psycopg.connect(pg_dsn) as conn:
         conn.execute("UPDATE outbox.outbox_record SET tx_id = %s WHERE tx_id = %s", (odd, tx_id))
     argv = ["--dsn", pg_dsn, "--topic", "billing.missing", "--actor", "erin", "--reason", "r"]
-    assert main(["redrive", *argv]) == 0
+    with caplog.at_level(logging.INFO, logger="checker._manual"):
+        assert main(["redrive", *argv]) == 0
+    logged = [r.getMessage() for r in caplog.records if r.name == "checker._manual"]
+    assert logged
+    assert all("a\\nb\\x1b[2J" in m and "\x1b" not in m for m in logged)
     out = capsys.readouterr().out
     assert out.startswith("tx a\\nb\\x1b[2J of producer group")
     assert out.count("\n") == 1
