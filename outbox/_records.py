@@ -116,10 +116,16 @@ def _not_a_str(tx_id: object) -> None:
     said as what it is, with what to pass, rather than as a tx id of the wrong length."""
     inner = getattr(tx_id, "tx_id", None)
     if not isinstance(tx_id, str) and isinstance(inner, str):
-        kind = type(tx_id).__name__
+        kind, name = type(tx_id).__name__, type(tx_id).__name__.lower()
+        group = getattr(tx_id, "producer_group", None)
         raise InvalidTxIdError(
             f"tx id must be a str, not a {kind}: pass its tx_id ({inner!r}), as "
-            f"`{kind.lower()}.tx_id`"
+            f"`{name}.tx_id`"
+            + (
+                f", and its producer group ({group!r}), as `producer_group={name}.producer_group`"
+                if isinstance(group, str)
+                else ""
+            )
         )
 
 

@@ -142,7 +142,8 @@ def test_unknown_tx_id(pg_dsn: str) -> None:
             outbox.InvalidTxIdError,
             match=re.escape(
                 "tx id must be a str, not a Written: pass its tx_id "
-                f"({prepared_in_other_group.tx_id!r}), as `written.tx_id`"
+                f"({prepared_in_other_group.tx_id!r}), as `written.tx_id`, and its producer "
+                "group ('other'), as `producer_group=written.producer_group`"
             ),
         ):
             outbox.commit(conn, prepared_in_other_group, producer_group="other")  # type: ignore[arg-type]
