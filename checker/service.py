@@ -246,7 +246,9 @@ class Checker:
         self._connect_timeout_s = connect_timeout_s
         # psycopg.connect's, beyond the DSN (DatabaseSettings.connect_options: a pooler's needs)
         self._connect_options = dict(connect_options or {})
-        self._db_probe = DatabaseProbe(self._connect, wait_s=connect_timeout_s)
+        self._db_probe = DatabaseProbe(
+            self._connect, wait_s=connect_timeout_s, owner="the checker's"
+        )
         self._ready_checks = InFlight()  # /readyz's check still running
         self._clock = clock or utc_now
         # Scheduled by the database's clock: created_at and the other checkers' leases are its

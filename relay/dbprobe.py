@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
+
+logger = logging.getLogger(__name__)
 
 
 class DatabaseProbe:
@@ -23,14 +26,24 @@ class DatabaseProbe:
     failover that drops the old address): without them a probe waited in recv() ~15 minutes.
     Probes that come together (the kubelet's and a person's curl) share the connection, one at
     a time; one that cannot get it within `wait_s` answers False rather than queue behind a
-    stuck one. After close(), False: the service it probed for has stopped."""
+    stuck one. After close(), False: the service it probed for has stopped.
 
-    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], wait_s: float) -> None:
+    Why a probe found the database down is logged when it changes (and that it answers again):
+    /readyz says only `"database": false`, and an engineer looking at a pod that is not ready
+    found no reason anywhere (a wrong password, a host not found, a refused port). `owner`
+    names whose probe it is in those lines."""
+
+    def __init__(
+        self, connect: Callable[[], psycopg.Connection[Any]], wait_s: float, owner: str = "the"
+    ) -> None:
         self._connect = connect
         self._wait_s = wait_s
+        self._owner = owner
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._failure = ""  # why the last try failed
+        self._said_down: str | None = None  # the reason logged, until a probe finds it up
 
     def reachable(self) -> bool:
         if not self._lock.acquire(timeout=self._wait_s):
@@ -40,9 +53,21 @@ class DatabaseProbe:
                 return False
             conn = self._conn
             kept = conn is not None and not conn.closed and not conn.broken
-            return self._select_one() or (kept and self._select_one())
+            up = self._select_one() or (kept and self._select_one())
+            self._say(up)
+            return up
         finally:
             self._lock.release()
+
+    def _say(self, up: bool) -> None:
+        if up and self._said_down is not None:
+            logger.info("%s readiness probe: the database answers again", self._owner)
+            self._said_down = None
+        elif not up and self._failure != self._said_down:
+            logger.warning(
+                "%s readiness probe: the database does not answer: %s", self._owner, self._failure
+            )
+            self._said_down = self._failure
 
     def close(self) -> None:
         """Under the lock: libpq frees the connection, which a probe in flight still used. A
@@ -65,6 +90,7 @@ class DatabaseProbe:
                 self._conn = self._connect()
             self._conn.execute("SELECT 1")
             return True
-        except psycopg.Error:
+        except psycopg.Error as exc:
+            self._failure = " ".join(str(exc).split())  # libpq's lines, as one
             self._drop()
             return False

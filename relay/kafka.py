@@ -671,6 +671,7 @@ class Topics:
         self._known: dict[str, tuple[float, int]] = {}  # topic -> (checked at, partitions)
         self._denied: set[str] = set()  # topics the broker's ACLs hid at the last look
         self._writable: dict[str, tuple[float, bool]] = {}  # topic -> (checked at, may write)
+        self._said_down: str | None = None  # why the readiness probe found no broker, as logged
 
     def ensure(
         self, name: str, partitions: int, config: dict[str, str], *, await_leaders: bool = True
@@ -841,6 +842,20 @@ class Topics:
             # Metadata of the brokers only: list_topics() asked for every topic's, at every probe
             # of every pod (a large response, a load on the broker, on a cluster of many topics).
             cluster = self._admin.describe_cluster(request_timeout=3).result(timeout=4)
-        except (KafkaException, TimeoutError):
-            return False
-        return bool(cluster.nodes)
+        except KafkaException as exc:
+            return self._say_down(exc.args[0].str())
+        except TimeoutError:
+            return self._say_down("no answer within 4 s")
+        if not cluster.nodes:
+            return self._say_down("the cluster described no broker")
+        if self._said_down is not None:
+            logger.info("the relay's readiness probe: the broker answers again")
+            self._said_down = None
+        return True
+
+    def _say_down(self, why: str) -> bool:
+        """False, with why logged when it changed: /readyz says only `"broker": false`."""
+        if why != self._said_down:
+            logger.warning("the relay's readiness probe: the broker does not answer: %s", why)
+            self._said_down = why
+        return False

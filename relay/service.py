@@ -222,6 +222,7 @@ class Relay:
         self._db_probe = DatabaseProbe(
             lambda: self._connect(autocommit=True),
             wait_s=self.settings.database.connect_timeout_s,
+            owner="the relay's",
         )
         self._ready_checks = InFlight()  # /readyz's checks still running
         self._stamped_below = "0"  # an xid8: every committed row of the owned shards below it

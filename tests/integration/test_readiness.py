@@ -82,6 +82,28 @@ def test_a_database_that_does_not_answer_is_down_after_one_try(pg_dsn: str) -> N
     assert connect.made == 1  # no connection was kept: nothing to try again
 
 
+def test_the_database_probe_logs_why_it_is_down_once_and_when_it_answers_again(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """/readyz says `"database": false`; a pod not ready for a wrong password, a host not found
+    or a refused port said why nowhere."""
+    connect = CountedConnect(make_conninfo(pg_dsn, port=1))  # nothing listens there
+    probe = DatabaseProbe(connect, wait_s=2, owner="the relay's")
+    with caplog.at_level(logging.INFO, logger="relay.dbprobe"):
+        assert [probe.reachable() for _ in range(3)] == [False] * 3
+        connect.dsn = pg_dsn  # it is back
+        assert [probe.reachable() for _ in range(2)] == [True] * 2
+    probe.close()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "relay.dbprobe"]
+    assert len(said) == 2, said
+    (level, down), up = said
+    assert level == "WARNING"
+    assert down.startswith("the relay's readiness probe: the database does not answer: ")
+    assert "port 1 failed" in down
+    assert "\n" not in down  # libpq's lines as one
+    assert up == ("INFO", "the relay's readiness probe: the database answers again")
+
+
 def test_a_probe_behind_a_stuck_one_answers_false_at_its_wait(pg_dsn: str) -> None:
     entered, release = threading.Event(), threading.Event()
     connect = CountedConnect(pg_dsn)
@@ -209,11 +231,18 @@ def test_the_brokers_probe_asks_for_no_topics_metadata(
     assert not [line for line in asked if "all topics" in line]
 
 
-def test_a_broker_that_does_not_answer_is_down_within_the_probes_wait() -> None:
+def test_a_broker_that_does_not_answer_is_down_within_the_probes_wait(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     topics = Topics({"bootstrap.servers": "127.0.0.1:1"})  # nothing listens there
     began = time.monotonic()
-    assert not topics.reachable()
-    assert time.monotonic() - began < 10  # its wait is 4 s
+    with caplog.at_level(logging.WARNING, logger="relay.kafka"):
+        assert not topics.reachable()
+        assert time.monotonic() - began < 10  # its wait is 4 s
+        assert not topics.reachable()
+    said = [r.getMessage() for r in caplog.records if r.name == "relay.kafka"]
+    assert len(said) == 1, said  # once, not at every probe
+    assert said[0].startswith("the relay's readiness probe: the broker does not answer: ")
 
 
 def test_gauges_that_cannot_be_read_say_so_and_the_backlog_age_goes_on(
