@@ -58,6 +58,7 @@ prepare_many = _default.prepare_many
 commit = _default.commit
 rollback = _default.rollback
 send_in_transaction = _default.send_in_transaction
+was_prepared = _default.was_prepared
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
@@ -104,4 +105,5 @@ __all__ = [
     "rollback",
     "send_in_transaction",
     "wakeup_channel",
+    "was_prepared",
 ]

@@ -17,13 +17,16 @@ from psycopg.pq import TransactionStatus as PgTxStatus
 from outbox import _core
 from outbox._callbacks import call_back
 from outbox._core import OutboxConfig, State, Transition, Written
-from outbox._errors import OutboxDatabaseError, TransactionStateError
+from outbox._errors import OutboxDatabaseError, PrepareOutcomeUnknown, TransactionStateError
 from outbox._local import (
+    PREPARE_STATUS,
+    PREPARE_XID,
     LocalTransactionResult,
     ended_before,
     left_idle,
     parse_status,
     prepare_cut_off,
+    prepared_from_status,
     require_callable,
     require_idle,
     settled_first,
@@ -225,6 +228,17 @@ class AsyncOutbox:
         op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group, record_ids)
         return await _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
+    async def was_prepared(
+        self, conn: psycopg.AsyncConnection[Any], error: PrepareOutcomeUnknown
+    ) -> bool | None:
+        """As `Outbox.was_prepared`."""
+        if error.xid is None:
+            return None
+        with database_errors():
+            async with async_statement_cursor(conn) as cur:
+                row = await (await cur.execute(PREPARE_STATUS, (error.xid,))).fetchone()
+        return prepared_from_status(row[0] if row else None)
+
     async def send_in_transaction(
         self,
         conn: psycopg.AsyncConnection[Any],
@@ -241,6 +255,7 @@ class AsyncOutbox:
         require_callable(local_transaction)
         require_idle(conn, psycopg.AsyncConnection)
         written: Written | None = None
+        xid: tuple[Any, ...] | None = None
         try:
             with database_errors():  # its BEGIN and COMMIT fail as ours
                 async with conn.transaction():
@@ -251,8 +266,10 @@ class AsyncOutbox:
                         producer_group=producer_group,
                         check_immunity=check_immunity,
                     )
+                    async with async_statement_cursor(conn) as cur:
+                        xid = await (await cur.execute(PREPARE_XID)).fetchone()
         except OutboxDatabaseError as exc:
-            cut_off = prepare_cut_off(exc, written, conn)
+            cut_off = prepare_cut_off(exc, written, conn, xid[0] if xid else None)
             if cut_off is None:
                 raise
             raise cut_off from exc

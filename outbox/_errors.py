@@ -124,7 +124,8 @@ class PrepareOutcomeUnknown(OutboxDatabaseError):
     `producer_group` and `record_ids` say which they are: roll them back (on a new connection)
     before trying again, or the checker asks the producer group's endpoint about them. Not a
     ConnectionLost: run again as it is, a retry left these records behind under a tx id the
-    application never saw."""
+    application never saw. `xid`: the prepare's transaction id (None when the connection was
+    lost before it was read), by which `was_prepared` asks the database what became of it."""
 
     def __init__(
         self,
@@ -134,11 +135,13 @@ class PrepareOutcomeUnknown(OutboxDatabaseError):
         tx_id: str,
         producer_group: str,
         record_ids: tuple[int, ...],
+        xid: str | None = None,
     ) -> None:
         super().__init__(message, sqlstate=sqlstate)
         self.tx_id = tx_id
         self.producer_group = producer_group
         self.record_ids = record_ids
+        self.xid = xid
 
 
 class TransactionConflict(OutboxDatabaseError):

@@ -55,10 +55,24 @@ class LocalTransactionResult:
         return False
 
 
+# The prepare's transaction id, read before its COMMIT (send_in_transaction): what became of
+# it is the database's to say once the connection is lost at that COMMIT (was_prepared).
+PREPARE_XID = "SELECT pg_current_xact_id()::text"
+# committed, aborted, in progress, or NULL (too old for the server to tell)
+PREPARE_STATUS = "SELECT pg_xact_status(%s::xid8)"
+
+
+def prepared_from_status(status: str | None) -> bool | None:
+    """was_prepared's answer from pg_xact_status: None while the COMMIT may still finish (the
+    server had not seen the connection go), or when the server no longer tells."""
+    return {"committed": True, "aborted": False}.get(status or "")
+
+
 def prepare_cut_off(
     exc: OutboxDatabaseError,
     written: Written | None,
     conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+    xid: str | None = None,
 ) -> PrepareOutcomeUnknown | None:
     """The error for step 1 (the records prepared and committed on their own) when the
     connection was lost at its COMMIT: raised as any database error, it named no tx id, so
@@ -72,14 +86,16 @@ def prepare_cut_off(
     return PrepareOutcomeUnknown(
         f"the connection was lost at the commit of the prepared records of tx "
         f"{written.tx_id!r} (producer group {written.producer_group!r}, record ids {ids}): "
-        "they may be prepared or not, and the local transaction did not run. Roll them back "
-        "on a new connection before trying again (rollback(conn, tx_id, producer_group=..., "
-        "record_ids=...) as this error's attributes give them; UnknownTransactionError: none "
-        f"was prepared), or the checker asks the endpoint about them ({exc})",
+        "they may be prepared or not, and the local transaction did not run. was_prepared("
+        "conn, error) on a new connection tells which (None: not yet); roll them back before "
+        "trying again (rollback(conn, tx_id, producer_group=..., record_ids=...) as this "
+        "error's attributes give them), or the checker asks the endpoint about them "
+        f"({exc})",
         sqlstate=exc.sqlstate,
         tx_id=written.tx_id,
         producer_group=written.producer_group,
         record_ids=tuple(written.ids),
+        xid=xid,
     )
 
 

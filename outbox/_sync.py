@@ -12,13 +12,21 @@ import psycopg
 from outbox import _core
 from outbox._callbacks import is_async
 from outbox._core import OutboxConfig, State, Transition, Written
-from outbox._errors import OutboxDatabaseError, OutboxUsageError, TransactionStateError
+from outbox._errors import (
+    OutboxDatabaseError,
+    OutboxUsageError,
+    PrepareOutcomeUnknown,
+    TransactionStateError,
+)
 from outbox._local import (
+    PREPARE_STATUS,
+    PREPARE_XID,
     LocalTransactionResult,
     ended_before,
     left_idle,
     parse_status,
     prepare_cut_off,
+    prepared_from_status,
     require_callable,
     require_idle,
     settled_first,
@@ -207,6 +215,22 @@ class Outbox:
         op = _core.end(self.config, tx_id, State.ROLLED_BACK, producer_group, record_ids)
         return _run(conn, op, in_transaction=False)  # type: ignore[no-any-return]
 
+    def was_prepared(
+        self, conn: psycopg.Connection[Any], error: PrepareOutcomeUnknown
+    ) -> bool | None:
+        """What became of the prepare that `error` (send_in_transaction's, the connection lost
+        at its COMMIT) names, asked on `conn`, a new connection to the same database: True, its
+        records are prepared (roll them back before trying again, or the checker settles them);
+        False, nothing was written (try again); None, not known yet (the server may still be
+        committing it: ask again) or never (the connection was lost before its transaction id
+        was read, or the server no longer remembers one that old): roll back as the error
+        says."""
+        if error.xid is None:
+            return None
+        with database_errors(), statement_cursor(conn) as cur:
+            row = cur.execute(PREPARE_STATUS, (error.xid,)).fetchone()
+        return prepared_from_status(row[0] if row else None)
+
     def send_in_transaction(
         self,
         conn: psycopg.Connection[Any],
@@ -244,6 +268,7 @@ class Outbox:
         require_callable(local_transaction)
         require_idle(conn, psycopg.Connection)
         written: Written | None = None
+        xid: tuple[Any, ...] | None = None
         try:
             with database_errors(), conn.transaction():  # its BEGIN and COMMIT fail as ours
                 written = self.prepare_many(
@@ -253,8 +278,10 @@ class Outbox:
                     producer_group=producer_group,
                     check_immunity=check_immunity,
                 )
+                with statement_cursor(conn) as cur:
+                    xid = cur.execute(PREPARE_XID).fetchone()
         except OutboxDatabaseError as exc:
-            cut_off = prepare_cut_off(exc, written, conn)
+            cut_off = prepare_cut_off(exc, written, conn, xid[0] if xid else None)
             if cut_off is None:
                 raise
             raise cut_off from exc

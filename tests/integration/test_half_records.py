@@ -907,3 +907,42 @@ def test_send_in_transaction_names_the_records_it_may_have_prepared_when_cut_off
         ):
             outbox.rollback(conn, cut.tx_id, producer_group=cut.producer_group,
                             record_ids=cut.record_ids)  # fmt: skip
+        # and the database says so: the prepare's transaction aborted (None while the ended
+        # session's backend has not finished aborting it: asked again)
+        assert cut.xid is not None
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            deadline = time.monotonic() + 10
+            while (answer := outbox.was_prepared(conn, cut)) is None:
+                assert time.monotonic() < deadline, "the prepare's outcome never became known"
+                time.sleep(0.01)
+            assert answer is False
+
+
+def test_was_prepared_asks_the_database_what_became_of_the_prepares_transaction(
+    pg_dsn: str,
+) -> None:
+    """After a connection lost at the prepare's COMMIT, a rollback's UnknownTransactionError
+    was no proof that nothing was prepared while that COMMIT might still be finishing."""
+
+    def cut_off(xid: str | None) -> outbox.PrepareOutcomeUnknown:
+        return outbox.PrepareOutcomeUnknown(
+            "cut off", sqlstate=None, tx_id="t", producer_group="g", record_ids=(1,), xid=xid
+        )
+
+    with psycopg.connect(pg_dsn) as running, psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with running.transaction():
+            outbox.prepare(running, "orders.paid", "v")
+            (committed,) = running.execute("SELECT pg_current_xact_id()::text").fetchone()  # type: ignore[misc]
+        outbox.prepare(running, "orders.paid", "w")
+        (in_progress,) = running.execute("SELECT pg_current_xact_id()::text").fetchone()  # type: ignore[misc]
+        assert outbox.was_prepared(conn, cut_off(committed)) is True
+        assert outbox.was_prepared(conn, cut_off(in_progress)) is None  # not known yet
+        running.rollback()
+        assert outbox.was_prepared(conn, cut_off(in_progress)) is False
+        assert outbox.was_prepared(conn, cut_off(None)) is None  # its id never read
+
+        async def asked() -> bool | None:
+            async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as aconn:
+                return await outbox.AsyncOutbox().was_prepared(aconn, cut_off(committed))
+
+        assert asyncio.run(asked()) is True
