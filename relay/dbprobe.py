@@ -9,6 +9,8 @@ from typing import Any
 
 import psycopg
 
+from relay.logs import Outage
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,22 +30,21 @@ class DatabaseProbe:
     a time; one that cannot get it within `wait_s` answers False rather than queue behind a
     stuck one. After close(), False: the service it probed for has stopped.
 
-    Why a probe found the database down is logged when it changes (and that it answers again):
+    Why a probe found the database down is logged (and that it answers again):
     /readyz says only `"database": false`, and an engineer looking at a pod that is not ready
-    found no reason anywhere (a wrong password, a host not found, a refused port). `owner`
-    names whose probe it is in those lines."""
+    found no reason anywhere (a wrong password, a host not found, a refused port): each reason
+    once an outage (logs.Outage). `owner` names whose probe it is in those lines."""
 
     def __init__(
         self, connect: Callable[[], psycopg.Connection[Any]], wait_s: float, owner: str = "the"
     ) -> None:
         self._connect = connect
         self._wait_s = wait_s
-        self._owner = owner
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
         self._closed = False
         self._failure = ""  # why the last try failed
-        self._said_down: str | None = None  # the reason logged, until a probe finds it up
+        self._outage = Outage(logger, f"{owner} readiness probe: the database")
 
     def reachable(self) -> bool:
         if not self._lock.acquire(timeout=self._wait_s):
@@ -60,14 +61,10 @@ class DatabaseProbe:
             self._lock.release()
 
     def _say(self, up: bool) -> None:
-        if up and self._said_down is not None:
-            logger.info("%s readiness probe: the database answers again", self._owner)
-            self._said_down = None
-        elif not up and self._failure != self._said_down:
-            logger.warning(
-                "%s readiness probe: the database does not answer: %s", self._owner, self._failure
-            )
-            self._said_down = self._failure
+        if up:
+            self._outage.up()
+        else:
+            self._outage.down(self._failure)
 
     def close(self) -> None:
         """Under the lock: libpq frees the connection, which a probe in flight still used. A
@@ -91,6 +88,6 @@ class DatabaseProbe:
             self._conn.execute("SELECT 1")
             return True
         except psycopg.Error as exc:
-            self._failure = " ".join(str(exc).split())  # libpq's lines, as one
+            self._failure = str(exc)
             self._drop()
             return False

@@ -36,7 +36,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ResourceType,
 )
 
-from relay.logs import RepeatFilter
+from relay.logs import Outage, RepeatFilter
 
 logger = logging.getLogger(__name__)
 # how often a wait for an init or a commit asks whether to go on (and renews the leases)
@@ -671,7 +671,7 @@ class Topics:
         self._known: dict[str, tuple[float, int]] = {}  # topic -> (checked at, partitions)
         self._denied: set[str] = set()  # topics the broker's ACLs hid at the last look
         self._writable: dict[str, tuple[float, bool]] = {}  # topic -> (checked at, may write)
-        self._said_down: str | None = None  # why the readiness probe found no broker, as logged
+        self._outage = Outage(logger, "the relay's readiness probe: the broker")
 
     def ensure(
         self, name: str, partitions: int, config: dict[str, str], *, await_leaders: bool = True
@@ -848,14 +848,10 @@ class Topics:
             return self._say_down("no answer within 4 s")
         if not cluster.nodes:
             return self._say_down("the cluster described no broker")
-        if self._said_down is not None:
-            logger.info("the relay's readiness probe: the broker answers again")
-            self._said_down = None
+        self._outage.up()
         return True
 
     def _say_down(self, why: str) -> bool:
-        """False, with why logged when it changed: /readyz says only `"broker": false`."""
-        if why != self._said_down:
-            logger.warning("the relay's readiness probe: the broker does not answer: %s", why)
-            self._said_down = why
+        """False, with why logged (once an outage): /readyz says only `"broker": false`."""
+        self._outage.down(why)
         return False

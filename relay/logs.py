@@ -125,3 +125,28 @@ class RepeatFilter(logging.Filter):
         if held:
             record.msg, record.args = f"{text} ({held} more like it in {self.window_s:g}s)", ()
         return True
+
+
+class Outage:
+    """What a readiness probe said about a service being down: each reason once an outage (a
+    reason is kept by its lines in any order: libpq lists the addresses a connect tried, in
+    an order that load_balance_hosts or round-robin DNS shuffles), and once that it is back.
+    A probe runs every few seconds: a reason logged each time it changed flooded the log when
+    two alternated (refused, timed out)."""
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self._logger = logger
+        self._what = what  # "the relay's readiness probe: the database"
+        self._said: set[frozenset[str]] = set()
+
+    def down(self, why: str) -> None:
+        lines = [" ".join(line.split()) for line in why.splitlines()]
+        key = frozenset(line for line in lines if line)
+        if key not in self._said:
+            self._said.add(key)
+            self._logger.warning("%s does not answer: %s", self._what, " ".join(lines).strip())
+
+    def up(self) -> None:
+        if self._said:
+            self._said.clear()
+            self._logger.info("%s answers again", self._what)

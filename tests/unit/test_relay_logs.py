@@ -90,3 +90,30 @@ def test_librdkafkas_lines_alike_pass_once_a_minute_then_say_how_many_were_held(
     assert lines[1].endswith("fenced")
     assert "producer-7]" in lines[2]
     assert lines[2].endswith("(4 more like it in 60s)")
+
+
+def test_an_outage_says_each_reason_once_and_that_it_is_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A probe every few seconds: a reason logged whenever it changed flooded the log when two
+    alternated, or when libpq listed the addresses it tried in a shuffled order."""
+    outage = logs.Outage(logging.getLogger("test.outage"), "the probe: the database")
+    tried = ["connection failed: connection to server at a failed", "connection to b failed"]
+    with caplog.at_level(logging.INFO, logger="test.outage"):
+        for _ in range(3):
+            outage.down("\n".join(tried))
+            outage.down("timed out")
+            outage.down("\n\t".join(reversed(tried)))  # the same attempts, another order
+        outage.up()
+        outage.up()
+        outage.down("timed out")  # a new outage: said again
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            "the probe: the database does not answer: connection failed: connection to server "
+            "at a failed connection to b failed",
+        ),
+        ("WARNING", "the probe: the database does not answer: timed out"),
+        ("INFO", "the probe: the database answers again"),
+        ("WARNING", "the probe: the database does not answer: timed out"),
+    ]
