@@ -269,7 +269,9 @@ class AsyncOutbox:
                     async with async_statement_cursor(conn) as cur:
                         xid = await (await cur.execute(PREPARE_XID)).fetchone()
         except OutboxDatabaseError as exc:
-            cut_off = prepare_cut_off(exc, written, conn, xid[0] if xid else None)
+            # Lost before its id was read: its COMMIT was never sent, nothing was prepared,
+            # and the error stands as it is (ConnectionLost: run it again).
+            cut_off = prepare_cut_off(exc, written, conn, xid[0]) if xid else None
             if cut_off is None:
                 raise
             raise cut_off from exc

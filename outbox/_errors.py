@@ -124,8 +124,8 @@ class PrepareOutcomeUnknown(OutboxDatabaseError):
     `producer_group` and `record_ids` say which they are: roll them back (on a new connection)
     before trying again, or the checker asks the producer group's endpoint about them. Not a
     ConnectionLost: run again as it is, a retry left these records behind under a tx id the
-    application never saw. `xid`: the prepare's transaction id (None when the connection was
-    lost before it was read), by which `was_prepared` asks the database what became of it."""
+    application never saw. `xid`: the prepare's transaction id, by which `was_prepared` asks
+    the database what became of it (None only where the error was made by other code)."""
 
     def __init__(
         self,

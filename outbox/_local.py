@@ -72,7 +72,7 @@ def prepare_cut_off(
     exc: OutboxDatabaseError,
     written: Written | None,
     conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
-    xid: str | None = None,
+    xid: str,
 ) -> PrepareOutcomeUnknown | None:
     """The error for step 1 (the records prepared and committed on their own) when the
     connection was lost at its COMMIT: raised as any database error, it named no tx id, so

@@ -219,12 +219,18 @@ class Outbox:
         self, conn: psycopg.Connection[Any], error: PrepareOutcomeUnknown
     ) -> bool | None:
         """What became of the prepare that `error` (send_in_transaction's, the connection lost
-        at its COMMIT) names, asked on `conn`, a new connection to the same database: True, its
+        at its COMMIT) names, asked on `conn`, a new connection to the same server: True, its
         records are prepared (roll them back before trying again, or the checker settles them);
-        False, nothing was written (try again); None, not known yet (the server may still be
-        committing it: ask again) or never (the connection was lost before its transaction id
-        was read, or the server no longer remembers one that old): roll back as the error
-        says."""
+        False, nothing was written (try again); None, not known yet or never: roll back as the
+        error says.
+
+        Not known yet: the server may still be committing it, or, the network cut before the
+        COMMIT reached it, its session holds the transaction open until the server finds the
+        client gone (TCP keepalives; `idle_in_transaction_session_timeout`): by default up to
+        about two hours. Never: the server no longer remembers an id that old. After a
+        failover the answer is the new primary's, whose ids are not the old one's: there, an
+        error or a wrong answer; roll back instead (compare-and-set: a repeat changes
+        nothing)."""
         if error.xid is None:
             return None
         with database_errors(), statement_cursor(conn) as cur:
@@ -281,7 +287,9 @@ class Outbox:
                 with statement_cursor(conn) as cur:
                     xid = cur.execute(PREPARE_XID).fetchone()
         except OutboxDatabaseError as exc:
-            cut_off = prepare_cut_off(exc, written, conn, xid[0] if xid else None)
+            # Lost before its id was read: its COMMIT was never sent, nothing was prepared,
+            # and the error stands as it is (ConnectionLost: run it again).
+            cut_off = prepare_cut_off(exc, written, conn, xid[0]) if xid else None
             if cut_off is None:
                 raise
             raise cut_off from exc

@@ -918,6 +918,46 @@ def test_send_in_transaction_names_the_records_it_may_have_prepared_when_cut_off
             assert answer is False
 
 
+def test_send_in_transaction_cut_off_before_its_commit_raises_connection_lost(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lost while the prepare's transaction id was read, before its COMMIT was sent: nothing
+    can have been prepared, and the error is the retryable one, not PrepareOutcomeUnknown
+    with an outcome no database could tell."""
+    import outbox._async
+    import outbox._sync
+
+    ended_there = "SELECT pg_terminate_backend(pg_backend_pid())::text"
+    monkeypatch.setattr(outbox._sync, "PREPARE_XID", ended_there)
+    monkeypatch.setattr(outbox._async, "PREPARE_XID", ended_there)
+    records = [Record("orders.paid", b"a")]
+    group = outbox.Outbox(producer_group="cut-before")
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as conn,
+        pytest.raises(outbox.ConnectionLost) as sync,
+    ):
+        group.send_in_transaction(conn, records, lambda _: "COMMIT")
+
+    async def main() -> BaseException:
+        aconn = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True)
+        try:
+            with pytest.raises(outbox.ConnectionLost) as caught:
+                await outbox.AsyncOutbox(producer_group="cut-before").send_in_transaction(
+                    aconn, records, lambda _: "COMMIT"
+                )
+        finally:
+            await aconn.close()
+        return caught.value
+
+    for lost in (sync.value, asyncio.run(main())):
+        assert not isinstance(lost, outbox.PrepareOutcomeUnknown)
+    with psycopg.connect(pg_dsn) as conn:
+        (count,) = conn.execute(
+            "SELECT count(*) FROM outbox.outbox_record WHERE producer_group = 'cut-before'"
+        ).fetchone()  # type: ignore[misc]
+    assert count == 0
+
+
 def test_was_prepared_asks_the_database_what_became_of_the_prepares_transaction(
     pg_dsn: str,
 ) -> None:
