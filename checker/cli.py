@@ -351,7 +351,9 @@ def _output_closed(args: argparse.Namespace, done: int) -> int:
     lines shown for all that was done, or for all there was."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as relay.cli.main
     if args.dry_run:
-        said = f"{done} transaction(s) of topic {args.topic} listed, nothing dropped (dry run)"
+        said = (
+            f"listing topic {args.topic}'s transactions, not all shown; nothing dropped (dry run)"
+        )
     else:
         did = {"redrive": "redriven", "drop": "dropped"}[args.command]
         said = (
