@@ -255,7 +255,7 @@ class AsyncOutbox:
         require_callable(local_transaction)
         require_idle(conn, psycopg.AsyncConnection)
         written: Written | None = None
-        xid: tuple[Any, ...] | None = None
+        xid_row: tuple[Any, ...] | None = None  # the prepare's transaction id, once read
         try:
             with database_errors():  # its BEGIN and COMMIT fail as ours
                 async with conn.transaction():
@@ -267,11 +267,11 @@ class AsyncOutbox:
                         check_immunity=check_immunity,
                     )
                     async with async_statement_cursor(conn) as cur:
-                        xid = await (await cur.execute(PREPARE_XID)).fetchone()
+                        xid_row = await (await cur.execute(PREPARE_XID)).fetchone()
         except OutboxDatabaseError as exc:
             # Lost before its id was read: its COMMIT was never sent, nothing was prepared,
             # and the error stands as it is (ConnectionLost: run it again).
-            cut_off = prepare_cut_off(exc, written, conn, xid[0]) if xid else None
+            cut_off = prepare_cut_off(exc, written, conn, xid_row[0]) if xid_row else None
             if cut_off is None:
                 raise
             raise cut_off from exc

@@ -274,7 +274,7 @@ class Outbox:
         require_callable(local_transaction)
         require_idle(conn, psycopg.Connection)
         written: Written | None = None
-        xid: tuple[Any, ...] | None = None
+        xid_row: tuple[Any, ...] | None = None  # the prepare's transaction id, once read
         try:
             with database_errors(), conn.transaction():  # its BEGIN and COMMIT fail as ours
                 written = self.prepare_many(
@@ -285,11 +285,11 @@ class Outbox:
                     check_immunity=check_immunity,
                 )
                 with statement_cursor(conn) as cur:
-                    xid = cur.execute(PREPARE_XID).fetchone()
+                    xid_row = cur.execute(PREPARE_XID).fetchone()
         except OutboxDatabaseError as exc:
             # Lost before its id was read: its COMMIT was never sent, nothing was prepared,
             # and the error stands as it is (ConnectionLost: run it again).
-            cut_off = prepare_cut_off(exc, written, conn, xid[0]) if xid else None
+            cut_off = prepare_cut_off(exc, written, conn, xid_row[0]) if xid_row else None
             if cut_off is None:
                 raise
             raise cut_off from exc
